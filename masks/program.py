@@ -1,0 +1,128 @@
+"""The ``AttentionProgram``: everything one attention call needs (SPEC §3).
+
+A program bundles the padded queries ``q [B, H, Qp, D]``, the kv sequence
+``k, v [B, H, S + Tp, D]`` laid out as ``[state rows ; token rows]``, the regions
+(whose union is the ``mask_mod``), the analytic block lists, the softmax scale
+and an optional per-row bias (the ``score_mod``). Programs never run attention:
+backends in :mod:`ovqflex.attention` do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recurrences.checks import check_chunk, check_qkv
+
+from .blocks import BlockLayout, build_block_layout
+from .regions import Geometry, Region
+from .scores import row_bias
+
+DEFAULT_BLOCK = 128
+
+
+@dataclass
+class AttentionProgram:
+    """One attention call. ``q_len`` real queries; outputs are ``[B, H, q_len, Dv]``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    regions: tuple[Region, ...]
+    params: tuple[tuple[Tensor, ...], ...]
+    layout: BlockLayout
+    scale: float
+    bias: Tensor | None = None
+    _mask_mod: object = field(default=None, repr=False)
+
+    @property
+    def geom(self) -> Geometry:
+        return self.layout.geom
+
+    @property
+    def q_len(self) -> int:
+        return self.geom.q_len
+
+    @property
+    def mask_mod(self):
+        """Union of the regions: ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+        if self._mask_mod is None:
+            regions, params = self.regions, self.params
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                visible = regions[0].contains(params[0], q_idx, kv_idx)
+                for region, p in zip(regions[1:], params[1:]):
+                    visible = visible | region.contains(p, q_idx, kv_idx)
+                return visible
+
+            self._mask_mod = mask_mod
+        return self._mask_mod
+
+    @property
+    def score_mod(self):
+        return None if self.bias is None else row_bias(self.bias)
+
+    def region_index(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """Index of the first region containing each (q, kv) pair, -1 where masked."""
+        out = torch.full(torch.broadcast_shapes(q_idx.shape, kv_idx.shape), -1, dtype=torch.long, device=q_idx.device)
+        for r in reversed(range(len(self.regions))):
+            out = torch.where(self.regions[r].contains(self.params[r], q_idx, kv_idx), r, out)
+        return out
+
+    def block_mask(self, *, with_q_side: bool = False):
+        return self.layout.block_mask(self.mask_mod, with_q_side=with_q_side)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def build_program(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    regions: tuple[Region, ...] | list[Region],
+    *,
+    scale: float,
+    state_k: Tensor | None = None,
+    state_v: Tensor | None = None,
+    state_bias: Tensor | None = None,
+    block_size: int = DEFAULT_BLOCK,
+) -> AttentionProgram:
+    """Lay out ``[state rows ; tokens]`` and build the block lists.
+
+    q, k, v: ``[B, H, T, D]`` (v: ``[B, H, T, Dv]``); state_k/state_v: ``[B, H, S, D]``
+    rows placed before the tokens (S padded up to ``block_size``, padded rows get
+    ``-inf`` bias); state_bias: ``[B, H, S]`` fp32 bias of the state rows.
+    Sequence lengths are padded up to ``block_size``; padding never reaches a
+    real query because every token region is causal.
+    """
+    check_qkv(q, k, v)
+    check_chunk("block_size", block_size)
+    regions = tuple(regions)
+    B, H, T, _ = q.shape
+    q_pad = _round_up(max(T, 1), block_size)
+    t_pad = q_pad
+    n_state = 0
+    bias = None
+    if state_k is not None:
+        if state_v is None or state_k.shape[:3] != state_v.shape[:3]:
+            raise ValueError("state_k and state_v must both be given with matching [B, H, S]")
+        s_real = state_k.shape[2]
+        n_state = _round_up(s_real, block_size) if s_real else 0
+        sb = state_bias if state_bias is not None else torch.zeros(B, H, s_real, device=q.device)
+        bias = torch.zeros(B, H, n_state + t_pad, dtype=torch.float32, device=q.device)
+        bias[:, :, :s_real] = sb.float()
+        bias[:, :, s_real:n_state] = float("-inf")
+        k = torch.cat([F.pad(state_k, (0, 0, 0, n_state - s_real)), F.pad(k, (0, 0, 0, t_pad - T))], dim=2)
+        v = torch.cat([F.pad(state_v, (0, 0, 0, n_state - s_real)), F.pad(v, (0, 0, 0, t_pad - T))], dim=2)
+    else:
+        k = F.pad(k, (0, 0, 0, t_pad - T))
+        v = F.pad(v, (0, 0, 0, t_pad - T))
+    q = F.pad(q, (0, 0, 0, q_pad - T))
+    geom = Geometry(q_len=T, q_pad=q_pad, n_state=n_state, kv_tokens=t_pad, block_q=block_size, block_kv=block_size)
+    params = tuple(r.params(geom, q.device) for r in regions)
+    layout = build_block_layout(regions, params, geom)
+    return AttentionProgram(q=q, k=k, v=v, regions=regions, params=params, layout=layout, scale=scale, bias=bias)

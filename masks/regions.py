@@ -1,0 +1,227 @@
+"""Region predicates of an attention program.
+
+Every region is an *interval* of kv rows per query: query ``i`` sees the kv rows
+``[lo(i), hi(i))`` of the region, and both ``lo`` and ``hi`` are non-decreasing in
+``i``. That single property is what the analytic block-mask builder
+(:mod:`masks.blocks`) relies on: over a block of queries ``[qs, qe)`` the rows
+some query sees lie in ``[lo(qs), hi(qe-1))`` and the rows every query sees are
+``[lo(qe-1), hi(qs))``.
+
+The kv sequence of a program is ``[S state rows ; token rows]`` (SPEC §3.1);
+token ``j`` lives at kv row ``S + j``. Regions keep their Python parameters (for
+the static block structure) and receive them again as small int32 tensors at
+trace time (``bounds(p, q_idx)``), so a new window size or state size does not
+recompile a FlexAttention graph (SPEC §3.3: Python ints in closures are guards).
+
+All ``bounds`` functions use tensor ops only; they work on the scalar index
+tensors FlexAttention passes to a ``mask_mod`` and on the broadcast index
+tensors of the ``blocked``/``dense`` backends alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from recurrences.checks import check_chunk, check_int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Static (Python int) shape facts of one program.
+
+    ``q_len``: real queries T. ``q_pad``: queries padded to ``block_q``.
+    ``n_state``: state rows S, a multiple of ``block_kv`` (token rows start at S).
+    ``kv_tokens``: token rows, a multiple of ``block_kv``.
+    """
+
+    q_len: int
+    q_pad: int
+    n_state: int
+    kv_tokens: int
+    block_q: int
+    block_kv: int
+
+    @property
+    def kv_len(self) -> int:
+        return self.n_state + self.kv_tokens
+
+    @property
+    def n_q_blocks(self) -> int:
+        return self.q_pad // self.block_q
+
+    @property
+    def n_kv_blocks(self) -> int:
+        return self.kv_len // self.block_kv
+
+
+class Region:
+    """Base class: an interval of kv rows per query (see module doc).
+
+    Subclasses define ``name`` (``"sink" | "state" | "window" | "causal"``),
+    ``params`` (int32 tensors captured by the mask_mod), ``bounds`` and
+    ``max_span`` (an upper bound, in rows, of ``hi(qe-1) - lo(qs)`` over one
+    query block, from which the static width of the block lists follows).
+    """
+
+    name: ClassVar[str] = "region"
+
+    def params(self, geom: Geometry, device: torch.device) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    @staticmethod
+    def bounds(p: tuple[Tensor, ...], q_idx: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def max_span(self, geom: Geometry) -> int:
+        raise NotImplementedError
+
+    def contains(self, p: tuple[Tensor, ...], q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        lo, hi = self.bounds(p, q_idx)
+        return (kv_idx >= lo) & (kv_idx < hi)
+
+
+def _i32(values: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+
+
+@dataclass(frozen=True)
+class Causal(Region):
+    """Token ``j`` visible to query ``i`` iff ``j <= i`` (full causal attention)."""
+
+    name: ClassVar[str] = "causal"
+
+    def params(self, geom, device):
+        return (_i32([geom.n_state], device),)
+
+    @staticmethod
+    def bounds(p, q_idx):
+        (s,) = p
+        return s[0] + q_idx * 0, s[0] + q_idx + 1
+
+    def max_span(self, geom):
+        return geom.kv_tokens
+
+
+@dataclass(frozen=True)
+class TokenWindow(Region):
+    """Sliding window of ``window`` tokens: ``i - window < j <= i``."""
+
+    window: int
+    name: ClassVar[str] = "window"
+
+    def __post_init__(self):
+        check_int("window", self.window)
+
+    def params(self, geom, device):
+        return (_i32([geom.n_state, self.window], device),)
+
+    @staticmethod
+    def bounds(p, q_idx):
+        (t,) = p
+        lo = torch.clamp(q_idx - t[1] + 1, min=0)
+        return t[0] + lo, t[0] + q_idx + 1
+
+    def max_span(self, geom):
+        return self.window + geom.block_q - 1
+
+
+@dataclass(frozen=True)
+class BlockWindow(Region):
+    """Block sliding window: the own chunk and the ``n_chunks - 1`` before it, causal.
+
+    Query ``i`` (chunk ``c = i // chunk``) sees tokens ``[(c - n_chunks + 1) * chunk, i]``.
+    ``n_chunks=1`` is "own chunk causal" (OVQ's window).
+    """
+
+    n_chunks: int
+    chunk: int
+    name: ClassVar[str] = "window"
+
+    def __post_init__(self):
+        check_int("n_chunks", self.n_chunks)
+        check_chunk("chunk_size", self.chunk)
+
+    def params(self, geom, device):
+        return (_i32([geom.n_state, self.n_chunks, self.chunk], device),)
+
+    @staticmethod
+    def bounds(p, q_idx):
+        (t,) = p
+        lo = torch.clamp((q_idx // t[2] - t[1] + 1) * t[2], min=0)
+        return t[0] + lo, t[0] + q_idx + 1
+
+    def max_span(self, geom):
+        return self.n_chunks * self.chunk + geom.block_q
+
+
+def OwnChunk(chunk: int) -> BlockWindow:
+    """Causal attention inside the query's own chunk."""
+    return BlockWindow(1, chunk)
+
+
+@dataclass(frozen=True)
+class Sinks(Region):
+    """The first ``n`` tokens, visible to every later query (StreamingLLM), causal."""
+
+    n: int
+    name: ClassVar[str] = "sink"
+
+    def __post_init__(self):
+        check_int("n_sinks", self.n)
+
+    def params(self, geom, device):
+        return (_i32([geom.n_state, self.n], device),)
+
+    @staticmethod
+    def bounds(p, q_idx):
+        (t,) = p
+        return t[0] + q_idx * 0, t[0] + torch.clamp(q_idx + 1, max=t[1])
+
+    def max_span(self, geom):
+        return self.n
+
+
+@dataclass(frozen=True, eq=False)
+class StateBank(Region):
+    """Snapshot state layout (SPEC §5): chunk ``c`` reads state rows
+    ``[c * rows_per_chunk, c * rows_per_chunk + live[c])``.
+
+    ``live``: ``[n_banks]`` int tensor, the live row count of each chunk's
+    snapshot; queries of chunks ``>= n_banks`` (padding) read the last bank.
+    """
+
+    rows_per_chunk: int
+    chunk: int
+    live: Tensor
+    name: ClassVar[str] = "state"
+
+    def __post_init__(self):
+        check_int("rows_per_chunk", self.rows_per_chunk)
+        check_chunk("chunk_size", self.chunk)
+        if self.live.dim() != 1 or self.live.numel() < 1:
+            raise ValueError(f"live must be a non-empty 1-D tensor, got shape {tuple(self.live.shape)}")
+
+    def params(self, geom, device):
+        return (
+            _i32([self.rows_per_chunk, self.chunk, self.live.numel() - 1], device),
+            self.live.to(device=device, dtype=torch.int32),
+        )
+
+    @staticmethod
+    def bounds(p, q_idx):
+        t, live = p
+        c = torch.clamp(q_idx // t[1], max=t[2])
+        lo = c * t[0]
+        return lo, lo + live[c]
+
+    def max_span(self, geom):
+        bq, c = geom.block_q, self.chunk
+        # query blocks start at multiples of block_q: count the chunks one can touch
+        touched = max(1, bq // c) if (bq % c == 0 or c % bq == 0) else (bq - 1) // c + 2
+        return touched * self.rows_per_chunk
+

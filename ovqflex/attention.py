@@ -1,0 +1,144 @@
+"""Attention backends: one program, three interchangeable executions (SPEC §3.4).
+
+- ``flex``: ``torch.compile(flex_attention, dynamic=False)``, the product path.
+  Trains on CUDA; forward-only on CPU in torch 2.13.
+- ``blocked``: pure PyTorch, differentiable anywhere. Each query block gathers the
+  kv blocks its block lists name, applies the same ``mask_mod`` (partial blocks
+  only, exactly like flex) and ``score_mod``, softmax, matmul — batched over all
+  query blocks. This is how CPU trains.
+- ``dense``: the full ``[Q, KV]`` score matrix with the ``mask_mod`` evaluated
+  everywhere. Ignores the block lists, so it is the oracle that catches a wrong
+  analytic block mask. Small shapes only.
+
+``attend(program, backend="auto")`` returns ``[B, H, q_len, Dv]``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import flex_attention
+
+from masks.program import AttentionProgram
+from recurrences.checks import check_choice
+
+log = logging.getLogger("ovqflex")
+
+BACKENDS = ("auto", "flex", "blocked", "dense")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _needs_grad(program: AttentionProgram) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in (program.q, program.k, program.v, program.bias))
+
+
+def flex_trains_on(device: torch.device) -> bool:
+    """Whether flex attention has a backward on this device (CUDA: yes; CPU in torch 2.13: no)."""
+    return device.type == "cuda"
+
+
+_reported: set[tuple[str, str, bool]] = set()
+
+
+def resolve_backend(backend: str, program: AttentionProgram) -> str:
+    """``auto`` -> ``flex`` when it can run here (no grad needed, or CUDA), else ``blocked``."""
+    check_choice("backend", backend, BACKENDS)
+    if backend != "auto":
+        return backend
+    dev = program.q.device
+    grad = _needs_grad(program)
+    choice = "flex" if (not grad or flex_trains_on(dev)) else "blocked"
+    key = (dev.type, choice, grad)
+    if key not in _reported and not torch.compiler.is_compiling():
+        _reported.add(key)
+        log.info("ovqflex: backend auto -> %s (device %s, grad %s)", choice, dev.type, grad)
+    return choice
+
+
+def attend(program: AttentionProgram, backend: str = "auto") -> Tensor:
+    """Run ``program``; returns ``[B, H, q_len, Dv]`` in the dtype of ``q``."""
+    backend = resolve_backend(backend, program)
+    if backend == "flex":
+        out = _flex(program)
+    elif backend == "blocked":
+        out = _blocked(program)
+    else:
+        out = _dense(program)
+    return out[:, :, : program.q_len]
+
+
+def _flex(p: AttentionProgram) -> Tensor:
+    dev = p.q.device
+    if _needs_grad(p) and not flex_trains_on(dev):
+        raise NotImplementedError(
+            f"flex attention has no backward on {dev.type} in this torch; use backend='blocked' (or 'auto')"
+        )
+    bm = p.block_mask(with_q_side=_needs_grad(p))
+    fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+    return fn(p.q, p.k, p.v, score_mod=p.score_mod, block_mask=bm, scale=p.scale)
+
+
+def _safe_softmax_av(s: Tensor, v: Tensor) -> Tensor:
+    """softmax(s) @ v with fully masked rows giving 0 (no NaN in forward or backward)."""
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    denom = e.sum(dim=-1, keepdim=True)
+    out = torch.matmul(e.to(v.dtype), v)
+    return out / torch.where(denom > 0, denom, torch.ones_like(denom)).to(v.dtype)
+
+
+def _index_grid(B: int, H: int, dev) -> tuple[Tensor, Tensor]:
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
+    h = torch.arange(H, device=dev).view(1, H, 1, 1, 1)
+    return b, h
+
+
+def _blocked(p: AttentionProgram) -> Tensor:
+    g = p.geom
+    B, H, Qp, D = p.q.shape
+    Dv = p.v.shape[-1]
+    bq, bk, nqb = g.block_q, g.block_kv, g.n_q_blocks
+    dev = p.q.device
+    idx, valid, full = p.layout.entries()  # [nqb, W]
+    W = idx.shape[-1]
+    # kv rows gathered per query block: [nqb, W*bk]
+    rows = (idx[:, :, None] * bk + torch.arange(bk, device=dev)).reshape(nqb, W * bk)
+    row_valid = valid[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
+    row_full = full[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
+    kg = p.k[:, :, rows]  # [B, H, nqb, W*bk, D]
+    vg = p.v[:, :, rows]
+    qb = p.q.view(B, H, nqb, bq, D)
+    s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk]
+    q_idx = torch.arange(Qp, device=dev).view(1, 1, nqb, bq, 1)
+    kv_idx = rows.view(1, 1, nqb, 1, W * bk)
+    b, h = _index_grid(B, H, dev)
+    if p.score_mod is not None:
+        s = p.score_mod(s, b, h, q_idx, kv_idx)
+    visible = row_valid[:, None, :] & (row_full[:, None, :] | p.mask_mod(b, h, q_idx, kv_idx))
+    s = torch.where(visible, s, float("-inf"))
+    out = _safe_softmax_av(s.float(), vg.float())  # [B, H, nqb, bq, Dv]
+    return out.reshape(B, H, Qp, Dv).to(p.q.dtype)
+
+
+def _dense(p: AttentionProgram) -> Tensor:
+    B, H, Qp, _ = p.q.shape
+    KV = p.k.shape[2]
+    dev = p.q.device
+    s = torch.matmul(p.q.float(), p.k.float().transpose(-1, -2)) * p.scale  # [B, H, Qp, KV]
+    q_idx = torch.arange(Qp, device=dev).view(1, 1, Qp, 1)
+    kv_idx = torch.arange(KV, device=dev).view(1, 1, 1, KV)
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.arange(H, device=dev).view(1, H, 1, 1)
+    if p.score_mod is not None:
+        s = p.score_mod(s, b, h, q_idx, kv_idx)
+    s = torch.where(p.mask_mod(b, h, q_idx, kv_idx), s, float("-inf"))
+    return _safe_softmax_av(s, p.v.float()).to(p.q.dtype)

@@ -1,0 +1,249 @@
+"""Hand-checkable tests of the sequential OVQ-attention reference (the fused path's oracle)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recurrences.reference import ovq_attention_reference, ovq_schedule
+
+
+def _inputs(B=2, H=2, T=23, D=8, Dv=None, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    k = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    v = torch.randn(B, H, T, Dv or D, generator=g, dtype=dtype)
+    beta = torch.linspace(1.0, 4.0, H, dtype=dtype)
+    return q, k, v, beta
+
+
+def _brute_force(q, k, v, beta, routes, chunk_size, normalize_centroids=False):
+    """Quadratic form from the routes alone: the dictionary before chunk c is the plain mean
+    of the unit keys / values of the tokens t < cL routed to each slot, bias log(histogram)."""
+    B, H, T, _ = q.shape
+    qh, kh = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    out = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                c0 = (t // chunk_size) * chunk_size
+                rows, vals, bias = [], [], []
+                past = routes[b, h, :c0]
+                for slot in sorted(set(past[past >= 0].tolist())):
+                    sel = past == slot
+                    mk = kh[b, h, :c0][sel].mean(0)
+                    rows.append(F.normalize(mk, dim=-1) if normalize_centroids else mk)
+                    vals.append(v[b, h, :c0][sel].mean(0))
+                    bias.append(math.log(int(sel.sum())))
+                for j in range(c0, t + 1):
+                    rows.append(kh[b, h, j]); vals.append(v[b, h, j]); bias.append(0.0)
+                s = beta[h] * (torch.stack(rows) @ qh[b, h, t]) + torch.tensor(bias, dtype=q.dtype)
+                out[b, h, t] = s.softmax(0) @ torch.stack(vals)
+    return out
+
+
+def test_schedules_by_hand():
+    # plateau N=4, L=8: t = 0, 8, 16, 24, 32 -> 0, 32//12, 64//20, 96//28, 128//36
+    assert ovq_schedule(4, 8, 4, "plateau") == [0, 2, 3, 3, 3]
+    # plateau N=6, L=4: t = 4..20 -> 24//10, 48//14, 72//18, 96//22, 120//26
+    assert ovq_schedule(5, 4, 6, "plateau") == [0, 2, 3, 4, 4, 4]
+    assert ovq_schedule(6, 4, 1, "plateau") == [0] * 7          # t/(t+1) < 1 forever
+    assert ovq_schedule(4, 2, 5, "full") == [0, 2, 4, 5, 5]
+    assert ovq_schedule(4, 4, 8, "linear") == [0, 1, 2, 3, 4]    # horizon 32: ceil(32/32)=1
+    assert ovq_schedule(4, 4, 8, "linear", 8) == [0, 4, 8, 8, 8]  # ceil(32/8)=4
+    assert ovq_schedule(3, 4, 8, "linear", 1) == [0, 4, 8, 8]    # capped at L per chunk
+    assert ovq_schedule(4, 4, 10, "linear", 12) == [0, 4, 8, 10, 10]  # ceil(40/12)=4
+
+
+def _keys(rows):
+    return torch.tensor(rows, dtype=torch.float64).view(1, 1, len(rows), -1)
+
+
+def test_first_seeding_and_new_centroids_by_hand():
+    e1, e2, e3 = [1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0]
+    k = _keys([e1, e2, [-1.0, 0, 0], [0, -1.0, 0],        # chunk 0: all four become seeds
+               e1, e3, [1.0, 1.0, 0], e2,                 # chunk 1: one new centroid
+               [2.0, 0, 0], [0, 0, -3.0], e2, e3])        # chunk 2: N reached, all merge
+    q = torch.randn(1, 1, 12, 3, dtype=torch.float64)
+    v = torch.randn(1, 1, 12, 2, dtype=torch.float64)
+    res = ovq_attention_reference(q, k, v, torch.ones(1, dtype=torch.float64),
+                                  chunk_size=4, max_centroids=5, growth="full")
+    assert res.sizes == [0, 4, 5, 5]
+    # chunk 0: slot 0 = token 0; others by ascending sim to token 0 (-1, then 0, 0 -> lower index)
+    # chunk 1: best sims [1, 0, .707 (tie slots 0 and 2 -> slot 0), 1]; lowest (token 5) -> slot 4
+    # chunk 2: e1 -> 0, -e3 (tie at 0 across slots 0..3 -> lowest slot 0), e2 -> 2, e3 -> 4
+    assert res.routes[0, 0].tolist() == [0, 2, 1, 3, 0, 4, 0, 2, 0, 0, 2, 4]
+    assert res.counts[0, 0].tolist() == [5.0, 1.0, 3.0, 1.0, 2.0]
+
+
+def test_first_seeding_least_similar_to_token0_and_merge_into_seed():
+    k = _keys([[1.0, 0], [0.9, 0.1], [-1.0, 0], [0.8, 0.3],   # seeds: token 0, token 2 (least similar)
+               [0.0, 1.0], [-0.7, 0.1], [1.0, 1.0], [5.0, 0]])
+    q = torch.randn(1, 1, 8, 2, dtype=torch.float64)
+    res = ovq_attention_reference(q, k, k.clone(), torch.ones(1, dtype=torch.float64),
+                                  chunk_size=4, max_centroids=2, growth="full")
+    assert res.sizes == [0, 2, 2]
+    # [0, 1] ties between slots: its similarities to the means are 0.25-ish vs 0 -> computed exactly below
+    r = res.routes[0, 0].tolist()
+    assert r[:4] == [0, 0, 1, 0]
+    kh = F.normalize(k[0, 0], dim=-1)
+    means = torch.stack([kh[[0, 1, 3]].mean(0), kh[2]])
+    expected = (kh[4:] @ means.T).argmax(-1).tolist()
+    assert r[4:] == expected
+
+
+@pytest.mark.parametrize("normalize_centroids", [False, True])
+@pytest.mark.parametrize("growth,seeding", [("plateau", "spread"), ("linear", "random"), ("full", "spread")])
+def test_outputs_and_dictionary_are_segment_means(growth, seeding, normalize_centroids):
+    q, k, v, beta = _inputs(T=23, Dv=5)
+    res = ovq_attention_reference(q, k, v, beta, chunk_size=4, max_centroids=6, growth=growth,
+                                  seeding=seeding, normalize_centroids=normalize_centroids)
+    assert res.out.shape == (2, 2, 23, 5) and res.out.dtype == torch.float64
+    assert (res.routes[..., 20:] == -1).all() and (res.routes[..., :20] >= 0).all()
+    kh = F.normalize(k, dim=-1)
+    for b in range(2):
+        for h in range(2):
+            hist = torch.bincount(res.routes[b, h, :20], minlength=6).float()
+            assert torch.equal(res.counts[b, h], hist)
+            assert int((hist > 0).sum()) == res.sizes[-1]
+            for s in range(res.sizes[-1]):
+                sel = res.routes[b, h] == s
+                torch.testing.assert_close(res.keys[b, h, s], kh[b, h][sel].mean(0))
+                torch.testing.assert_close(res.values[b, h, s], v[b, h][sel].mean(0))
+    torch.testing.assert_close(res.out, _brute_force(q, k, v, beta, res.routes, 4, normalize_centroids))
+
+
+def test_new_slot_ids_follow_schedule():
+    q, k, v, beta = _inputs(T=32)
+    res = ovq_attention_reference(q, k, v, beta, chunk_size=4, max_centroids=8)
+    for c in range(8):
+        lo, hi = res.sizes[c], res.sizes[c + 1]
+        r = res.routes[..., 4 * c: 4 * c + 4]
+        assert (r < hi).all()
+        if c > 0:  # after the first chunk each new slot holds exactly its one seed token
+            for s in range(lo, hi):
+                assert ((r == s).sum(-1) == 1).all()
+
+
+def test_causality_gradients():
+    q, k, v, beta = _inputs(B=1, H=2, T=14)
+    for x in (q, k, v, beta):
+        x.requires_grad_(True)
+    res = ovq_attention_reference(q, k, v, beta, chunk_size=4, max_centroids=4)
+    for i in (0, 3, 5, 9, 13):
+        gq, gk, gv = torch.autograd.grad(res.out[:, :, i].sum(), (q, k, v), retain_graph=True)
+        for g in (gq, gk, gv):
+            assert g[:, :, i + 1:].abs().max() == 0
+        assert gv[:, :, i].abs().max() > 0
+        if i % 4:  # a chunk's first token attends to nothing else in its chunk: no key gradient
+            assert gk[:, :, i].abs().max() > 0
+    # earlier chunks reach later outputs only through the dictionary, which they do
+    gk, gv, gb = torch.autograd.grad(res.out[:, :, 12:].sum(), (k, v, beta))
+    assert gk[:, :, :4].abs().max() > 0 and gv[:, :, :4].abs().max() > 0 and gb.abs().min() > 0
+
+
+def test_gradcheck_with_forced_routes():
+    q, k, v, beta = _inputs(B=1, H=2, T=9, D=3, Dv=2)
+    routes = ovq_attention_reference(q, k, v, beta, chunk_size=3, max_centroids=3).routes
+    xs = tuple(x.clone().requires_grad_(True) for x in (q, k, v, beta))
+    for nc in (False, True):
+        fn = lambda *a: ovq_attention_reference(*a, chunk_size=3, max_centroids=3, routes=routes,
+                                                normalize_centroids=nc).out
+        assert torch.autograd.gradcheck(fn, xs)
+
+
+@pytest.mark.parametrize("seeding", ["spread", "random"])
+def test_forced_routes_reproduce(seeding):
+    q, k, v, beta = _inputs(T=22, dtype=torch.float32)
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, beta)]
+    ys = [x.clone().requires_grad_(True) for x in (q, k, v, beta)]
+    kw = dict(chunk_size=4, max_centroids=5, seeding=seeding, seed=3)
+    a = ovq_attention_reference(*xs, **kw)
+    b = ovq_attention_reference(*ys, routes=a.routes, **kw)
+    assert torch.equal(a.routes, b.routes) and torch.equal(a.counts, b.counts) and a.sizes == b.sizes
+    torch.testing.assert_close(a.out, b.out, rtol=0, atol=0)
+    a.out.square().sum().backward()
+    b.out.square().sum().backward()
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
+
+
+def test_random_seeding_deterministic_and_prefix_consistent():
+    q, k, v, beta = _inputs(T=24, dtype=torch.float32)
+    kw = dict(chunk_size=4, max_centroids=6, seeding="random")
+    a = ovq_attention_reference(q, k, v, beta, seed=7, **kw)
+    b = ovq_attention_reference(q, k, v, beta, seed=7, **kw)
+    assert torch.equal(a.routes, b.routes) and torch.equal(a.out, b.out)
+    others = [ovq_attention_reference(q, k, v, beta, seed=s, **kw).routes for s in range(4)]
+    assert any(not torch.equal(a.routes, r) for r in others)
+    p = ovq_attention_reference(q[:, :, :14], k[:, :, :14], v[:, :, :14], beta, seed=7, **kw)
+    assert torch.equal(p.routes[..., :12], a.routes[..., :12]) and (p.routes[..., 12:] == -1).all()
+    torch.testing.assert_close(p.out, a.out[:, :, :14])
+    # first chunk: the seeds are the n_new tokens with the lowest u of chunk 0's draw
+    u = torch.rand((2, 2, 4), generator=torch.Generator().manual_seed(7))
+    n_new = a.sizes[1]
+    seeds = torch.argsort(u, dim=-1, stable=True)[..., :n_new]
+    assert torch.equal(a.routes[..., :4].gather(2, seeds), torch.arange(n_new).expand(2, 2, n_new))
+
+
+def test_unrouted_tokens():
+    q, k, v, beta = _inputs(T=10)
+    res = ovq_attention_reference(q, k, v, beta, chunk_size=4, max_centroids=1)  # plateau N=1 stays 0
+    assert (res.routes == -1).all() and res.sizes == [0, 0, 0, 0] and (res.counts == 0).all()
+    # with an empty dictionary every chunk is plain causal attention inside the chunk
+    torch.testing.assert_close(res.out, _brute_force(q, k, v, beta, res.routes, 4))
+    res = ovq_attention_reference(q, k, v, beta, chunk_size=4, max_centroids=3, growth="full")
+    assert res.sizes == [0, 3, 3, 3]  # the partial final chunk adds nothing
+    assert (res.routes[..., 8:] == -1).all() and (res.routes[..., :8] >= 0).all()
+    assert res.counts.sum(-1).eq(8).all()
+
+
+def test_float32_and_bf16_inputs():
+    q, k, v, beta = _inputs(T=12, dtype=torch.float32)
+    a = ovq_attention_reference(q, k, v, beta, chunk_size=4, max_centroids=4)
+    assert a.out.dtype == torch.float32
+    b = ovq_attention_reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta,
+                                chunk_size=4, max_centroids=4)
+    assert b.out.dtype == torch.bfloat16 and b.counts.dtype == torch.float32
+
+
+def _bad(**over):
+    q, k, v, beta = _inputs(T=8, dtype=torch.float32)
+    args = dict(q=q, k=k, v=v, beta=beta)
+    kw = dict(chunk_size=4, max_centroids=4)
+    for key, val in over.items():
+        (args if key in args else kw)[key] = val
+    return ovq_attention_reference(args["q"], args["k"], args["v"], args["beta"], **kw)
+
+
+@pytest.mark.parametrize("over,exc,name", [
+    (dict(chunk_size=0), ValueError, "chunk_size"),
+    (dict(chunk_size=2.0), ValueError, "chunk_size"),
+    (dict(max_centroids=0), ValueError, "max_centroids"),
+    (dict(growth="cubic"), ValueError, "growth"),
+    (dict(growth="linear", growth_horizon=0), ValueError, "growth_horizon"),
+    (dict(seeding="kmeans++"), ValueError, "seeding"),
+    (dict(q=torch.randn(2, 8, 8)), ValueError, "q"),
+    (dict(k=torch.randn(2, 2, 8, 6)), ValueError, "k"),
+    (dict(v=torch.randn(2, 2, 7, 8)), ValueError, "v"),
+    (dict(v=torch.randn(2, 2, 8, 8, dtype=torch.float64)), TypeError, "v"),
+    (dict(beta=torch.ones(3)), ValueError, "beta"),
+    (dict(q=torch.ones(2, 2, 8, 8, dtype=torch.long)), TypeError, "q"),
+    (dict(routes=torch.zeros(2, 2, 8, dtype=torch.int32)), TypeError, "routes"),
+    (dict(routes=torch.zeros(2, 2, 7, dtype=torch.long)), ValueError, "routes"),
+    (dict(routes=torch.zeros(2, 2, 8, dtype=torch.long)), ValueError, "routes"),  # new slot 1 never created
+])
+def test_bad_arguments(over, exc, name):
+    with pytest.raises(exc, match=name):
+        _bad(**over)
+
+
+def test_forced_routes_validation():
+    q, k, v, beta = _inputs(B=1, H=1, T=10)
+    kw = dict(chunk_size=4, max_centroids=3, growth="full")   # sizes 0 -> 3 -> 3
+    good = ovq_attention_reference(q, k, v, beta, **kw).routes
+    for t, val in ((1, 3), (5, -1), (9, 0), (2, -2)):  # id >= N_{c+1}; -1 in routed; partial; negative
+        bad = good.clone()
+        bad[0, 0, t] = val
+        with pytest.raises(ValueError, match="routes"):
+            ovq_attention_reference(q, k, v, beta, routes=bad, **kw)
