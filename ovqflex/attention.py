@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -75,14 +76,38 @@ def attend(program: AttentionProgram, backend: str = "auto") -> Tensor:
     return out[:, :, : program.q_len]
 
 
+@torch.library.custom_op("ovqflex::realize", mutates_args=())
+def _realize(x: Tensor) -> Tensor:
+    """Identity that inductor keeps as an extern kernel, so its output is a real buffer."""
+    return x.clone()
+
+
+@_realize.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _realized_captures(p: AttentionProgram) -> AttentionProgram:
+    """Inductor's CPU flex template only accepts captured tensors that are real buffers
+    (graph inputs or extern outputs); a tensor computed in-graph by pointwise ops makes
+    it reject the kernel ("No choices to select"). Route every captured tensor of the
+    mask_mod/score_mod through an extern identity when tracing for CPU."""
+    params = tuple(tuple(_realize(t) for t in ps) for ps in p.params)
+    bias = None if p.bias is None else _realize(p.bias)
+    return dataclasses.replace(p, params=params, bias=bias, _mask_mod=None)
+
+
 def _flex(p: AttentionProgram) -> Tensor:
     dev = p.q.device
     if _needs_grad(p) and not flex_trains_on(dev):
         raise NotImplementedError(
             f"flex attention has no backward on {dev.type} in this torch; use backend='blocked' (or 'auto')"
         )
+    compiling = torch.compiler.is_compiling()
+    if compiling and dev.type == "cpu":
+        p = _realized_captures(p)
     bm = p.block_mask(with_q_side=_needs_grad(p))
-    fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+    fn = flex_attention if compiling else _compiled_flex()
     return fn(p.q, p.k, p.v, score_mod=p.score_mod, block_mask=bm, scale=p.scale)
 
 

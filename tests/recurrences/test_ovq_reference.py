@@ -83,7 +83,7 @@ def test_first_seeding_least_similar_to_token0_and_merge_into_seed():
     res = ovq_attention_reference(q, k, k.clone(), torch.ones(1, dtype=torch.float64),
                                   chunk_size=4, max_centroids=2, growth="full")
     assert res.sizes == [0, 2, 2]
-    # [0, 1] ties between slots: its similarities to the means are 0.25-ish vs 0 -> computed exactly below
+    # chunk 1 merges into the nearest of the two running means (no ties here)
     r = res.routes[0, 0].tolist()
     assert r[:4] == [0, 0, 1, 0]
     kh = F.normalize(k[0, 0], dim=-1)
@@ -133,7 +133,7 @@ def test_causality_gradients():
     for i in (0, 3, 5, 9, 13):
         gq, gk, gv = torch.autograd.grad(res.out[:, :, i].sum(), (q, k, v), retain_graph=True)
         for g in (gq, gk, gv):
-            assert g[:, :, i + 1:].abs().max() == 0
+            assert torch.count_nonzero(g[:, :, i + 1:]) == 0
         assert gv[:, :, i].abs().max() > 0
         if i % 4:  # a chunk's first token attends to nothing else in its chunk: no key gradient
             assert gk[:, :, i].abs().max() > 0

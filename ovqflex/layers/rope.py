@@ -1,0 +1,39 @@
+"""Rotary position embedding (RoPE), full or partial, half-split or interleaved pairs.
+
+``apply_rope(x, positions, rope_dims, base, interleaved)`` rotates the first
+``rope_dims`` channels of ``x [B, H, T, D]``; the rest pass through. Pairs are
+``(x[i], x[i + r/2])`` (half-split, GPT-NeoX/Llama) or ``(x[2i], x[2i+1])``
+(interleaved, as KVM uses). Angles are computed in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_angles(positions: Tensor, rope_dims: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos, sin of ``positions [T] * base^(-2i/rope_dims)``: each ``[T, rope_dims // 2]`` fp32."""
+    inv = base ** (-torch.arange(0, rope_dims, 2, device=positions.device, dtype=torch.float32) / rope_dims)
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]
+    return torch.cos(ang), torch.sin(ang)
+
+
+def apply_rope(
+    x: Tensor, positions: Tensor, rope_dims: int | None = None, base: float = 10000.0, interleaved: bool = False
+) -> Tensor:
+    """Rotate ``x [B, H, T, D]`` at ``positions [T]``; ``rope_dims`` (even, default D)."""
+    D = x.shape[-1]
+    r = D if rope_dims is None else rope_dims
+    if r % 2 or not 0 <= r <= D:
+        raise ValueError(f"rope_dims must be even and in [0, {D}], got {r}")
+    if r == 0:
+        return x
+    cos, sin = rope_angles(positions, r, base)
+    xr, rest = x[..., :r].float(), x[..., r:]
+    if interleaved:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    else:
+        a, b = xr[..., : r // 2], xr[..., r // 2 :]
+        rot = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    return torch.cat([rot.to(x.dtype), rest], dim=-1)

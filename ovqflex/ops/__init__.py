@@ -1,0 +1,4 @@
+"""Functional attention ops: ``[B, H, T, D]`` tensors in, ``[B, H, T, Dv]`` out."""
+from .plain import causal_attention, plain_regions, sliding_window_attention
+
+__all__ = ["causal_attention", "plain_regions", "sliding_window_attention"]
