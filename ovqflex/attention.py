@@ -30,8 +30,17 @@ log = logging.getLogger("ovqflex")
 BACKENDS = ("auto", "flex", "blocked", "dense")
 
 
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
+    """The compiled flex kernel, shared by every program. Each new shape or region
+    structure is a new graph; past dynamo's recompile limit (8 by default) it would
+    silently fall back to the unfused eager path, so the limit is raised."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     return torch.compile(flex_attention, dynamic=False)
 
 

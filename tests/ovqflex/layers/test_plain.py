@@ -1,0 +1,101 @@
+"""Plain layers: equal SDPA with an explicit mask; compile with fullgraph (SPEC §4.1, §9.7)."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import ovqflex
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.ovqflex.test_attention import explicit_mask
+
+LAYERS = {
+    "causal-nope": (lambda: ovqflex.CausalAttention(48, 3), {}),
+    "causal-rope": (lambda: ovqflex.CausalAttention(48, 3, rope=True), {}),
+    "swa-40": (lambda: ovqflex.SlidingWindowAttention(48, 3, window=40), {"window": 40}),
+    "swa-40-sinks2": (lambda: ovqflex.SlidingWindowAttention(48, 3, window=40, n_sinks=2), {"window": 40, "n_sinks": 2}),
+    "bswa-2x32": (lambda: ovqflex.SlidingWindowAttention(48, 3, block_window=2, chunk_size=32),
+                  {"block_window": 2, "chunk_size": 32}),
+}
+
+
+def reference_forward(layer, x, mask_kw):
+    q, k, v = layer.project(x)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=explicit_mask(x.shape[1], **mask_kw))
+    return layer.merge(o)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_equals_sdpa_with_explicit_mask(name):
+    make, mask_kw = LAYERS[name]
+    layer = make()
+    x = torch.randn(2, 150, 48, requires_grad=True)
+    ref = reference_forward(layer, x, mask_kw)
+    ref.square().sum().backward()
+    ref_grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad()
+    layer.backend = "blocked"
+    y = layer(x)
+    assert y.shape == x.shape
+    assert_close(y, ref, FWD_TOL[torch.float32], "blocked forward")
+    y.square().sum().backward()
+    for i, (a, b) in enumerate(zip([x.grad] + [p.grad for p in layer.parameters()], ref_grads)):
+        assert_close(a, b, GRAD_TOL[torch.float32], f"grad {i}")
+    layer.backend = "flex"
+    with torch.no_grad():
+        assert_close(layer(x), ref, FWD_TOL[torch.float32], "flex forward")
+
+
+def test_compiled_layer_forward_flex_no_graph_break():
+    counters.clear()
+    layer = ovqflex.SlidingWindowAttention(64, 4, window=100, n_sinks=2)
+    x = torch.randn(2, 200, 64)
+    with torch.no_grad():
+        ref = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)
+        assert_close(compiled(x), ref, FWD_TOL[torch.float32], "compiled flex")
+        graphs = counters["stats"]["unique_graphs"]
+        compiled(torch.randn(2, 200, 64))
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile for a second equal-shape call
+
+
+def test_compiled_training_step_blocked():
+    counters.clear()
+    torch.manual_seed(0)
+    layer = ovqflex.CausalAttention(64, 4, rope=True, backend="blocked")
+    eager = ovqflex.CausalAttention(64, 4, rope=True, backend="blocked")
+    eager.load_state_dict(layer.state_dict())
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(2, 130, 64)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (layer, eager)]
+    for _ in range(2):
+        for model, opt in zip((compiled, eager), opts):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    assert not counters["graph_break"]
+    for a, b in zip(layer.parameters(), eager.parameters()):
+        assert_close(a, b, 1e-5, "params after 2 compiled vs eager steps")
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: ovqflex.SlidingWindowAttention(32, 2, window=0), "window"),
+        (lambda: ovqflex.SlidingWindowAttention(32, 2, block_window=2, chunk_size=100), "chunk_size"),
+        (lambda: ovqflex.CausalAttention(32, 0), "num_heads"),
+        (lambda: ovqflex.CausalAttention(32, 2, backend="fast"), "backend"),
+        (lambda: ovqflex.CausalAttention(30, 2, head_dim=15, rope=True), "even"),
+    ],
+    ids=["window-0", "chunk-100", "heads-0", "backend", "odd-rope"],
+)
+def test_bad_layer_arguments(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+@pytest.mark.parametrize("x, match", [(torch.randn(2, 10), "3 dims"), (torch.randn(1, 10, 31), "hidden_size")],
+                         ids=["rank", "width"])
+def test_bad_layer_input(x, match):
+    with pytest.raises(ValueError, match=match):
+        ovqflex.CausalAttention(32, 2)(x)

@@ -1,0 +1,46 @@
+"""RoPE against a complex-number rotation written from the definition."""
+import pytest
+import torch
+
+from ovqflex.layers.rope import apply_rope
+
+
+def rope_complex(x, pos, rope_dims, base, interleaved):
+    D = x.shape[-1]
+    r = rope_dims
+    xr = x[..., :r].double()
+    if interleaved:
+        pairs = torch.complex(xr[..., 0::2], xr[..., 1::2])
+    else:
+        pairs = torch.complex(xr[..., : r // 2], xr[..., r // 2:])
+    theta = torch.tensor([base ** (-2 * i / r) for i in range(r // 2)], dtype=torch.float64)
+    rot = pairs * torch.polar(torch.ones(len(pos), r // 2, dtype=torch.float64), pos.double()[:, None] * theta)
+    if interleaved:
+        out = torch.stack([rot.real, rot.imag], -1).flatten(-2)
+    else:
+        out = torch.cat([rot.real, rot.imag], -1)
+    return torch.cat([out, x[..., r:].double()], -1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("rope_dims", [32, 16, 0], ids=["full", "partial", "none"])
+def test_rope_matches_complex_rotation(interleaved, rope_dims):
+    x = torch.randn(2, 3, 50, 32)
+    pos = torch.arange(50) + 7
+    got = apply_rope(x, pos, rope_dims, 500.0, interleaved)
+    want = rope_complex(x, pos, rope_dims, 500.0, interleaved) if rope_dims else x.double()
+    assert torch.allclose(got.double(), want, atol=1e-5)
+
+
+def test_rope_is_relative():
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    dots = [
+        (apply_rope(q, torch.tensor([a + s])) * apply_rope(k, torch.tensor([b + s]))).sum()
+        for a, b, s in [(5, 2, 0), (5, 2, 40)]
+    ]
+    assert torch.allclose(dots[0], dots[1], atol=1e-5)
+
+
+def test_rope_bad_dims():
+    with pytest.raises(ValueError, match="rope_dims"):
+        apply_rope(torch.randn(1, 1, 4, 16), torch.arange(4), 7)

@@ -1,0 +1,147 @@
+"""flex == blocked == dense on plain programs (SPEC §3.4, §9.2)."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ovqflex
+from masks.program import build_program
+from ovqflex.ops.plain import plain_regions
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+
+# flex compiles one graph per (shape, region structure): keep to a few buckets
+FLEX_SHAPES = [(1, 1, 16), (2, 3, 32), (1, 2, 64)]
+
+
+@st.composite
+def plain_cases(draw, shapes=None):
+    B, H, D = draw(st.sampled_from(shapes)) if shapes else (
+        draw(st.integers(1, 2)), draw(st.integers(1, 4)), draw(st.sampled_from([16, 24, 32, 48, 64])))
+    T = draw(st.integers(1, 256))
+    kind = draw(st.sampled_from(["full", "window", "bswa"]))
+    kw = {"n_sinks": draw(st.sampled_from([0, 0, 1, 4]))}
+    if kind == "window":
+        kw["window"] = draw(st.integers(1, 300))
+    elif kind == "bswa":
+        kw["block_window"] = draw(st.integers(1, 3))
+        kw["chunk_size"] = draw(st.sampled_from([16, 32, 64, 128]))
+    seed = draw(st.integers(0, 2**16))
+    return B, H, D, T, kw, seed
+
+
+def make_qkv(B, H, D, T, seed, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=g).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def program(q, k, v, kw):
+    return build_program(q, k, v, plain_regions(**kw), scale=q.shape[-1] ** -0.5)
+
+
+@given(plain_cases(FLEX_SHAPES))
+def test_flex_equals_blocked_equals_dense(case):
+    B, H, D, T, kw, seed = case
+    q, k, v = make_qkv(B, H, D, T, seed)
+    p = program(q, k, v, kw)
+    dense = ovqflex.attend(p, "dense")
+    assert dense.shape == (B, H, T, D)
+    assert_close(ovqflex.attend(p, "blocked"), dense, FWD_TOL[torch.float32], "blocked vs dense")
+    with torch.no_grad():
+        assert_close(ovqflex.attend(p, "flex"), dense, FWD_TOL[torch.float32], "flex vs dense")
+
+
+@given(plain_cases())
+def test_blocked_gradients_equal_dense(case):
+    B, H, D, T, kw, seed = case
+    grads = {}
+    for backend in ("blocked", "dense"):
+        q, k, v = make_qkv(B, H, D, T, seed, requires_grad=True)
+        out = ovqflex.attend(program(q, k, v, kw), backend)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+        (out * w).sum().backward()
+        grads[backend] = (out.detach(), q.grad, k.grad, v.grad)
+    for name, a, b in zip("oqkv", grads["blocked"], grads["dense"]):
+        assert_close(a, b, GRAD_TOL[torch.float32], f"d{name}")
+
+
+def explicit_mask(T, window=None, block_window=None, chunk_size=128, n_sinks=0):
+    """Plain-Python bool mask [T, T] from the definitions of SPEC §4.1."""
+    m = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        for j in range(i + 1):
+            if window is not None:
+                ok = i - j < window
+            elif block_window is not None:
+                ok = j // chunk_size > i // chunk_size - block_window
+            else:
+                ok = True
+            m[i, j] = ok or j < n_sinks
+    return m
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 7}, {"window": 64, "n_sinks": 2}, {"block_window": 2, "chunk_size": 16},
+                                {"block_window": 1, "chunk_size": 32, "n_sinks": 1}],
+                         ids=["full", "window7", "window64-sinks2", "bswa2x16", "own32-sink1"])
+def test_plain_program_equals_sdpa_with_explicit_mask(kw):
+    q, k, v = make_qkv(2, 2, 32, 150, seed=3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=explicit_mask(150, **kw))
+    for backend in ("dense", "blocked"):
+        assert_close(ovqflex.attend(program(q, k, v, kw), backend), ref, FWD_TOL[torch.float32], backend)
+
+
+def test_causal_flex_equals_sdpa_at_block_multiple():
+    q, k, v = make_qkv(1, 2, 32, 256, seed=5)
+    with torch.no_grad():
+        out = ovqflex.causal_attention(q, k, v, backend="flex")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_close(out, ref, FWD_TOL[torch.float32], "flex causal")
+
+
+def test_flex_refuses_backward_on_cpu_and_auto_picks_blocked():
+    q, k, v = make_qkv(1, 1, 16, 40, seed=1, requires_grad=True)
+    p = program(q, k, v, {})
+    with pytest.raises(NotImplementedError, match="blocked"):
+        ovqflex.attend(p, "flex")
+    assert ovqflex.resolve_backend("auto", p) == "blocked"
+    with torch.no_grad():
+        assert ovqflex.resolve_backend("auto", p) == "flex"
+
+
+def test_bf16_inputs_match_fp32():
+    q, k, v = make_qkv(1, 2, 32, 100, seed=2)
+    ref = ovqflex.attend(program(q, k, v, {"window": 30}), "dense")
+    out = ovqflex.attend(program(q.bfloat16(), k.bfloat16(), v.bfloat16(), {"window": 30}), "blocked")
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref, FWD_TOL[torch.bfloat16], "bf16 blocked")
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (lambda q, k, v: (q[0], k, v), "q must have 4 dims"),
+        (lambda q, k, v: (q, k[:, :1], v), r"\[B, H\]"),
+        (lambda q, k, v: (q, k[..., :8], v), "head dim"),
+        (lambda q, k, v: (q, k.double(), v), "dtype"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), "same length"),
+        (lambda q, k, v: (q.long(), k, v), "floating"),
+        (lambda q, k, v: (q, k.to("meta"), v), "device"),
+    ],
+    ids=["rank", "heads", "head-dim", "dtype", "length", "int", "device"],
+)
+def test_bad_inputs_raise(args, match):
+    q, k, v = make_qkv(1, 2, 16, 20, seed=0)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ovqflex.sliding_window_attention(*args(q, k, v), window=4)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [({"window": 0}, "window"), ({"window": -1}, "window"), ({"block_window": 2, "chunk_size": 20}, "chunk_size"),
+     ({"block_window": 2, "chunk_size": 0}, "chunk_size"), ({"window": 4, "block_window": 2}, "not both"),
+     ({"n_sinks": -1}, "n_sinks"), ({"backend": "cuda"}, "backend"), ({"block_size": 100}, "block_size")],
+    ids=["window-0", "window-neg", "chunk-20", "chunk-0", "both", "sinks-neg", "backend", "block-100"],
+)
+def test_bad_options_raise(kw, match):
+    q, k, v = make_qkv(1, 1, 16, 20, seed=0)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ovqflex.sliding_window_attention(q, k, v, **kw)
