@@ -1,0 +1,115 @@
+"""Time and peak-memory measurement shared by benchmarks.
+
+Peak memory: on CUDA the allocator's peak; on CPU the peak resident-set growth
+over the run, sampled from ``/proc/self/statm`` by a background thread (large
+torch CPU buffers are mmap-backed, so frees return to the OS and RSS follows
+the live tensors). Both are reported in MB above the level before the run.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _fix_mmap_threshold() -> None:
+    """glibc raises its mmap threshold after large frees, after which big buffers come
+    from the heap and reuse pages already resident — RSS would then under-report. A
+    fixed threshold (128 KiB) keeps every large tensor in its own mapping."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+_fix_mmap_threshold()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:  # not Linux: fall back to the (monotone) max RSS
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _RssSampler:
+    def __init__(self, interval: float = 0.001):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    def __enter__(self):
+        gc.collect()
+        self.base = self.peak = _rss_bytes()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def growth_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+@dataclass
+class Measurement:
+    seconds: float  # median over repeats
+    seconds_min: float
+    peak_mb: float  # peak memory growth during one run
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup: int = 1) -> Measurement:
+    """Median wall time of ``fn()`` over ``repeats`` runs (after ``warmup``) and its peak memory."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    else:
+        with _RssSampler() as s:
+            fn()
+        peak = s.growth_mb
+    return Measurement(statistics.median(times), min(times), peak)
+
+
+def matmul_gflops(device: torch.device | str = "cpu", n: int = 1024, dtype=torch.float32) -> float:
+    """The machine's measured fp32 matmul rate (GFLOP/s), for efficiency figures."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    m = measure(lambda: a @ b, device=device, repeats=5, warmup=2)
+    return 2 * n**3 / m.seconds_min / 1e9

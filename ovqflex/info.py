@@ -1,0 +1,43 @@
+"""``ovqflex info``: what runs here — torch, device, which backends work forward/backward."""
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+from .attention import flex_trains_on
+from .ops.plain import sliding_window_attention
+
+
+def _probe(backend: str, device: torch.device, backward: bool) -> str:
+    q, k, v = (torch.randn(1, 2, 128, 16, device=device, requires_grad=backward) for _ in range(3))
+    t0 = time.perf_counter()
+    try:
+        with torch.set_grad_enabled(backward):
+            out = sliding_window_attention(q, k, v, window=32, backend=backend)
+            if backward:
+                out.sum().backward()
+    except NotImplementedError:
+        return "no (not implemented here)"
+    except Exception as e:  # report, never crash `info`
+        return f"no ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    return f"yes ({time.perf_counter() - t0:.2f} s incl. compile)" if backend == "flex" else "yes"
+
+
+def collect(device: str | None = None) -> list[tuple[str, str]]:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = [
+        ("ovqflex", __import__("ovqflex").__version__),
+        ("torch", torch.__version__),
+        ("python", platform.python_version()),
+        ("device", f"{dev.type}" + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else
+                                    f" ({platform.machine()}, {torch.get_num_threads()} threads)")),
+        ("compile backend", "inductor (torch.compile, dynamic=False for flex)"),
+    ]
+    for backend in ("flex", "blocked", "dense"):
+        rows.append((f"{backend} forward", _probe(backend, dev, False)))
+        rows.append((f"{backend} backward", _probe(backend, dev, True)))
+    rows.append(("auto (no grad)", "flex"))
+    rows.append(("auto (training)", "flex" if flex_trains_on(dev) else "blocked"))
+    return rows
