@@ -1,0 +1,87 @@
+"""``ovq_attention``: OVQ-attention as one attention program (SPEC §4.2).
+
+q, k ─normalize─▶ routes (no grad) ─▶ snapshots (differentiable segment means)
+─▶ program [per-chunk state bank (log-count bias) ; own chunk causal] ─▶ backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from masks.program import DEFAULT_BLOCK, build_program
+from masks.regions import OwnChunk, StateBank
+from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
+from recurrences.ovq import GROWTHS, SEEDINGS, build_ovq_snapshots, dictionary_sizes, route_ovq
+
+from ..attention import attend
+
+
+@dataclass
+class OVQState:
+    """What ``return_state=True`` adds: routes ``[B, H, T]`` (-1: not routed),
+    counts ``[B, H, R]`` of the dictionary after the last complete chunk, and
+    ``sizes`` (``sizes[c]``: dictionary size chunk ``c`` reads)."""
+
+    routes: Tensor
+    counts: Tensor
+    sizes: list[int]
+
+
+def _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon):
+    check_qkv(q, k, v)
+    check_tensor("beta", beta, 1)
+    if beta.shape[0] != q.shape[1]:
+        raise ValueError(f"beta must have shape [H]=[{q.shape[1]}], got {tuple(beta.shape)}")
+    check_chunk("chunk_size", chunk_size)
+    check_int("max_centroids", max_centroids)
+    check_choice("growth", growth, GROWTHS)
+    check_choice("seeding", seeding, SEEDINGS)
+    if growth_horizon is not None:
+        check_int("growth_horizon", growth_horizon)
+
+
+def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 128, max_centroids: int,
+                  growth: str = "plateau", growth_horizon: int | None = None, seeding: str = "spread",
+                  seed: int = 0, normalize_centroids: bool = False, backend: str = "auto",
+                  return_state: bool = False, block_size: int = DEFAULT_BLOCK):
+    """OVQ-attention. q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, beta ``[H]`` -> ``[B, H, T, Dv]``
+    (and an :class:`OVQState` with ``return_state=True``).
+
+    q and k are L2-normalized inside; scores are ``beta[h] * <q̂, row>`` plus ``log(count)``
+    on dictionary rows. Chunk ``c`` reads the dictionary of the chunks before it and its
+    own tokens causally.
+    """
+    _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon)
+    B, H, T, _ = q.shape
+    n_chunks = max(1, -(-T // chunk_size))
+    sizes = dictionary_sizes(n_chunks, chunk_size, max_centroids, growth, growth_horizon)
+    qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    routes = route_ovq(kn, chunk=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
+                       normalize_centroids=normalize_centroids)
+    q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
+    rows = max(sizes[:n_chunks])
+    if rows == 0:  # no chunk reads a dictionary: attention inside each chunk only
+        program = build_program(q_scaled, kn, v, (OwnChunk(chunk_size),), scale=1.0, block_size=block_size)
+    else:
+        snap = build_ovq_snapshots(kn, v, routes, chunk=chunk_size, sizes=sizes,
+                                   normalize_centroids=normalize_centroids)
+        bias = torch.where(snap.counts > 0, snap.counts.log(), float("-inf"))
+        program = build_program(
+            q_scaled, kn, v, (StateBank(rows, chunk_size, snap.live), OwnChunk(chunk_size)), scale=1.0,
+            state_k=snap.keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), state_bias=bias.flatten(2, 3),
+            block_size=block_size,
+        )
+    out = attend(program, backend)
+    if not return_state:
+        return out
+    return out, OVQState(routes, _route_histogram(routes, sizes[T // chunk_size]), sizes)
+
+
+def _route_histogram(routes: Tensor, n_slots: int) -> Tensor:
+    """Counts ``[B, H, n_slots]`` of the routes (the dictionary after the last complete chunk)."""
+    valid = routes >= 0
+    counts = torch.zeros(*routes.shape[:2], n_slots + 1, device=routes.device)
+    return counts.scatter_add(2, torch.where(valid, routes, n_slots), valid.float())[..., :n_slots]
