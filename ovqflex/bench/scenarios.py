@@ -49,3 +49,89 @@ def blockmask(sc: dict, device: str) -> list[dict]:
 
 
 KINDS = {"blockmask": blockmask}
+
+
+def _ovq_flops(T: int, H: int, D: int, L: int, sizes: list[int], B: int = 1) -> float:
+    """Model FLOPs of OVQ attention: per chunk, QK^T and PV over its dictionary rows plus
+    the causal half of its own chunk (2 matmuls x 2 FLOPs per multiply-add)."""
+    total = 0
+    for c in range(-(-T // L)):
+        lq = min(L, T - c * L)
+        total += lq * sizes[c] + lq * (lq + 1) / 2
+    return 4.0 * B * H * D * total
+
+
+def ovq(sc: dict, device: str) -> list[dict]:
+    """OVQ layer op: fused (flex forward; blocked forward+backward) vs the sequential
+    reference loop vs full causal SDPA, at each ``seq_len`` of ``seq_lens``."""
+    import torch.nn.functional as F
+
+    from recurrences.ovq import dictionary_sizes
+    from recurrences.reference import ovq_attention_reference
+
+    from ..ops.ovq import ovq_attention
+    from .measure import matmul_gflops
+
+    dev = torch.device(device)
+    H, D, L, N = int(sc.get("heads", 4)), int(sc.get("head_dim", 64)), int(sc.get("chunk_size", 128)), int(sc["max_centroids"])
+    repeats = int(sc.get("repeats", 3))
+    peak = matmul_gflops(dev)
+    rows = []
+    for T in sc["seq_lens"]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))
+        beta = torch.full((H,), D**0.5, device=dev)
+        kw = dict(chunk_size=L, max_centroids=N)
+        flops = _ovq_flops(T, H, D, L, dictionary_sizes(-(-T // L), L, N))
+        sdpa_flops = 4.0 * H * D * T * (T + 1) / 2
+
+        def fused_flex():
+            with torch.no_grad():
+                return ovq_attention(q, k, v, beta, backend="flex", **kw)
+
+        compiled_op = torch.compile(lambda *a: ovq_attention(*a, backend="flex", **kw), fullgraph=True)
+
+        def fused_flex_compiled():
+            with torch.no_grad():
+                return compiled_op(q, k, v, beta)
+
+        def reference():
+            with torch.no_grad():
+                return ovq_attention_reference(q, k, v, beta, **kw).out
+
+        def sdpa():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        qg, kg, vg, bg = (t.clone().requires_grad_() for t in (q, k, v, beta))
+
+        def fused_blocked_fwd_bwd():
+            out = ovq_attention(qg, kg, vg, bg, backend="blocked", **kw)
+            out.sum().backward()
+
+        cases = [("fused flex fwd, compiled op", fused_flex_compiled, flops),
+                 ("fused flex fwd, eager op", fused_flex, flops), ("reference loop fwd", reference, flops),
+                 ("sdpa causal fwd", sdpa, sdpa_flops)]
+        if T <= int(sc.get("max_backward_len", 1 << 30)):
+            cases.append(("fused blocked fwd+bwd", fused_blocked_fwd_bwd, 3 * flops))
+        results, failed = {}, {}
+        for name, fn, _ in cases:
+            try:
+                results[name] = measure(fn, device=dev, repeats=repeats)
+            except Exception as e:  # a compile failure is a result to report, not a crash
+                failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:60]}"
+        for name, _, fl in cases:
+            if name in failed:
+                rows.append({"T": T, "case": name, "error": failed[name]})
+                continue
+            m = results[name]
+            rows.append({
+                "T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
+                "x_vs_reference": results["reference loop fwd"].seconds / m.seconds,
+                "x_vs_sdpa": results["sdpa causal fwd"].seconds / m.seconds,
+                "gflops": fl / m.seconds / 1e9, "pct_matmul_peak": 100 * fl / m.seconds / 1e9 / peak,
+            })
+    return rows
+
+
+KINDS["ovq"] = ovq
