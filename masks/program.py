@@ -64,13 +64,6 @@ class AttentionProgram:
     def score_mod(self):
         return None if self.bias is None else row_bias(self.bias)
 
-    def region_index(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """Index of the first region containing each (q, kv) pair, -1 where masked."""
-        out = torch.full(torch.broadcast_shapes(q_idx.shape, kv_idx.shape), -1, dtype=torch.long, device=q_idx.device)
-        for r in reversed(range(len(self.regions))):
-            out = torch.where(self.regions[r].contains(self.params[r], q_idx, kv_idx), r, out)
-        return out
-
     def block_mask(self, *, with_q_side: bool = False):
         return self.layout.block_mask(self.mask_mod, with_q_side=with_q_side)
 
