@@ -7,14 +7,14 @@ import torch
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK
-from recurrences.checks import check_choice, check_chunk, check_int, check_tensor
+from recurrences.checks import check_choice, check_chunk, check_int
 from recurrences.ovq import GROWTHS, SEEDINGS
 
-from ..attention import BACKENDS
 from ..ops.ovq import ovq_attention
+from .heads import MultiHeadProjection
 
 
-class OVQAttention(nn.Module):
+class OVQAttention(MultiHeadProjection):
     """x ``[B, T, hidden]`` -> ``[B, T, hidden]``.
 
     ``max_centroids`` is the training dictionary cap; it may be raised at inference
@@ -26,41 +26,24 @@ class OVQAttention(nn.Module):
                  max_centroids: int = 2048, growth: str = "plateau", growth_horizon: int | None = None,
                  seeding: str = "spread", seed: int = 0, normalize_centroids: bool = False,
                  backend: str = "auto", block_size: int = DEFAULT_BLOCK):
-        super().__init__()
-        check_int("hidden_size", hidden_size)
-        check_int("num_heads", num_heads)
-        head_dim = hidden_size // num_heads if head_dim is None else head_dim
-        check_int("head_dim", head_dim)
+        super().__init__(hidden_size, num_heads, head_dim, backend)
         check_chunk("chunk_size", chunk_size)
         check_int("max_centroids", max_centroids)
         check_choice("growth", growth, GROWTHS)
         check_choice("seeding", seeding, SEEDINGS)
-        check_choice("backend", backend, BACKENDS)
-        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.chunk_size, self.max_centroids, self.growth, self.growth_horizon = chunk_size, max_centroids, growth, growth_horizon
         self.seeding, self.seed, self.normalize_centroids = seeding, seed, normalize_centroids
-        self.backend, self.block_size = backend, block_size
-        self.qkv_proj = nn.Linear(hidden_size, 3 * num_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(head_dim)))
-
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]`` (not yet normalized)."""
-        check_tensor("x", x, 3)
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
-        B, T, _ = x.shape
-        return self.qkv_proj(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        self.block_size = block_size
+        self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
 
     def forward(self, x: Tensor, *, max_centroids: int | None = None) -> Tensor:
-        q, k, v = self.project(x)
+        q, k, v = self.split_heads(x)
         o = ovq_attention(q, k, v, self.beta, chunk_size=self.chunk_size,
                           max_centroids=self.max_centroids if max_centroids is None else max_centroids,
                           growth=self.growth, growth_horizon=self.growth_horizon, seeding=self.seeding,
                           seed=self.seed, normalize_centroids=self.normalize_centroids, backend=self.backend,
                           block_size=self.block_size)
-        B, H, T, D = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+        return self.merge(o)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -2,52 +2,34 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, build_program
-from recurrences.checks import check_choice, check_int, check_tensor
 
-from ..attention import BACKENDS, attend
+from ..attention import attend
 from ..ops.plain import plain_regions
+from .heads import MultiHeadProjection
 from .rope import apply_rope
 
 
-class _PlainAttention(nn.Module):
+class _PlainAttention(MultiHeadProjection):
     """Shared body: fused qkv projection, optional RoPE, one program, output projection."""
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
                  backend: str, block_size: int, regions):
-        super().__init__()
-        check_int("hidden_size", hidden_size)
-        check_int("num_heads", num_heads)
-        head_dim = hidden_size // num_heads if head_dim is None else head_dim
-        check_int("head_dim", head_dim)
-        if head_dim % 2 and rope:
-            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
-        check_choice("backend", backend, BACKENDS)
-        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
-        self.rope, self.rope_base, self.backend, self.block_size = rope, rope_base, backend, block_size
-        self.regions = regions
-        self.qkv_proj = nn.Linear(hidden_size, 3 * num_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        super().__init__(hidden_size, num_heads, head_dim, backend)
+        if self.head_dim % 2 and rope:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        self.rope, self.rope_base, self.block_size, self.regions = rope, rope_base, block_size, regions
 
     def project(self, x: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]`` (RoPE applied to q, k)."""
-        check_tensor("x", x, 3)
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
-        B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self.split_heads(x)
         if self.rope:
-            pos = torch.arange(T, device=x.device) if positions is None else positions
+            pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
             q = apply_rope(q, pos, base=self.rope_base)
             k = apply_rope(k, pos, base=self.rope_base)
         return q, k, v
-
-    def merge(self, o: Tensor) -> Tensor:
-        """o ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""
-        B, H, T, D = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.project(x)
