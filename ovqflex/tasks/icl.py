@@ -1,0 +1,105 @@
+"""Long in-context learning of linear functions (seed 000 §4.1, §8.5)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .base import PAD, Task, check_fields, labels_from_targets, pad_start
+
+NEXT = 1
+FN0 = 2  # function-id tokens are FN0 .. FN0 + n_function_tokens - 1
+
+
+@dataclass
+class ICL(Task):
+    """Long ICL linear regression (seed 000 §8.5).
+
+    Each sequence draws ``n_functions`` distinct function ids out of the
+    ``n_function_tokens`` id tokens (paper: 128), each with its own
+    ``f(x) = b + a·P·x`` — integers ``1 <= a <= a_max``, ``1 <= b <= b_max`` (paper:
+    ``0 < a < 6``, ``0 < b < 6``) and a random permutation ``P`` of the ``io_len``
+    positions, i.e. ``y[j] = b + a * x[perm[j]]``. Examples are iid: a uniformly
+    chosen function of the sequence and an input ``x`` of ``io_len`` integers uniform
+    in ``[1, x_max]``. The function-id token is the arrow between input and output::
+
+        inputs  I1 →f4 O1 | I2 →f1 O2 | I3 →f3 O3 | …
+        labels  ϕ   O1  ϕ ϕ ϕ   O2  ϕ ϕ ϕ   O3  ϕ …
+
+    Every example's output tokens are targets. Integer ``i`` is token
+    ``content0 + i`` with ``content0 = 2 + n_function_tokens``; ``x_max=None`` picks
+    the largest ``x_max`` whose outputs ``b_max + a_max * x_max`` still fit in the
+    vocab (paper vocab 10,000 → ``x_max = 1972``). An example with its ``|`` is
+    ``2 * io_len + 2`` tokens; the sequence holds as many as fit, ends with the last
+    output token, and the remainder is padded at the start.
+
+    Special tokens: ``pad=0, next=1 (|), fn_i = 2 + i`` for ``i < n_function_tokens``.
+    """
+
+    name: ClassVar[str] = "icl"
+    vocab_size: int = 10000
+    n_functions: int = 16
+    n_function_tokens: int = 128
+    io_len: int = 12
+    a_max: int = 5
+    b_max: int = 5
+    x_max: int | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"vocab_size": 1, "n_functions": 1, "n_function_tokens": 1, "io_len": 1,
+                            "a_max": 1, "b_max": 1})
+        if self.n_functions > self.n_function_tokens:
+            raise ValueError(f"n_functions={self.n_functions} must be <= n_function_tokens={self.n_function_tokens}")
+        fit = (self.vocab_size - self.content0 - 1 - self.b_max) // self.a_max  # largest x with y in vocab
+        if self.x_max is None:
+            if fit < 1:
+                raise ValueError(f"vocab_size={self.vocab_size} is too small: with {self.content0} special tokens, "
+                                 f"a_max={self.a_max} and b_max={self.b_max} not even x=1 has its output in the vocab")
+            self.x_max = fit
+        else:
+            check_fields(self, {"x_max": 1})
+            if self.x_max > fit:
+                raise ValueError(f"x_max={self.x_max} makes outputs up to b_max + a_max * x_max = "
+                                 f"{self.b_max + self.a_max * self.x_max}, which needs vocab_size >= "
+                                 f"{self.content0 + self.b_max + self.a_max * self.x_max + 1} (got {self.vocab_size})")
+
+    @property
+    def content0(self) -> int:
+        """Token id of the integer 0."""
+        return FN0 + self.n_function_tokens
+
+    def special_tokens(self) -> dict[str, int]:
+        return {"pad": PAD, "next": NEXT, **{f"fn{i}": FN0 + i for i in range(self.n_function_tokens)}}
+
+    def _example_len(self) -> int:
+        return 2 * self.io_len + 2
+
+    def min_len(self) -> int:
+        return self._example_len() - 1
+
+    def n_examples(self, seq_len: int) -> int:
+        """Number of input/output examples at ``seq_len``."""
+        return (seq_len + 1) // self._example_len()
+
+    def describe(self) -> str:
+        return (f"long ICL: {self.n_functions} functions y = b + a·P·x in context "
+                f"(a≤{self.a_max}, b≤{self.b_max}, P a permutation), {self.io_len}-token inputs in "
+                f"[1, {self.x_max}], vocab {self.vocab_size}")
+
+    def _example(self, seq_len: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        f, L, n = self.n_functions, self.io_len, self.n_examples(seq_len)
+        ids = torch.randperm(self.n_function_tokens, generator=gen)[:f]
+        a = torch.randint(1, self.a_max + 1, (f,), generator=gen)
+        b = torch.randint(1, self.b_max + 1, (f,), generator=gen)
+        perm = torch.argsort(torch.rand(f, L, generator=gen), dim=1)
+        which = torch.randint(0, f, (n,), generator=gen)
+        x = torch.randint(1, self.x_max + 1, (n, L), generator=gen)
+        y = b[which, None] + a[which, None] * torch.gather(x, 1, perm[which])
+        rows = torch.cat([x + self.content0, (FN0 + ids[which])[:, None], y + self.content0,
+                          torch.full((n, 1), NEXT, dtype=torch.int64)], dim=1)
+        target = torch.zeros_like(rows, dtype=torch.bool)
+        target[:, L + 1:2 * L + 1] = True
+        seq, target = rows.flatten()[:-1], target.flatten()[:-1]
+        return pad_start(seq, labels_from_targets(seq, target), seq_len)

@@ -1,0 +1,582 @@
+"""Task generators: layouts checked by independent plain-Python parsers, determinism, batching, files, errors."""
+import itertools
+import pickle
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ovqflex.tasks import IGNORE, TASKS, Task, make_batch, make_task
+
+# documented special-token ids (the contract, hard-coded on purpose)
+PAD, ASSIGN, NEXT, QUERY = 0, 1, 2, 3  # icr, picr, niah
+ICL_NEXT, FN0 = 1, 2  # icl
+SEP = 1  # mqar, copy
+
+# small CPU-sized configurations of every synthetic task
+SMALL = {
+    "icr": dict(vocab_size=64, key_len=2, value_len=3, n_queries=3),
+    "picr": dict(vocab_size=64, key_len=2, value_len=2, copies=3, n_queries=2),
+    "icl": dict(vocab_size=300, n_functions=3, n_function_tokens=8, io_len=3),
+    "mqar": dict(vocab_size=64, n_pairs=5),
+    "copy": dict(vocab_size=16),
+    "niah": dict(vocab_size=64, key_len=2, value_len=3, n_needles=3, n_queries=2),
+}
+SYNTH = sorted(SMALL)
+
+
+def one(task, seq_len, seed=0, step=0, index=0):
+    x, y = make_batch(task, seed=seed, step=step, start=index, count=1, seq_len=seq_len)
+    return x[0].tolist(), y[0].tolist()
+
+
+def strip_pad(x, y):
+    i = 0
+    while i < len(x) and x[i] == PAD:
+        assert y[i] == IGNORE
+        i += 1
+    return x[i:], y[i:], i
+
+
+def split(seq, sep):
+    out, cur = [], []
+    for t in seq:
+        if t == sep:
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    out.append(cur)
+    return out
+
+
+def expected_next_labels(x, is_target):
+    """labels[t] = x[t+1] where position t+1 is a target, else IGNORE."""
+    return [x[t + 1] if t + 1 < len(x) and is_target[t + 1] else IGNORE for t in range(len(x))]
+
+
+# ----------------------------------------------------------------------------- registry and options
+
+
+def test_registry_names_and_defaults():
+    assert set(TASKS) == {"icr", "picr", "icl", "mqar", "copy", "niah", "text"}
+    for name, cls in TASKS.items():
+        assert issubclass(cls, Task) and cls.name == name
+    icr = make_task("icr")
+    assert (icr.vocab_size, icr.key_len, icr.value_len, icr.n_queries) == (10000, 8, 8, 6)
+    assert icr.special_tokens() == {"pad": 0, "assign": 1, "next": 2, "query": 3}
+    picr = make_task("picr")
+    assert (picr.copies, picr.n_queries, picr.key_len, picr.value_len) == (4, 1, 8, 8)
+    icl = make_task("icl")
+    assert (icl.n_functions, icl.n_function_tokens, icl.io_len, icl.a_max, icl.b_max) == (16, 128, 12, 5, 5)
+    # largest x whose output b + a x (max 5 + 5 x) still is a token: 130 specials, ids < 10000
+    assert icl.x_max == 1972 and 130 + 5 + 5 * icl.x_max <= 9999 < 130 + 5 + 5 * (icl.x_max + 1)
+    assert make_task("mqar").vocab_size == 128 and make_task("copy").vocab_size == 128
+    for name in SYNTH:
+        t = make_task(name, **SMALL[name])
+        assert isinstance(t.describe(), str) and "\n" not in t.describe() and t.describe()
+        assert t.special_tokens()["pad"] == 0
+
+
+@pytest.mark.parametrize("name, opts, exc, match", [
+    ("icr", dict(key_len=0), ValueError, "key_len"),
+    ("icr", dict(key_len=2.0), TypeError, "key_len"),
+    ("icr", dict(n_queries=True), TypeError, "n_queries"),
+    ("icr", dict(vocab_size=4), ValueError, "vocab_size"),
+    ("icr", dict(vocab_size=6, key_len=1, n_queries=3), ValueError, "vocab_size"),
+    ("picr", dict(copies=0), ValueError, "copies"),
+    ("icl", dict(n_functions=9, n_function_tokens=8), ValueError, "n_functions"),
+    ("icl", dict(vocab_size=300, n_functions=3, n_function_tokens=8, x_max=100), ValueError, "x_max"),
+    ("icl", dict(vocab_size=100), ValueError, "vocab_size"),
+    ("mqar", dict(vocab_size=10, n_pairs=9), ValueError, "n_pairs"),
+    ("mqar", dict(gap="zeros"), ValueError, "gap"),
+    ("copy", dict(n_tokens=0), ValueError, "n_tokens"),
+    ("niah", dict(n_queries=2, n_needles=1), ValueError, "n_queries"),
+    ("niah", dict(depth=1.5), ValueError, "depth"),
+    ("niah", dict(filler="essay"), ValueError, "filler"),
+])
+def test_bad_options(name, opts, exc, match):
+    with pytest.raises(exc, match=match):
+        make_task(name, **opts)
+
+
+def test_unknown_task_and_option():
+    with pytest.raises(ValueError, match="'nope'.*icr"):
+        make_task("nope")
+    with pytest.raises(ValueError, match="key_length"):
+        make_task("icr", key_length=3)
+
+
+def test_too_short_and_bad_batch_args():
+    t = make_task("icr", **SMALL["icr"])
+    with pytest.raises(ValueError, match="seq_len"):
+        one(t, t.min_len() - 1)
+    one(t, t.min_len())
+    with pytest.raises(ValueError, match="count"):
+        make_batch(t, seed=0, step=0, start=0, count=0, seq_len=100)
+    with pytest.raises(TypeError, match="task"):
+        make_batch("icr", seed=0, step=0, start=0, count=1, seq_len=100)
+
+
+def test_vocab_too_small_for_length():
+    t = make_task("icr", vocab_size=8, key_len=1, value_len=1, n_queries=1)  # 4 content tokens: <= 4 pairs
+    ok = 5 * 4 - 1  # 4 context pairs + 1 query, pair = 4 tokens with its delimiter
+    x, _ = one(t, ok)
+    assert len(x) == ok
+    with pytest.raises(ValueError, match="distinct key"):
+        one(t, ok + 4)
+    with pytest.raises(ValueError, match="distinct key"):
+        one(make_task("mqar", vocab_size=12, n_pairs=None), 3 * 11 + 1)
+
+
+# ----------------------------------------------------------------------------- generic properties
+
+
+@pytest.mark.parametrize("name", SYNTH)
+@given(extra=st.integers(0, 300), seed=st.integers(-2**40, 2**40), step=st.integers(0, 10**6),
+       index=st.integers(0, 1000))
+def test_generic_invariants(name, extra, seed, step, index):
+    t = make_task(name, **SMALL[name])
+    T = t.min_len() + extra
+    x, y = one(t, T, seed, step, index)
+    assert len(x) == len(y) == T
+    assert all(0 <= v < t.vocab_size for v in x)
+    assert all(v == IGNORE or 0 <= v < t.vocab_size for v in y)
+    assert any(v != IGNORE for v in y)
+    if t.next_token_labels:
+        assert y[-1] == IGNORE
+        assert all(y[i] == IGNORE or y[i] == x[i + 1] for i in range(T - 1))
+
+
+@pytest.mark.parametrize("name", SYNTH)
+def test_dtype_and_determinism(name):
+    t = make_task(name, **SMALL[name])
+    T = t.min_len() + 97
+    x, y = make_batch(t, seed=3, step=5, start=0, count=4, seq_len=T)
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, T)
+    x2, y2 = make_batch(t, seed=3, step=5, start=0, count=4, seq_len=T)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    # data-parallel slice == rows of the global batch
+    xs, ys = make_batch(t, seed=3, step=5, start=2, count=2, seq_len=T)
+    assert torch.equal(xs, x[2:4]) and torch.equal(ys, y[2:4])
+    # rows differ between indices, steps and seeds
+    assert not torch.equal(x[0], x[1])
+    assert not torch.equal(x, make_batch(t, seed=3, step=6, start=0, count=4, seq_len=T)[0])
+    assert not torch.equal(x, make_batch(t, seed=4, step=5, start=0, count=4, seq_len=T)[0])
+    # independent of the global RNG
+    torch.manual_seed(123)
+    assert torch.equal(x, make_batch(t, seed=3, step=5, start=0, count=4, seq_len=T)[0])
+
+
+# ----------------------------------------------------------------------------- ICR
+
+
+def parse_icr(x, y, k, v):
+    """-> pad count, context pairs [(key, value)], query pairs; asserts the layout."""
+    body, _, npad = strip_pad(x, y)
+    assert body.count(QUERY) == 1
+    qi = body.index(QUERY)
+    pairs = []
+    for section in (body[:qi], body[qi + 1:]):
+        ps = []
+        for unit in split(section, NEXT):
+            assert len(unit) == k + 1 + v and unit[k] == ASSIGN, unit
+            assert all(tok >= 4 for tok in unit[:k] + unit[k + 1:])
+            ps.append((tuple(unit[:k]), tuple(unit[k + 1:])))
+        pairs.append(ps)
+    # targets: exactly the query-section value tokens
+    is_target = [False] * len(x)
+    pos = npad + qi + 1
+    for _ in pairs[1]:
+        for j in range(v):
+            is_target[pos + k + 1 + j] = True
+        pos += k + v + 2
+    assert y == expected_next_labels(x, is_target)
+    return npad, pairs[0], pairs[1]
+
+
+@given(extra=st.integers(0, 400), seed=st.integers(0, 2**31))
+def test_icr_structure(extra, seed):
+    k, v, m = 2, 3, 3
+    t = make_task("icr", vocab_size=64, key_len=k, value_len=v, n_queries=m)
+    T = t.min_len() + extra
+    x, y = one(t, T, seed)
+    npad, ctx, qs = parse_icr(x, y, k, v)
+    pair = k + v + 2
+    assert npad < pair and len(ctx) == (T + 1) // pair - m and len(qs) == m
+    keys, values = [a for a, _ in ctx], [b for _, b in ctx]
+    assert len(set(keys)) == len(keys) and len(set(values)) == len(values)
+    table = dict(ctx)
+    assert len({a for a, _ in qs}) == m
+    for key, val in qs:
+        assert table[key] == val
+
+
+def test_icr_paper_defaults_and_longer_context():
+    t = make_task("icr")
+    counts = []
+    for T in (500, 1000, 2000, 4000):
+        x, y = one(t, T)
+        npad, ctx, qs = parse_icr(x, y, 8, 8)
+        assert len(qs) == 6 and sum(v != IGNORE for v in y) == 6 * 8
+        counts.append(len(ctx))
+    assert counts == sorted(counts) and len(set(counts)) == 4
+
+
+def test_icr_distinct_under_heavy_collisions():
+    # 10 content tokens, 1-token keys: 10 possible keys; 2-token values: 100 possible values
+    t = make_task("icr", vocab_size=14, key_len=1, value_len=2, n_queries=2)
+    for T in (t.min_len(), 10 * 5 - 1):
+        for s in range(20):
+            x, y = one(t, T, seed=s)
+            _, ctx, _ = parse_icr(x, y, 1, 2)
+            assert len({a for a, _ in ctx}) == len(ctx) and len({b for _, b in ctx}) == len(ctx)
+    # many pairs from a large but collision-prone space (rejection path)
+    t = make_task("icr", vocab_size=36, key_len=2, value_len=2, n_queries=1)  # 1024 keys
+    x, y = one(t, 6 * 500 - 1)
+    _, ctx, _ = parse_icr(x, y, 2, 2)
+    assert len(ctx) == 499 and len({a for a, _ in ctx}) == 499 and len({b for _, b in ctx}) == 499
+
+
+def icr_oracle(x, k):
+    """Causal lookup-table solver: at each query-section position predict the next value token."""
+    preds = [None] * len(x)
+    if QUERY not in x:
+        return preds
+    table, qi = {}, x.index(QUERY)
+    i = 0
+    while i < qi:  # context: read K → V pairs as they stream in
+        if x[i] in (PAD, NEXT):
+            i += 1
+            continue
+        key = tuple(x[i:i + k])
+        j = i + k + 1
+        val = []
+        while j < qi and x[j] not in (NEXT, QUERY):
+            val.append(x[j])
+            j += 1
+        table.setdefault(key, []).append(tuple(val))
+        i = j
+    start = qi + 1
+    while start < len(x):
+        key = tuple(x[start:start + k])
+        a = start + k  # the → position
+        for j, tok in enumerate(table[key][0]):
+            if a + j < len(x):
+                preds[a + j] = tok
+        start = a + 1 + len(table[key][0]) + 1
+    return preds
+
+
+def test_icr_oracle_solves_trivial_does_not():
+    t = make_task("icr", vocab_size=128, key_len=2, value_len=2)
+    x, y = make_batch(t, seed=1, step=0, start=0, count=8, seq_len=300)
+    hit = tot = triv = 0
+    for xr, yr in zip(x.tolist(), y.tolist()):
+        preds = icr_oracle(xr, 2)
+        for i, lab in enumerate(yr):
+            if lab != IGNORE:
+                tot += 1
+                hit += preds[i] == lab
+                triv += xr[i] == lab  # "repeat the current token"
+    assert tot == 8 * 6 * 2 and hit == tot and triv < tot / 4
+
+
+# ----------------------------------------------------------------------------- positional ICR
+
+
+@given(extra=st.integers(0, 400), seed=st.integers(0, 2**31))
+def test_picr_structure(extra, seed):
+    k, v, c, m = 2, 2, 3, 2
+    t = make_task("picr", vocab_size=64, key_len=k, value_len=v, copies=c, n_queries=m)
+    T = t.min_len() + extra
+    x, y = one(t, T, seed)
+    npad, ctx, qs = parse_icr(x, y, k, v)
+    pair = k + v + 2
+    assert npad < pair * c
+    n = (T + 1) // pair // c - m
+    assert len(ctx) == n * c and len(qs) == m * c
+    values = [b for _, b in ctx]
+    assert len(set(values)) == len(values)
+    by_key = {}
+    for key, val in ctx:
+        by_key.setdefault(key, []).append(val)
+    assert len(by_key) == n and all(len(vs) == c for vs in by_key.values())
+    qkeys = []
+    for g in range(m):
+        group = qs[g * c:(g + 1) * c]
+        key = group[0][0]
+        assert all(a == key for a, _ in group)
+        assert [b for _, b in group] == by_key[key]  # values in context order
+        qkeys.append(key)
+    assert len(set(qkeys)) == m
+
+
+def test_picr_paper_layout_min_len():
+    t = make_task("picr")
+    x, y = one(t, t.min_len())
+    _, ctx, qs = parse_icr(x, y, 8, 8)
+    assert len(ctx) == 4 and len(qs) == 4 and len({a for a, _ in ctx}) == 1
+
+
+# ----------------------------------------------------------------------------- ICL
+
+
+def parse_icl(x, y, L, n_fn_tokens):
+    body, _, npad = strip_pad(x, y)
+    examples = []
+    for unit in split(body, ICL_NEXT):
+        assert len(unit) == 2 * L + 1, unit
+        f = unit[L]
+        assert FN0 <= f < FN0 + n_fn_tokens
+        c0 = FN0 + n_fn_tokens
+        xs, ys = [u - c0 for u in unit[:L]], [u - c0 for u in unit[L + 1:]]
+        examples.append((f, xs, ys))
+    is_target = [False] * len(x)
+    for e in range(len(examples)):
+        for j in range(L):
+            is_target[npad + e * (2 * L + 2) + L + 1 + j] = True
+    assert y == expected_next_labels(x, is_target)
+    return npad, examples
+
+
+def consistent_functions(examples, L, a_max, b_max):
+    """For each fn token, the set of (a, b, perm) with y[j] == b + a * x[perm[j]] on every example."""
+    by_fn = {}
+    for f, xs, ys in examples:
+        by_fn.setdefault(f, []).append((xs, ys))
+    found = {}
+    for f, exs in by_fn.items():
+        found[f] = [(a, b, p) for a in range(1, a_max + 1) for b in range(1, b_max + 1)
+                    for p in itertools.permutations(range(L))
+                    if all(ys[j] == b + a * xs[p[j]] for xs, ys in exs for j in range(L))]
+    return found
+
+
+@given(extra=st.integers(0, 600), seed=st.integers(0, 2**31))
+def test_icl_structure(extra, seed):
+    L = 3
+    t = make_task("icl", **SMALL["icl"])
+    T = t.min_len() + extra
+    x, y = one(t, T, seed)
+    npad, examples = parse_icl(x, y, L, 8)
+    assert npad < 2 * L + 2 and len(examples) == (T + 1) // (2 * L + 2)
+    assert len({f for f, _, _ in examples}) <= 3
+    assert all(1 <= v <= t.x_max for _, xs, _ in examples for v in xs)
+    found = consistent_functions(examples, L, 5, 5)
+    assert all(found[f] for f in found), found
+
+
+def test_icl_paper_size_and_function_count():
+    t = make_task("icl", n_functions=128)
+    x, y = one(t, 2048 * 4)
+    npad, examples = parse_icl(x, y, 12, 128)
+    fns = {f for f, _, _ in examples}
+    assert len(fns) > 100  # ~315 examples over 128 functions
+    for f in list(fns)[:10]:  # recover (a, b, P) column by column (12! permutations is too many)
+        exs = [(xs, ys) for g, xs, ys in examples if g == f]
+        ok = False
+        for a in range(1, 6):
+            for b in range(1, 6):
+                cands = [{i for i in range(12) if all(ys[j] == b + a * xs[i] for xs, ys in exs)} for j in range(12)]
+                ok |= all(cands) and len(set().union(*cands)) == 12
+        assert ok
+    assert sum(v != IGNORE for v in y) == 12 * len(examples)
+
+
+# ----------------------------------------------------------------------------- MQAR and copy
+
+
+@given(extra=st.integers(0, 100), seed=st.integers(0, 2**31), answers=st.booleans(),
+       gap=st.sampled_from(["pad", "noise"]))
+def test_mqar_fixed_pairs(extra, seed, answers, gap):
+    n = 5
+    t = make_task("mqar", vocab_size=64, n_pairs=n, answers_in_input=answers, gap=gap)
+    assert t.next_token_labels == answers
+    T = t.min_len() + extra
+    x, y = one(t, T, seed)
+    assert t.min_len() == (4 if answers else 3) * n + 1
+    ctx = x[:2 * n]
+    keys, vals = ctx[0::2], ctx[1::2]
+    assert len(set(keys)) == n and min(ctx) >= 2
+    table = dict(zip(keys, vals))
+    gap_toks = x[2 * n:2 * n + extra]
+    assert len(gap_toks) == extra
+    assert all(g == PAD for g in gap_toks) if gap == "pad" else all(g >= 2 for g in gap_toks)
+    assert x[2 * n + extra] == SEP
+    q = x[2 * n + extra + 1:]
+    assert all(v == IGNORE for v in y[:2 * n + extra + 1])
+    if answers:
+        qk, qv = q[0::2], q[1::2]
+        assert [table[a] for a in qk] == qv
+        assert y[2 * n + extra + 1:] == [v for a in qk for v in (table[a], IGNORE)]
+    else:
+        qk = q
+        assert y[2 * n + extra + 1:] == [table[a] for a in qk]
+    assert sorted(qk) == sorted(keys)
+
+
+def test_mqar_capacity_curve_layout():
+    t = make_task("mqar", n_pairs=None)
+    for n in (4, 8, 16, 24, 32):
+        x, y = one(t, 3 * n + 1)
+        assert x[2 * n] == SEP and sum(v != IGNORE for v in y) == n and x[0] != PAD
+
+
+@given(seed=st.integers(0, 2**31), extra=st.integers(0, 100))
+def test_copy_structure(seed, extra):
+    t = make_task("copy", vocab_size=16)
+    T = 3 + extra
+    x, y = one(t, T, seed)
+    m = (T - 1) // 2
+    body, yb, npad = strip_pad(x, y)
+    assert npad == T - (2 * m + 1) and body[m] == SEP and body[:m] == body[m + 1:]
+    assert min(body[:m]) >= 2
+    assert yb == [IGNORE] * m + body[m + 1:] + [IGNORE]
+    fixed = make_task("copy", n_tokens=31)
+    assert one(fixed, 64)[0][0] == PAD and one(fixed, 200)[0][:137] == [PAD] * 137
+
+
+# ----------------------------------------------------------------------------- NIAH
+
+
+def parse_niah(x, y, k, v):
+    body, _, npad = strip_pad(x, y)
+    assert npad == 0 and body.count(QUERY) == 1
+    qi = body.index(QUERY)
+    hay, needles, i, filler = body[:qi], [], 0, []
+    while i < len(hay):
+        if hay[i] == NEXT:
+            unit = hay[i:i + k + v + 3]
+            assert unit[0] == NEXT and unit[k + 1] == ASSIGN and unit[-1] == NEXT, unit
+            needles.append((i, tuple(unit[1:k + 1]), tuple(unit[k + 2:-1])))
+            i += k + v + 3
+        else:
+            assert hay[i] >= 4
+            filler.append(hay[i])
+            i += 1
+    queries = []
+    for unit in split(body[qi + 1:], NEXT):
+        assert len(unit) == k + 1 + v and unit[k] == ASSIGN
+        queries.append((tuple(unit[:k]), tuple(unit[k + 1:])))
+    is_target = [False] * len(x)
+    for g in range(len(queries)):
+        for j in range(v):
+            is_target[qi + 1 + g * (k + v + 2) + k + 1 + j] = True
+    assert y == expected_next_labels(x, is_target)
+    return needles, filler, queries, qi
+
+
+@given(extra=st.integers(0, 300), seed=st.integers(0, 2**31))
+def test_niah_structure(extra, seed):
+    k, v = 2, 3
+    t = make_task("niah", **SMALL["niah"])
+    T = t.min_len() + extra
+    x, y = one(t, T, seed)
+    needles, filler, queries, _ = parse_niah(x, y, k, v)
+    assert len(needles) == 3 and len(filler) == extra and len(queries) == 2
+    table = {a: b for _, a, b in needles}
+    assert len(table) == 3 and len({b for _, _, b in needles}) == 3
+    assert len({a for a, _ in queries}) == 2 and all(table[a] == b for a, b in queries)
+
+
+def test_niah_depth_and_repeat_filler():
+    k = v = 4
+    for depth, where in ((0.0, "start"), (1.0, "end"), (0.5, "middle")):
+        t = make_task("niah", vocab_size=100, key_len=k, value_len=v, depth=depth)
+        x, y = one(t, 1000, seed=7)
+        (pos, key, val), = parse_niah(x, y, k, v)[0]
+        hay = 1000 - t.min_len()
+        assert pos == round(depth * hay)
+    t = make_task("niah", vocab_size=100, key_len=k, value_len=v, filler="repeat", period=5)
+    x, y = one(t, 500, seed=3)
+    _, filler, _, _ = parse_niah(x, y, k, v)
+    assert len(filler) == 500 - t.min_len() and all(filler[i] == filler[i + 5] for i in range(len(filler) - 5))
+    # random needle depth varies across examples
+    t = make_task("niah", vocab_size=100, key_len=k, value_len=v)
+    depths = {parse_niah(*one(t, 400, index=i), k, v)[0][0][0] for i in range(10)}
+    assert len(depths) > 5
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def test_text_bytes_windows(tmp_path):
+    data = bytes(range(256)) * 3 + b"hello world"
+    p = tmp_path / "corpus.txt"
+    p.write_bytes(data)
+    t = make_task("text", path=str(p))
+    assert t.vocab_size == 256 and t.min_len() == 1 and "corpus.txt" in t.describe()
+    x, y = make_batch(t, seed=0, step=0, start=0, count=16, seq_len=50)
+    starts = set()
+    for xr, yr in zip(x.tolist(), y.tolist()):
+        w = bytes(xr + yr[-1:])
+        s = data.find(w)
+        assert s >= 0 and xr[1:] == yr[:-1]
+        starts.add(s)
+    assert len(starts) > 4
+    x, y = one(t, len(data) - 1)  # the whole file is the only window
+    assert bytes(x + y[-1:]) == data
+    with pytest.raises(ValueError, match="corpus.txt.*fewer than seq_len"):
+        one(t, len(data))
+    t2 = pickle.loads(pickle.dumps(t))
+    assert torch.equal(make_batch(t2, seed=1, step=2, start=0, count=2, seq_len=9)[0],
+                       make_batch(t, seed=1, step=2, start=0, count=2, seq_len=9)[0])
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".u16"])
+def test_text_u16_tokens(tmp_path, suffix):
+    toks = [(i * 7919) % 50000 for i in range(3000)]
+    p = tmp_path / f"tokens{suffix}"
+    p.write_bytes(b"".join(v.to_bytes(2, "little") for v in toks))
+    t = make_task("text", path=p)
+    assert t.vocab_size == max(toks) + 1
+    assert make_task("text", path=str(p), vocab_size=60000).vocab_size == 60000
+    x, y = make_batch(t, seed=0, step=0, start=0, count=4, seq_len=100)
+    for xr, yr in zip(x.tolist(), y.tolist()):
+        w = xr + yr[-1:]
+        s = toks.index(w[0])
+        assert toks[s:s + 101] == w
+    # the same bytes as a byte file
+    assert make_task("text", path=str(p), format="bytes").vocab_size == 256
+
+
+def test_text_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        make_task("text", path=str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.txt.*empty"):
+        make_task("text", path=str(tmp_path / "empty.txt"))
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match="odd.bin.*odd number of bytes"):
+        make_task("text", path=str(tmp_path / "odd.bin"))
+    (tmp_path / "big.u16").write_bytes((300).to_bytes(2, "little") * 10)
+    with pytest.raises(ValueError, match="big.u16.*300.*vocab_size=256"):
+        make_task("text", path=str(tmp_path / "big.u16"), vocab_size=256)
+    (tmp_path / "a.txt").write_bytes(b"zzzz")
+    with pytest.raises(ValueError, match="a.txt.*122"):
+        make_task("text", path=str(tmp_path / "a.txt"), vocab_size=100)
+    with pytest.raises(ValueError, match="path"):
+        make_task("text")
+    with pytest.raises(ValueError, match="format"):
+        make_task("text", path=str(tmp_path / "a.txt"), format="utf8")
+    with pytest.raises(ValueError, match="seq_len"):
+        one(make_task("text", path=str(tmp_path / "a.txt")), 0)
+
+
+# ----------------------------------------------------------------------------- distinct rows helper
+
+
+@pytest.mark.parametrize("limit", [1 << 62, 1 << 8])  # 1 << 8: equal-prefix rows must be told apart by full rows
+def test_distinct_rows_all_paths(monkeypatch, limit):
+    import ovqflex.tasks.base as base
+
+    monkeypatch.setattr(base, "_CODE_LIMIT", limit)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 10, 500, 4000, 5000, 10000):  # 10**4 possible rows: rejection below 5000, permutation above
+        r = base.distinct_rows(n, 4, 3, 13, g, "key")
+        assert r.shape == (n, 4) and len({tuple(row) for row in r.tolist()}) == n
+        assert r.min() >= 3 and r.max() < 13
+    with pytest.raises(ValueError, match="10001 distinct keys.*only 10000"):
+        base.distinct_rows(10001, 4, 3, 13, g, "key")
