@@ -1,4 +1,4 @@
-"""The ``ovqflex`` command line: ``info``, ``demo``, ``bench``."""
+"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``bench``."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +46,65 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 512,1024, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers like 512,1024, got {text!r}")
+    return values
+
+
+def _options(items: list[str] | None, what: str) -> dict:
+    from .training.evaluate import parse_overrides
+
+    try:
+        return parse_overrides(items or [])
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def _cmd_train(args) -> int:
+    from .tasks import TASKS
+    from .training import TrainConfig, train
+
+    if args.task not in TASKS:
+        raise ValueError(f"--task must be one of {sorted(TASKS)}, got {args.task!r}")
+    cfg = TrainConfig(
+        out=args.out, task=args.task, task_options=_options(args.task_opt, "--task-opt"), data=args.data,
+        preset=args.preset, pattern=args.pattern, model_options=_options(args.model_opt, "--model-opt"),
+        steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, min_lr=args.min_lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
+        compile=not args.no_compile, dtype=args.dtype, device=args.device, log_every=args.log_every,
+        ckpt_every=args.ckpt_every, keep_checkpoints=args.keep, deterministic=args.deterministic,
+        progress=not args.no_progress,
+    )
+    result = train(cfg, resume=args.resume, resume_from=args.resume_from)
+    if result.loss is not None and int(__import__("os").environ.get("RANK", "0")) == 0:
+        print(f"trained {result.step} steps -> {result.out}: loss {result.loss:.4f}, "
+              f"target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from .training import evaluate
+
+    def show(row):
+        print(f"  length {row.length:>7}: accuracy {row.accuracy:.4f}  ({row.seconds:.1f} s)", flush=True)
+
+    doc = evaluate(args.run, args.lengths, n_examples=args.examples, batch_size=args.batch_size,
+                   overrides=_options(args.override, "--override"), checkpoint=args.checkpoint,
+                   device=args.device, progress=show)
+    over = ", ".join(f"{k}={v}" for k, v in doc["overrides"].items()) or "none"
+    print(f"\n{doc['task']} ({doc['task_description']}), pattern {doc['pattern']}, step {doc['step']}, "
+          f"trained at {doc['train_seq_len']} tokens, overrides: {over}")
+    print(tabulate([(r["length"], f"{r['accuracy']:.4f}", f"{r['loss']:.4f}", r["targets"], f"{r['seconds']:.1f}")
+                    for r in doc["rows"]], headers=["length", "accuracy", "loss", "targets", "seconds"]))
+    print(f"wrote {args.run}/eval.json and {args.run}/eval.png")
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from .bench import run_profile
 
@@ -71,6 +130,47 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_demo)
 
+    s = sub.add_parser("train", help="train a hybrid model on a task (torch.compile, AdamW, checkpoints)")
+    s.add_argument("--task", default="icr", help="icr, picr, icl, mqar, copy, niah or text (default: icr)")
+    s.add_argument("--pattern", default=None, help="mixer pattern, e.g. swa,ovq (default: the preset's, swa,ovq)")
+    s.add_argument("--preset", default="tiny", help="model preset: tiny, small, paper-icr (default: tiny)")
+    s.add_argument("--steps", type=int, default=1000)
+    s.add_argument("--seq-len", type=int, default=256)
+    s.add_argument("--batch-size", type=int, default=16, help="global batch (split over torchrun ranks)")
+    s.add_argument("--out", default="runs/tiny-icr", help="run directory (metrics.jsonl, checkpoints/)")
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    s.add_argument("--resume-from", default=None, help="continue from this checkpoint directory")
+    s.add_argument("--data", default=None, help="--task text: a text file (bytes) or .bin/.u16 uint16 tokens")
+    s.add_argument("--task-opt", action="append", metavar="NAME=VALUE", help="task option (repeatable)")
+    s.add_argument("--model-opt", action="append", metavar="NAME=VALUE", help="model config override (repeatable)")
+    s.add_argument("--lr", type=float, default=3e-3)
+    s.add_argument("--min-lr", type=float, default=1e-5)
+    s.add_argument("--warmup", type=int, default=100)
+    s.add_argument("--weight-decay", type=float, default=0.1)
+    s.add_argument("--grad-clip", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-compile", action="store_true", help="run the model eagerly")
+    s.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--log-every", type=int, default=10)
+    s.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    s.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    s.add_argument("--deterministic", action="store_true", help="deterministic algorithms (exact resume on GPU)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(fn=_cmd_train)
+
+    s = sub.add_parser("eval", help="per-token accuracy of a trained run at several context lengths")
+    s.add_argument("run", help="run directory written by ovqflex train")
+    s.add_argument("--lengths", type=_int_list, default=None, help="comma-separated, e.g. 256,512,1024 "
+                   "(default: the training length, x2, x4)")
+    s.add_argument("--examples", type=int, default=64, help="examples per length")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--override", action="append", metavar="NAME=VALUE",
+                   help="test-time mixer override, e.g. max_centroids=4096 or backend=blocked (repeatable)")
+    s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.set_defaults(fn=_cmd_eval)
+
     s = sub.add_parser("bench", help="run a benchmark profile (TOML) and print its table")
     s.add_argument("profile", help="path to a profile, e.g. profiles/blockmask.toml")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -84,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:
         print(f"ovqflex {args.command}: error: {e}", file=sys.stderr)
         return 2
 

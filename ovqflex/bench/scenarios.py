@@ -135,3 +135,60 @@ def ovq(sc: dict, device: str) -> list[dict]:
 
 
 KINDS["ovq"] = ovq
+
+
+def train(sc: dict, device: str) -> list[dict]:
+    """Training throughput of whole models: ``torch.compile(model)`` AdamW steps on a task's
+    batches, for each mixer ``patterns`` entry (the first is the baseline of ``x_vs_baseline``).
+
+    Keys: ``patterns``, ``preset`` (tiny), ``seq_len``, ``batch_size``, ``task`` (icr),
+    ``steps`` (timed steps), ``warmup_steps`` (untimed, include compile), ``compile`` (true).
+    """
+    import time
+
+    import torch.nn.functional as F
+
+    from ..tasks import IGNORE, make_batch
+    from ..training import TrainConfig
+    from ..training.setup import autocast_dtype, build_model, build_optimizer, build_task
+
+    dev = torch.device(device)
+    steps, warm = int(sc.get("steps", 10)), int(sc.get("warmup_steps", 3))
+    rows = []
+    for pattern in sc["patterns"]:
+        cfg = TrainConfig(task=sc.get("task", "icr"), preset=sc.get("preset", "tiny"), pattern=pattern,
+                          seq_len=int(sc["seq_len"]), batch_size=int(sc.get("batch_size", 8)),
+                          compile=bool(sc.get("compile", True)), model_options=dict(sc.get("model_options", {})))
+        torch.manual_seed(0)
+        task = build_task(cfg)
+        model = build_model(cfg, task).to(dev)
+        opt = build_optimizer(model, cfg)
+        fwd = torch.compile(model) if cfg.compile else model
+        amp = autocast_dtype(cfg, dev)
+
+        def step(i):
+            x, y = make_batch(task, seed=0, step=i, start=0, count=cfg.batch_size, seq_len=cfg.seq_len)
+            x, y = x.to(dev), y.to(dev)
+            with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
+                logits = fwd(x)
+            F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        step(0)
+        first = time.perf_counter() - t0
+        for i in range(1, warm):
+            step(i)
+        m = measure(lambda: [step(warm + i) for i in range(steps)], device=dev, repeats=1, warmup=0)
+        rows.append({"pattern": pattern, "T": cfg.seq_len, "batch": cfg.batch_size,
+                     "params_m": model.num_parameters() / 1e6, "first_step_s": first,
+                     "step_s": m.seconds / steps, "tokens_per_s": steps * cfg.batch_size * cfg.seq_len / m.seconds,
+                     "peak_mb": m.peak_mb})
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["x_vs_baseline"] = r["tokens_per_s"] / base
+    return rows
+
+
+KINDS["train"] = train

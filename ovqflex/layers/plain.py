@@ -1,8 +1,11 @@
 """Plain attention layers: ``forward(x [B, T, hidden]) -> [B, T, hidden]``."""
 from __future__ import annotations
 
+import math
+
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, build_program
 
@@ -13,18 +16,29 @@ from .rope import apply_rope
 
 
 class _PlainAttention(MultiHeadProjection):
-    """Shared body: fused qkv projection, optional RoPE, one program, output projection."""
+    """Shared body: fused qkv projection, optional RoPE, one program, output projection.
+
+    ``qk_norm=True`` is the OVQ paper's baseline form (seed 000 §8.2): q and k are
+    L2-normalized per head and scored as ``beta[h] * <q̂, k̂>`` with a learned ``beta``
+    ``[H]`` initialised to ``sqrt(head_dim)``; otherwise scores are ``<q, k> / sqrt(head_dim)``.
+    """
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
-                 backend: str, block_size: int, regions):
+                 qk_norm: bool, backend: str, block_size: int, regions):
         super().__init__(hidden_size, num_heads, head_dim, backend)
         if self.head_dim % 2 and rope:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         self.rope, self.rope_base, self.block_size, self.regions = rope, rope_base, block_size, regions
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
 
     def project(self, x: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]`` (RoPE applied to q, k)."""
         q, k, v = self.split_heads(x)
+        if self.qk_norm:
+            q = F.normalize(q, dim=-1) * self.beta.to(q.dtype).view(1, -1, 1, 1)
+            k = F.normalize(k, dim=-1)
         if self.rope:
             pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
             q = apply_rope(q, pos, base=self.rope_base)
@@ -33,21 +47,23 @@ class _PlainAttention(MultiHeadProjection):
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.project(x)
-        program = build_program(q, k, v, self.regions, scale=self.head_dim**-0.5, block_size=self.block_size)
+        scale = 1.0 if self.qk_norm else self.head_dim**-0.5
+        program = build_program(q, k, v, self.regions, scale=scale, block_size=self.block_size)
         return self.merge(attend(program, self.backend))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"rope={self.rope}, regions={self.regions}, backend={self.backend!r}")
+                f"rope={self.rope}, qk_norm={self.qk_norm}, regions={self.regions}, backend={self.backend!r}")
 
 
 class CausalAttention(_PlainAttention):
     """Full causal multi-head attention, NoPE (``rope=False``) or RoPE."""
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, rope: bool = False,
-                 rope_base: float = 10000.0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
+                 rope_base: float = 10000.0, qk_norm: bool = False, backend: str = "auto",
+                 block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
-                         backend=backend, block_size=block_size, regions=plain_regions())
+                         qk_norm=qk_norm, backend=backend, block_size=block_size, regions=plain_regions())
 
 
 class SlidingWindowAttention(_PlainAttention):
@@ -58,10 +74,10 @@ class SlidingWindowAttention(_PlainAttention):
     def __init__(self, hidden_size: int, num_heads: int, *, window: int | None = 512,
                  block_window: int | None = None, chunk_size: int = 128, n_sinks: int = 0,
                  head_dim: int | None = None, rope: bool = True, rope_base: float = 10000.0,
-                 backend: str = "auto", block_size: int = DEFAULT_BLOCK):
+                 qk_norm: bool = False, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
         if block_window is not None:
             window = None
         regions = plain_regions(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
-                         backend=backend, block_size=block_size, regions=regions)
+                         qk_norm=qk_norm, backend=backend, block_size=block_size, regions=regions)
         self.window, self.block_window, self.chunk_size, self.n_sinks = window, block_window, chunk_size, n_sinks

@@ -1,0 +1,6 @@
+"""Models: :class:`HybridLM` and its config, presets and mixer registry."""
+from .config import PRESETS, HybridConfig, preset
+from .hybrid import HybridLM
+from .mixers import available_mixers, build_mixer, register_mixer
+
+__all__ = ["PRESETS", "HybridConfig", "HybridLM", "available_mixers", "build_mixer", "preset", "register_mixer"]

@@ -1,0 +1,86 @@
+"""``HybridConfig``: every size and mixer option of a :class:`HybridLM`, plus named presets."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from recurrences.checks import check_chunk, check_int
+
+
+@dataclass
+class HybridConfig:
+    """A hybrid LM: ``n_layers`` blocks whose mixers follow ``pattern`` cyclically.
+
+    ``pattern`` is a comma-separated list of mixer names (``"swa,ovq"`` = the OVQ paper's
+    sw-ovq: sliding window with RoPE, then OVQ-attention, repeated). Attention mixers use the
+    paper's unit-norm q/k with a learned per-head ``beta`` when ``qk_norm`` is set.
+    """
+
+    vocab_size: int = 512
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 2
+    head_dim: int | None = None
+    pattern: str = "swa,ovq"
+    mlp_ratio: float = 4.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = True
+    rope_base: float = 10000.0
+    window: int = 128                 # swa: token window
+    chunk_size: int = 128             # ovq / bswa / kvm / vq chunk L
+    bswa_chunks: int = 2              # bswa: block window Nb
+    max_centroids: int = 2048         # ovq dictionary cap N
+    growth: str = "plateau"
+    seeding: str = "spread"
+    backend: str = "auto"
+    block_size: int = 128             # attention block (flex BLOCK_SIZE / blocked tile)
+    init_std: float = 0.02
+    mixer_options: dict = field(default_factory=dict)  # per-mixer extra kwargs: {"ovq": {...}}
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "window", "bswa_chunks", "max_centroids"):
+            check_int(name, getattr(self, name))
+        check_chunk("chunk_size", self.chunk_size)
+        check_chunk("block_size", self.block_size)
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                             f"(or give head_dim)")
+        if not self.mixers:
+            raise ValueError(f"pattern must name at least one mixer, got {self.pattern!r}")
+        if not self.mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+
+    @property
+    def mixers(self) -> list[str]:
+        """The mixer name of every layer: ``pattern`` repeated to ``n_layers``."""
+        names = [m.strip() for m in self.pattern.split(",") if m.strip()]
+        return [names[i % len(names)] for i in range(self.n_layers)] if names else []
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HybridConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown HybridConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+#: Named presets: overrides of the defaults. ``tiny`` trains on a laptop CPU in minutes;
+#: ``paper-icr`` is the OVQ paper's synthetic-task model (seed 000 §4.1, §8.2: 8 layers,
+#: width 768, head dim 128, window 128, chunk 128, N = 2k, vocab 10k).
+PRESETS: dict[str, dict] = {
+    "tiny": dict(d_model=128, n_layers=2, n_heads=2, window=64, chunk_size=64, max_centroids=256),
+    "small": dict(d_model=256, n_layers=4, n_heads=4, window=128, chunk_size=128, max_centroids=1024),
+    "paper-icr": dict(vocab_size=10000, d_model=768, n_layers=8, n_heads=6, head_dim=128, window=128,
+                      chunk_size=128, max_centroids=2048),
+}
+
+
+def preset(name: str, **overrides) -> HybridConfig:
+    """``HybridConfig`` of preset ``name`` with ``overrides`` applied (e.g. ``pattern``, ``vocab_size``)."""
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+    return HybridConfig(**{**PRESETS[name], **overrides})

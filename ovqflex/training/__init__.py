@@ -1,0 +1,8 @@
+"""Training and evaluation: ``train(TrainConfig)``, ``evaluate(run_dir, lengths)``, checkpoints."""
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .evaluate import evaluate, load_run
+from .trainer import TrainResult, train
+
+__all__ = ["CheckpointError", "TrainConfig", "TrainResult", "evaluate", "latest_checkpoint", "load_checkpoint",
+           "load_run", "save_checkpoint", "train"]

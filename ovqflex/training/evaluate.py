@@ -1,0 +1,151 @@
+"""``evaluate(run_dir, lengths)``: per-token accuracy on the target positions at several
+context lengths (length extrapolation), with optional test-time overrides (e.g. OVQ
+``max_centroids``). Writes ``eval.json`` and ``eval.png`` into the run directory.
+
+Evaluation examples come from a stream disjoint from training (seed offset), so the
+numbers are on unseen sequences.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..tasks import IGNORE, make_batch
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from .config import TrainConfig
+from .setup import build_model, build_task, resolve_device
+
+EVAL_SEED_OFFSET = 1_000_003  # eval examples: seed + offset, so never a training example
+
+
+@dataclass
+class EvalRow:
+    length: int
+    accuracy: float
+    loss: float
+    targets: int
+    examples: int
+    seconds: float
+
+
+def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None, device: str = "auto"):
+    """(TrainConfig, task, model in eval mode, checkpoint step) of a trained run."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"{run_dir} has no checkpoint (train it first: ovqflex train --out {run_dir})")
+    dev = resolve_device(device)
+    ckpt = load_checkpoint(path, map_location=dev)
+    cfg = TrainConfig.from_dict(ckpt.state["train_config"])
+    task = build_task(cfg)
+    model = build_model(cfg, task).to(dev)
+    model.load_state_dict(ckpt.model)
+    model.eval()
+    return cfg, task, model, ckpt.step
+
+
+@torch.no_grad()
+def evaluate_model(model, task, lengths: list[int], *, n_examples: int, batch_size: int, seed: int,
+                   device: torch.device, progress=None) -> list[EvalRow]:
+    rows = []
+    for length in lengths:
+        if length < task.min_len():
+            raise ValueError(f"eval length {length} is too short for task {task.name!r} (needs >= {task.min_len()})")
+        correct = total = 0
+        loss_sum = 0.0
+        t0 = time.perf_counter()
+        for start in range(0, n_examples, batch_size):
+            count = min(batch_size, n_examples - start)
+            x, y = make_batch(task, seed=seed + EVAL_SEED_OFFSET, step=length, start=start, count=count,
+                              seq_len=length)
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            target = y != IGNORE
+            correct += int(((logits.argmax(-1) == y) & target).sum())
+            total += int(target.sum())
+            loss_sum += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE,
+                                              reduction="sum"))
+        rows.append(EvalRow(length, correct / max(total, 1), loss_sum / max(total, 1), total, n_examples,
+                            time.perf_counter() - t0))
+        if progress is not None:
+            progress(rows[-1])
+    return rows
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["max_centroids=4096", "backend=blocked"]`` -> ``{"max_centroids": 4096, "backend": "blocked"}``."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override must look like NAME=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def write_report(run_dir: Path, doc: dict) -> tuple[Path, Path | None]:
+    """``eval.json`` (atomic) and, when matplotlib is installed, ``eval.png``."""
+    path = run_dir / "eval.json"
+    tmp = run_dir / f".eval.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return path, None
+    rows = doc["rows"]
+    fig, ax = plt.subplots(figsize=(5.5, 3.5), dpi=120)
+    ax.plot([r["length"] for r in rows], [r["accuracy"] for r in rows], marker="o")
+    ax.axvline(doc["train_seq_len"], color="grey", ls="--", lw=1, label=f"train length {doc['train_seq_len']}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("per-token accuracy")
+    over = ", ".join(f"{k}={v}" for k, v in doc["overrides"].items())
+    ax.set_title(f"{doc['task']} · {doc['pattern']}" + (f" · {over}" if over else ""), fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = run_dir / "eval.png"
+    fig.savefig(png)
+    plt.close(fig)
+    return path, png
+
+
+def evaluate(run_dir: str | os.PathLike, lengths: list[int] | None = None, *, n_examples: int = 64, batch_size: int = 8,
+             overrides: dict | None = None, checkpoint: str | None = None, device: str = "auto",
+             progress=None) -> dict:
+    """Evaluate the run in ``run_dir`` at ``lengths`` (default: 1x, 2x, 4x its training length);
+    returns (and writes) the report dict."""
+    if lengths is not None and not lengths:
+        raise ValueError("lengths must name at least one context length")
+    for name, value in (("n_examples", n_examples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    run_dir = Path(run_dir)
+    cfg, task, model, step = load_run(run_dir, checkpoint, device)
+    lengths = lengths or [cfg.seq_len, 2 * cfg.seq_len, 4 * cfg.seq_len]
+    overrides = dict(overrides or {})
+    if overrides:
+        model.set_overrides(**overrides)
+    dev = next(model.parameters()).device
+    rows = evaluate_model(model, task, sorted(set(lengths)), n_examples=n_examples, batch_size=batch_size,
+                          seed=cfg.seed, device=dev, progress=progress)
+    doc = {"task": cfg.task, "task_description": task.describe(), "pattern": model.config.pattern,
+           "preset": cfg.preset, "step": step, "train_seq_len": cfg.seq_len, "overrides": overrides,
+           "rows": [asdict(r) for r in rows]}
+    write_report(run_dir, doc)
+    return doc

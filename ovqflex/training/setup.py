@@ -1,0 +1,83 @@
+"""Build what a run needs from its :class:`TrainConfig`: device, task, model, optimizer."""
+from __future__ import annotations
+
+import torch
+
+from ..models import HybridConfig, HybridLM, preset
+from ..tasks import Task, make_task
+from .config import TrainConfig
+
+#: Task sizes per model preset, under the user's ``task_options``. ``tiny`` shrinks the
+#: papers' tasks (vocab 10k, 8-token keys/values, 12-token ICL examples) so a CPU learns
+#: them in minutes; larger presets use the papers' sizes (the tasks' own defaults).
+TASK_SCALES: dict[str, dict[str, dict]] = {
+    "tiny": {
+        "icr": dict(vocab_size=256, key_len=2, value_len=2),
+        "picr": dict(vocab_size=256, key_len=2, value_len=2),
+        "icl": dict(vocab_size=512, io_len=4, n_functions=4),
+        "mqar": dict(vocab_size=256),
+        "copy": dict(vocab_size=64),
+        "niah": dict(vocab_size=256, key_len=2, value_len=2),
+    },
+}
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available here")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+    return dev
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA devices that support it (``dtype=auto``), or when asked; else None (fp32)."""
+    if cfg.dtype == "fp32":
+        return None
+    if cfg.dtype == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def task_options(cfg: TrainConfig) -> dict:
+    options = {**TASK_SCALES.get(cfg.preset, {}).get(cfg.task, {}), **cfg.task_options}
+    if cfg.task == "text":
+        if not cfg.data:
+            raise ValueError("task 'text' needs a data file: --data FILE (a text file, or .bin/.u16 uint16 tokens)")
+        options["path"] = cfg.data
+    elif cfg.data:
+        raise ValueError(f"--data is only used by --task text, not by task {cfg.task!r}")
+    return options
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    task = make_task(cfg.task, **task_options(cfg))
+    if cfg.seq_len < task.min_len():
+        raise ValueError(f"seq_len={cfg.seq_len} is too short for task {cfg.task!r}: it needs >= {task.min_len()}")
+    return task
+
+
+def model_config(cfg: TrainConfig, task: Task) -> HybridConfig:
+    overrides = dict(cfg.model_options)
+    if cfg.pattern is not None:
+        overrides["pattern"] = cfg.pattern
+    overrides["vocab_size"] = task.vocab_size
+    return preset(cfg.preset, **overrides)
+
+
+def build_model(cfg: TrainConfig, task: Task) -> HybridLM:
+    return HybridLM(model_config(cfg, task))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (linears, embedding), none on norms and per-head scalars."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))

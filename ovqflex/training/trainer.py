@@ -1,0 +1,198 @@
+"""``train(cfg)``: the training loop behind ``ovqflex train``.
+
+Per step: the step's batch slice for this rank (a pure function of seed and step) ─▶
+compiled model forward (bf16 autocast where supported) ─▶ cross-entropy summed over the
+target tokens / global target count ─▶ backward ─▶ gradient all-reduce (torchrun) ─▶
+clip ─▶ AdamW at the scheduled lr. Metrics go to ``DIR/metrics.jsonl`` every
+``log_every`` steps; checkpoints every ``ckpt_every`` steps and at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..tasks import IGNORE, make_batch
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from .config import TrainConfig
+from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, shutdown
+from .schedule import lr_at
+from .setup import autocast_dtype, build_model, build_optimizer, build_task, model_config, resolve_device
+
+CONFIG_FILE, METRICS_FILE = "config.json", "metrics.jsonl"
+# fault injection for the resume tests: SIGKILL this process right after that step
+FAULT_KILL_ENV = "OVQFLEX_FAULT_KILL_AFTER_STEP"
+# what must match between a checkpoint and the run that resumes it
+_RESUME_KEYS = ("task", "task_options", "data", "preset", "pattern", "model_options", "seq_len", "batch_size",
+                "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "grad_clip")
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    step: int
+    loss: float | None
+    accuracy: float | None
+    tokens_per_s: float | None
+
+
+def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
+    torch.manual_seed(cfg.seed)
+    if cfg.deterministic:
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _check_resumable(cfg: TrainConfig, saved: dict, path: Path) -> None:
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {getattr(cfg, k)!r}"
+             for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise CheckpointError(f"cannot resume from {path}: the run's settings differ ({'; '.join(diffs)})")
+    if cfg.steps < int(saved.get("steps", 0)) and cfg.steps <= int(saved.get("_step", 0)):
+        raise CheckpointError(f"cannot resume from {path}: it is at step {saved['_step']} >= --steps {cfg.steps}")
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop metric lines past the resumed checkpoint (written by the run that died)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a crash
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(f"{line}\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def _progress(cfg: TrainConfig, info: DistInfo, start: int):
+    if not (cfg.progress and info.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathLike | None = None) -> TrainResult:
+    """Train per ``cfg`` into ``cfg.out``. ``resume``: continue from the run's latest checkpoint;
+    ``resume_from``: from that checkpoint directory. A fresh run refuses a directory that
+    already holds checkpoints (nothing is overwritten)."""
+    info = init_distributed("cuda" if resolve_device(cfg.device).type == "cuda" else "cpu")
+    try:
+        return _train(cfg, info, resume, resume_from)
+    finally:
+        shutdown(info)
+
+
+def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> TrainResult:
+    out = Path(cfg.out)
+    device = resolve_device(cfg.device, info.local_rank)
+    if cfg.batch_size % info.world_size:
+        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the number of ranks {info.world_size}")
+    local_bs = cfg.batch_size // info.world_size
+    _set_determinism(cfg, device)
+    task = build_task(cfg)
+    model = build_model(cfg, task).to(device)
+    optimizer = build_optimizer(model, cfg)
+
+    ckpt_path = Path(resume_from) if resume_from else (latest_checkpoint(out) if resume else None)
+    if resume and ckpt_path is None:
+        raise CheckpointError(f"--resume: {out} has no checkpoint to resume from")
+    if ckpt_path is None and latest_checkpoint(out) is not None:
+        raise ValueError(f"{out} already holds a run (checkpoints/latest); pass --resume to continue it "
+                         f"or choose another --out")
+    start = 0
+    if ckpt_path is not None:
+        ckpt = load_checkpoint(ckpt_path, map_location=device)
+        _check_resumable(cfg, {**ckpt.state["train_config"], "_step": ckpt.step}, ckpt_path)
+        model.load_state_dict(ckpt.model)
+        optimizer.load_state_dict(ckpt.optimizer)
+        set_rng_state(ckpt.state["rng"])
+        start = ckpt.step
+        if info.is_main:
+            _truncate_metrics(out / METRICS_FILE, start)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"train_config": cfg.to_dict(), "model_config": model_config(cfg, task).to_dict(),
+               "task": task.describe(), "parameters": model.num_parameters()}
+        tmp = out / f".{CONFIG_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, out / CONFIG_FILE)
+    barrier(info)
+
+    fwd = torch.compile(model) if cfg.compile else model
+    amp = autocast_dtype(cfg, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    bar = _progress(cfg, info, start)
+    metrics = open(out / METRICS_FILE, "a") if info.is_main else None
+    last = TrainResult(out, start, None, None, None)
+    t_log, tokens_since = time.perf_counter(), 0
+    t_start = time.perf_counter()
+    kill_after = int(os.environ.get(FAULT_KILL_ENV, "0"))
+    try:
+        for step in range(start, cfg.steps):
+            lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = make_batch(task, seed=cfg.seed, step=step, start=info.rank * local_bs, count=local_bs,
+                              seq_len=cfg.seq_len)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            target = y != IGNORE
+            # [loss sum, correct, targets] summed over ranks; the count normalises the loss
+            n_targets = target.sum().to(torch.float32).reshape(1)
+            all_reduce_sum_([n_targets], info)
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                logits = fwd(x)
+            loss_sum = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+            (loss_sum / n_targets.clamp_min(1)).backward()
+            all_reduce_sum_([p.grad for p in params if p.grad is not None], info)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens_since += cfg.batch_size * cfg.seq_len
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                with torch.no_grad():
+                    correct = ((logits.argmax(-1) == y) & target).sum().to(torch.float32)
+                    stats = torch.stack([loss_sum.detach().float(), correct])
+                    all_reduce_sum_([stats], info)
+                    loss, acc = (stats / n_targets.clamp_min(1)).tolist()
+                now = time.perf_counter()
+                tps = tokens_since / max(now - t_log, 1e-9)
+                t_log, tokens_since = now, 0
+                last = TrainResult(out, done, loss, acc, tps)
+                if metrics is not None:
+                    row = {"step": done, "loss": round(loss, 6), "accuracy": round(acc, 6), "lr": lr,
+                           "grad_norm": None if grad_norm is None else round(float(grad_norm), 6),
+                           "tokens_per_s": round(tps, 1), "elapsed_s": round(now - t_start, 2)}
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+            if bar is not None:
+                bar.update(1)
+            if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+                if info.is_main:
+                    save_checkpoint(out, done, model, optimizer, {
+                        "train_config": cfg.to_dict(), "model_config": model_config(cfg, task).to_dict(),
+                        "metrics": {"loss": last.loss, "accuracy": last.accuracy}}, keep=cfg.keep_checkpoints)
+                barrier(info)
+            if done == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+    return last

@@ -1,0 +1,136 @@
+"""HybridLM: config and presets, mixer registry, causality, overrides, compile without graph breaks."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ovqflex.models import PRESETS, HybridConfig, HybridLM, available_mixers, preset
+
+SMALL = dict(vocab_size=64, d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=16, block_size=16,
+             backend="blocked")
+
+
+def small(pattern: str, **kw) -> HybridLM:
+    torch.manual_seed(0)
+    return HybridLM(HybridConfig(pattern=pattern, n_layers=len(pattern.split(",")), **{**SMALL, **kw}))
+
+
+def test_pattern_repeats_over_layers():
+    cfg = HybridConfig(pattern="swa,ovq", n_layers=5)
+    assert cfg.mixers == ["swa", "ovq", "swa", "ovq", "swa"]
+    model = HybridLM(HybridConfig(**{**SMALL, "pattern": " swa , nope ", "n_layers": 3}))
+    assert [b.mixer_name for b in model.blocks] == ["swa", "nope", "swa"]
+
+
+def test_available_mixers_cover_the_plain_and_ovq_layers():
+    assert {"full", "nope", "swa", "bswa", "ovq"} <= set(available_mixers())
+
+
+@pytest.mark.parametrize("pattern, match", [("swa,wat", "unknown mixer 'wat'.*available"),
+                                            ("kvm", "planned but not built"), (",", "at least one mixer")],
+                         ids=["unknown", "planned", "empty"])
+def test_bad_pattern(pattern, match):
+    with pytest.raises(ValueError, match=match):
+        HybridLM(HybridConfig(**{**SMALL, "pattern": pattern}))
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by n_heads=4"):
+        HybridConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 16"):
+        HybridConfig(chunk_size=24)
+    with pytest.raises(ValueError, match="preset must be one of"):
+        preset("huge")
+    with pytest.raises(ValueError, match="unknown HybridConfig fields \\['colour'\\]"):
+        HybridConfig.from_dict({"colour": "red"})
+
+
+def test_presets_build_and_roundtrip():
+    for name in PRESETS:
+        cfg = preset(name)
+        assert HybridConfig.from_dict(cfg.to_dict()) == cfg
+    paper = preset("paper-icr")
+    assert (paper.n_layers, paper.d_model, paper.head_dim, paper.vocab_size) == (8, 768, 128, 10000)
+
+
+def test_head_is_tied_to_embedding():
+    model = small("swa,ovq")
+    tokens = torch.randint(0, 64, (1, 20))
+    h = model.embed(tokens)
+    for block in model.blocks:
+        h = block(h)
+    expected = model.norm(h) @ model.embed.weight.T
+    assert torch.allclose(model(tokens), expected, atol=1e-5)
+    assert not any("head" in name for name, _ in model.named_parameters())
+
+
+def test_tokens_must_be_int64_ids():
+    model = small("swa")
+    with pytest.raises(TypeError, match="tokens must be int64"):
+        model(torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.zeros(8, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("pattern", ["full", "nope", "swa", "bswa", "ovq", "swa,ovq"])
+def test_causal(pattern):
+    """Logits at position i do not change when tokens after i change."""
+    model = small(pattern)
+    a = torch.randint(0, 64, (2, 40))
+    b = a.clone()
+    b[:, 25:] = torch.randint(0, 64, (2, 15))
+    with torch.no_grad():
+        la, lb = model(a), model(b)
+    assert torch.equal(la[:, :25], lb[:, :25])
+    assert not torch.allclose(la[:, 25:], lb[:, 25:])
+
+
+def test_batch_rows_are_independent():
+    model = small("swa,ovq")
+    x = torch.randint(0, 64, (3, 48))
+    with torch.no_grad():
+        full = model(x)
+        alone = model(x[1:2])
+    assert torch.allclose(full[1:2], alone, atol=1e-5)
+
+
+def test_overrides_set_and_restore():
+    model = small("swa,ovq,swa,ovq")
+    prev = model.set_overrides(max_centroids=64)
+    assert prev == {"max_centroids": 16}
+    assert [b.mixer.max_centroids for b in model.blocks if b.mixer_name == "ovq"] == [64, 64]
+    model.set_overrides(**prev)
+    assert model.blocks[1].mixer.max_centroids == 16
+    with pytest.raises(ValueError, match="override window_size=3: no mixer"):
+        model.set_overrides(window_size=3)
+
+
+def test_larger_dictionary_at_test_time_changes_long_context_outputs():
+    model = small("ovq")
+    x = torch.randint(0, 64, (1, 96))
+    with torch.no_grad():
+        base = model(x)
+        model.set_overrides(max_centroids=96)
+        more = model(x)
+    assert torch.equal(base[:, :16], more[:, :16])  # the first chunk reads no dictionary
+    assert not torch.allclose(base[:, 32:], more[:, 32:])
+
+
+def test_compiled_train_step_has_no_graph_break_and_matches_eager():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = small("swa,ovq")
+    x = torch.randint(0, 64, (2, 64))
+    y = torch.randint(0, 64, (2, 64))
+    compiled = torch.compile(model, fullgraph=True)
+    loss_c = F.cross_entropy(compiled(x).flatten(0, 1), y.flatten())
+    loss_c.backward()
+    grads_c = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss_e = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss_e.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.allclose(loss_c, loss_e, rtol=1e-5)
+    for gc, p in zip(grads_c, model.parameters()):
+        assert torch.allclose(gc, p.grad, rtol=1e-4, atol=1e-6)

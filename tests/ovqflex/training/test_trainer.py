@@ -1,0 +1,150 @@
+"""Training loop: metrics and checkpoints, exact resume after a kill, refusals, eval report."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ovqflex.training import CheckpointError, TrainConfig, evaluate, latest_checkpoint, load_checkpoint, train
+from ovqflex.training.trainer import FAULT_KILL_ENV
+
+# a model small enough that a step takes milliseconds: the loop is under test, not learning
+MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=32, block_size=16)
+CLI_MODEL = [f"--model-opt={k}={v}" for k, v in MODEL.items()]
+
+
+def cfg(tmp_path: Path, **kw) -> TrainConfig:
+    base = dict(out=str(tmp_path / "run"), task="icr", task_options=dict(key_len=1, value_len=1), seq_len=64,
+                batch_size=4, steps=6, warmup=2, compile=False, log_every=1, progress=False,
+                model_options=dict(MODEL))
+    return TrainConfig(**{**base, **kw})
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_metrics_config_and_a_checkpoint(tmp_path):
+    c = cfg(tmp_path)
+    result = train(c)
+    run = Path(c.out)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["loss"] > 0 and 0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["lr"] < rows[1]["lr"]  # warmup
+    assert result.step == 6 and result.loss == pytest.approx(rows[-1]["loss"], abs=1e-6)
+    doc = json.loads((run / "config.json").read_text())
+    assert doc["train_config"]["steps"] == 6 and doc["model_config"]["pattern"] == "swa,ovq"
+    assert load_checkpoint(latest_checkpoint(run)).step == 6
+
+
+def test_loss_falls_when_memorising_one_batch(tmp_path, monkeypatch):
+    """The loop optimises (loss, backward, clipping, AdamW, schedule): every step sees step 0's batch."""
+    import ovqflex.training.trainer as trainer_mod
+
+    real = trainer_mod.make_batch
+    monkeypatch.setattr(trainer_mod, "make_batch", lambda task, **kw: real(task, **{**kw, "step": 0}))
+    c = cfg(tmp_path, steps=40, lr=1e-2, warmup=0)
+    train(c)
+    rows = metrics(Path(c.out))
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+
+
+def test_resume_from_a_checkpoint_is_exact(tmp_path):
+    straight = cfg(tmp_path / "a")
+    train(straight)
+    with_ckpts = cfg(tmp_path / "b", ckpt_every=3, keep_checkpoints=3)
+    train(with_ckpts)
+    resumed = cfg(tmp_path / "c", ckpt_every=3)
+    train(resumed, resume_from=Path(with_ckpts.out) / "checkpoints" / "step_00000003")
+    a = load_checkpoint(latest_checkpoint(straight.out)).model
+    c = load_checkpoint(latest_checkpoint(resumed.out)).model
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    assert metrics(Path(straight.out))[-1]["loss"] == metrics(Path(resumed.out))[-1]["loss"]
+
+
+def _cli(args, env=None, check=True):
+    proc = subprocess.run([sys.executable, "-m", "ovqflex.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_killed_run_resumes_to_the_same_final_loss(tmp_path):
+    """N steps straight == N/2 steps, SIGKILL (two steps later, so unsaved progress is lost), resume."""
+    common = ["train", "--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64",
+              "--batch-size", "4", "--steps", "8", "--warmup", "2", "--no-compile", "--log-every", "1",
+              "--no-progress", *CLI_MODEL]
+    _cli([*common, "--out", str(tmp_path / "straight")])
+    killed = _cli([*common, "--out", str(tmp_path / "killed"), "--ckpt-every", "4"], env={FAULT_KILL_ENV: "6"},
+                  check=False)
+    assert killed.returncode == -9, killed.stderr
+    assert latest_checkpoint(tmp_path / "killed").name == "step_00000004"
+    assert [r["step"] for r in metrics(tmp_path / "killed")][-1] == 6
+    _cli([*common, "--out", str(tmp_path / "killed"), "--ckpt-every", "4", "--resume"])
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "killed")
+    assert [r["step"] for r in b] == list(range(1, 9))  # lines of the lost steps 5-6 replaced, not duplicated
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_fresh_run_refuses_a_used_directory_and_resume_needs_a_checkpoint(tmp_path):
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+        train(c)
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        train(cfg(tmp_path / "empty"), resume=True)
+
+
+def test_resume_with_different_settings_is_refused(tmp_path):
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    with pytest.raises(CheckpointError, match="settings differ.*seq_len"):
+        train(TrainConfig(**{**c.to_dict(), "seq_len": 128, "steps": 4}), resume=True)
+
+
+def test_corrupted_latest_checkpoint_gives_a_clear_error(tmp_path):
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    weights = latest_checkpoint(c.out) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="model.safetensors is truncated"):
+        train(TrainConfig(**{**c.to_dict(), "steps": 4}), resume=True)
+
+
+def test_eval_reports_lengths_and_overrides(tmp_path):
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    doc = evaluate(c.out, [64, 128], n_examples=3, batch_size=2, overrides={"max_centroids": 64})
+    assert [r["length"] for r in doc["rows"]] == [64, 128]
+    assert all(0 <= r["accuracy"] <= 1 and r["targets"] == 3 * 6 for r in doc["rows"])
+    assert doc["overrides"] == {"max_centroids": 64}
+    assert json.loads((Path(c.out) / "eval.json").read_text()) == doc
+    assert (Path(c.out) / "eval.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="override nope=1"):
+        evaluate(c.out, [64], n_examples=1, overrides={"nope": 1})
+    with pytest.raises(ValueError, match="too short"):
+        evaluate(c.out, [8], n_examples=1)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        evaluate(tmp_path / "nothing", [64])
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_one_process(tmp_path):
+    """gloo data parallel over 2 CPU processes == 1 process with the same global batch."""
+    common = ["--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64",
+              "--batch-size", "8", "--steps", "6", "--warmup", "2", "--no-compile", "--log-every", "1",
+              "--no-progress", *CLI_MODEL]
+    _cli(["train", *common, "--out", str(tmp_path / "one")])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29531", "-m", "ovqflex.cli", "train", *common,
+                           "--out", str(tmp_path / "two")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), (ra, rb)
