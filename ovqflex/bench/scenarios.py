@@ -141,7 +141,8 @@ def train(sc: dict, device: str) -> list[dict]:
     """Training throughput of whole models: ``torch.compile(model)`` AdamW steps on a task's
     batches, for each mixer ``patterns`` entry (the first is the baseline of ``x_vs_baseline``).
 
-    Keys: ``patterns``, ``preset`` (tiny), ``seq_len``, ``batch_size``, ``task`` (icr),
+    Keys: ``patterns``, ``preset`` (tiny), ``seq_len``, ``batch_size``, ``task`` (icr), ``task_options``,
+    ``model_options``,
     ``steps`` (timed steps), ``warmup_steps`` (untimed, include compile), ``compile`` (true).
     """
     import time
@@ -158,7 +159,8 @@ def train(sc: dict, device: str) -> list[dict]:
     for pattern in sc["patterns"]:
         cfg = TrainConfig(task=sc.get("task", "icr"), preset=sc.get("preset", "tiny"), pattern=pattern,
                           seq_len=int(sc["seq_len"]), batch_size=int(sc.get("batch_size", 8)),
-                          compile=bool(sc.get("compile", True)), model_options=dict(sc.get("model_options", {})))
+                          compile=bool(sc.get("compile", True)), model_options=dict(sc.get("model_options", {})),
+                          task_options=dict(sc.get("task_options", {})))
         torch.manual_seed(0)
         task = build_task(cfg)
         model = build_model(cfg, task).to(dev)

@@ -2,9 +2,18 @@
 
 Owns the fused ``qkv_proj`` (``[B, T, hidden] -> 3 x [B, H, T, head_dim]``) and
 ``o_proj`` (``[B, H, T, head_dim] -> [B, T, hidden]``), and validates the sizes.
+
+``qk_conv=K > 0`` adds a depthwise causal convolution of width ``K`` over time on the
+q and k projections (the OVQ paper's appendix-C tweak, seed 000 §9: "applying
+convolutions to query and keys"), initialised to the identity (last tap 1), so a
+layer with it starts out equal to one without. Each q/k channel at ``t`` then mixes
+the projections of tokens ``t-K+1 .. t``: a key can name the tokens before it without
+a previous-token head in an earlier layer.
 """
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrences.checks import check_choice, check_int, check_tensor
@@ -13,7 +22,7 @@ from ..attention import BACKENDS
 
 
 class MultiHeadProjection(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, backend: str):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, backend: str, qk_conv: int = 0):
         super().__init__()
         check_int("hidden_size", hidden_size)
         check_int("num_heads", num_heads)
@@ -23,6 +32,12 @@ class MultiHeadProjection(nn.Module):
         self.hidden_size, self.num_heads, self.head_dim, self.backend = hidden_size, num_heads, head_dim, backend
         self.qkv_proj = nn.Linear(hidden_size, 3 * num_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        check_int("qk_conv", qk_conv, minimum=0)
+        self.qk_conv = qk_conv
+        if qk_conv:
+            weight = torch.zeros(2 * num_heads * head_dim, 1, qk_conv)
+            weight[:, 0, -1] = 1.0
+            self.qk_conv_weight = nn.Parameter(weight)  # [2*H*D, 1, K] depthwise taps, oldest first
 
     def split_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]``."""
@@ -30,7 +45,13 @@ class MultiHeadProjection(nn.Module):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         B, T, _ = x.shape
-        return self.qkv_proj(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.qkv_proj(x)  # [B, T, 3*H*D]
+        if self.qk_conv:
+            n = 2 * self.num_heads * self.head_dim
+            qk = F.pad(qkv[..., :n].transpose(1, 2), (self.qk_conv - 1, 0))  # [B, 2HD, K-1+T], causal
+            qk = F.conv1d(qk, self.qk_conv_weight.to(qk.dtype), groups=n).transpose(1, 2)
+            qkv = torch.cat([qk, qkv[..., n:]], dim=-1)
+        return qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
     def merge(self, o: Tensor) -> Tensor:
         """o ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""

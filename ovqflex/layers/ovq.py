@@ -25,8 +25,8 @@ class OVQAttention(MultiHeadProjection):
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  max_centroids: int = 2048, growth: str = "plateau", growth_horizon: int | None = None,
                  seeding: str = "spread", seed: int = 0, normalize_centroids: bool = False,
-                 backend: str = "auto", block_size: int = DEFAULT_BLOCK):
-        super().__init__(hidden_size, num_heads, head_dim, backend)
+                 qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
+        super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         check_chunk("chunk_size", chunk_size)
         check_int("max_centroids", max_centroids)
         check_choice("growth", growth, GROWTHS)

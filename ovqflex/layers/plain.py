@@ -24,8 +24,8 @@ class _PlainAttention(MultiHeadProjection):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
-                 qk_norm: bool, backend: str, block_size: int, regions):
-        super().__init__(hidden_size, num_heads, head_dim, backend)
+                 qk_norm: bool, backend: str, block_size: int, regions, qk_conv: int = 0):
+        super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         if self.head_dim % 2 and rope:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         self.rope, self.rope_base, self.block_size, self.regions = rope, rope_base, block_size, regions
@@ -60,10 +60,11 @@ class CausalAttention(_PlainAttention):
     """Full causal multi-head attention, NoPE (``rope=False``) or RoPE."""
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, rope: bool = False,
-                 rope_base: float = 10000.0, qk_norm: bool = False, backend: str = "auto",
+                 rope_base: float = 10000.0, qk_norm: bool = False, qk_conv: int = 0, backend: str = "auto",
                  block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
-                         qk_norm=qk_norm, backend=backend, block_size=block_size, regions=plain_regions())
+                         qk_norm=qk_norm, backend=backend, block_size=block_size, regions=plain_regions(),
+                         qk_conv=qk_conv)
 
 
 class SlidingWindowAttention(_PlainAttention):
@@ -74,10 +75,11 @@ class SlidingWindowAttention(_PlainAttention):
     def __init__(self, hidden_size: int, num_heads: int, *, window: int | None = 512,
                  block_window: int | None = None, chunk_size: int = 128, n_sinks: int = 0,
                  head_dim: int | None = None, rope: bool = True, rope_base: float = 10000.0,
-                 qk_norm: bool = False, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
+                 qk_norm: bool = False, qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
         if block_window is not None:
             window = None
         regions = plain_regions(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
-                         qk_norm=qk_norm, backend=backend, block_size=block_size, regions=regions)
+                         qk_norm=qk_norm, backend=backend, block_size=block_size, regions=regions,
+                         qk_conv=qk_conv)
         self.window, self.block_window, self.chunk_size, self.n_sinks = window, block_window, chunk_size, n_sinks

@@ -28,7 +28,8 @@ def available_mixers() -> list[str]:
 
 
 def _attn_kwargs(c: HybridConfig, name: str) -> dict:
-    return dict(head_dim=c.head_dim, backend=c.backend, block_size=c.block_size, **c.mixer_options.get(name, {}))
+    return dict(head_dim=c.head_dim, qk_conv=c.qk_conv, backend=c.backend, block_size=c.block_size,
+                **c.mixer_options.get(name, {}))
 
 
 def build_mixer(name: str, config: HybridConfig) -> nn.Module:

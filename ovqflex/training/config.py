@@ -18,13 +18,13 @@ class TrainConfig:
     preset: str = "tiny"
     pattern: str | None = None                         # None: the preset's pattern
     model_options: dict = field(default_factory=dict)  # HybridConfig overrides
-    steps: int = 1000
-    seq_len: int = 256
-    batch_size: int = 16                               # global batch (split over torchrun ranks)
-    lr: float = 3e-3
+    steps: int = 3000
+    seq_len: int = 64
+    batch_size: int = 32                               # global batch (split over torchrun ranks)
+    lr: float = 5e-3
     min_lr: float = 1e-5
     warmup: int = 100
-    weight_decay: float = 0.1
+    weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0

@@ -147,5 +147,6 @@ def evaluate(run_dir: str | os.PathLike, lengths: list[int] | None = None, *, n_
     doc = {"task": cfg.task, "task_description": task.describe(), "pattern": model.config.pattern,
            "preset": cfg.preset, "step": step, "train_seq_len": cfg.seq_len, "overrides": overrides,
            "rows": [asdict(r) for r in rows]}
-    write_report(run_dir, doc)
+    _, png = write_report(run_dir, doc)
+    doc["plot"] = None if png is None else str(png)
     return doc

@@ -39,3 +39,37 @@ def test_readme_flags_exist():
                                                  "--heads", "2", "--window", "8", "--sinks", "1"],
                  ["bench", "p.toml", "--device", "cpu", "--out", "d", "--only", "x"]):
         parser.parse_args(argv)
+
+
+def test_readme_train_and_eval_flags_exist():
+    parser = build_parser()
+    parser.parse_args(["train", "--task", "icr", "--pattern", "swa,ovq", "--preset", "tiny", "--steps", "3",
+                       "--seq-len", "64", "--batch-size", "2", "--out", "d", "--resume", "--data", "f.txt",
+                       "--task-opt", "key_len=1", "--model-opt", "d_model=32", "--no-compile"])
+    args = parser.parse_args(["eval", "d", "--lengths", "64,128", "--examples", "4", "--override",
+                              "max_centroids=64", "--checkpoint", "c"])
+    assert args.lengths == [64, 128]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["train", "--task", "sudoku"], "--task must be one of"),
+    (["train", "--seq-len", "0"], "seq_len must be >= 1"),
+    (["train", "--seq-len", "8"], "too short for task 'icr'"),
+    (["train", "--task", "text"], "needs a data file: --data"),
+    (["train", "--task", "text", "--data", "/no/such/file.txt"], "/no/such/file.txt"),
+    (["train", "--pattern", "swa,kvm2"], "unknown mixer 'kvm2'"),
+    (["train", "--task-opt", "keylen"], "--task-opt: override must look like NAME=VALUE"),
+    (["train", "--task-opt", "colour=3"], "colour"),
+    (["eval", "/no/such/run"], "does not exist"),
+], ids=["task", "seq-len", "too-short", "text-no-data", "text-missing", "pattern", "opt-form", "opt-name", "eval"])
+def test_bad_train_and_eval_arguments(tmp_path, capsys, argv, match):
+    if argv[0] == "train":
+        argv = [*argv, "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv) == 2
+    assert re.search(re.escape(match) if "/" in match else match, capsys.readouterr().err)
+
+
+def test_bad_lengths_are_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "d", "--lengths", "64,abc"])
+    assert "comma-separated integers" in capsys.readouterr().err

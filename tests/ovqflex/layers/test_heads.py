@@ -1,0 +1,61 @@
+"""MultiHeadProjection: shapes, size checks, the optional causal q/k convolution."""
+import pytest
+import torch
+
+from ovqflex.layers import OVQAttention, SlidingWindowAttention
+from ovqflex.layers.heads import MultiHeadProjection
+
+
+def test_split_heads_shapes_and_size_check():
+    m = MultiHeadProjection(32, 4, None, "blocked")
+    q, k, v = m.split_heads(torch.randn(2, 7, 32))
+    assert q.shape == k.shape == v.shape == (2, 4, 7, 8)
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        m.split_heads(torch.randn(2, 7, 16))
+    with pytest.raises(ValueError, match="qk_conv must be >= 0"):
+        MultiHeadProjection(32, 4, None, "blocked", qk_conv=-1)
+
+
+def test_qk_conv_starts_as_identity():
+    torch.manual_seed(0)
+    plain = MultiHeadProjection(32, 2, None, "blocked")
+    conv = MultiHeadProjection(32, 2, None, "blocked", qk_conv=3)
+    conv.load_state_dict(plain.state_dict(), strict=False)
+    x = torch.randn(2, 9, 32)
+    for a, b in zip(plain.split_heads(x), conv.split_heads(x)):
+        assert torch.equal(a, b)
+
+
+def test_qk_conv_mixes_earlier_tokens_only():
+    """With taps w (oldest first), k_t = sum_j w_j * proj(x)_{t-K+1+j}, zero before the start."""
+    torch.manual_seed(0)
+    m = MultiHeadProjection(16, 2, None, "blocked", qk_conv=3)
+    with torch.no_grad():
+        m.qk_conv_weight.copy_(torch.randn_like(m.qk_conv_weight))
+    x = torch.randn(1, 6, 16)
+    q, k, v = m.split_heads(x)
+    raw = m.qkv_proj(x)[0]  # [T, 3*H*D]
+    w = m.qk_conv_weight[:, 0, :]  # [2*H*D, K]
+    expected = torch.zeros(6, 32)
+    for t in range(6):
+        for j in range(3):
+            s = t - 2 + j
+            if s >= 0:
+                expected[t] += w[:, j] * raw[s, :32]
+    got = torch.cat([q[0].transpose(0, 1).reshape(6, 16), k[0].transpose(0, 1).reshape(6, 16)], dim=-1)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.equal(v[0].transpose(0, 1).reshape(6, 16), raw[:, 32:])
+
+
+@pytest.mark.parametrize("make", [lambda: SlidingWindowAttention(32, 2, window=8, qk_conv=4, backend="blocked"),
+                                  lambda: OVQAttention(32, 2, chunk_size=16, max_centroids=8, qk_conv=4,
+                                                       backend="blocked")], ids=["swa", "ovq"])
+def test_layers_with_qk_conv_stay_causal(make):
+    torch.manual_seed(0)
+    layer = make()
+    with torch.no_grad():
+        layer.qk_conv_weight.normal_()
+    x = torch.randn(1, 40, 32, requires_grad=True)
+    layer(x)[0, 20].sum().backward()
+    assert x.grad[0, 21:].abs().max() == 0 and x.grad[0, :21].abs().max() > 0
+    assert layer.qk_conv_weight.grad.abs().max() > 0
