@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -81,7 +82,7 @@ def _cmd_train(args) -> int:
         progress=not args.no_progress,
     )
     result = train(cfg, resume=args.resume, resume_from=args.resume_from)
-    if result.loss is not None and int(__import__("os").environ.get("RANK", "0")) == 0:
+    if result.loss is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"trained {result.step} steps -> {result.out}: loss {result.loss:.4f}, "
               f"target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s")
     return 0

@@ -56,8 +56,9 @@ def _check_resumable(cfg: TrainConfig, saved: dict, path: Path) -> None:
              for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)]
     if diffs:
         raise CheckpointError(f"cannot resume from {path}: the run's settings differ ({'; '.join(diffs)})")
-    if cfg.steps < int(saved.get("steps", 0)) and cfg.steps <= int(saved.get("_step", 0)):
-        raise CheckpointError(f"cannot resume from {path}: it is at step {saved['_step']} >= --steps {cfg.steps}")
+    if cfg.steps <= saved["_step"]:
+        raise CheckpointError(f"cannot resume from {path}: it is at step {saved['_step']}, already >= "
+                              f"--steps {cfg.steps} (raise --steps to train further)")
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

@@ -107,6 +107,13 @@ def test_resume_with_different_settings_is_refused(tmp_path):
         train(TrainConfig(**{**c.to_dict(), "seq_len": 128, "steps": 4}), resume=True)
 
 
+def test_resume_past_the_last_step_is_refused(tmp_path):
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    with pytest.raises(CheckpointError, match="at step 2, already >= --steps 2"):
+        train(c, resume=True)
+
+
 def test_corrupted_latest_checkpoint_gives_a_clear_error(tmp_path):
     c = cfg(tmp_path, steps=2)
     train(c)
