@@ -147,11 +147,11 @@ def train(sc: dict, device: str) -> list[dict]:
     """
     import time
 
-    import torch.nn.functional as F
 
-    from ..tasks import IGNORE, make_batch
+    from ..tasks import make_batch
     from ..training import TrainConfig
     from ..training.setup import autocast_dtype, build_model, build_optimizer, build_task
+    from ..training.trainer import forward_loss
 
     dev = torch.device(device)
     steps, warm = int(sc.get("steps", 10)), int(sc.get("warmup_steps", 3))
@@ -171,9 +171,7 @@ def train(sc: dict, device: str) -> list[dict]:
         def step(i):
             x, y = make_batch(task, seed=0, step=i, start=0, count=cfg.batch_size, seq_len=cfg.seq_len)
             x, y = x.to(dev), y.to(dev)
-            with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
-                logits = fwd(x)
-            F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE).backward()
+            forward_loss(fwd, x, y, amp)[1].backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 

@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..tasks import IGNORE, make_batch
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from .config import TrainConfig
 from .setup import build_model, build_task, resolve_device
+from .trainer import forward_loss
 
 EVAL_SEED_OFFSET = 1_000_003  # eval examples: seed + offset, so never a training example
 
@@ -67,12 +67,11 @@ def evaluate_model(model, task, lengths: list[int], *, n_examples: int, batch_si
             x, y = make_batch(task, seed=seed + EVAL_SEED_OFFSET, step=length, start=start, count=count,
                               seq_len=length)
             x, y = x.to(device), y.to(device)
-            logits = model(x)
+            logits, batch_loss = forward_loss(model, x, y, None)
             target = y != IGNORE
             correct += int(((logits.argmax(-1) == y) & target).sum())
             total += int(target.sum())
-            loss_sum += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE,
-                                              reduction="sum"))
+            loss_sum += float(batch_loss)
         rows.append(EvalRow(length, correct / max(total, 1), loss_sum / max(total, 1), total, n_examples,
                             time.perf_counter() - t0))
         if progress is not None:

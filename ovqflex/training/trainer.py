@@ -24,7 +24,7 @@ from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, sav
 from .config import TrainConfig
 from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, shutdown
 from .schedule import lr_at
-from .setup import autocast_dtype, build_model, build_optimizer, build_task, model_config, resolve_device
+from .setup import autocast_dtype, build_model, build_optimizer, build_task, resolve_device
 
 CONFIG_FILE, METRICS_FILE = "config.json", "metrics.jsonl"
 # fault injection for the resume tests: SIGKILL this process right after that step
@@ -32,6 +32,14 @@ FAULT_KILL_ENV = "OVQFLEX_FAULT_KILL_AFTER_STEP"
 # what must match between a checkpoint and the run that resumes it
 _RESUME_KEYS = ("task", "task_options", "data", "preset", "pattern", "model_options", "seq_len", "batch_size",
                 "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "grad_clip")
+
+
+def forward_loss(fwd, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens ``x`` ``[B, T]``, labels ``y`` ``[B, T]`` -> (logits ``[B, T, V]``, cross-entropy summed
+    over the target positions); the forward runs under ``amp`` autocast when it is not None."""
+    with torch.autocast(x.device.type, dtype=amp, enabled=amp is not None):
+        logits = fwd(x)
+    return logits, F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 @dataclass
@@ -125,7 +133,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> Train
             _truncate_metrics(out / METRICS_FILE, start)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        doc = {"train_config": cfg.to_dict(), "model_config": model_config(cfg, task).to_dict(),
+        doc = {"train_config": cfg.to_dict(), "model_config": model.config.to_dict(),
                "task": task.describe(), "parameters": model.num_parameters()}
         tmp = out / f".{CONFIG_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(doc, indent=1))
@@ -153,9 +161,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> Train
             # [loss sum, correct, targets] summed over ranks; the count normalises the loss
             n_targets = target.sum().to(torch.float32).reshape(1)
             all_reduce_sum_([n_targets], info)
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                logits = fwd(x)
-            loss_sum = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+            logits, loss_sum = forward_loss(fwd, x, y, amp)
             (loss_sum / n_targets.clamp_min(1)).backward()
             all_reduce_sum_([p.grad for p in params if p.grad is not None], info)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
@@ -186,7 +192,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> Train
             if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
                 if info.is_main:
                     save_checkpoint(out, done, model, optimizer, {
-                        "train_config": cfg.to_dict(), "model_config": model_config(cfg, task).to_dict(),
+                        "train_config": cfg.to_dict(), "model_config": model.config.to_dict(),
                         "metrics": {"loss": last.loss, "accuracy": last.accuracy}}, keep=cfg.keep_checkpoints)
                 barrier(info)
             if done == kill_after:
