@@ -1,7 +1,7 @@
 """The mixer registry: pattern names -> layer factories ``(config) -> nn.Module``.
 
 Each mixer maps ``x [B, T, d_model] -> [B, T, d_model]``. Methods that land later
-(``kvm``, ``vq``, ``longvq``, ``linear``, ``deltanet``, ``vla``) register here with
+(``vq``, ``longvq``, ``linear``, ``deltanet``, ``vla``) register here with
 :func:`register_mixer`; a pattern naming an unregistered mixer is refused with the list
 of available ones.
 """
@@ -11,12 +11,12 @@ from typing import Callable
 
 from torch import nn
 
-from ..layers import CausalAttention, OVQAttention, SlidingWindowAttention
+from ..layers import CausalAttention, KVMAttention, OVQAttention, SlidingWindowAttention
 from .config import HybridConfig
 
 MixerFactory = Callable[[HybridConfig], nn.Module]
 _MIXERS: dict[str, MixerFactory] = {}
-_PLANNED = ("kvm", "vq", "longvq", "linear", "deltanet", "vla")
+_PLANNED = ("vq", "longvq", "linear", "deltanet", "vla")
 
 
 def register_mixer(name: str, factory: MixerFactory) -> None:
@@ -52,3 +52,6 @@ register_mixer("bswa", lambda c: SlidingWindowAttention(c.d_model, c.n_heads, bl
 register_mixer("ovq", lambda c: OVQAttention(c.d_model, c.n_heads, chunk_size=c.chunk_size,
                                              max_centroids=c.max_centroids, growth=c.growth, seeding=c.seeding,
                                              **_attn_kwargs(c, "ovq")))
+register_mixer("kvm", lambda c: KVMAttention(c.d_model, c.n_heads, chunk_size=c.chunk_size,
+                                             n_bswa_chunks=c.bswa_chunks, rope_base=c.rope_base,
+                                             **_attn_kwargs(c, "kvm")))

@@ -1,9 +1,8 @@
 """Differentiable OVQ snapshots (SPEC §4.2, §5 "Snapshots").
 
 Given the routes, the dictionary chunk ``c`` reads is the mean of every key and
-value routed before chunk ``c``: one scatter-add of the tokens into per-chunk
-slot sums, an exclusive cumulative sum over chunks, a division by counts. No
-Python loop on the gradient path.
+value routed before chunk ``c``: the shared segment sums of
+:mod:`recurrences.segments` divided by counts. No Python loop on the gradient path.
 """
 from __future__ import annotations
 
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..segments import segment_snapshot_sums
 
 
 @dataclass
@@ -26,27 +27,6 @@ class OVQSnapshots:
     values: Tensor
     counts: Tensor
     live: Tensor
-
-
-def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, rows: int) -> tuple[Tensor, Tensor]:
-    """Exclusive per-chunk prefix sums of ``x`` by slot.
-
-    x ``[B, H, T, D]``, routes ``[B, H, T]`` (-1 or >= rows: ignored) ->
-    sums ``[B, H, n_chunks, rows, D]`` over tokens of chunks ``< c``, and counts ``[B, H, n_chunks, rows]``.
-    """
-    B, H, T, D = x.shape
-    slot = torch.where((routes >= 0) & (routes < rows), routes, rows)  # spare slot `rows` drops a token
-    tok_chunk = torch.arange(T, device=x.device) // chunk
-    # token t of chunk ct contributes to snapshots c > ct: add it at chunk ct + 1, then cumsum
-    n_cells = (n_chunks + 1) * (rows + 1)
-    bh = torch.arange(B * H, device=x.device).view(B, H, 1) * n_cells
-    cell = (bh + (tok_chunk + 1).view(1, 1, T) * (rows + 1) + slot).reshape(-1)  # [B*H*T] global cell
-    sums = x.new_zeros(B * H * n_cells, D).index_add(0, cell, x.reshape(B * H * T, D)).view(B, H, n_cells, D)
-    counts = torch.zeros(B * H * n_cells, device=x.device).index_add(
-        0, cell, torch.ones(B * H * T, device=x.device)).view(B, H, n_cells)
-    sums = sums.view(B, H, n_chunks + 1, rows + 1, D)[:, :, :n_chunks, :rows].cumsum(2)
-    counts = counts.view(B, H, n_chunks + 1, rows + 1)[:, :, :n_chunks, :rows].cumsum(2)
-    return sums, counts
 
 
 def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk: int, sizes: list[int],

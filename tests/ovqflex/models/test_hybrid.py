@@ -21,12 +21,12 @@ def test_pattern_repeats_over_layers():
     assert [b.mixer_name for b in model.blocks] == ["swa", "nope", "swa"]
 
 
-def test_available_mixers_cover_the_plain_and_ovq_layers():
-    assert {"full", "nope", "swa", "bswa", "ovq"} <= set(available_mixers())
+def test_available_mixers_cover_the_plain_ovq_and_kvm_layers():
+    assert {"full", "nope", "swa", "bswa", "ovq", "kvm"} <= set(available_mixers())
 
 
 @pytest.mark.parametrize("pattern, match", [("swa,wat", "unknown mixer 'wat'.*available"),
-                                            ("kvm", "planned but not built"), (",", "at least one mixer")],
+                                            ("vq", "planned but not built"), (",", "at least one mixer")],
                          ids=["unknown", "planned", "empty"])
 def test_bad_pattern(pattern, match):
     with pytest.raises(ValueError, match=match):
@@ -71,7 +71,7 @@ def test_tokens_must_be_int64_ids():
         model(torch.zeros(8, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("pattern", ["full", "nope", "swa", "bswa", "ovq", "swa,ovq"])
+@pytest.mark.parametrize("pattern", ["full", "nope", "swa", "bswa", "ovq", "swa,ovq", "kvm", "swa,kvm"])
 def test_causal(pattern):
     """Logits at position i do not change when tokens after i change."""
     model = small(pattern)
@@ -102,6 +102,19 @@ def test_overrides_set_and_restore():
     assert model.blocks[1].mixer.max_centroids == 16
     with pytest.raises(ValueError, match="override window_size=3: no mixer"):
         model.set_overrides(window_size=3)
+
+
+def test_kvm_state_cap_override_changes_long_context_outputs():
+    model = small("kvm", mixer_options={"kvm": {"budget": "power_law", "growth_factor": 8.0}})
+    x = torch.randint(0, 64, (1, 128))
+    with torch.no_grad():
+        capped = model(x)  # max_state_chunks=1: the state stays at one chunk
+        assert model.set_overrides(max_state_chunks=None) == {"max_state_chunks": 1}
+        grown = model(x)
+    # C=16, Nb=2: chunk 2 reads the initial 16 rows either way; from chunk 3 on (ctx 48, budget
+    # floor(8 sqrt 48) = 55) the uncapped state has grown to 32 rows
+    assert torch.equal(capped[:, :48], grown[:, :48])
+    assert not torch.allclose(capped[:, 48:], grown[:, 48:])
 
 
 def test_larger_dictionary_at_test_time_changes_long_context_outputs():

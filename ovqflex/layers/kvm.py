@@ -1,0 +1,84 @@
+"""``KVMAttention``: the Key-Value Means layer (SPEC §4.3, seed 004 appendix B weight preparation).
+
+q, k: LayerNorm over ``head_dim`` (affine, one module each, shared by heads), then RoPE on
+the first ``rope_dims`` channels as interleaved pairs; v plain. Merge gate
+``g = 1 + elu(x W_g)`` (one scalar per token and head), state LayerNorm ``LN_s``,
+temperatures ``tau_state, tau_bswa [H]`` initialised to 1.
+
+Ablations (seed 004 §5): ``use_gate=False`` (g = 1), ``sink_len=0`` (no protected sinks),
+``use_vlens=False`` (state values ``s_v / count``), ``use_temperatures=False`` (tau = 1).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from masks.program import DEFAULT_BLOCK
+from recurrences.checks import check_chunk, check_int
+from recurrences.kvm import KVMBudget
+
+from ..ops.kvm import kvm_attention
+from .heads import MultiHeadProjection
+from .rope import apply_rope
+
+
+class KVMAttention(MultiHeadProjection):
+    """x ``[B, T, hidden]`` -> ``[B, T, hidden]``.
+
+    Budget options (``budget``, ``state_min_len``, ``growth_factor``, ``growth_exponent``,
+    ``round_down``, ``saturation_n``, ``max_state_chunks``) are those of
+    :func:`ovqflex.kvm_attention`; none is a parameter, so they may be changed at test time
+    (``layer.max_state_chunks = None``, or ``HybridLM.set_overrides(max_state_chunks=...)``).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
+                 n_bswa_chunks: int = 2, sink_len: int = 1, rope_dims: int | None = None,
+                 rope_base: float = 10000.0, budget: str = "fixed", state_min_len: int | None = None,
+                 growth_factor: float = 16.0, growth_exponent: float = 0.5, round_down: int = 1,
+                 saturation_n: int = 1024, max_state_chunks: int | None = 1, use_gate: bool = True,
+                 use_vlens: bool = True, use_temperatures: bool = True, qk_conv: int = 0, backend: str = "auto",
+                 block_size: int = DEFAULT_BLOCK):
+        super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
+        D = self.head_dim
+        check_chunk("chunk_size", chunk_size)
+        check_int("n_bswa_chunks", n_bswa_chunks)
+        check_int("sink_len", sink_len, minimum=0)
+        if sink_len >= chunk_size:
+            raise ValueError(f"sink_len must be < chunk_size={chunk_size}, got {sink_len}")
+        rope_dims = D // 2 if rope_dims is None else rope_dims
+        if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or rope_dims % 2 or not 0 <= rope_dims <= D:
+            raise ValueError(f"rope_dims must be an even int in [0, head_dim={D}], got {rope_dims!r}")
+        KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n, max_state_chunks)
+        self.budget, self.state_min_len, self.max_state_chunks = budget, state_min_len, max_state_chunks
+        self.growth_factor, self.growth_exponent = growth_factor, growth_exponent
+        self.round_down, self.saturation_n = round_down, saturation_n
+        self.chunk_size, self.n_bswa_chunks, self.sink_len = chunk_size, n_bswa_chunks, sink_len
+        self.rope_dims, self.rope_base, self.use_vlens, self.block_size = rope_dims, rope_base, use_vlens, block_size
+        self.q_norm, self.k_norm, self.ln_s = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
+        self.gate_proj = nn.Linear(hidden_size, num_heads, bias=False) if use_gate else None
+        if use_temperatures:
+            self.tau_state = nn.Parameter(torch.ones(num_heads))
+            self.tau_bswa = nn.Parameter(torch.ones(num_heads))
+        else:
+            self.tau_state = self.tau_bswa = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.split_heads(x)
+        pos = torch.arange(x.shape[1], device=x.device)
+        q = apply_rope(self.q_norm(q), pos, self.rope_dims, self.rope_base, interleaved=True)
+        k = apply_rope(self.k_norm(k), pos, self.rope_dims, self.rope_base, interleaved=True)
+        gate = None if self.gate_proj is None else (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)  # [B, H, T]
+        o = kvm_attention(q, k, v, gate, ln_s_weight=self.ln_s.weight, ln_s_bias=self.ln_s.bias,
+                          tau_state=self.tau_state, tau_bswa=self.tau_bswa, chunk_size=self.chunk_size,
+                          n_bswa_chunks=self.n_bswa_chunks, sink_len=self.sink_len, rope_dims=self.rope_dims,
+                          budget=self.budget, state_min_len=self.state_min_len, growth_factor=self.growth_factor,
+                          growth_exponent=self.growth_exponent, round_down=self.round_down,
+                          saturation_n=self.saturation_n, max_state_chunks=self.max_state_chunks, use_vlens=self.use_vlens, ln_eps=self.ln_s.eps,
+                          backend=self.backend, block_size=self.block_size)
+        return self.merge(o)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"chunk_size={self.chunk_size}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "
+                f"rope_dims={self.rope_dims}, budget={self.budget!r}, max_state_chunks={self.max_state_chunks}, backend={self.backend!r}")

@@ -1,0 +1,107 @@
+"""``kvm_attention``: Key-Value Means as one attention program (SPEC §4.3).
+
+k ─LN_s(rope dims zeroed)─▶ memory keys ─routes (no grad)─▶ snapshots (differentiable
+gated segment sums, LN_s / radius readout) ─▶ program [per-chunk state bank x tau_state ;
+block sliding window of Nb chunks x tau_bswa, causal] ─▶ backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from masks.program import DEFAULT_BLOCK, build_program
+from masks.regions import BlockWindow, StateBank
+from recurrences.checks import check_chunk, check_int, check_qkv, check_tensor
+from recurrences.kvm import KVMBudget, build_kvm_snapshots, kvm_state_sizes, memory_keys, route_kvm
+
+from ..attention import attend
+
+
+@dataclass
+class KVMState:
+    """What ``return_state=True`` adds: routes ``[B, H, T]`` (state row of each absorbed
+    token, -1 otherwise), founder ``[B, H, T]`` bool (the token created its row) and
+    ``sizes`` (``sizes[c]``: state rows query chunk ``c`` reads)."""
+
+    routes: Tensor
+    founder: Tensor
+    sizes: list[int]
+
+
+def _check_vector(name: str, x, n: int, like: Tensor) -> None:
+    check_tensor(name, x, 1)
+    if x.shape[0] != n:
+        raise ValueError(f"{name} must have shape [{n}], got {tuple(x.shape)}")
+    if x.device != like.device:
+        raise ValueError(f"{name} must be on {like.device}, got {x.device}")
+
+
+def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size, n_bswa_chunks,
+                    sink_len, rope_dims):
+    check_qkv(q, k, v)
+    B, H, T, D = q.shape
+    if gate is not None:
+        check_tensor("gate", gate, 3)
+        if tuple(gate.shape) != (B, H, T):
+            raise ValueError(f"gate must have shape [B, H, T]={(B, H, T)}, got {tuple(gate.shape)}")
+    _check_vector("ln_s_weight", ln_s_weight, D, q)
+    _check_vector("ln_s_bias", ln_s_bias, D, q)
+    for name, tau in (("tau_state", tau_state), ("tau_bswa", tau_bswa)):
+        if tau is not None:
+            _check_vector(name, tau, H, q)
+    check_chunk("chunk_size", chunk_size)
+    check_int("n_bswa_chunks", n_bswa_chunks)
+    check_int("sink_len", sink_len, minimum=0)
+    if sink_len >= chunk_size:
+        raise ValueError(f"sink_len must be < chunk_size={chunk_size} (the initial state), got {sink_len}")
+    if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or rope_dims % 2 or not 0 <= rope_dims <= D:
+        raise ValueError(f"rope_dims must be an even int in [0, {D}], got {rope_dims!r}")
+
+
+def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, ln_s_weight: Tensor,
+                  ln_s_bias: Tensor, tau_state: Tensor | None = None, tau_bswa: Tensor | None = None,
+                  chunk_size: int = 128, n_bswa_chunks: int = 2, sink_len: int = 1, rope_dims: int | None = None,
+                  budget: str = "fixed", state_min_len: int | None = None, growth_factor: float = 16.0,
+                  growth_exponent: float = 0.5, round_down: int = 1, saturation_n: int = 1024,
+                  max_state_chunks: int | None = 1, use_vlens: bool = True, ln_eps: float = 1e-5,
+                  backend: str = "auto", return_state: bool = False, block_size: int = DEFAULT_BLOCK):
+    """KVM attention. q, k ``[B, H, T, D]`` already normalized and rotated, v ``[B, H, T, Dv]``,
+    gate ``[B, H, T]`` merge gates ``1 + elu(x W_g)`` (None: no gate, all 1), ``ln_s_weight``,
+    ``ln_s_bias`` ``[D]`` (the state LayerNorm), ``tau_state``, ``tau_bswa`` ``[H]`` (None: 1)
+    -> ``[B, H, T, Dv]`` (and a :class:`KVMState` with ``return_state=True``).
+
+    The first ``Nb * C`` tokens attend causally; query chunk ``c`` after that sees the state
+    built from tokens ``[0, (c - Nb + 1) C)`` and its ``Nb``-chunk block window. ``rope_dims``
+    (default ``D // 2``) leading channels are zeroed in memory keys. The state length follows
+    the budget (``fixed``, ``power_law``, ``saturation``; see :mod:`recurrences.kvm.budget`),
+    capped at ``max_state_chunks * C`` rows (None: uncapped). ``use_vlens=False`` reads state
+    values as ``s_v / count`` instead of renormalizing them to their founder's radius.
+    """
+    D = q.shape[-1] if isinstance(q, Tensor) and q.dim() == 4 else 0
+    rope_dims = D // 2 if rope_dims is None else rope_dims
+    _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size, n_bswa_chunks,
+                    sink_len, rope_dims)
+    B, H, T, _ = q.shape
+    spec = KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n,
+                     max_state_chunks)
+    sizes = kvm_state_sizes(T, chunk_size, n_bswa_chunks, spec)
+    gate = torch.ones(B, H, T, dtype=q.dtype, device=q.device) if gate is None else gate
+    k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)
+    window = BlockWindow(n_bswa_chunks, chunk_size)
+    rows = max(sizes, default=0)
+    kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
+    routes, founder = route_kvm(kbar, gate, ln_s_weight, ln_s_bias, chunk=chunk_size, n_bswa_chunks=n_bswa_chunks,
+                                sizes=sizes, sink_len=sink_len, ln_eps=ln_eps)
+    if rows == 0:  # T <= Nb*C: the front only, plain causal attention
+        program = build_program(q, k_win, v, (window,), scale=D ** -0.5, block_size=block_size)
+    else:
+        snap = build_kvm_snapshots(kbar, v, gate, routes, founder, chunk=chunk_size, n_bswa_chunks=n_bswa_chunks,
+                                   sizes=sizes, ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps,
+                                   use_vlens=use_vlens)
+        keys = snap.keys if tau_state is None else snap.keys * tau_state.to(snap.keys.dtype).view(1, H, 1, 1, 1)
+        program = build_program(q, k_win, v, (StateBank(rows, chunk_size, snap.live), window), scale=D ** -0.5,
+                                state_k=keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), block_size=block_size)
+    out = attend(program, backend)
+    return (out, KVMState(routes, founder, sizes)) if return_state else out

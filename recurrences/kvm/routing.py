@@ -1,0 +1,83 @@
+"""KVM routing (SPEC §4.3): which state row each overflow token founds or joins. No grad.
+
+Loops over overflow chunks only; each is vectorized over batch, heads and its
+tokens. The routing state is kept as fp32 sums of the memory keys, exactly the
+sums the differentiable state build produces from the same routes.
+
+Overflow chunk ``u >= 1`` (tokens ``[u*C, (u+1)*C)``) is absorbed after query chunk
+``u + Nb - 1``:
+1. append: each token's score is ``max_i kbar_j . LN_s(s_i)`` over the current rows;
+   the ``n_append`` lowest (stable) found new rows, in temporal order;
+2. merge: the others join ``argmax_{i >= sink_len} (g_j kbar_j) . LN_s(s+_i)`` over the
+   rows *after* appending; row sums gain ``g_j kbar_j`` (and ``g_j v_j``).
+Chunk 0 founds rows ``0..C-1`` (the initial state).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk: int, n_bswa_chunks: int,
+              sizes: list[int], sink_len: int, ln_eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+    """Routes of every token.
+
+    kbar ``[B, H, T, D]`` memory keys ``LN_s(k with the rope dims zeroed)``; gate ``[B, H, T]``
+    merge gates; ``ln_weight, ln_bias [D]`` of ``LN_s``; ``sizes`` from
+    :func:`~recurrences.kvm.budget.kvm_state_sizes`.
+    Returns ``routes [B, H, T]`` int64 (state row; -1: not absorbed) and
+    ``founder [B, H, T]`` bool (the token created its row: weight 1, radius ``||v||``).
+
+    An opaque custom op: ``torch.compile`` keeps it as one call, run eagerly without grad.
+    """
+    return _route_op(kbar.detach(), gate.detach(), ln_weight.detach(), ln_bias.detach(), chunk, n_bswa_chunks,
+                     list(sizes), sink_len, ln_eps)
+
+
+@torch.library.custom_op("ovqflex::route_kvm", mutates_args=())
+def _route_op(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, chunk: int, n_bswa_chunks: int,
+              sizes: list[int], sink_len: int, ln_eps: float) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        return _route(kbar, gate, ln_weight, ln_bias, chunk, n_bswa_chunks, sizes, sink_len, ln_eps)
+
+
+@_route_op.register_fake
+def _(kbar, gate, ln_weight, ln_bias, chunk, n_bswa_chunks, sizes, sink_len, ln_eps):
+    return kbar.new_empty(kbar.shape[:3], dtype=torch.long), kbar.new_empty(kbar.shape[:3], dtype=torch.bool)
+
+
+def _route(kbar, gate, ln_weight, ln_bias, chunk, n_bswa, sizes, sink_len, ln_eps):
+    B, H, T, D = kbar.shape
+    C, dev = chunk, kbar.device
+    routes = torch.full((B, H, T), -1, dtype=torch.long, device=dev)
+    founder = torch.zeros((B, H, T), dtype=torch.bool, device=dev)
+    if max(sizes, default=0) == 0:
+        return routes, founder
+    kf, gf = kbar.float(), gate.float()
+    w, b = ln_weight.float(), ln_bias.float()
+    rows = max(sizes)
+    state = kf.new_zeros(B, H, rows, D)  # fp32 row sums of (gated) memory keys
+    state[:, :, :C] = kf[:, :, :C]
+    routes[:, :, :C] = torch.arange(C, device=dev)
+    founder[:, :, :C] = True
+    for c in range(n_bswa + 1, len(sizes)):
+        u, m = c - n_bswa, sizes[c - 1]
+        n_app = sizes[c] - m
+        ok, og = kf[:, :, u * C:(u + 1) * C], gf[:, :, u * C:(u + 1) * C]  # [B, H, C, D], [B, H, C]
+        appended = torch.zeros(B, H, C, dtype=torch.bool, device=dev)
+        if n_app > 0:
+            score = (ok @ F.layer_norm(state[:, :, :m], (D,), w, b, ln_eps).transpose(-1, -2)).amax(-1)
+            chosen = torch.sort(score, dim=-1, stable=True).indices[..., :n_app].sort(dim=-1).values
+            state[:, :, m:m + n_app] = ok.gather(2, chosen[..., None].expand(B, H, n_app, D))
+            appended.scatter_(2, chosen, True)
+        logits = (og[..., None] * ok) @ F.layer_norm(state[:, :, :m + n_app], (D,), w, b, ln_eps).transpose(-1, -2)
+        logits[..., :sink_len] = float("-inf")
+        target = logits.argmax(-1)  # [B, H, C]
+        if n_app > 0:
+            target = target.scatter(2, chosen, m + torch.arange(n_app, device=dev).expand(B, H, n_app))
+        merged_keys = torch.where(appended, 0.0, og)[..., None] * ok
+        state.scatter_add_(2, target[..., None].expand(B, H, C, D), merged_keys)
+        routes[:, :, u * C:(u + 1) * C] = target
+        founder[:, :, u * C:(u + 1) * C] = appended
+    return routes, founder

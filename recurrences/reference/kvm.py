@@ -1,0 +1,164 @@
+"""Sequential reference of Key-Value Means attention (seed 004 §4 and appendix A).
+
+The test oracle for the fused program: the paper's chunk loop, written plainly
+and independently of :mod:`recurrences.kvm` (its own budget arithmetic, one-hot
+matmul merges as in the paper's pseudo-code, explicit softmax per query chunk).
+One Python iteration per query chunk, vectorized over batch and heads.
+
+1. The first ``min(T, Nb*C)`` tokens: causal attention over tokens, keys x ``tau_bswa``.
+2. Query chunk ``[qs, qe)``: ``b = roundup(qe, C) - Nb*C``; attend to
+   ``[tau_state * LN_s(s_k) ; tau_bswa * k[b:qe]]`` with values ``[readout(s_v) ; v[b:qe]]``,
+   causal on the window, softmax scale ``1/sqrt(d)``.
+3. Then the overflow block ``[b, b+C)`` updates the state: append the least-redundant
+   tokens (budget), merge the rest into ``argmax_{i >= sink_len}`` of the post-append state.
+
+Autograd flows through the loop (q, k, v, gate, ``LN_s``, temperatures); routing
+decisions use a float32 no-grad copy of the key sums.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class KVMReferenceResult:
+    out: torch.Tensor       # [B, H, T, Dv], dtype of q
+    routes: torch.Tensor    # [B, H, T] int64 state row of each absorbed token, -1 otherwise
+    founder: torch.Tensor   # [B, H, T] bool, the token created its row (initial or appended)
+    sizes: list[int]        # sizes[c]: state rows query chunk c read (0 in the front)
+    state_k: torch.Tensor   # [B, H, m, D] final key sums (after the last update made)
+    state_v: torch.Tensor   # [B, H, m, Dv] final value sums
+    radii: torch.Tensor     # [B, H, m] value radius of each row
+
+
+def _budget_rows(ctx: int, C: int, budget: str, state_min_len, f, e, round_down, sat_n) -> int:
+    """The paper's B(e): constant, power law or saturating, rounded down, at least the minimum."""
+    if budget == "fixed":
+        return C if state_min_len is None else state_min_len
+    if budget == "power_law":
+        raw = math.floor(f * ctx ** e)
+    elif budget == "saturation":
+        raw = (sat_n * ctx) // (sat_n + ctx)
+    else:
+        raise ValueError(f"budget must be 'fixed', 'power_law' or 'saturation', got {budget!r}")
+    raw -= raw % round_down
+    return max(raw, state_min_len or 0)
+
+
+def _ln(x, w, b, eps):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_state=None, tau_bswa=None,
+                            chunk_size: int = 128, n_bswa_chunks: int = 2, sink_len: int = 1,
+                            rope_dims: int | None = None, budget: str = "fixed", state_min_len: int | None = None,
+                            growth_factor: float = 16.0, growth_exponent: float = 0.5, round_down: int = 1,
+                            saturation_n: int = 1024, max_state_chunks: int | None = 1, use_vlens: bool = True,
+                            ln_eps: float = 1e-5, norm_eps: float = 1e-12,
+                            routes: torch.Tensor | None = None) -> KVMReferenceResult:
+    """KVM attention by the paper's loop. q, k ``[B, H, T, D]`` (normalized and rotated), v
+    ``[B, H, T, Dv]``, gate ``[B, H, T]`` (None: 1), ``ln_s_*`` ``[D]``, ``tau_*`` ``[H]`` (None: 1).
+    ``routes`` ([B, H, T] int64, e.g. the fused path's) forces the append/merge decisions:
+    in each overflow block the tokens routed to new rows ``m, m+1, ...`` are appended (in
+    temporal order) and the others merged into their given row.
+    """
+    B, H, T, D = q.shape
+    Dv, C, Nb, dev = v.shape[-1], chunk_size, n_bswa_chunks, q.device
+    r = D // 2 if rope_dims is None else rope_dims
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    qq, kk, vv = q.to(cdt), k.to(cdt), v.to(cdt)
+    gg = torch.ones(B, H, T, dtype=cdt, device=dev) if gate is None else gate.to(cdt)
+    w, b = ln_s_weight.to(cdt), ln_s_bias.to(cdt)
+    t_s = torch.ones(H, dtype=cdt, device=dev) if tau_state is None else tau_state.to(cdt)
+    t_b = torch.ones(H, dtype=cdt, device=dev) if tau_bswa is None else tau_bswa.to(cdt)
+    scale = 1.0 / math.sqrt(D)
+
+    zero_rope = torch.cat([torch.zeros(r, dtype=cdt, device=dev), torch.ones(D - r, dtype=cdt, device=dev)])
+    kbar = _ln(kk * zero_rope, w, b, ln_eps)                       # memory keys, differentiable
+    kbar_r = _ln(k.detach().float() * zero_rope.float(), w.detach().float(), b.detach().float(), ln_eps)
+    wr, br = w.detach().float(), b.detach().float()
+    k_win = kk * t_b.view(1, H, 1, 1)
+
+    out_routes = torch.full((B, H, T), -1, dtype=torch.long, device=dev)
+    founder = torch.zeros(B, H, T, dtype=torch.bool, device=dev)
+    L0 = min(T, Nb * C)
+    causal = torch.ones(L0, L0, dtype=torch.bool, device=dev).tril()
+    s = torch.einsum("bhid,bhjd->bhij", qq[:, :, :L0], k_win[:, :, :L0]) * scale
+    outs = [s.masked_fill(~causal, float("-inf")).softmax(-1) @ vv[:, :, :L0]]
+    sizes = [0] * -(-L0 // C)
+    s_k, s_v, r_k, radii = kbar.new_zeros(B, H, 0, D), vv.new_zeros(B, H, 0, Dv), kbar_r[:, :, :0], vv.new_zeros(B, H, 0)
+    if T > L0:
+        s_k, s_v = kbar[:, :, :C], vv[:, :, :C]
+        radii = vv[:, :, :C].norm(dim=-1)
+        counts = torch.ones(B, H, C, dtype=cdt, device=dev)
+        r_k = kbar_r[:, :, :C].clone()                                # routing copy: fp32 sums, no grad
+        out_routes[:, :, :C] = torch.arange(C, device=dev)
+        founder[:, :, :C] = True
+    cap = math.inf if max_state_chunks is None else C * max_state_chunks
+    for qs in range(L0, T, C):
+        qe = min(qs + C, T)
+        bw = -(-qe // C) * C - Nb * C                                 # window begins; state covers [0, bw)
+        m = s_k.shape[2]
+        sizes.append(m)
+        # readout and attention of this query chunk
+        sk_hat = _ln(s_k, w, b, ln_eps) * t_s.view(1, H, 1, 1)
+        if use_vlens:
+            sv_hat = radii[..., None] * s_v / s_v.norm(dim=-1, keepdim=True).clamp_min(norm_eps)
+        else:
+            sv_hat = s_v / counts[..., None]
+        keys = torch.cat([sk_hat, k_win[:, :, bw:qe]], dim=2)
+        vals = torch.cat([sv_hat, vv[:, :, bw:qe]], dim=2)
+        pos_q = torch.arange(qs, qe, device=dev)[:, None]
+        pos_w = torch.arange(bw, qe, device=dev)[None, :]
+        visible = torch.cat([torch.ones(qe - qs, m, dtype=torch.bool, device=dev), pos_w <= pos_q], dim=1)
+        s = torch.einsum("bhid,bhjd->bhij", qq[:, :, qs:qe], keys) * scale
+        outs.append(s.masked_fill(~visible, float("-inf")).softmax(-1) @ vals)
+        if qe >= T:
+            break
+        # the overflow block [bw, bw + C) leaves the window: append, then merge
+        ob = slice(bw, bw + C)
+        target = max(m, min(_budget_rows(qe, C, budget, state_min_len, growth_factor, growth_exponent,
+                                         round_down, saturation_n), bw + C, cap))
+        n_app = min(target - m, C)
+        if routes is not None:
+            forced = routes[:, :, ob].to(dev)
+            app_mask = forced >= m
+            if (app_mask.sum(-1) != n_app).any():
+                raise ValueError(f"routes: block [{bw}, {bw + C}) must append exactly {n_app} tokens")
+            chosen = torch.sort(torch.where(app_mask, torch.arange(C, device=dev), C), dim=-1).values[..., :n_app]
+        else:
+            with torch.no_grad():
+                score = (kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)).max(-1).values
+                chosen = torch.sort(torch.argsort(score, dim=-1, stable=True)[..., :n_app], dim=-1).values
+        app_mask = torch.zeros(B, H, C, dtype=torch.bool, device=dev).scatter(2, chosen, True)
+        pick = lambda x: x[:, :, ob].gather(2, chosen[..., None].expand(B, H, n_app, x.shape[-1]))  # noqa: E731
+        s_k, s_v, r_k = torch.cat([s_k, pick(kbar)], 2), torch.cat([s_v, pick(vv)], 2), torch.cat([r_k, pick(kbar_r)], 2)
+        radii = torch.cat([radii, pick(vv).norm(dim=-1)], 2)
+        counts = torch.cat([counts, torch.ones(B, H, n_app, dtype=cdt, device=dev)], 2)
+        m2 = m + n_app
+        g = gg[:, :, ob]
+        if routes is not None:
+            dest = torch.where(app_mask, 0, forced)
+            if ((dest < sink_len) & ~app_mask).any() or (dest >= m2).any():
+                raise ValueError(f"routes: block [{bw}, {bw + C}) must merge into rows [{sink_len}, {m2})")
+        else:
+            with torch.no_grad():
+                logits = (g.detach().float()[..., None] * kbar_r[:, :, ob]) @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)
+                logits[..., :sink_len] = float("-inf")
+                dest = logits.argmax(-1)
+        onehot = torch.zeros(B, H, C, m2, dtype=cdt, device=dev).scatter(-1, dest[..., None], 1.0)
+        onehot = onehot * (~app_mask)[..., None]                      # appended tokens are not merged
+        s_k = s_k + onehot.transpose(-1, -2) @ (g[..., None] * kbar[:, :, ob])
+        s_v = s_v + onehot.transpose(-1, -2) @ (g[..., None] * vv[:, :, ob])
+        r_k = r_k + onehot.float().transpose(-1, -2) @ (g.detach().float()[..., None] * kbar_r[:, :, ob])
+        counts = counts + onehot.sum(-2)
+        rows = torch.arange(m, m2, device=dev).expand(B, H, n_app)
+        out_routes[:, :, ob] = torch.where(app_mask, 0, dest).scatter(2, chosen, rows)
+        founder[:, :, ob] = app_mask
+    out = torch.cat(outs, dim=2)
+    return KVMReferenceResult(out=out.to(q.dtype), routes=out_routes, founder=founder, sizes=sizes,
+                              state_k=s_k, state_v=s_v, radii=radii)

@@ -1,0 +1,40 @@
+"""The shared differentiable state build: per-chunk snapshot sums by slot (SPEC §1, §5).
+
+Every stateful method (OVQ, KVM, VQ) reduces to the same step once its routes are
+known: the state a query chunk reads is a sum, over the tokens routed before it,
+of (weighted) token vectors, grouped by slot. One ``index_add`` of the tokens into
+``[chunk, slot]`` cells and one cumulative sum over chunks build every snapshot;
+no Python loop on the gradient path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, rows: int,
+                          lag: int = 1) -> tuple[Tensor, Tensor]:
+    """Per-chunk prefix sums of ``x`` by slot.
+
+    x ``[B, H, T, D]``, routes ``[B, H, T]`` (-1 or >= rows: ignored). A token of chunk
+    ``ct`` is in the snapshot of every chunk ``c >= ct + lag`` (OVQ: ``lag=1``, the chunk
+    after it; KVM: ``lag = n_bswa_chunks``, once it has left the window).
+    Returns sums ``[B, H, n_chunks, rows, D]`` and token counts ``[B, H, n_chunks, rows]`` fp32.
+    """
+    if x.shape[2] % chunk:  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
+        pad = chunk - x.shape[2] % chunk
+        x, routes = F.pad(x, (0, 0, 0, pad)), F.pad(routes, (0, pad), value=-1)
+    B, H, T, D = x.shape
+    slot = torch.where((routes >= 0) & (routes < rows), routes, rows)  # spare slot `rows` drops a token
+    # token of chunk ct is added at chunk ct + lag (clamped into a spare chunk n_chunks), then cumsum
+    tok_chunk = torch.clamp(torch.arange(T, device=x.device) // chunk + lag, max=n_chunks)
+    n_cells = (n_chunks + 1) * (rows + 1)
+    bh = torch.arange(B * H, device=x.device).view(B, H, 1) * n_cells
+    cell = (bh + tok_chunk.view(1, 1, T) * (rows + 1) + slot).reshape(-1)  # [B*H*T] global cell
+    sums = x.new_zeros(B * H * n_cells, D).index_add(0, cell, x.reshape(B * H * T, D)).view(B, H, n_cells, D)
+    counts = torch.zeros(B * H * n_cells, device=x.device).index_add(
+        0, cell, torch.ones(B * H * T, device=x.device)).view(B, H, n_cells)
+    sums = sums.view(B, H, n_chunks + 1, rows + 1, D)[:, :, :n_chunks, :rows].cumsum(2)
+    counts = counts.view(B, H, n_chunks + 1, rows + 1)[:, :, :n_chunks, :rows].cumsum(2)
+    return sums, counts

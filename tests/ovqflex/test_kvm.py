@@ -1,0 +1,222 @@
+"""KVM attention: fused program == the paper's chunk loop (SPEC §4.3, §9)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+import ovqflex
+from recurrences.reference import kvm_attention_reference
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+
+BUDGETS = {
+    "fixed": dict(budget="fixed"),
+    "fixed-min": dict(budget="fixed", state_min_len=40, max_state_chunks=3),
+    "power_law": dict(budget="power_law", growth_factor=4.0, growth_exponent=0.5, max_state_chunks=None),
+    "power_law-round": dict(budget="power_law", growth_factor=6.0, growth_exponent=0.6, round_down=8,
+                            state_min_len=20, max_state_chunks=4),
+    "saturation": dict(budget="saturation", saturation_n=48, max_state_chunks=None),
+    "saturation-round": dict(budget="saturation", saturation_n=200, round_down=4, max_state_chunks=2),
+}
+
+
+@st.composite
+def kvm_cases(draw):
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    D = draw(st.sampled_from([16, 32]))
+    C = draw(st.sampled_from([16, 32]))
+    Nb = draw(st.integers(1, 3))
+    if draw(st.sampled_from(["state", "state", "state", "front"])) == "front":  # T <= Nb*C: no state yet
+        T = draw(st.integers(1, Nb * C))
+    else:  # the state is read by 1..16 chunks, the last one whole or ragged
+        T = (Nb + draw(st.integers(0, 15))) * C + draw(st.sampled_from([C, C, 1, 7, C // 2 + 3]))
+    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=draw(st.integers(0, 2)),
+              rope_dims=draw(st.sampled_from([0, D // 2, D])), use_vlens=draw(st.booleans()),
+              **BUDGETS[draw(st.sampled_from(sorted(BUDGETS)))])
+    return B, H, D, T, kw, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+def inputs(B, H, D, T, seed, gated=True, requires_grad=True):
+    """q, k, v ``[B, H, T, D]``, gate ``[B, H, T]`` and the readout parameters, all leaves."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    params = dict(gate=1.0 + F.elu(torch.randn(B, H, T, generator=g)) if gated else None,
+                  ln_s_weight=1.0 + 0.2 * torch.randn(D, generator=g), ln_s_bias=0.2 * torch.randn(D, generator=g),
+                  tau_state=0.5 + torch.rand(H, generator=g), tau_bswa=0.5 + torch.rand(H, generator=g))
+    leaves = [q, k, v] + [p for p in params.values() if p is not None]
+    for x in leaves:
+        x.requires_grad_(requires_grad)
+    return q, k, v, params, leaves
+
+
+@settings(max_examples=100)
+@given(kvm_cases())
+def test_fused_equals_reference(case):
+    B, H, D, T, kw, gated, seed = case
+    C, Nb = kw["chunk_size"], kw["n_bswa_chunks"]
+    event("front only (T <= Nb*C)" if T <= Nb * C else f"state read by {-(-T // C) - Nb} chunks")
+    event("T a chunk multiple" if T % C == 0 else "T not a chunk multiple")
+    q, k, v, params, leaves = inputs(B, H, D, T, seed, gated)
+    out, state = ovqflex.kvm_attention(q, k, v, backend="blocked", return_state=True, **params, **kw)
+    ref = kvm_attention_reference(q, k, v, **params, **kw)
+    # discrete decisions first (SPEC §9): the same state sizes, rows and founders as the loop
+    assert state.sizes == ref.sizes
+    assert torch.equal(state.routes, ref.routes), "routes differ from the reference loop"
+    assert torch.equal(state.founder, ref.founder)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    # the state parameters are unused while T <= Nb*C: compare zeros then
+    grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad((ref.out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
+    assert_close(out, ref.out, FWD_TOL[torch.float32], "forward")
+    names = ["q", "k", "v"] + [n for n, p in params.items() if p is not None]
+    for name, a, b in zip(names, grads, ref_grads):
+        assert_close(a, b, GRAD_TOL[torch.float32], f"d{name}", floor=0.1)
+
+
+def test_front_is_plain_causal_attention_with_bswa_temperature():
+    q, k, v, params, _ = inputs(2, 2, 16, 90, seed=1, requires_grad=False)
+    out = ovqflex.kvm_attention(q, k, v, chunk_size=32, n_bswa_chunks=3, backend="blocked", **params)
+    tau = params["tau_bswa"].view(1, 2, 1, 1)
+    expected = F.scaled_dot_product_attention(q, k * tau, v, is_causal=True)
+    assert_close(out, expected, FWD_TOL[torch.float32], "front == causal SDPA")
+
+
+def test_sinks_protected_appends_in_temporal_order_and_state_follows_budget():
+    C, Nb, T = 32, 2, 32 * 24
+    q, k, v, params, _ = inputs(2, 2, 16, T, seed=3, requires_grad=False)
+    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=2, budget="power_law", growth_factor=8.0,
+              growth_exponent=0.5, max_state_chunks=None)
+    _, st_ = ovqflex.kvm_attention(q, k, v, backend="blocked", return_state=True, **params, **kw)
+    routes, founder, sizes = st_.routes, st_.founder, st_.sizes
+    for c in range(Nb + 2, len(sizes)):  # growth below C per chunk from here: exactly the budget
+        assert sizes[c] == math.floor(8 * math.sqrt(c * C)), c
+    absorbed = routes >= 0
+    assert int(absorbed[0, 0].sum()) == (len(sizes) - Nb) * C  # every token that left a window
+    assert int(founder[0, 0].sum()) == sizes[-1]  # one founder per state row
+    merged = absorbed & ~founder
+    assert merged.any() and bool((routes[merged] >= 2).all()), "a sink row was a merge target"
+    for b in range(2):
+        for h in range(2):
+            rows = routes[b, h][founder[b, h]]
+            assert torch.equal(rows, torch.arange(sizes[-1])), "founders not in temporal row order"
+
+
+def test_causality_zero_gradient_from_future():
+    q, k, v, params, leaves = inputs(1, 2, 16, 150, seed=4)
+    out = ovqflex.kvm_attention(q, k, v, chunk_size=16, n_bswa_chunks=2, budget="power_law", growth_factor=4.0,
+                                max_state_chunks=None, backend="blocked", **params)
+    for i in (1, 31, 32, 47, 48, 100, 149):  # (query 0 sees one key: its dk is 0 by softmax)
+        gq, gk, gv, gg = torch.autograd.grad(out[:, :, i].sum(), (q, k, v, params["gate"]), retain_graph=True)
+        for g in (gq, gk, gv, gg):
+            assert g[:, :, i + 1:].abs().sum() == 0
+        assert gk[:, :, : i + 1].abs().sum() > 0
+
+
+def test_prefix_padding_batch_independence_and_determinism():
+    q, k, v, params, _ = inputs(2, 2, 32, 333, seed=7, requires_grad=False)
+    kw = dict(chunk_size=48, n_bswa_chunks=2, budget="saturation", saturation_n=100, max_state_chunks=None,
+              backend="blocked")
+    full = ovqflex.kvm_attention(q, k, v, **params, **kw)
+    assert torch.equal(full, ovqflex.kvm_attention(q, k, v, **params, **kw)), "not deterministic"
+    cut = {n: (p[:, :, :200] if n == "gate" else p) for n, p in params.items()}
+    prefix = ovqflex.kvm_attention(q[:, :, :200], k[:, :, :200], v[:, :, :200], **cut, **kw)
+    assert_close(prefix, full[:, :, :200], FWD_TOL[torch.float32], "prefix / padding")
+    one = {n: (p[1:] if n == "gate" else p) for n, p in params.items()}
+    alone = ovqflex.kvm_attention(q[1:], k[1:], v[1:], **one, **kw)
+    assert_close(alone, full[1:], FWD_TOL[torch.float32], "batch independence")
+
+
+@pytest.mark.parametrize("T, kw", [(256, dict(chunk_size=32, n_bswa_chunks=2, sink_len=1)),
+                                   (200, dict(chunk_size=16, n_bswa_chunks=3, budget="power_law",
+                                              growth_factor=6.0, max_state_chunks=None))],
+                         ids=["fixed-32", "power-16"])
+def test_flex_forward_equals_reference(T, kw):
+    q, k, v, params, _ = inputs(1, 2, 32, T, seed=T, requires_grad=False)
+    with torch.no_grad():
+        out = ovqflex.kvm_attention(q, k, v, backend="flex", **params, **kw)
+    assert_close(out, kvm_attention_reference(q, k, v, **params, **kw).out, FWD_TOL[torch.float32], "flex")
+
+
+def _layer_reference(layer, x):
+    """The layer's forward with the paper's loop in place of the fused op (same parameters)."""
+    q, k, v = layer.split_heads(x)
+    pos = torch.arange(x.shape[1])
+    q = ovqflex.layers.rope.apply_rope(layer.q_norm(q), pos, layer.rope_dims, layer.rope_base, interleaved=True)
+    k = ovqflex.layers.rope.apply_rope(layer.k_norm(k), pos, layer.rope_dims, layer.rope_base, interleaved=True)
+    gate = (1.0 + F.elu(layer.gate_proj(x))).transpose(1, 2)
+    ref = kvm_attention_reference(q, k, v, gate, ln_s_weight=layer.ln_s.weight, ln_s_bias=layer.ln_s.bias,
+                                  tau_state=layer.tau_state, tau_bswa=layer.tau_bswa, chunk_size=layer.chunk_size,
+                                  n_bswa_chunks=layer.n_bswa_chunks, sink_len=layer.sink_len,
+                                  rope_dims=layer.rope_dims, budget=layer.budget, growth_factor=layer.growth_factor,
+                                  max_state_chunks=layer.max_state_chunks)
+    return layer.merge(ref.out)
+
+
+def test_layer_gradients_reach_every_parameter_like_the_reference():
+    torch.manual_seed(0)
+    layer = ovqflex.KVMAttention(64, 2, chunk_size=16, budget="power_law", growth_factor=4.0,
+                                 max_state_chunks=None, backend="blocked")
+    with torch.no_grad():  # leave the neutral init so temperatures and LN_s matter
+        for p in (layer.tau_state, layer.tau_bswa, layer.ln_s.weight, layer.ln_s.bias):
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(2, 150, 64)
+    names, params = zip(*layer.named_parameters())
+    out, ref = layer(x), _layer_reference(layer, x)
+    assert_close(out, ref, FWD_TOL[torch.float32], "layer forward")
+    w = torch.randn(out.shape)
+    grads = torch.autograd.grad((out * w).sum(), params)
+    ref_grads = torch.autograd.grad((ref * w).sum(), params)
+    assert "gate_proj.weight" in names and "ln_s.weight" in names and "tau_state" in names
+    for name, a, b in zip(names, grads, ref_grads):
+        assert a.abs().sum() > 0, f"no gradient reaches {name}"
+        assert_close(a, b, GRAD_TOL[torch.float32], f"d{name}", floor=0.1)
+
+
+def test_layer_ablation_switches():
+    x = torch.randn(1, 100, 32)
+    full = ovqflex.KVMAttention(32, 2, chunk_size=16, backend="blocked")
+    assert full.tau_state.shape == (2,) and torch.equal(full.tau_state, torch.ones(2))
+    bare = ovqflex.KVMAttention(32, 2, chunk_size=16, sink_len=0, use_gate=False, use_vlens=False,
+                                use_temperatures=False, backend="blocked")
+    assert bare.gate_proj is None and bare.tau_state is None and bare.tau_bswa is None
+    assert {n for n, _ in bare.named_parameters()} == {"qkv_proj.weight", "o_proj.weight", "q_norm.weight",
+                                                      "q_norm.bias", "k_norm.weight", "k_norm.bias",
+                                                      "ln_s.weight", "ln_s.bias"}
+    assert bare(x).shape == x.shape and full(x).shape == x.shape
+
+
+def test_layer_compiles_without_graph_break_or_recompile():
+    counters.clear()
+    torch.manual_seed(0)
+    layer = ovqflex.KVMAttention(64, 2, chunk_size=32, budget="power_law", growth_factor=8.0, max_state_chunks=None,
+                                 backend="blocked")
+    compiled = torch.compile(layer, fullgraph=True)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    x0 = torch.randn(2, 200, 64)
+    eager = layer(x0)
+    for step in range(3):
+        out = compiled(x0 if step == 0 else torch.randn(2, 200, 64))
+        if step == 0:
+            assert_close(out, eager, FWD_TOL[torch.float32], "compiled == eager")
+            graphs = counters["stats"]["unique_graphs"]
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(chunk_size=20), "chunk_size"), (dict(n_bswa_chunks=0), "n_bswa_chunks"), (dict(sink_len=16), "sink_len"),
+    (dict(rope_dims=3), "rope_dims"), (dict(budget="exp"), "budget"), (dict(max_state_chunks=0), "max_state_chunks"),
+    (dict(ln_s_weight=torch.ones(3)), "ln_s_weight"), (dict(tau_state=torch.ones(5)), "tau_state"),
+    (dict(gate=torch.ones(1, 2, 7)), "gate"),
+], ids=["chunk", "nb", "sinks", "rope", "budget", "cap", "ln", "tau", "gate"])
+def test_bad_arguments(change, match):
+    q, k, v, params, _ = inputs(1, 2, 16, 40, seed=0, requires_grad=False)
+    args = dict(chunk_size=16) | params | change
+    with pytest.raises((ValueError, TypeError), match=match):
+        ovqflex.kvm_attention(q, k, v, **args)

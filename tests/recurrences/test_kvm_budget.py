@@ -1,0 +1,56 @@
+"""KVM state budgets (SPEC §4.3): the state length each query chunk reads."""
+import math
+
+import pytest
+
+from recurrences.kvm import KVMBudget, kvm_state_sizes
+
+
+def test_front_and_initial_state():
+    # T <= Nb*C: front only, no state; then the initial state is exactly one chunk
+    assert kvm_state_sizes(100, 16, 7) == [0] * 7
+    assert kvm_state_sizes(64, 16, 4) == [0] * 4
+    assert kvm_state_sizes(65, 16, 4) == [0, 0, 0, 0, 16]
+    assert kvm_state_sizes(0, 16, 2) == []
+
+
+def test_fixed_budget_keeps_one_chunk_by_default_and_honours_state_min_len():
+    assert kvm_state_sizes(16 * 10, 16, 2) == [0, 0] + [16] * 8
+    # state_min_len 40, capped at 3 chunks = 48: grows by at most C per chunk, at most what has left the window
+    sizes = kvm_state_sizes(16 * 8, 16, 2, KVMBudget("fixed", state_min_len=40, max_state_chunks=3))
+    assert sizes == [0, 0, 16, 32, 40, 40, 40, 40]
+    assert kvm_state_sizes(16 * 6, 16, 2, KVMBudget("fixed", state_min_len=100, max_state_chunks=2))[-1] == 32
+
+
+def test_power_law_sqrt16_follows_the_budget_exactly_over_4096_tokens():
+    C = 128
+    sizes = kvm_state_sizes(4096 + C, C, 2, KVMBudget("power_law", growth_factor=16.0, growth_exponent=0.5,
+                                                      max_state_chunks=None))
+    assert sizes[:4] == [0, 0, 128, 256]  # initial chunk, then growth capped by the C tokens that overflowed
+    for c in range(4, len(sizes)):  # from chunk 4 on, the state is exactly floor(16 sqrt(ctx)), ctx = c*C
+        assert sizes[c] == math.floor(16 * math.sqrt(c * C)), c
+    assert sizes[-1] == 1024  # ctx = 4096
+
+
+def test_power_law_rounding_and_minimum():
+    b = KVMBudget("power_law", growth_factor=16.0, growth_exponent=0.5, round_down=64, state_min_len=200,
+                  max_state_chunks=None)
+    assert b.rows(4096, 128) == 1024 and b.rows(3968, 128) == 960 and b.rows(100, 128) == 200
+
+
+def test_saturation_budget():
+    b = KVMBudget("saturation", saturation_n=1024, round_down=8, max_state_chunks=None)
+    assert b.rows(1024, 128) == 512 and b.rows(3000, 128) == 760  # floor(1024*3000/4024)=763 -> 760
+    sizes = kvm_state_sizes(128 * 40, 128, 2, b)
+    assert sizes[-1] == (1024 * 39 * 128 // (1024 + 39 * 128)) // 8 * 8
+    assert all(a <= b_ for a, b_ in zip(sizes, sizes[1:])), "the state never shrinks"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(budget="exp"), "budget"), (dict(round_down=0), "round_down"), (dict(saturation_n=0), "saturation_n"),
+    (dict(max_state_chunks=0), "max_state_chunks"), (dict(growth_factor=-1.0), "growth_factor"),
+    (dict(state_min_len=-1), "state_min_len"),
+], ids=["budget", "round", "sat", "cap", "factor", "min"])
+def test_bad_budget(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        KVMBudget(**kw)
