@@ -112,8 +112,9 @@ def test_kvm_state_cap_override_changes_long_context_outputs():
         assert model.set_overrides(max_state_chunks=None) == {"max_state_chunks": 1}
         grown = model(x)
     # C=16, Nb=2: chunk 2 reads the initial 16 rows either way; from chunk 3 on (ctx 48, budget
-    # floor(8 sqrt 48) = 55) the uncapped state has grown to 32 rows
-    assert torch.equal(capped[:, :48], grown[:, :48])
+    # floor(8 sqrt 48) = 55) the uncapped state has grown to 32 rows. (Not bit-equal: the
+    # program's state layout has more rows, so the blocked sums are ordered differently.)
+    assert torch.allclose(capped[:, :48], grown[:, :48], atol=1e-5)
     assert not torch.allclose(capped[:, 48:], grown[:, 48:])
 
 
