@@ -61,6 +61,31 @@ def _ovq_flops(T: int, H: int, D: int, L: int, sizes: list[int], B: int = 1) -> 
     return 4.0 * B * H * D * total
 
 
+def _compare(T: int, cases: list, dev: torch.device, repeats: int, peak_gflops: float) -> list[dict]:
+    """Time ``cases`` (name, fn, model FLOPs) in this process; each row carries its speed-up
+    over the ``"reference loop fwd"`` and ``"sdpa causal fwd"`` cases and its FLOP efficiency
+    against the matmul rate measured on the spot."""
+    results, failed, rows = {}, {}, []
+    for name, fn, _ in cases:
+        try:
+            results[name] = measure(fn, device=dev, repeats=repeats)
+        except Exception as e:  # a compile failure is a result to report, not a crash
+            failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:60]}"
+    for name, _, fl in cases:
+        if name in failed:
+            rows.append({"T": T, "case": name, "error": failed[name]})
+            continue
+        m = results[name]
+        ref, sdpa = results.get("reference loop fwd"), results.get("sdpa causal fwd")
+        rows.append({
+            "T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
+            "x_vs_reference": ref.seconds / m.seconds if ref else None,
+            "x_vs_sdpa": sdpa.seconds / m.seconds if sdpa else None,
+            "gflops": fl / m.seconds / 1e9, "pct_matmul_peak": 100 * fl / m.seconds / 1e9 / peak_gflops,
+        })
+    return rows
+
+
 def ovq(sc: dict, device: str) -> list[dict]:
     """OVQ layer op: fused (flex forward; blocked forward+backward) vs the sequential
     reference loop vs full causal SDPA, at each ``seq_len`` of ``seq_lens``."""
@@ -114,23 +139,7 @@ def ovq(sc: dict, device: str) -> list[dict]:
                  ("sdpa causal fwd", sdpa, sdpa_flops)]
         if T <= int(sc.get("max_backward_len", 1 << 30)):
             cases.append(("fused blocked fwd+bwd", fused_blocked_fwd_bwd, 3 * flops))
-        results, failed = {}, {}
-        for name, fn, _ in cases:
-            try:
-                results[name] = measure(fn, device=dev, repeats=repeats)
-            except Exception as e:  # a compile failure is a result to report, not a crash
-                failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:60]}"
-        for name, _, fl in cases:
-            if name in failed:
-                rows.append({"T": T, "case": name, "error": failed[name]})
-                continue
-            m = results[name]
-            rows.append({
-                "T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
-                "x_vs_reference": results["reference loop fwd"].seconds / m.seconds,
-                "x_vs_sdpa": results["sdpa causal fwd"].seconds / m.seconds,
-                "gflops": fl / m.seconds / 1e9, "pct_matmul_peak": 100 * fl / m.seconds / 1e9 / peak,
-            })
+        rows += _compare(T, cases, dev, repeats, peak)
     return rows
 
 
@@ -192,3 +201,88 @@ def train(sc: dict, device: str) -> list[dict]:
 
 
 KINDS["train"] = train
+
+
+def _kvm_flops(T: int, H: int, D: int, C: int, Nb: int, sizes: list[int], B: int = 1) -> float:
+    """Model FLOPs of KVM attention: the causal front, then per query chunk its state rows,
+    the ``Nb - 1`` whole window chunks before it and the causal half of its own chunk."""
+    front = min(T, Nb * C)
+    total = front * (front + 1) / 2
+    for c in range(Nb, -(-T // C)):
+        lq = min(C, T - c * C)
+        total += lq * (sizes[c] + (Nb - 1) * C) + lq * (lq + 1) / 2
+    return 4.0 * B * H * D * total
+
+
+def kvm(sc: dict, device: str) -> list[dict]:
+    """KVM op (SPEC §4.3): fused (flex forward; blocked forward+backward) vs the paper's
+    chunk loop vs full causal SDPA, at each ``seq_len`` of ``seq_lens``.
+
+    Keys: ``heads``, ``head_dim``, ``chunk_size``, ``n_bswa_chunks``, ``sink_len`` and the
+    budget options of :func:`ovqflex.kvm_attention` (``budget``, ``growth_factor``, ...;
+    ``max_state_chunks = 0`` means uncapped), ``max_backward_len``, ``repeats``.
+    """
+    import torch.nn.functional as F
+
+    from recurrences.kvm import KVMBudget, kvm_state_sizes
+    from recurrences.reference import kvm_attention_reference
+
+    from ..ops.kvm import kvm_attention
+    from .measure import matmul_gflops
+
+    dev = torch.device(device)
+    H, D = int(sc.get("heads", 4)), int(sc.get("head_dim", 64))
+    C, Nb = int(sc.get("chunk_size", 128)), int(sc.get("n_bswa_chunks", 2))
+    budget = {k: sc[k] for k in ("budget", "state_min_len", "growth_factor", "growth_exponent", "round_down",
+                                 "saturation_n", "max_state_chunks") if k in sc}
+    if budget.get("max_state_chunks") == 0:  # TOML has no null
+        budget["max_state_chunks"] = None
+    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=int(sc.get("sink_len", 1)), **budget)
+    repeats = int(sc.get("repeats", 3))
+    peak = matmul_gflops(dev)
+    rows = []
+    for T in sc["seq_lens"]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))
+        params = dict(gate=(1 + F.elu(torch.randn(1, H, T, generator=g))).to(dev),
+                      ln_s_weight=torch.ones(D, device=dev), ln_s_bias=torch.zeros(D, device=dev),
+                      tau_state=torch.ones(H, device=dev), tau_bswa=torch.ones(H, device=dev))
+        sizes = kvm_state_sizes(T, C, Nb, KVMBudget(**budget))
+        flops = _kvm_flops(T, H, D, C, Nb, sizes)
+        sdpa_flops = 4.0 * H * D * T * (T + 1) / 2
+        compiled_op = torch.compile(lambda q, k, v, p: kvm_attention(q, k, v, backend="flex", **p, **kw),
+                                    fullgraph=True)
+
+        def fused_flex_compiled():
+            with torch.no_grad():
+                return compiled_op(q, k, v, params)
+
+        def fused_flex():
+            with torch.no_grad():
+                return kvm_attention(q, k, v, backend="flex", **params, **kw)
+
+        def reference():
+            with torch.no_grad():
+                return kvm_attention_reference(q, k, v, **params, **kw).out
+
+        def sdpa():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        grad_params = {n: p.clone().requires_grad_() for n, p in params.items()}
+
+        def fused_blocked_fwd_bwd():
+            kvm_attention(*leaves, backend="blocked", **grad_params, **kw).sum().backward()
+
+        cases = [("fused flex fwd, compiled op", fused_flex_compiled, flops),
+                 ("fused flex fwd, eager op", fused_flex, flops), ("reference loop fwd", reference, flops),
+                 ("sdpa causal fwd", sdpa, sdpa_flops)]
+        if T <= int(sc.get("max_backward_len", 1 << 30)):
+            cases.append(("fused blocked fwd+bwd", fused_blocked_fwd_bwd, 3 * flops))
+        for row in _compare(T, cases, dev, repeats, peak):
+            rows.append({**row, "state_rows_last_chunk": sizes[-1] if sizes else 0})
+    return rows
+
+
+KINDS["kvm"] = kvm
