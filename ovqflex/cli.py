@@ -163,6 +163,27 @@ def _cmd_viz(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from .bench.profiler import ProfileConfig, profile_target
+
+    cfg = ProfileConfig(target=args.target, seq_len=args.seq_len, batch=args.batch, heads=args.heads,
+                        head_dim=args.head_dim, options=_options(args.opt, "--opt"), preset=args.preset,
+                        pattern=args.pattern, modes=args.mode, steps=args.steps, warmup=args.warmup,
+                        seed=args.seed, device=args.device or ("cuda" if _cuda() else "cpu"))
+    rows = profile_target(cfg, args.trace)
+    what = f"model {cfg.preset} {cfg.pattern or ''}".rstrip() if cfg.target == "model" else f"layer {cfg.target}"
+    print(f"{what}, x [{cfg.batch}, {cfg.seq_len}, ...], {cfg.steps} profiled steps per mode, device {cfg.device}")
+    print(tabulate(rows, headers="keys", floatfmt=".3g", missingval="-"))
+    print(f"wrote {args.trace} (open in chrome://tracing or https://ui.perfetto.dev)")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ovqflex", description="compressed-memory attention as FlexAttention programs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -259,6 +280,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--color", action="store_true", help="ANSI colours in the terminal view")
     s.add_argument("--out", default="viz-out", help="directory for PNG/SVG/HTML/JSON (default viz-out)")
     s.set_defaults(fn=_cmd_viz)
+
+    from .bench.profiler import MODES
+
+    s = sub.add_parser("profile", help="run a layer or model step under torch.profiler: stage table + trace")
+    s.add_argument("target", help=f"'model' or a layer: one of {', '.join(sorted(VIZ_METHODS))}")
+    s.add_argument("--seq-len", type=int, default=1024)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--heads", type=int, default=4, help="layer targets: heads")
+    s.add_argument("--head-dim", type=int, default=32, help="layer targets: head dim")
+    s.add_argument("--opt", action="append", metavar="NAME=VALUE",
+                   help="layer option (e.g. backend=blocked, max_centroids=512) or model config override")
+    s.add_argument("--preset", default="tiny", help="model target: preset (default tiny)")
+    s.add_argument("--pattern", default=None, help="model target: mixer pattern, e.g. swa,ovq")
+    s.add_argument("--mode", type=_name_list(MODES), default=MODES,
+                   help="comma-separated: fwd (no grad), fwd+bwd (default both)")
+    s.add_argument("--steps", type=int, default=2, help="profiled steps per mode")
+    s.add_argument("--warmup", type=int, default=1, help="unprofiled steps per mode first (compilation)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--trace", default="profile-trace.json", help="Chrome/Perfetto trace file to write")
+    s.set_defaults(fn=_cmd_profile)
     return p
 
 
