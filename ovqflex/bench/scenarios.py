@@ -192,3 +192,36 @@ def train(sc: dict, device: str) -> list[dict]:
 
 
 KINDS["train"] = train
+
+
+def viz(sc: dict, device: str) -> list[dict]:
+    """The visualizer at scale: build a method's program (random input), then its block view
+    (grid, statistics, PNG) — timed and memory-measured separately, for each ``seq_len``.
+
+    Keys: ``method`` (a key of ``ovqflex.viz.VIZ_METHODS``), ``seq_lens``, ``heads`` (1),
+    ``head_dim`` (16), ``options`` (layer options), ``views`` (["block"]), ``repeats`` (1).
+    """
+    import tempfile
+
+    from masks.viz import VizOptions, render
+
+    from ..viz import VizShape, method_program
+
+    method, repeats = sc["method"], int(sc.get("repeats", 1))
+    opts = VizOptions(views=tuple(sc.get("views", ["block"])), formats=("png",))
+    rows = []
+    for T in sc["seq_lens"]:
+        shape = VizShape(seq_len=int(T), heads=int(sc.get("heads", 1)), head_dim=int(sc.get("head_dim", 16)))
+        build = lambda: method_program(method, shape, dict(sc.get("options", {})))[0]  # noqa: E731
+        m_prog = measure(build, device=device, repeats=repeats, warmup=1)
+        program = build()
+        with tempfile.TemporaryDirectory() as tmp:
+            m_view = measure(lambda: render(program, opts, tmp), device=device, repeats=repeats, warmup=0)
+        g = program.geom
+        for case, m in (("program (op, random input)", m_prog), (f"{'+'.join(opts.views)} view + PNG", m_view)):
+            rows.append({"T": int(T), "case": case, "kv_rows": g.kv_len,
+                         "blocks": f"{g.n_q_blocks}x{g.n_kv_blocks}", "time_s": m.seconds, "peak_mb": m.peak_mb})
+    return rows
+
+
+KINDS["viz"] = viz
