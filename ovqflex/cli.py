@@ -140,7 +140,8 @@ def _cmd_viz(args) -> int:
             "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "seed": args.seed,
             "drawn batch, head": f"{args.batch_index}, {args.head}", "options": options or "defaults"}
     opts = VizOptions(views=args.view, formats=args.format, batch=args.batch_index, head=args.head,
-                      queries=tuple(args.query or ()), max_token_cells=args.max_cells, chunk=args.chunk,
+                      queries=tuple(args.query or ()), max_token_cells=args.max_cells,
+                      chunk=args.chunk or getattr(layer, "chunk_size", None),
                       title=f"{args.method}, T={args.seq_len}", meta=meta, temperatures=temps,
                       term_width=args.width, term_height=args.height, color=args.color)
     t0 = time.perf_counter()
@@ -273,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--query", type=int, action="append", help="inspect this query index (repeatable)")
     s.add_argument("--head", type=int, default=0, help="head whose bias is drawn (default 0)")
     s.add_argument("--batch-index", type=int, default=0, help="batch element whose bias is drawn")
-    s.add_argument("--chunk", type=int, default=None, help="query grouping of the state-rows-per-chunk statistic")
+    s.add_argument("--chunk", type=int, default=None, help="query grouping of the state-rows-per-chunk "
+                   "statistic (default: the layer's chunk_size, else the block size)")
     s.add_argument("--max-cells", type=int, default=MAX_TOKEN_CELLS, help="largest token view drawn (cells)")
     s.add_argument("--width", type=int, default=120, help="terminal columns")
     s.add_argument("--height", type=int, default=48, help="terminal rows per view")

@@ -89,7 +89,10 @@ def ovq(sc: dict, device: str) -> list[dict]:
             with torch.no_grad():
                 return ovq_attention(q, k, v, beta, backend="flex", **kw)
 
-        compiled_op = torch.compile(lambda *a: ovq_attention(*a, backend="flex", **kw), fullgraph=True)
+        # dynamic=False: a second length would otherwise trace dynamic shapes, which CPU flex
+        # codegen rejects (SPEC §11)
+        compiled_op = torch.compile(lambda *a: ovq_attention(*a, backend="flex", **kw), fullgraph=True,
+                                    dynamic=False)
 
         def fused_flex_compiled():
             with torch.no_grad():
