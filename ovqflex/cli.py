@@ -1,4 +1,4 @@
-"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``bench``."""
+"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``bench``, ``viz``, ``profile``."""
 from __future__ import annotations
 
 import argparse
@@ -114,6 +114,77 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _name_list(allowed):
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+        return values
+
+    return parse
+
+
+def _cmd_viz(args) -> int:
+    from masks.viz import VizOptions, render
+
+    from .viz import VizShape, method_program
+
+    shape = VizShape(seq_len=args.seq_len, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                     seed=args.seed)
+    options = _options(args.opt, "--opt")
+    t0 = time.perf_counter()
+    program, layer, temps = method_program(args.method, shape, options)
+    t_program = time.perf_counter() - t0
+    meta = {"method": args.method, "layer": repr(layer).replace("\n", " "), "seq_len": args.seq_len,
+            "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "seed": args.seed,
+            "drawn batch, head": f"{args.batch_index}, {args.head}", "options": options or "defaults"}
+    opts = VizOptions(views=args.view, formats=args.format, batch=args.batch_index, head=args.head,
+                      queries=tuple(args.query or ()), max_token_cells=args.max_cells,
+                      chunk=args.chunk or getattr(layer, "chunk_size", None),
+                      title=f"{args.method}, T={args.seq_len}", meta=meta, temperatures=temps,
+                      term_width=args.width, term_height=args.height, color=args.color)
+    t0 = time.perf_counter()
+    result = render(program, opts, args.out, stem=f"{args.method}-T{args.seq_len}")
+    t_render = time.perf_counter() - t0
+    if result.text:
+        print(result.text)
+    print(tabulate(result.stats.summary(), tablefmt="simple"))
+    if result.block is not None:
+        print(f"block view: {tuple(result.block.grid.shape)} blocks; "
+              f"program built in {t_program:.2f} s, views rendered in {t_render:.2f} s")
+    from masks.viz import inspect_query, segment_rows
+
+    for q in opts.queries:
+        print(f"\nquery {q}:")
+        print(tabulate(segment_rows(inspect_query(program, q, batch=opts.batch, head=opts.head,
+                                                  temperatures=temps)), headers="keys"))
+    for path in result.files:
+        print(f"wrote {path}")
+    return 0
+
+
+def _cmd_profile(args) -> int:
+    from .bench.profiler import ProfileConfig, profile_target
+
+    cfg = ProfileConfig(target=args.target, seq_len=args.seq_len, batch=args.batch, heads=args.heads,
+                        head_dim=args.head_dim, options=_options(args.opt, "--opt"), preset=args.preset,
+                        pattern=args.pattern, modes=args.mode, steps=args.steps, warmup=args.warmup,
+                        seed=args.seed, device=args.device or ("cuda" if _cuda() else "cpu"))
+    rows = profile_target(cfg, args.trace)
+    what = f"model {cfg.preset} {cfg.pattern or ''}".rstrip() if cfg.target == "model" else f"layer {cfg.target}"
+    print(f"{what}, x [{cfg.batch}, {cfg.seq_len}, ...], {cfg.steps} profiled steps per mode, device {cfg.device}")
+    print(tabulate(rows, headers="keys", floatfmt=".3g", missingval="-"))
+    print(f"wrote {args.trace} (open in chrome://tracing or https://ui.perfetto.dev)")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ovqflex", description="compressed-memory attention as FlexAttention programs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -182,6 +253,56 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="bench-out", help="directory for the JSON results (default: bench-out)")
     s.add_argument("--only", default=None, help="run only scenarios whose name contains this string")
     s.set_defaults(fn=_cmd_bench)
+
+    from masks.viz import FORMATS, MAX_TOKEN_CELLS, VIEWS
+
+    from .viz import VIZ_METHODS
+
+    s = sub.add_parser("viz", help="draw the attention program of a layer: token, block and per-query views")
+    s.add_argument("method", help=f"one of {', '.join(sorted(VIZ_METHODS))}")
+    s.add_argument("--seq-len", type=int, default=512, help="tokens T (default 512)")
+    s.add_argument("--heads", type=int, default=1)
+    s.add_argument("--head-dim", type=int, default=16)
+    s.add_argument("--batch", type=int, default=1, help="batch size of the random input")
+    s.add_argument("--seed", type=int, default=0, help="seed of the layer init and the input")
+    s.add_argument("--opt", action="append", metavar="NAME=VALUE",
+                   help="layer option, e.g. max_centroids=256, chunk_size=64, window=64 (repeatable)")
+    s.add_argument("--view", type=_name_list(VIEWS), default=VIEWS,
+                   help="comma-separated views: token,block (default both; token only if small enough)")
+    s.add_argument("--format", type=_name_list(FORMATS), default=("png", "html", "term"),
+                   help="comma-separated outputs: png,svg,html,term (default png,html,term)")
+    s.add_argument("--query", type=int, action="append", help="inspect this query index (repeatable)")
+    s.add_argument("--head", type=int, default=0, help="head whose bias is drawn (default 0)")
+    s.add_argument("--batch-index", type=int, default=0, help="batch element whose bias is drawn")
+    s.add_argument("--chunk", type=int, default=None, help="query grouping of the state-rows-per-chunk "
+                   "statistic (default: the layer's chunk_size, else the block size)")
+    s.add_argument("--max-cells", type=int, default=MAX_TOKEN_CELLS, help="largest token view drawn (cells)")
+    s.add_argument("--width", type=int, default=120, help="terminal columns")
+    s.add_argument("--height", type=int, default=48, help="terminal rows per view")
+    s.add_argument("--color", action="store_true", help="ANSI colours in the terminal view")
+    s.add_argument("--out", default="viz-out", help="directory for PNG/SVG/HTML/JSON (default viz-out)")
+    s.set_defaults(fn=_cmd_viz)
+
+    from .bench.profiler import MODES
+
+    s = sub.add_parser("profile", help="run a layer or model step under torch.profiler: stage table + trace")
+    s.add_argument("target", help=f"'model' or a layer: one of {', '.join(sorted(VIZ_METHODS))}")
+    s.add_argument("--seq-len", type=int, default=1024)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--heads", type=int, default=4, help="layer targets: heads")
+    s.add_argument("--head-dim", type=int, default=32, help="layer targets: head dim")
+    s.add_argument("--opt", action="append", metavar="NAME=VALUE",
+                   help="layer option (e.g. backend=blocked, max_centroids=512) or model config override")
+    s.add_argument("--preset", default="tiny", help="model target: preset (default tiny)")
+    s.add_argument("--pattern", default=None, help="model target: mixer pattern, e.g. swa,ovq")
+    s.add_argument("--mode", type=_name_list(MODES), default=MODES,
+                   help="comma-separated: fwd (no grad), fwd+bwd (default both)")
+    s.add_argument("--steps", type=int, default=2, help="profiled steps per mode")
+    s.add_argument("--warmup", type=int, default=1, help="unprofiled steps per mode first (compilation)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--trace", default="profile-trace.json", help="Chrome/Perfetto trace file to write")
+    s.set_defaults(fn=_cmd_profile)
     return p
 
 

@@ -1,6 +1,10 @@
 """Load a benchmark profile (TOML), run its scenarios, print a table, write JSON.
 
-A profile::
+Every run also measures the machine's fp32 matmul rate (``meta.matmul_gflops``, the
+denominator of the scenarios' FLOP-based efficiency), fits log-log slopes of time and
+peak memory vs T for every series with two or more lengths (a series: rows of one
+scenario and case, or of scenarios sharing a ``series = "..."`` key) (printed, ``fits`` in the
+JSON) and plots them (``<name>.png``). A profile::
 
     name = "blockmask"
     description = "..."
@@ -24,6 +28,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from .fit import fit_rows, plot_loglog
+from .measure import matmul_gflops
 from .scenarios import KINDS
 
 
@@ -50,20 +56,31 @@ def run_profile(path: str | Path, *, device: str | None = None, out_dir: str | P
     prof = load_profile(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows: list[dict] = []
+    gflops = matmul_gflops(device)
     for sc in prof["scenario"]:
-        if only and only not in str(sc.get("name", sc["kind"])):
+        name = str(sc.get("name", sc["kind"]))
+        if only and only not in name:
             continue
-        rows += KINDS[sc["kind"]](sc, device)
+        series = {"series": str(sc["series"])} if "series" in sc else {}
+        rows += [{"scenario": name, **series, **r} for r in KINDS[sc["kind"]](sc, device)]
     print(f"profile {prof['name']}: {prof.get('description', '')}".rstrip(": "))
-    print(f"torch {torch.__version__}, device {device}, {os.cpu_count()} cpu threads={torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, device {device}, {os.cpu_count()} cpu threads={torch.get_num_threads()}, "
+          f"measured fp32 matmul {gflops:.1f} GFLOP/s")
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
+    fits = fit_rows(rows)
+    if fits:
+        print("\nlog-log slopes vs T (1 = linear, 2 = quadratic):")
+        print(tabulate(fits, headers="keys", floatfmt=".3f", missingval="-"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dest = out / f"{prof['name']}.json"
     tmp = dest.with_suffix(".json.tmp")
     meta = {"profile": prof["name"], "torch": torch.__version__, "device": device, "machine": platform.machine(),
-            "threads": torch.get_num_threads()}
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+            "threads": torch.get_num_threads(), "matmul_gflops": gflops}
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows, "fits": fits}, indent=2))
     tmp.replace(dest)
     print(f"wrote {dest}")
+    plot = plot_loglog(rows, out / f"{prof['name']}.png", title=f"{prof['name']} ({device})")
+    if plot is not None:
+        print(f"wrote {plot}")
     return rows

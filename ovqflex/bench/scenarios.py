@@ -114,7 +114,10 @@ def ovq(sc: dict, device: str) -> list[dict]:
             with torch.no_grad():
                 return ovq_attention(q, k, v, beta, backend="flex", **kw)
 
-        compiled_op = torch.compile(lambda *a: ovq_attention(*a, backend="flex", **kw), fullgraph=True)
+        # dynamic=False: a second length would otherwise trace dynamic shapes, which CPU flex
+        # codegen rejects (SPEC §11)
+        compiled_op = torch.compile(lambda *a: ovq_attention(*a, backend="flex", **kw), fullgraph=True,
+                                    dynamic=False)
 
         def fused_flex_compiled():
             with torch.no_grad():
@@ -251,7 +254,7 @@ def kvm(sc: dict, device: str) -> list[dict]:
         flops = _kvm_flops(T, H, D, C, Nb, sizes)
         sdpa_flops = 4.0 * H * D * T * (T + 1) / 2
         compiled_op = torch.compile(lambda q, k, v, p: kvm_attention(q, k, v, backend="flex", **p, **kw),
-                                    fullgraph=True)
+                                    fullgraph=True, dynamic=False)
 
         def fused_flex_compiled():
             with torch.no_grad():
@@ -286,3 +289,36 @@ def kvm(sc: dict, device: str) -> list[dict]:
 
 
 KINDS["kvm"] = kvm
+
+
+def viz(sc: dict, device: str) -> list[dict]:
+    """The visualizer at scale: build a method's program (random input), then its block view
+    (grid, statistics, PNG) — timed and memory-measured separately, for each ``seq_len``.
+
+    Keys: ``method`` (a key of ``ovqflex.viz.VIZ_METHODS``), ``seq_lens``, ``heads`` (1),
+    ``head_dim`` (16), ``options`` (layer options), ``views`` (["block"]), ``repeats`` (1).
+    """
+    import tempfile
+
+    from masks.viz import VizOptions, render
+
+    from ..viz import VizShape, method_program
+
+    method, repeats = sc["method"], int(sc.get("repeats", 1))
+    opts = VizOptions(views=tuple(sc.get("views", ["block"])), formats=("png",))
+    rows = []
+    for T in sc["seq_lens"]:
+        shape = VizShape(seq_len=int(T), heads=int(sc.get("heads", 1)), head_dim=int(sc.get("head_dim", 16)))
+        build = lambda: method_program(method, shape, dict(sc.get("options", {})))[0]  # noqa: E731
+        m_prog = measure(build, device=device, repeats=repeats, warmup=1)
+        program = build()
+        with tempfile.TemporaryDirectory() as tmp:
+            m_view = measure(lambda: render(program, opts, tmp), device=device, repeats=repeats, warmup=0)
+        g = program.geom
+        for case, m in (("program (op, random input)", m_prog), (f"{'+'.join(opts.views)} view + PNG", m_view)):
+            rows.append({"T": int(T), "case": case, "kv_rows": g.kv_len,
+                         "blocks": f"{g.n_q_blocks}x{g.n_kv_blocks}", "time_s": m.seconds, "peak_mb": m.peak_mb})
+    return rows
+
+
+KINDS["viz"] = viz

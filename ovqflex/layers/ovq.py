@@ -6,11 +6,12 @@ import math
 import torch
 from torch import Tensor, nn
 
-from masks.program import DEFAULT_BLOCK
+from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.checks import check_choice, check_chunk, check_int
 from recurrences.ovq import GROWTHS, SEEDINGS
 
-from ..ops.ovq import ovq_attention
+from ..ops.ovq import ovq_attention, ovq_program
+from ..profiling import stage
 from .heads import MultiHeadProjection
 
 
@@ -36,14 +37,24 @@ class OVQAttention(MultiHeadProjection):
         self.block_size = block_size
         self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
 
+    def _options(self, max_centroids: int | None) -> dict:
+        return dict(chunk_size=self.chunk_size,
+                    max_centroids=self.max_centroids if max_centroids is None else max_centroids,
+                    growth=self.growth, growth_horizon=self.growth_horizon, seeding=self.seeding,
+                    seed=self.seed, normalize_centroids=self.normalize_centroids, block_size=self.block_size)
+
+    def program(self, x: Tensor, *, max_centroids: int | None = None) -> AttentionProgram:
+        """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
+        with stage("proj"):
+            q, k, v = self.split_heads(x)
+        return ovq_program(q, k, v, self.beta, **self._options(max_centroids))[0]
+
     def forward(self, x: Tensor, *, max_centroids: int | None = None) -> Tensor:
-        q, k, v = self.split_heads(x)
-        o = ovq_attention(q, k, v, self.beta, chunk_size=self.chunk_size,
-                          max_centroids=self.max_centroids if max_centroids is None else max_centroids,
-                          growth=self.growth, growth_horizon=self.growth_horizon, seeding=self.seeding,
-                          seed=self.seed, normalize_centroids=self.normalize_centroids, backend=self.backend,
-                          block_size=self.block_size)
-        return self.merge(o)
+        with stage("proj"):
+            q, k, v = self.split_heads(x)
+        o = ovq_attention(q, k, v, self.beta, backend=self.backend, **self._options(max_centroids))
+        with stage("proj"):
+            return self.merge(o)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import DEFAULT_BLOCK, build_program
+from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 
 from ..attention import attend
 from ..ops.plain import plain_regions
+from ..profiling import stage
 from .heads import MultiHeadProjection
 from .rope import apply_rope
 
@@ -45,11 +46,20 @@ class _PlainAttention(MultiHeadProjection):
             k = apply_rope(k, pos, base=self.rope_base)
         return q, k, v
 
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self.project(x)
+    def program(self, x: Tensor) -> AttentionProgram:
+        """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
+        with stage("proj"):
+            q, k, v = self.project(x)
         scale = 1.0 if self.qk_norm else self.head_dim**-0.5
-        program = build_program(q, k, v, self.regions, scale=scale, block_size=self.block_size)
-        return self.merge(attend(program, self.backend))
+        with stage("block_mask"):
+            return build_program(q, k, v, self.regions, scale=scale, block_size=self.block_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        program = self.program(x)
+        with stage("attention"):
+            o = attend(program, self.backend)
+        with stage("proj"):
+            return self.merge(o)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -2,9 +2,9 @@
 from .plain import causal_attention, plain_regions, sliding_window_attention
 
 __all__ = ["causal_attention", "plain_regions", "sliding_window_attention"]
-from .ovq import OVQState, ovq_attention
+from .ovq import OVQState, ovq_attention, ovq_program
 
-__all__ += ["OVQState", "ovq_attention"]
+__all__ += ["OVQState", "ovq_attention", "ovq_program"]
 from .kvm import KVMState, kvm_attention
 
 __all__ += ["KVMState", "kvm_attention"]

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, build_program
+from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import OwnChunk, StateBank
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
 from recurrences.ovq import GROWTHS, SEEDINGS, build_ovq_snapshots, dictionary_sizes, route_ovq
 
 from ..attention import attend
+from ..profiling import stage
 
 
 @dataclass
@@ -43,6 +44,44 @@ def _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, g
         check_int("growth_horizon", growth_horizon)
 
 
+def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 128, max_centroids: int,
+                growth: str = "plateau", growth_horizon: int | None = None, seeding: str = "spread",
+                seed: int = 0, normalize_centroids: bool = False,
+                block_size: int = DEFAULT_BLOCK) -> tuple[AttentionProgram, Tensor, list[int]]:
+    """The OVQ attention program, without running it (what the visualizer draws).
+
+    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, beta ``[H]`` -> ``(program, routes [B, H, T], sizes)``.
+    Stages are labelled ``ovqflex.proj`` (normalization), ``ovqflex.routing``,
+    ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
+    """
+    _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon)
+    B, H, T, _ = q.shape
+    n_chunks = max(1, -(-T // chunk_size))
+    sizes = dictionary_sizes(n_chunks, chunk_size, max_centroids, growth, growth_horizon)
+    with stage("proj"):
+        qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
+    with stage("routing"):
+        routes = route_ovq(kn, chunk=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
+                           normalize_centroids=normalize_centroids)
+    rows = max(sizes[:n_chunks])
+    if rows == 0:  # no chunk reads a dictionary: attention inside each chunk only
+        with stage("block_mask"):
+            program = build_program(q_scaled, kn, v, (OwnChunk(chunk_size),), scale=1.0, block_size=block_size)
+        return program, routes, sizes
+    with stage("state_build"):
+        snap = build_ovq_snapshots(kn, v, routes, chunk=chunk_size, sizes=sizes,
+                                   normalize_centroids=normalize_centroids)
+        bias = torch.where(snap.counts > 0, snap.counts.log(), float("-inf"))
+    with stage("block_mask"):
+        program = build_program(
+            q_scaled, kn, v, (StateBank(rows, chunk_size, snap.live), OwnChunk(chunk_size)), scale=1.0,
+            state_k=snap.keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), state_bias=bias.flatten(2, 3),
+            block_size=block_size,
+        )
+    return program, routes, sizes
+
+
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 128, max_centroids: int,
                   growth: str = "plateau", growth_horizon: int | None = None, seeding: str = "spread",
                   seed: int = 0, normalize_centroids: bool = False, backend: str = "auto",
@@ -54,29 +93,15 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: 
     on dictionary rows. Chunk ``c`` reads the dictionary of the chunks before it and its
     own tokens causally.
     """
-    _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon)
-    B, H, T, _ = q.shape
-    n_chunks = max(1, -(-T // chunk_size))
-    sizes = dictionary_sizes(n_chunks, chunk_size, max_centroids, growth, growth_horizon)
-    qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    routes = route_ovq(kn, chunk=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
-                       normalize_centroids=normalize_centroids)
-    q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
-    rows = max(sizes[:n_chunks])
-    if rows == 0:  # no chunk reads a dictionary: attention inside each chunk only
-        program = build_program(q_scaled, kn, v, (OwnChunk(chunk_size),), scale=1.0, block_size=block_size)
-    else:
-        snap = build_ovq_snapshots(kn, v, routes, chunk=chunk_size, sizes=sizes,
-                                   normalize_centroids=normalize_centroids)
-        bias = torch.where(snap.counts > 0, snap.counts.log(), float("-inf"))
-        program = build_program(
-            q_scaled, kn, v, (StateBank(rows, chunk_size, snap.live), OwnChunk(chunk_size)), scale=1.0,
-            state_k=snap.keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), state_bias=bias.flatten(2, 3),
-            block_size=block_size,
-        )
-    out = attend(program, backend)
+    program, routes, sizes = ovq_program(
+        q, k, v, beta, chunk_size=chunk_size, max_centroids=max_centroids, growth=growth,
+        growth_horizon=growth_horizon, seeding=seeding, seed=seed, normalize_centroids=normalize_centroids,
+        block_size=block_size)
+    with stage("attention"):
+        out = attend(program, backend)
     if not return_state:
         return out
+    T = q.shape[2]
     return out, OVQState(routes, _route_histogram(routes, sizes[T // chunk_size]), sizes)
 
 

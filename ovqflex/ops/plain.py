@@ -8,6 +8,7 @@ from masks.regions import BlockWindow, Causal, Region, Sinks, TokenWindow
 from recurrences.checks import check_chunk, check_int
 
 from ..attention import attend
+from ..profiling import stage
 
 
 def plain_regions(
@@ -52,5 +53,7 @@ def sliding_window_attention(
     """
     regions = plain_regions(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    program = build_program(q, k, v, regions, scale=scale, block_size=block_size)
-    return attend(program, backend)
+    with stage("block_mask"):
+        program = build_program(q, k, v, regions, scale=scale, block_size=block_size)
+    with stage("attention"):
+        return attend(program, backend)

@@ -73,3 +73,23 @@ def test_bad_lengths_are_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "d", "--lengths", "64,abc"])
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_readme_viz_and_profile_flags_exist():
+    parser = build_parser()
+    args = parser.parse_args(["viz", "ovq", "--seq-len", "64", "--heads", "2", "--head-dim", "8", "--opt",
+                              "max_centroids=32", "--view", "token,block", "--format", "png,svg,html,term",
+                              "--query", "3", "--head", "1", "--width", "80", "--color", "--out", "d"])
+    assert args.view == ("token", "block") and args.format == ("png", "svg", "html", "term")
+    args = parser.parse_args(["profile", "model", "--seq-len", "64", "--batch", "2", "--heads", "2", "--head-dim",
+                              "8", "--opt", "backend=blocked", "--pattern", "swa,ovq", "--preset", "tiny", "--mode",
+                              "fwd,fwd+bwd", "--steps", "1", "--warmup", "0", "--trace", "t.json"])
+    assert args.mode == ("fwd", "fwd+bwd")
+
+
+@pytest.mark.parametrize("argv", [["viz", "ovq", "--view", "pixels"], ["viz", "ovq", "--format", "gif"],
+                                  ["profile", "ovq", "--mode", "bwd"]], ids=["view", "format", "mode"])
+def test_bad_name_lists_are_argparse_errors(capsys, argv):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "comma-separated subset" in capsys.readouterr().err

@@ -1,0 +1,78 @@
+"""Cell labels of a drawn program: which region a visible (query, kv row) cell belongs to.
+
+A cell takes the label of the first region containing it in :data:`REGION_ORDER`
+(regions may overlap: sinks lie inside a causal window); a region name outside
+that list (a new method's) comes after them, in program order. A cell no region
+contains — or whose kv row has bias ``-inf`` (an empty state row) — is ``masked``.
+Label ``0`` is always ``masked``; label ``k`` is ``names[k]``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..program import AttentionProgram
+from recurrences.checks import check_int
+
+MASKED = "masked"
+REGION_ORDER = ("sink", "state", "window", "causal")
+PALETTE = {MASKED: "#f0f0f0", "sink": "#d62728", "state": "#1f77b4", "window": "#2ca02c", "causal": "#ff7f0e"}
+_EXTRA = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+CHARS = {MASKED: ".", "sink": "S", "state": "#", "window": "w", "causal": "c"}
+
+
+def label_names(program: AttentionProgram) -> tuple[str, ...]:
+    """``("masked", *region names in drawing priority)`` for this program."""
+    present = list(dict.fromkeys(r.name for r in program.regions))
+    known = [n for n in REGION_ORDER if n in present]
+    return (MASKED, *known, *[n for n in present if n not in REGION_ORDER])
+
+
+def color(name: str) -> str:
+    """Hex colour of a label; unknown region names get a stable colour of their own."""
+    if name in PALETTE:
+        return PALETTE[name]
+    return _EXTRA[sum(map(ord, name)) % len(_EXTRA)]
+
+
+def char(name: str) -> str:
+    return CHARS.get(name, name[:1].lower() or "?")
+
+
+def check_batch_head(program: AttentionProgram, batch: int, head: int) -> None:
+    B, H = program.q.shape[:2]
+    check_int("batch", batch, minimum=0)
+    check_int("head", head, minimum=0)
+    if batch >= B:
+        raise ValueError(f"batch must be < B={B}, got {batch}")
+    if head >= H:
+        raise ValueError(f"head must be < H={H}, got {head}")
+
+
+def row_bias(program: AttentionProgram, batch: int = 0, head: int = 0) -> Tensor | None:
+    """Bias ``[KV]`` fp32 of every kv row for one (batch, head), or None (no score_mod)."""
+    check_batch_head(program, batch, head)
+    return None if program.bias is None else program.bias[batch, head].float()
+
+
+def label_cells(program: AttentionProgram, q_idx: Tensor, kv_idx: Tensor, bias: Tensor | None) -> Tensor:
+    """Labels (uint8, indices into :func:`label_names`) of the broadcast cells ``(q_idx, kv_idx)``.
+
+    q_idx ``[Q, 1]`` (or ``[Q]`` with kv_idx ``[KV]`` for one row each), kv_idx ``[1, KV]``;
+    bias ``[KV_total]`` or None. Work is ``O(cells x regions)``: small views only.
+    """
+    names = label_names(program)
+    shape = torch.broadcast_shapes(q_idx.shape, kv_idx.shape)
+    out = torch.zeros(shape, dtype=torch.uint8, device=q_idx.device)
+    free = torch.ones(shape, dtype=torch.bool, device=q_idx.device)
+    for k, name in enumerate(names[1:], start=1):
+        for region, p in zip(program.regions, program.params):
+            if region.name != name:
+                continue
+            hit = region.contains(p, q_idx, kv_idx) & free
+            out[hit] = k
+            free &= ~hit
+    if bias is not None:
+        dead = torch.isneginf(bias[kv_idx.long()]).expand(shape)
+        out[dead] = 0
+    return out

@@ -1,0 +1,54 @@
+"""render(): the files it writes are what they claim to be, and say what the program holds."""
+import json
+import xml.etree.ElementTree as ET
+
+import matplotlib.image as mpimg
+import pytest
+
+from masks.viz import VizOptions, program_stats, render, token_view
+
+from viz_cases import make_program
+
+
+def test_writes_png_svg_html_json_and_terminal(tmp_path):
+    program = make_program("bank")
+    opts = VizOptions(formats=("png", "svg", "html", "term"), queries=(40,), title="bank test", chunk=32)
+    res = render(program, opts, tmp_path, stem="bank")
+    names = sorted(p.name for p in res.files)
+    assert names == ["bank-block.png", "bank-block.svg", "bank-stats.json", "bank-token.png", "bank-token.svg",
+                     "bank.html"]
+    for png in ("bank-token.png", "bank-block.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert mpimg.imread(tmp_path / png).ndim == 3
+    for svg in ("bank-token.svg", "bank-block.svg"):
+        assert ET.parse(tmp_path / svg).getroot().tag.endswith("svg")
+    page = (tmp_path / "bank.html").read_text()
+    counts = token_view(program).counts()
+    for name, n in counts.items():
+        assert f"<td>{name}</td><td>{n:,}</td>" in page
+    assert page.count("<svg") == 2 and "Query 40" in page
+    assert "src=" not in page and "<link" not in page and "<script" not in page  # self-contained
+    stats = json.loads((tmp_path / "bank-stats.json").read_text())
+    assert stats["visible_pairs"] == program_stats(program).visible_pairs
+    assert stats["state_rows_per_chunk"] == [0, 10, 20]
+    assert res.text.startswith("bank test") and "block view" in res.text
+
+
+def test_token_view_skipped_when_too_large(tmp_path):
+    res = render(make_program("causal"), VizOptions(formats=("term",), max_token_cells=100), None)
+    assert res.token is None and res.block is not None and res.files == []
+    assert "token view skipped" in res.notes[0]
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(views=("pixels",)), "views must be"),
+                                           (dict(formats=()), "formats must be"),
+                                           (dict(queries=(-1,)), "queries must be >= 0")],
+                         ids=["view", "no-format", "query"])
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VizOptions(**kwargs)
+
+
+def test_query_past_the_end_is_refused():
+    with pytest.raises(ValueError, match="queries must be < q_len=80, got 99"):
+        render(make_program("swa"), VizOptions(formats=("term",), queries=(99,)))

@@ -1,0 +1,45 @@
+"""Statistics from interval bounds equal dense counts."""
+import torch
+
+from masks.viz import program_stats, token_view, visible_per_query
+
+from viz_cases import dense_truth, make_program
+
+
+def _dense_visible(program):
+    g = program.geom
+    q = torch.arange(g.q_len)[:, None]
+    kv = torch.arange(g.kv_len)[None, :]
+    m = torch.zeros(g.q_len, g.kv_len, dtype=torch.bool)
+    state = torch.zeros_like(m)
+    for r, p in zip(program.regions, program.params):
+        hit = r.contains(p, q, kv).expand_as(m)
+        m |= hit
+        if r.name == "state":
+            state |= hit
+    return m, state
+
+
+def test_visible_keys_per_query(program):
+    m, state = _dense_visible(program)
+    assert torch.equal(visible_per_query(program), m.sum(1))
+    s = program_stats(program, chunk=16)
+    assert s.visible_pairs == int(m.sum())
+    assert (s.keys_per_query_min, s.keys_per_query_max) == (int(m.sum(1).min()), int(m.sum(1).max()))
+    assert abs(s.keys_per_query_mean - m.sum(1).double().mean().item()) < 1e-9
+    assert abs(s.sparsity - (1 - m.sum().item() / m.numel())) < 1e-12
+    assert s.state_rows_per_chunk == state.sum(1)[::16].tolist()
+    g = program.geom
+    assert s.kv_bytes == 2 * program.k.shape[0] * program.k.shape[1] * g.kv_len * 8 * 4
+
+
+def test_state_rows_per_chunk_of_the_bank():
+    """Bank of chunk c holds min(10 c, 24) rows (viz_cases), read by the 32 queries of chunk c."""
+    s = program_stats(make_program("bank", T=128), chunk=32)
+    assert s.state_rows_per_chunk == [0, 10, 20, 24]
+
+
+def test_token_view_visible_cells_match_stats_when_no_row_is_empty():
+    program = make_program("sinks")
+    names, truth = dense_truth(program)
+    assert int((token_view(program).labels > 0).sum()) == program_stats(program).visible_pairs == int((truth > 0).sum())

@@ -1,0 +1,85 @@
+"""The drawn token view: per-cell colours, legend and terminal characters equal the dense truth."""
+import numpy as np
+import pytest
+import torch
+from matplotlib.colors import to_rgb
+
+from masks.viz import PALETTE, token_view
+from masks.viz.figures import token_figure
+from masks.viz.labels import CHARS
+from masks.viz.terminal import token_text
+
+from viz_cases import dense_truth, make_program
+
+
+def _counts(names, labels):
+    return {n: int((labels == k).sum()) for k, n in enumerate(names)}
+
+
+def test_view_labels_equal_dense_regions(program):
+    names, truth = dense_truth(program)
+    view = token_view(program)
+    assert view.names == tuple(names)
+    assert torch.equal(view.labels.long(), truth)
+    assert view.counts() == _counts(names, truth)
+
+
+def test_figure_pixels_are_the_region_colours(program):
+    """The figure's main image has one pixel per cell, coloured by the cell's region."""
+    names, truth = dense_truth(program)
+    fig = token_figure(token_view(program))
+    images = [im for ax in fig.axes for im in ax.get_images() if np.asarray(im.get_array()).ndim == 3]
+    assert len(images) == 1
+    drawn = np.asarray(images[0].get_array())
+    assert drawn.shape[:2] == tuple(truth.shape)
+    palette = {n: tuple(round(255 * c) for c in to_rgb(PALETTE[n])) for n in names}
+    for k, n in enumerate(names):
+        is_colour = (drawn == np.array(palette[n], dtype=drawn.dtype)).all(-1)
+        assert is_colour.sum() == int((truth == k).sum()), n
+    legend = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert legend == [f"{n} ({int((truth == k).sum()):,})" for k, n in enumerate(names)]
+
+
+def test_bias_strip_shows_the_row_bias():
+    program = make_program("bank")
+    view = token_view(program, head=1)
+    fig = token_figure(view)
+    strips = [np.ma.asarray(im.get_array()) for ax in fig.axes for im in ax.get_images()
+              if np.asarray(im.get_array()).ndim == 2]
+    assert len(strips) == 1
+    expected = program.bias[0, 1, : view.kv_range[1]].numpy()
+    finite = np.isfinite(expected)
+    assert np.array_equal(strips[0].mask[0], ~finite)
+    assert np.allclose(strips[0].data[0][finite], expected[finite])
+
+
+def test_terminal_characters_count_the_cells(program):
+    names, truth = dense_truth(program)
+    text = token_text(token_view(program), width=10_000, height=10_000)
+    legend, *rows = text.splitlines()
+    assert len(rows) == truth.shape[0] and all(len(r) == truth.shape[1] for r in rows)
+    drawn = "".join(rows)
+    for k, n in enumerate(names):
+        assert drawn.count(CHARS[n]) == int((truth == k).sum()), n
+        assert f"{CHARS[n]}={n} ({int((truth == k).sum()):,})" in legend
+
+
+def test_pooled_terminal_keeps_a_lone_visible_cell():
+    """A tile shows its highest-priority label: one sink cell in a tile of masked cells shows."""
+    program = make_program("sinks", T=160)
+    text = token_text(token_view(program, q_range=(150, 160)), width=16, height=4)
+    rows = text.splitlines()[1:]
+    assert len(rows) <= 4 and all(len(r) <= 16 for r in rows)
+    assert all(r[0] == "S" for r in rows)  # the 3 sink columns pool into the first tile column
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_cells=100), "max_cells=100"),
+    (dict(q_range=(5, 5)), "q_range"),
+    (dict(kv_range=(0, 10**6)), "kv_range"),
+    (dict(head=7), "head must be < H=2"),
+    (dict(batch=-1), "batch must be >= 0"),
+], ids=["too-big", "empty-q-range", "kv-range", "head", "batch"])
+def test_bad_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        token_view(make_program("causal"), **kwargs)

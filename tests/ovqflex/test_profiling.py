@@ -1,0 +1,105 @@
+"""Stage labels: present in the exported trace of every layer, invisible to torch.compile."""
+import json
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ovqflex.bench.profiler import ProfileConfig, profile_target, stage_table
+from ovqflex.cli import main
+from ovqflex.profiling import STAGES, stage
+
+SMALL = dict(backend="blocked", block_size=32)
+# target -> (layer options, stages its forward must show); adding a layer (e.g. kvm) is one line
+LAYERS = {
+    "ovq": (dict(SMALL, chunk_size=32, max_centroids=32), STAGES),
+    "swa": (dict(SMALL, window=16), ("proj", "block_mask", "attention")),
+}
+
+
+@pytest.mark.parametrize("target", sorted(LAYERS))
+def test_trace_is_a_chrome_trace_with_every_stage(tmp_path, target):
+    options, stages = LAYERS[target]
+    cfg = ProfileConfig(target=target, seq_len=96, heads=2, head_dim=8, options=options, steps=1, warmup=0)
+    rows = profile_target(cfg, tmp_path / "trace.json")
+    trace = json.loads((tmp_path / "trace.json").read_text())  # valid JSON
+    events = trace["traceEvents"]
+    assert isinstance(events, list) and all("ph" in e and "name" in e for e in events)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 for e in spans)
+    names = {e["name"] for e in spans}
+    for s in stages:
+        assert f"ovqflex.{s}" in names, s
+    assert {"ovqflex.step[fwd]", "ovqflex.step[fwd+bwd]", "ovqflex.backward"} <= names
+    for mode in ("fwd", "fwd+bwd"):
+        mine = {r["stage"]: r for r in rows if r["mode"] == mode}
+        assert set(stages) <= set(mine) and mine["step"]["% of step"] == 100.0
+        assert sum(mine[s]["ms/step"] for s in mine if s != "step") == pytest.approx(mine["step"]["ms/step"])
+
+
+def test_model_training_step_is_profiled(tmp_path):
+    cfg = ProfileConfig(target="model", seq_len=64, batch=2, pattern="swa,ovq", modes=("fwd+bwd",), steps=1,
+                        warmup=0, options=dict(backend="blocked", n_layers=2))
+    rows = profile_target(cfg, tmp_path / "t.json")
+    got = {r["stage"] for r in rows}
+    assert set(STAGES) | {"backward", "step", "other"} <= got and {r["mode"] for r in rows} == {"fwd+bwd"}
+
+
+def test_stage_table_from_a_known_trace():
+    """A hand-written trace: one fwd step of 100 us holding proj [10, 30) and attention [40, 90);
+    allocations +5 MB at 15, -5 MB at 25, +8 MB at 50, +2 MB at 60."""
+    mb = 2**20
+
+    def mem(ts, total, delta):
+        return {"ph": "i", "name": "[memory]", "ts": ts,
+                "args": {"Total Allocated": total, "Bytes": delta, "Device Type": 0}}
+
+    events = [{"ph": "X", "name": "ovqflex.step[fwd]", "ts": 0, "dur": 100},
+              {"ph": "X", "name": "ovqflex.proj", "ts": 10, "dur": 20},
+              {"ph": "X", "name": "ovqflex.attention", "ts": 40, "dur": 50},
+              mem(15, 5 * mb, 5 * mb), mem(25, 0, -5 * mb), mem(50, 8 * mb, 8 * mb), mem(60, 10 * mb, 2 * mb)]
+    rows = {r["stage"]: r for r in stage_table({"traceEvents": events})}
+    assert rows["proj"]["ms/step"] == pytest.approx(0.02) and rows["proj"]["peak MB"] == pytest.approx(5)
+    assert rows["attention"]["% of step"] == pytest.approx(50) and rows["attention"]["peak MB"] == pytest.approx(10)
+    assert rows["attention"]["alloc MB"] == pytest.approx(10)
+    assert rows["other"]["ms/step"] == pytest.approx(0.03) and rows["step"]["peak MB"] == pytest.approx(10)
+
+
+def test_stage_labels_do_not_break_fullgraph_compile():
+    """dynamo treats record_function as a no-op context (the layers' own fullgraph tests in
+    test_ovq.py / layers/test_plain.py compile them with these labels inside)."""
+    counters.clear()
+
+    def f(x):
+        with stage("proj"):
+            y = x * 2
+        with stage("attention"):
+            return y.sin()
+
+    out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(4))
+    assert torch.allclose(out, torch.ones(4).mul(2).sin()) and not counters["graph_break"]
+
+
+def test_unknown_stage_name():
+    with pytest.raises(ValueError, match="stage name must be one of"):
+        stage("routeing")
+
+
+@pytest.mark.parametrize("argv, match", [(["profile", "kvm2"], "target must be 'model' or one of"),
+                                         (["profile", "swa", "--steps", "0"], "steps must be >= 1"),
+                                         (["profile", "swa", "--opt", "windw=3"], "bad option for target 'swa'")],
+                         ids=["target", "steps", "option"])
+def test_cli_profile_bad_arguments(tmp_path, capsys, argv, match):
+    assert main([*argv, "--trace", str(tmp_path / "t.json")]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_cli_profile_prints_the_table_and_writes_the_trace(tmp_path, capsys):
+    trace = tmp_path / "swa.json"
+    argv = ["profile", "swa", "--seq-len", "64", "--batch", "1", "--heads", "2", "--head-dim", "8",
+            "--opt", "backend=blocked", "--opt", "window=16", "--opt", "block_size=32", "--mode", "fwd",
+            "--steps", "1", "--warmup", "0", "--seed", "1", "--device", "cpu", "--trace", str(trace)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "block_mask" in out and "attention" in out and "peak MB" in out and f"wrote {trace}" in out
+    assert "ovqflex.attention" in {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}

@@ -1,0 +1,58 @@
+"""The viz method registry: every registered layer yields its program; the CLI draws it."""
+import pytest
+
+from masks.viz import program_stats
+from ovqflex.cli import main
+from ovqflex.viz import VIZ_METHODS, VizShape, method_program
+
+SMALL = dict(chunk_size=32, block_size=32)
+# layer options keeping each program small; a new method adds one entry (or none: defaults)
+OPTIONS = {"ovq": dict(SMALL, max_centroids=32), "full": dict(block_size=32), "swa": dict(window=16, block_size=32),
+           "bswa": dict(SMALL, block_window=2), "sinks": dict(window=16, n_sinks=2, block_size=32)}
+REGIONS = {"ovq": ["state", "window"], "full": ["causal"], "swa": ["window"], "bswa": ["window"],
+           "sinks": ["sink", "window"]}
+
+
+@pytest.mark.parametrize("method", sorted(VIZ_METHODS))
+def test_every_method_builds_its_program(method):
+    program, layer, temps = method_program(method, VizShape(seq_len=96, heads=2, head_dim=8), OPTIONS.get(method))
+    assert program.q_len == 96 and tuple(program.q.shape[:2]) == (1, 2)
+    if method in REGIONS:
+        assert [r.name for r in program.regions] == REGIONS[method]
+    s = program_stats(program)
+    assert 1 <= s.keys_per_query_min <= s.keys_per_query_max
+
+
+def test_ovq_temperature_is_beta():
+    _, layer, temps = method_program("ovq", VizShape(seq_len=64, heads=2, head_dim=16), OPTIONS["ovq"])
+    assert temps["state"].tolist() == pytest.approx([4.0, 4.0])  # beta init sqrt(head_dim)
+
+
+@pytest.mark.parametrize("method, options, match", [("kvm2", {}, "method must be one of"),
+                                                     ("full", {"window": 8}, "bad option for method 'full'")],
+                         ids=["method", "option"])
+def test_bad_method_or_option(method, options, match):
+    with pytest.raises(ValueError, match=match):
+        method_program(method, VizShape(seq_len=32), options)
+
+
+def test_cli_viz_writes_every_format(tmp_path, capsys):
+    argv = ["viz", "ovq", "--seq-len", "128", "--heads", "2", "--head-dim", "8", "--opt", "chunk_size=32",
+            "--opt", "max_centroids=32", "--opt", "block_size=32", "--query", "70", "--head", "1",
+            "--format", "png,svg,html,term", "--view", "token,block", "--width", "80", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "query 70:" in out and "visible keys per query" in out and "#=state" in out
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["ovq-T128-block.png", "ovq-T128-block.svg", "ovq-T128-stats.json", "ovq-T128-token.png",
+                       "ovq-T128-token.svg", "ovq-T128.html"]
+
+
+@pytest.mark.parametrize("argv, match", [(["viz", "kvm2"], "method must be one of"),
+                                         (["viz", "swa", "--opt", "windw=3"], "bad option for method 'swa'"),
+                                         (["viz", "swa", "--seq-len", "0"], "seq_len must be >= 1"),
+                                         (["viz", "swa", "--seq-len", "64", "--query", "64"], "queries must be < q_len=64")],
+                         ids=["method", "option", "seq-len", "query"])
+def test_cli_viz_bad_arguments(tmp_path, capsys, argv, match):
+    assert main([*argv, "--out", str(tmp_path), "--format", "term"]) == 2
+    assert match in capsys.readouterr().err
