@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from masks.program import AttentionProgram
 from recurrences.checks import check_int
 
-from .layers import CausalAttention, OVQAttention, SlidingWindowAttention
+from .layers import CausalAttention, KVMAttention, OVQAttention, SlidingWindowAttention
 
 
 @dataclass
@@ -56,6 +56,12 @@ register_viz_method("ovq", VizMethod(
     lambda hidden, heads, head_dim, **o: OVQAttention(hidden, heads, head_dim=head_dim, **o),
     defaults=dict(chunk_size=128, max_centroids=256), temperatures=_beta_everywhere,
     description="OVQ-attention: per-chunk dictionary snapshot (log-count bias) + own chunk causal"))
+register_viz_method("kvm", VizMethod(
+    lambda hidden, heads, head_dim, **o: KVMAttention(hidden, heads, head_dim=head_dim, **o),
+    defaults=dict(chunk_size=128, n_bswa_chunks=2, sink_len=1, budget="power_law", max_state_chunks=None),
+    temperatures=lambda m: {"state": 1.0 if m.tau_state is None else m.tau_state.detach(),
+                            "window": 1.0 if m.tau_bswa is None else m.tau_bswa.detach()},
+    description="KVM: sinks + growable state (16 sqrt(ctx) rows) + Nb-chunk block window, region temperatures"))
 register_viz_method("full", VizMethod(_plain(cls="causal"), description="full causal attention"))
 register_viz_method("swa", VizMethod(_plain(), defaults=dict(window=128), description="token sliding window"))
 register_viz_method("bswa", VizMethod(_plain(), defaults=dict(block_window=2, chunk_size=128),

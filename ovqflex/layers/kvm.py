@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import DEFAULT_BLOCK
+from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.checks import check_chunk, check_int
 from recurrences.kvm import KVMBudget
 
-from ..ops.kvm import kvm_attention
+from ..ops.kvm import kvm_attention, kvm_program
+from ..profiling import stage
 from .heads import MultiHeadProjection
 from .rope import apply_rope
 
@@ -63,20 +64,33 @@ class KVMAttention(MultiHeadProjection):
         else:
             self.tau_state = self.tau_bswa = None
 
+    def _prepare(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, dict]:
+        """q, k (normalized, rotated), v ``[B, H, T, D]`` and the op's keyword options."""
+        with stage("proj"):
+            q, k, v = self.split_heads(x)
+            pos = torch.arange(x.shape[1], device=x.device)
+            q = apply_rope(self.q_norm(q), pos, self.rope_dims, self.rope_base, interleaved=True)
+            k = apply_rope(self.k_norm(k), pos, self.rope_dims, self.rope_base, interleaved=True)
+            gate = None if self.gate_proj is None else (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)  # [B, H, T]
+        options = dict(gate=gate, ln_s_weight=self.ln_s.weight, ln_s_bias=self.ln_s.bias, tau_state=self.tau_state,
+                       tau_bswa=self.tau_bswa, chunk_size=self.chunk_size, n_bswa_chunks=self.n_bswa_chunks,
+                       sink_len=self.sink_len, rope_dims=self.rope_dims, budget=self.budget,
+                       state_min_len=self.state_min_len, growth_factor=self.growth_factor,
+                       growth_exponent=self.growth_exponent, round_down=self.round_down,
+                       saturation_n=self.saturation_n, max_state_chunks=self.max_state_chunks,
+                       use_vlens=self.use_vlens, ln_eps=self.ln_s.eps, block_size=self.block_size)
+        return q, k, v, options
+
+    def program(self, x: Tensor) -> AttentionProgram:
+        """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
+        q, k, v, options = self._prepare(x)
+        return kvm_program(q, k, v, **options)[0]
+
     def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self.split_heads(x)
-        pos = torch.arange(x.shape[1], device=x.device)
-        q = apply_rope(self.q_norm(q), pos, self.rope_dims, self.rope_base, interleaved=True)
-        k = apply_rope(self.k_norm(k), pos, self.rope_dims, self.rope_base, interleaved=True)
-        gate = None if self.gate_proj is None else (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)  # [B, H, T]
-        o = kvm_attention(q, k, v, gate, ln_s_weight=self.ln_s.weight, ln_s_bias=self.ln_s.bias,
-                          tau_state=self.tau_state, tau_bswa=self.tau_bswa, chunk_size=self.chunk_size,
-                          n_bswa_chunks=self.n_bswa_chunks, sink_len=self.sink_len, rope_dims=self.rope_dims,
-                          budget=self.budget, state_min_len=self.state_min_len, growth_factor=self.growth_factor,
-                          growth_exponent=self.growth_exponent, round_down=self.round_down,
-                          saturation_n=self.saturation_n, max_state_chunks=self.max_state_chunks, use_vlens=self.use_vlens, ln_eps=self.ln_s.eps,
-                          backend=self.backend, block_size=self.block_size)
-        return self.merge(o)
+        q, k, v, options = self._prepare(x)
+        o = kvm_attention(q, k, v, backend=self.backend, **options)
+        with stage("proj"):
+            return self.merge(o)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -5,6 +5,6 @@ __all__ = ["causal_attention", "plain_regions", "sliding_window_attention"]
 from .ovq import OVQState, ovq_attention, ovq_program
 
 __all__ += ["OVQState", "ovq_attention", "ovq_program"]
-from .kvm import KVMState, kvm_attention
+from .kvm import KVMState, kvm_attention, kvm_program
 
-__all__ += ["KVMState", "kvm_attention"]
+__all__ += ["KVMState", "kvm_attention", "kvm_program"]

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, build_program
+from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import BlockWindow, StateBank
 from recurrences.checks import check_chunk, check_int, check_qkv, check_tensor
 from recurrences.kvm import KVMBudget, build_kvm_snapshots, kvm_state_sizes, memory_keys, route_kvm
 
 from ..attention import attend
+from ..profiling import stage
 
 
 @dataclass
@@ -60,24 +61,16 @@ def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, 
         raise ValueError(f"rope_dims must be an even int in [0, {D}], got {rope_dims!r}")
 
 
-def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, ln_s_weight: Tensor,
-                  ln_s_bias: Tensor, tau_state: Tensor | None = None, tau_bswa: Tensor | None = None,
-                  chunk_size: int = 128, n_bswa_chunks: int = 2, sink_len: int = 1, rope_dims: int | None = None,
-                  budget: str = "fixed", state_min_len: int | None = None, growth_factor: float = 16.0,
-                  growth_exponent: float = 0.5, round_down: int = 1, saturation_n: int = 1024,
-                  max_state_chunks: int | None = 1, use_vlens: bool = True, ln_eps: float = 1e-5,
-                  backend: str = "auto", return_state: bool = False, block_size: int = DEFAULT_BLOCK):
-    """KVM attention. q, k ``[B, H, T, D]`` already normalized and rotated, v ``[B, H, T, Dv]``,
-    gate ``[B, H, T]`` merge gates ``1 + elu(x W_g)`` (None: no gate, all 1), ``ln_s_weight``,
-    ``ln_s_bias`` ``[D]`` (the state LayerNorm), ``tau_state``, ``tau_bswa`` ``[H]`` (None: 1)
-    -> ``[B, H, T, Dv]`` (and a :class:`KVMState` with ``return_state=True``).
-
-    The first ``Nb * C`` tokens attend causally; query chunk ``c`` after that sees the state
-    built from tokens ``[0, (c - Nb + 1) C)`` and its ``Nb``-chunk block window. ``rope_dims``
-    (default ``D // 2``) leading channels are zeroed in memory keys. The state length follows
-    the budget (``fixed``, ``power_law``, ``saturation``; see :mod:`recurrences.kvm.budget`),
-    capped at ``max_state_chunks * C`` rows (None: uncapped). ``use_vlens=False`` reads state
-    values as ``s_v / count`` instead of renormalizing them to their founder's radius.
+def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, ln_s_weight: Tensor,
+                ln_s_bias: Tensor, tau_state: Tensor | None = None, tau_bswa: Tensor | None = None,
+                chunk_size: int = 128, n_bswa_chunks: int = 2, sink_len: int = 1, rope_dims: int | None = None,
+                budget: str = "fixed", state_min_len: int | None = None, growth_factor: float = 16.0,
+                growth_exponent: float = 0.5, round_down: int = 1, saturation_n: int = 1024,
+                max_state_chunks: int | None = 1, use_vlens: bool = True, ln_eps: float = 1e-5,
+                block_size: int = DEFAULT_BLOCK) -> tuple[AttentionProgram, KVMState]:
+    """The KVM attention program, without running it (what the visualizer draws), and its
+    :class:`KVMState`. Arguments as :func:`kvm_attention`. Stages are labelled
+    ``ovqflex.routing``, ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
     """
     D = q.shape[-1] if isinstance(q, Tensor) and q.dim() == 4 else 0
     rope_dims = D // 2 if rope_dims is None else rope_dims
@@ -88,20 +81,47 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *
                      max_state_chunks)
     sizes = kvm_state_sizes(T, chunk_size, n_bswa_chunks, spec)
     gate = torch.ones(B, H, T, dtype=q.dtype, device=q.device) if gate is None else gate
-    k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)
     window = BlockWindow(n_bswa_chunks, chunk_size)
     rows = max(sizes, default=0)
-    kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
-    routes, founder = route_kvm(kbar, gate, ln_s_weight, ln_s_bias, chunk=chunk_size, n_bswa_chunks=n_bswa_chunks,
-                                sizes=sizes, sink_len=sink_len, ln_eps=ln_eps)
+    with stage("routing"):
+        kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
+        routes, founder = route_kvm(kbar, gate, ln_s_weight, ln_s_bias, chunk=chunk_size,
+                                    n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=sink_len, ln_eps=ln_eps)
+    state = KVMState(routes, founder, sizes)
+    k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)
     if rows == 0:  # T <= Nb*C: the front only, plain causal attention
-        program = build_program(q, k_win, v, (window,), scale=D ** -0.5, block_size=block_size)
-    else:
+        with stage("block_mask"):
+            return build_program(q, k_win, v, (window,), scale=D ** -0.5, block_size=block_size), state
+    with stage("state_build"):
         snap = build_kvm_snapshots(kbar, v, gate, routes, founder, chunk=chunk_size, n_bswa_chunks=n_bswa_chunks,
                                    sizes=sizes, ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps,
                                    use_vlens=use_vlens)
         keys = snap.keys if tau_state is None else snap.keys * tau_state.to(snap.keys.dtype).view(1, H, 1, 1, 1)
+    with stage("block_mask"):
         program = build_program(q, k_win, v, (StateBank(rows, chunk_size, snap.live), window), scale=D ** -0.5,
                                 state_k=keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), block_size=block_size)
-    out = attend(program, backend)
-    return (out, KVMState(routes, founder, sizes)) if return_state else out
+    return program, state
+
+
+def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, backend: str = "auto",
+                  return_state: bool = False, **options):
+    """KVM attention. q, k ``[B, H, T, D]`` already normalized and rotated, v ``[B, H, T, Dv]``,
+    gate ``[B, H, T]`` merge gates ``1 + elu(x W_g)`` (None: no gate, all 1) -> ``[B, H, T, Dv]``
+    (and a :class:`KVMState` with ``return_state=True``).
+
+    Keyword options (:func:`kvm_program`): ``ln_s_weight``, ``ln_s_bias`` ``[D]`` (the state
+    LayerNorm, required), ``tau_state``, ``tau_bswa`` ``[H]`` (None: 1), ``chunk_size=128``,
+    ``n_bswa_chunks=2``, ``sink_len=1``, ``rope_dims=D//2`` (leading channels zeroed in memory
+    keys), the budget (``budget="fixed"|"power_law"|"saturation"``, ``state_min_len``,
+    ``growth_factor=16``, ``growth_exponent=0.5``, ``round_down=1``, ``saturation_n=1024``,
+    ``max_state_chunks=1`` rows cap in chunks, None: uncapped; see :mod:`recurrences.kvm.budget`),
+    ``use_vlens=True`` (False: state values ``s_v / count`` instead of the founder's radius),
+    ``ln_eps``, ``block_size``.
+
+    The first ``Nb * C`` tokens attend causally; query chunk ``c`` after that sees the state
+    built from tokens ``[0, (c - Nb + 1) C)`` and its ``Nb``-chunk block window.
+    """
+    program, state = kvm_program(q, k, v, gate, **options)
+    with stage("attention"):
+        out = attend(program, backend)
+    return (out, state) if return_state else out

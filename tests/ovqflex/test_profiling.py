@@ -13,6 +13,7 @@ SMALL = dict(backend="blocked", block_size=32)
 # target -> (layer options, stages its forward must show); adding a layer (e.g. kvm) is one line
 LAYERS = {
     "ovq": (dict(SMALL, chunk_size=32, max_centroids=32), STAGES),
+    "kvm": (dict(SMALL, chunk_size=32, budget="power_law", growth_factor=4.0, max_state_chunks=None), STAGES),
     "swa": (dict(SMALL, window=16), ("proj", "block_mask", "attention")),
 }
 

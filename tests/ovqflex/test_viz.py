@@ -7,9 +7,9 @@ from ovqflex.viz import VIZ_METHODS, VizShape, method_program
 
 SMALL = dict(chunk_size=32, block_size=32)
 # layer options keeping each program small; a new method adds one entry (or none: defaults)
-OPTIONS = {"ovq": dict(SMALL, max_centroids=32), "full": dict(block_size=32), "swa": dict(window=16, block_size=32),
+OPTIONS = {"ovq": dict(SMALL, max_centroids=32), "kvm": dict(SMALL, growth_factor=4.0), "full": dict(block_size=32), "swa": dict(window=16, block_size=32),
            "bswa": dict(SMALL, block_window=2), "sinks": dict(window=16, n_sinks=2, block_size=32)}
-REGIONS = {"ovq": ["state", "window"], "full": ["causal"], "swa": ["window"], "bswa": ["window"],
+REGIONS = {"ovq": ["state", "window"], "kvm": ["state", "window"], "full": ["causal"], "swa": ["window"], "bswa": ["window"],
            "sinks": ["sink", "window"]}
 
 
@@ -26,6 +26,11 @@ def test_every_method_builds_its_program(method):
 def test_ovq_temperature_is_beta():
     _, layer, temps = method_program("ovq", VizShape(seq_len=64, heads=2, head_dim=16), OPTIONS["ovq"])
     assert temps["state"].tolist() == pytest.approx([4.0, 4.0])  # beta init sqrt(head_dim)
+
+
+def test_kvm_temperatures_are_the_region_taus():
+    _, layer, temps = method_program("kvm", VizShape(seq_len=96, heads=2, head_dim=16), OPTIONS["kvm"])
+    assert temps["state"].tolist() == [1.0, 1.0] and temps["window"].tolist() == [1.0, 1.0]  # init 1
 
 
 @pytest.mark.parametrize("method, options, match", [("kvm2", {}, "method must be one of"),
