@@ -86,64 +86,67 @@ def _compare(T: int, cases: list, dev: torch.device, repeats: int, peak_gflops: 
     return rows
 
 
-def ovq(sc: dict, device: str) -> list[dict]:
-    """OVQ layer op: fused (flex forward; blocked forward+backward) vs the sequential
-    reference loop vs full causal SDPA, at each ``seq_len`` of ``seq_lens``."""
+def _op_scenario(sc: dict, device: str, *, op, reference, extra, options: dict, flops) -> list[dict]:
+    """Shared driver of the per-method op scenarios, at each ``seq_len`` of ``seq_lens``:
+    the fused op (flex forward, compiled and eager; blocked forward+backward up to
+    ``max_backward_len``) vs the method's sequential ``reference`` loop vs causal SDPA.
+
+    ``op(q=, k=, v=, **extra, backend=, **options)`` and ``reference(...)`` take the same
+    keyword tensors; ``extra(T, H, D, generator, device)`` makes the method's extra inputs;
+    ``flops(T, H, D)`` its model FLOPs.
+    """
     import torch.nn.functional as F
 
+    from .measure import matmul_gflops
+
+    dev = torch.device(device)
+    H, D = int(sc.get("heads", 4)), int(sc.get("head_dim", 64))
+    repeats, peak = int(sc.get("repeats", 3)), matmul_gflops(dev)
+    rows = []
+    for T in sc["seq_lens"]:
+        g = torch.Generator().manual_seed(0)
+        t = dict(zip("qkv", (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))))
+        t.update(extra(T, H, D, g, dev))
+        grad_t = {n: x.clone().requires_grad_() for n, x in t.items()}
+        # dynamic=False: a second length would otherwise trace dynamic shapes, which CPU flex
+        # codegen rejects (SPEC §11)
+        compiled = torch.compile(lambda inputs: op(**inputs, backend="flex", **options), fullgraph=True,
+                                 dynamic=False)
+
+        def no_grad(fn):
+            def run():
+                with torch.no_grad():
+                    return fn()
+            return run
+
+        fl = flops(T, H, D)
+        cases = [("fused flex fwd, compiled op", no_grad(lambda: compiled(t)), fl),
+                 ("fused flex fwd, eager op", no_grad(lambda: op(**t, backend="flex", **options)), fl),
+                 ("reference loop fwd", no_grad(lambda: reference(**t, **options)), fl),
+                 ("sdpa causal fwd", no_grad(lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"],
+                                                                                    is_causal=True)),
+                  4.0 * H * D * T * (T + 1) / 2)]
+        if T <= int(sc.get("max_backward_len", 1 << 30)):
+            cases.append(("fused blocked fwd+bwd",
+                          lambda: op(**grad_t, backend="blocked", **options).sum().backward(), 3 * fl))
+        rows += _compare(T, cases, dev, repeats, peak)
+    return rows
+
+
+def ovq(sc: dict, device: str) -> list[dict]:
+    """OVQ op (SPEC §4.2) through :func:`_op_scenario`. Keys: ``max_centroids``, ``heads``,
+    ``head_dim``, ``chunk_size``, ``max_backward_len``, ``repeats``."""
     from recurrences.ovq import dictionary_sizes
     from recurrences.reference import ovq_attention_reference
 
     from ..ops.ovq import ovq_attention
-    from .measure import matmul_gflops
 
-    dev = torch.device(device)
-    H, D, L, N = int(sc.get("heads", 4)), int(sc.get("head_dim", 64)), int(sc.get("chunk_size", 128)), int(sc["max_centroids"])
-    repeats = int(sc.get("repeats", 3))
-    peak = matmul_gflops(dev)
-    rows = []
-    for T in sc["seq_lens"]:
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))
-        beta = torch.full((H,), D**0.5, device=dev)
-        kw = dict(chunk_size=L, max_centroids=N)
-        flops = _ovq_flops(T, H, D, L, dictionary_sizes(-(-T // L), L, N))
-        sdpa_flops = 4.0 * H * D * T * (T + 1) / 2
-
-        def fused_flex():
-            with torch.no_grad():
-                return ovq_attention(q, k, v, beta, backend="flex", **kw)
-
-        # dynamic=False: a second length would otherwise trace dynamic shapes, which CPU flex
-        # codegen rejects (SPEC §11)
-        compiled_op = torch.compile(lambda *a: ovq_attention(*a, backend="flex", **kw), fullgraph=True,
-                                    dynamic=False)
-
-        def fused_flex_compiled():
-            with torch.no_grad():
-                return compiled_op(q, k, v, beta)
-
-        def reference():
-            with torch.no_grad():
-                return ovq_attention_reference(q, k, v, beta, **kw).out
-
-        def sdpa():
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        qg, kg, vg, bg = (t.clone().requires_grad_() for t in (q, k, v, beta))
-
-        def fused_blocked_fwd_bwd():
-            out = ovq_attention(qg, kg, vg, bg, backend="blocked", **kw)
-            out.sum().backward()
-
-        cases = [("fused flex fwd, compiled op", fused_flex_compiled, flops),
-                 ("fused flex fwd, eager op", fused_flex, flops), ("reference loop fwd", reference, flops),
-                 ("sdpa causal fwd", sdpa, sdpa_flops)]
-        if T <= int(sc.get("max_backward_len", 1 << 30)):
-            cases.append(("fused blocked fwd+bwd", fused_blocked_fwd_bwd, 3 * flops))
-        rows += _compare(T, cases, dev, repeats, peak)
-    return rows
+    L, N = int(sc.get("chunk_size", 128)), int(sc["max_centroids"])
+    return _op_scenario(
+        sc, device, op=ovq_attention, reference=lambda **a: ovq_attention_reference(**a).out,
+        extra=lambda T, H, D, g, dev: {"beta": torch.full((H,), D**0.5, device=dev)},
+        options=dict(chunk_size=L, max_centroids=N),
+        flops=lambda T, H, D: _ovq_flops(T, H, D, L, dictionary_sizes(-(-T // L), L, N)))
 
 
 KINDS["ovq"] = ovq
@@ -218,8 +221,7 @@ def _kvm_flops(T: int, H: int, D: int, C: int, Nb: int, sizes: list[int], B: int
 
 
 def kvm(sc: dict, device: str) -> list[dict]:
-    """KVM op (SPEC §4.3): fused (flex forward; blocked forward+backward) vs the paper's
-    chunk loop vs full causal SDPA, at each ``seq_len`` of ``seq_lens``.
+    """KVM op (SPEC §4.3) through :func:`_op_scenario`.
 
     Keys: ``heads``, ``head_dim``, ``chunk_size``, ``n_bswa_chunks``, ``sink_len`` and the
     budget options of :func:`ovqflex.kvm_attention` (``budget``, ``growth_factor``, ...;
@@ -231,60 +233,26 @@ def kvm(sc: dict, device: str) -> list[dict]:
     from recurrences.reference import kvm_attention_reference
 
     from ..ops.kvm import kvm_attention
-    from .measure import matmul_gflops
 
-    dev = torch.device(device)
-    H, D = int(sc.get("heads", 4)), int(sc.get("head_dim", 64))
     C, Nb = int(sc.get("chunk_size", 128)), int(sc.get("n_bswa_chunks", 2))
     budget = {k: sc[k] for k in ("budget", "state_min_len", "growth_factor", "growth_exponent", "round_down",
                                  "saturation_n", "max_state_chunks") if k in sc}
     if budget.get("max_state_chunks") == 0:  # TOML has no null
         budget["max_state_chunks"] = None
-    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=int(sc.get("sink_len", 1)), **budget)
-    repeats = int(sc.get("repeats", 3))
-    peak = matmul_gflops(dev)
-    rows = []
-    for T in sc["seq_lens"]:
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))
-        params = dict(gate=(1 + F.elu(torch.randn(1, H, T, generator=g))).to(dev),
-                      ln_s_weight=torch.ones(D, device=dev), ln_s_bias=torch.zeros(D, device=dev),
-                      tau_state=torch.ones(H, device=dev), tau_bswa=torch.ones(H, device=dev))
-        sizes = kvm_state_sizes(T, C, Nb, KVMBudget(**budget))
-        flops = _kvm_flops(T, H, D, C, Nb, sizes)
-        sdpa_flops = 4.0 * H * D * T * (T + 1) / 2
-        compiled_op = torch.compile(lambda q, k, v, p: kvm_attention(q, k, v, backend="flex", **p, **kw),
-                                    fullgraph=True, dynamic=False)
 
-        def fused_flex_compiled():
-            with torch.no_grad():
-                return compiled_op(q, k, v, params)
+    def extra(T, H, D, g, dev):
+        return dict(gate=(1 + F.elu(torch.randn(1, H, T, generator=g))).to(dev),
+                    ln_s_weight=torch.ones(D, device=dev), ln_s_bias=torch.zeros(D, device=dev),
+                    tau_state=torch.ones(H, device=dev), tau_bswa=torch.ones(H, device=dev))
 
-        def fused_flex():
-            with torch.no_grad():
-                return kvm_attention(q, k, v, backend="flex", **params, **kw)
+    def flops(T, H, D):
+        return _kvm_flops(T, H, D, C, Nb, kvm_state_sizes(T, C, Nb, KVMBudget(**budget)))
 
-        def reference():
-            with torch.no_grad():
-                return kvm_attention_reference(q, k, v, **params, **kw).out
-
-        def sdpa():
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        grad_params = {n: p.clone().requires_grad_() for n, p in params.items()}
-
-        def fused_blocked_fwd_bwd():
-            kvm_attention(*leaves, backend="blocked", **grad_params, **kw).sum().backward()
-
-        cases = [("fused flex fwd, compiled op", fused_flex_compiled, flops),
-                 ("fused flex fwd, eager op", fused_flex, flops), ("reference loop fwd", reference, flops),
-                 ("sdpa causal fwd", sdpa, sdpa_flops)]
-        if T <= int(sc.get("max_backward_len", 1 << 30)):
-            cases.append(("fused blocked fwd+bwd", fused_blocked_fwd_bwd, 3 * flops))
-        for row in _compare(T, cases, dev, repeats, peak):
-            rows.append({**row, "state_rows_last_chunk": sizes[-1] if sizes else 0})
+    rows = _op_scenario(sc, device, op=kvm_attention, reference=lambda **a: kvm_attention_reference(**a).out,
+                        extra=extra, options=dict(chunk_size=C, n_bswa_chunks=Nb,
+                                                  sink_len=int(sc.get("sink_len", 1)), **budget), flops=flops)
+    for row in rows:
+        row["state_rows_last_chunk"] = (kvm_state_sizes(row["T"], C, Nb, KVMBudget(**budget)) or [0])[-1]
     return rows
 
 
