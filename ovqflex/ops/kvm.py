@@ -85,7 +85,10 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     rows = max(sizes, default=0)
     with stage("routing"):
         kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
-        routes, founder = route_kvm(kbar, gate, ln_s_weight, ln_s_bias, chunk=chunk_size,
+        # routing reads fp32 memory keys whatever the input dtype (SPEC §2: bf16 routes like fp32)
+        kbar32 = kbar if kbar.dtype == torch.float32 else memory_keys(k.float(), rope_dims, ln_s_weight.float(),
+                                                                      ln_s_bias.float(), ln_eps)
+        routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk=chunk_size,
                                     n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=sink_len, ln_eps=ln_eps)
     state = KVMState(routes, founder, sizes)
     k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)

@@ -104,6 +104,19 @@ def test_sinks_protected_appends_in_temporal_order_and_state_follows_budget():
             assert torch.equal(rows, torch.arange(sizes[-1])), "founders not in temporal row order"
 
 
+def test_bf16_inputs_route_like_fp32():
+    q, k, v, params, _ = inputs(1, 2, 32, 200, seed=5, requires_grad=False)
+    kw = dict(chunk_size=16, budget="power_law", growth_factor=4.0, max_state_chunks=None, backend="blocked")
+    lo = {n: p.bfloat16() if n == "gate" else p for n, p in params.items()}
+    out16, s16 = ovqflex.kvm_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), return_state=True, **lo, **kw)
+    back = {n: p.float() for n, p in lo.items()}
+    out32, s32 = ovqflex.kvm_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
+                                       return_state=True, **back, **kw)
+    assert torch.equal(s16.routes, s32.routes) and torch.equal(s16.founder, s32.founder)
+    assert out16.dtype == torch.bfloat16
+    assert_close(out16.float(), out32, FWD_TOL[torch.bfloat16], "bf16 vs fp32")
+
+
 def test_causality_zero_gradient_from_future():
     q, k, v, params, leaves = inputs(1, 2, 16, 150, seed=4)
     out = ovqflex.kvm_attention(q, k, v, chunk_size=16, n_bswa_chunks=2, budget="power_law", growth_factor=4.0,
