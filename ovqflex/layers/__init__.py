@@ -1,5 +1,7 @@
 """Thin ``nn.Module`` layers: they own parameters and call the functional ops."""
+from .linear import DeltaNetAttention, LinearAttention, VLAAttention
 from .ovq import OVQAttention
 from .plain import CausalAttention, SlidingWindowAttention
 
-__all__ = ["OVQAttention", "CausalAttention", "SlidingWindowAttention"]
+__all__ = ["CausalAttention", "DeltaNetAttention", "LinearAttention", "OVQAttention", "SlidingWindowAttention",
+           "VLAAttention"]

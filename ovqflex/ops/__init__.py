@@ -5,3 +5,6 @@ __all__ = ["causal_attention", "plain_regions", "sliding_window_attention"]
 from .ovq import OVQState, ovq_attention
 
 __all__ += ["OVQState", "ovq_attention"]
+from .linear import delta_rule, linear_attention, vla_attention
+
+__all__ += ["delta_rule", "linear_attention", "vla_attention"]
