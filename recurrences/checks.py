@@ -71,7 +71,7 @@ def check_number(name: str, value: object, *, minimum: float = 0.0, strict: bool
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not (value > minimum if strict else value >= minimum) or value != value:
-        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
     return float(value)
 
 

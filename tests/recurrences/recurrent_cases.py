@@ -1,8 +1,20 @@
 """Shared by the non-softmax recurrence tests: hypothesis shapes and a fast == reference check."""
+import pytest
 import torch
 from hypothesis import strategies as st
 
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Token loops are thousands of tiny ops: on a shared 2-core machine, intra-op threads
+    spin-wait against other processes (T = 1,000 VLA loop: 0.3 s on one thread, 25 s on two
+    under load). Import this fixture into a test module to run its tests on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @st.composite

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from recurrences.delta import delta_rule_chunked
 from recurrences.reference import delta_rule_reference
 from tests.helpers import assert_close
-from tests.recurrences.recurrent_cases import assert_fast_matches_reference, randn, shapes
+from tests.recurrences.recurrent_cases import assert_fast_matches_reference, one_thread, randn, shapes  # noqa: F401
 
 
 def _unit_keys_and_gates(q, k, v, b):

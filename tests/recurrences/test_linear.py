@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from recurrences.linear import linear_attention_chunked
 from recurrences.reference import linear_attention_reference
 from tests.helpers import assert_close
-from tests.recurrences.recurrent_cases import assert_fast_matches_reference, randn, shapes
+from tests.recurrences.recurrent_cases import assert_fast_matches_reference, one_thread, randn, shapes  # noqa: F401
 
 
 @given(shapes(), st.integers(1, 32))

@@ -19,7 +19,7 @@ from recurrences.linear import feature_map
 from recurrences.reference import delta_rule_reference, linear_attention_reference, vla_reference
 from recurrences.vla import VLAOptions, vla_chunked
 from tests.helpers import assert_close
-from tests.recurrences.recurrent_cases import assert_fast_matches_reference, randn, shapes
+from tests.recurrences.recurrent_cases import assert_fast_matches_reference, one_thread, randn, shapes  # noqa: F401
 
 # (refresh_every, chunk): chunks end on refresh steps
 SCHEDULES = st.sampled_from([(20, 20), (20, 10), (20, 4), (20, 1), (12, 6), (0, 16), (0, 5)])
