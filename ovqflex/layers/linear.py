@@ -1,7 +1,9 @@
 """Non-softmax recurrent layers (SPEC §4.6): ``forward(x [B, T, hidden]) -> [B, T, hidden]``.
 
 Each owns the shared q/k/v/output projections (:class:`MultiHeadProjection`, with the
-optional causal q/k convolution) and calls one op of ``ovqflex.ops.linear``:
+optional causal q/k convolution) and calls one op of ``ovqflex.ops.linear``; ``out_norm=True``
+adds a per-head RMSNorm (learned ``[head_dim]`` gain shared by the heads) on the op's output
+before the output projection, as flash-linear-attention's layers do:
 
 - :class:`LinearAttention`: ELU+1 linear attention (``linear_attention``).
 - :class:`DeltaNetAttention`: unit q/k, ``β = sigmoid(x W_β)`` per token and head (``delta_rule``).
@@ -23,27 +25,37 @@ from ..ops.linear import delta_rule, linear_attention, vla_attention
 from .heads import MultiHeadProjection
 
 
-class LinearAttention(MultiHeadProjection):
+class _Recurrent(MultiHeadProjection):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, qk_conv: int, out_norm: bool):
+        super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
+        self.out_norm = nn.RMSNorm(self.head_dim) if out_norm else None
+
+    def finish(self, o: Tensor) -> Tensor:
+        """op output ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""
+        return self.merge(o if self.out_norm is None else self.out_norm(o))
+
+
+class LinearAttention(_Recurrent):
     """Multi-head causal linear attention (ELU+1 features, normalised read-out).
 
     x ``[B, T, hidden]`` -> ``[B, T, hidden]``; q, k, v ``[B, H, T, head_dim]`` inside.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 64,
-                 eps: float = 1e-6, qk_conv: int = 0):
-        super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
+                 eps: float = 1e-6, qk_conv: int = 0, out_norm: bool = False):
+        super().__init__(hidden_size, num_heads, head_dim, qk_conv, out_norm)
         self.chunk_size, self.eps = check_int("chunk_size", chunk_size), check_number("eps", eps)
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.split_heads(x)
-        return self.merge(linear_attention(q, k, v, chunk_size=self.chunk_size, eps=self.eps))
+        return self.finish(linear_attention(q, k, v, chunk_size=self.chunk_size, eps=self.eps))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"chunk_size={self.chunk_size}")
+                f"chunk_size={self.chunk_size}, out_norm={self.out_norm is not None}")
 
 
-class DeltaNetAttention(MultiHeadProjection):
+class DeltaNetAttention(_Recurrent):
     """Multi-head DeltaNet: L2-normalised q and k, write strength ``β = sigmoid(x W_β)``
     ``[B, H, T]`` (``W_β``: ``hidden -> num_heads``, no bias), the delta rule.
 
@@ -51,8 +63,8 @@ class DeltaNetAttention(MultiHeadProjection):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 64,
-                 qk_conv: int = 0):
-        super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
+                 qk_conv: int = 0, out_norm: bool = False):
+        super().__init__(hidden_size, num_heads, head_dim, qk_conv, out_norm)
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.beta_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
@@ -61,14 +73,14 @@ class DeltaNetAttention(MultiHeadProjection):
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)      # [B, H, T]
         o = delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta.to(q.dtype),
                        chunk_size=self.chunk_size)
-        return self.merge(o)
+        return self.finish(o)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"chunk_size={self.chunk_size}")
+                f"chunk_size={self.chunk_size}, out_norm={self.out_norm is not None}")
 
 
-class VLAAttention(MultiHeadProjection):
+class VLAAttention(_Recurrent):
     """Multi-head Variational Linear Attention (seed 002).
 
     x ``[B, T, hidden]`` -> ``[B, T, hidden]``. ``u = f_θ(k)`` ``[B, H, T, head_dim]`` with
@@ -79,8 +91,8 @@ class VLAAttention(MultiHeadProjection):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, qk_conv: int = 0,
-                 options: VLAOptions | None = None, **option_kwargs):
-        super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
+                 out_norm: bool = False, options: VLAOptions | None = None, **option_kwargs):
+        super().__init__(hidden_size, num_heads, head_dim, qk_conv, out_norm)
         if options is not None and option_kwargs:
             raise ValueError(f"give options or keyword options, not both (got {sorted(option_kwargs)})")
         known = {f.name for f in dataclasses.fields(VLAOptions)}
@@ -93,9 +105,8 @@ class VLAAttention(MultiHeadProjection):
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.split_heads(x)
         u = self.penalty_proj(k)
-        o = vla_attention(q, k, v, u, **dataclasses.asdict(self.options))
-        return self.merge(o)
+        return self.finish(vla_attention(q, k, v, u, **dataclasses.asdict(self.options)))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"options={self.options}")
+                f"out_norm={self.out_norm is not None}, options={self.options}")

@@ -14,13 +14,13 @@ from tests.recurrences.recurrent_cases import one_thread  # noqa: F401
 
 def _ref_linear(layer, x):
     q, k, v = layer.split_heads(x)
-    return layer.merge(linear_attention_reference(q, k, v, eps=layer.eps).out)
+    return layer.finish(linear_attention_reference(q, k, v, eps=layer.eps).out)
 
 
 def _ref_delta(layer, x):
     q, k, v = layer.split_heads(x)
     beta = torch.sigmoid(layer.beta_proj(x)).transpose(1, 2)
-    return layer.merge(delta_rule_reference(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta).out)
+    return layer.finish(delta_rule_reference(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta).out)
 
 
 def _ref_vla(layer, x):
@@ -28,13 +28,13 @@ def _ref_vla(layer, x):
     o = vla_reference(q, k, v, layer.penalty_proj(k), lambda0=layer.options.lambda0,
                       refresh_every=layer.options.refresh_every, refresh_eps=layer.options.refresh_eps,
                       eps=layer.options.eps).out
-    return layer.merge(o)
+    return layer.finish(o)
 
 
 LAYERS = {
     "linear": (lambda: ovqflex.LinearAttention(24, 3, chunk_size=16), _ref_linear),
     "deltanet": (lambda: ovqflex.DeltaNetAttention(24, 3, chunk_size=16, qk_conv=3), _ref_delta),
-    "vla": (lambda: ovqflex.VLAAttention(24, 3, head_dim=6, chunk_size=10), _ref_vla),
+    "vla": (lambda: ovqflex.VLAAttention(24, 3, head_dim=6, chunk_size=10, out_norm=True), _ref_vla),
 }
 
 
