@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ovqflex.models import HybridConfig, HybridLM
 from ovqflex.tasks import IGNORE, make_batch, make_task
+from tests.recurrences.recurrent_cases import one_thread  # noqa: F401  (eager small ops: ~2 min instead of ~10)
 
 N_PAIRS, D_HEAD, STEPS = 24, 32, 600
 
