@@ -5,24 +5,32 @@ Functional ops take ``[B, H, T, D]`` tensors; layers take ``x [B, T, hidden]``.
 from masks.program import AttentionProgram, build_program
 
 from .attention import attend, resolve_backend
-from .layers import CausalAttention, KVMAttention, OVQAttention, SlidingWindowAttention
-from .ops import KVMState, OVQState, causal_attention, kvm_attention, ovq_attention, sliding_window_attention
+from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, OVQAttention,
+                     SlidingWindowAttention, VLAAttention)
+from .ops import (KVMState, OVQState, causal_attention, delta_rule, kvm_attention, linear_attention,
+                  ovq_attention, sliding_window_attention, vla_attention)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionProgram",
     "CausalAttention",
+    "DeltaNetAttention",
     "KVMAttention",
     "KVMState",
+    "LinearAttention",
     "OVQAttention",
     "OVQState",
     "SlidingWindowAttention",
+    "VLAAttention",
     "attend",
     "build_program",
     "causal_attention",
+    "delta_rule",
     "kvm_attention",
+    "linear_attention",
     "ovq_attention",
     "resolve_backend",
     "sliding_window_attention",
+    "vla_attention",
 ]

@@ -64,3 +64,27 @@ def check_finite(name: str, x: Tensor) -> None:
     """Opt-in (host-syncing) check used when ``check_finite=True``."""
     if not torch.isfinite(x).all():
         raise ValueError(f"{name} contains non-finite values (nan or inf)")
+
+
+def check_number(name: str, value: object, *, minimum: float = 0.0, strict: bool = True) -> float:
+    """A real number ``> minimum`` (``>= minimum`` with ``strict=False``); bools refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not (value > minimum if strict else value >= minimum) or value != value:
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def check_companion(name: str, x: object, shape: tuple, like: Tensor) -> Tensor:
+    """A per-token input that travels with ``like`` (e.g. a gate ``[B, H, T]`` next to q):
+    a floating tensor of exactly ``shape`` with ``like``'s dtype and device."""
+    check_tensor(name, x, len(shape))
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.dtype != like.dtype:
+        raise TypeError(f"{name} must have dtype {like.dtype} (as q), got {x.dtype}")
+    if x.device != like.device:
+        raise ValueError(f"{name} must be on device {like.device} (as q), got {x.device}")
+    return x

@@ -290,3 +290,77 @@ def viz(sc: dict, device: str) -> list[dict]:
 
 
 KINDS["viz"] = viz
+
+
+def recurrent(sc: dict, device: str) -> list[dict]:
+    """Non-softmax recurrences (linear attention, DeltaNet, VLA; SPEC §4.6): chunked op forward
+    and forward+backward, their token-by-token reference loops (up to ``max_reference_len``),
+    OVQ (``ovq_backend``, forward) and full causal SDPA, at each ``seq_len`` of ``seq_lens``.
+
+    Keys: ``seq_lens``, ``heads`` (4), ``head_dim`` (64), ``batch`` (1), ``chunk_size`` (64:
+    linear, DeltaNet), ``vla_chunk`` (20 = the refresh period), ``max_centroids`` (OVQ, 2048),
+    ``ovq_chunk`` (128), ``ovq_backend`` (blocked), ``max_reference_len`` (1024), ``repeats`` (3).
+    The runner fits the log-log slope of time and memory vs T of each case.
+    """
+    import torch.nn.functional as F
+
+    from recurrences.reference import delta_rule_reference, linear_attention_reference, vla_reference
+
+    from ..ops.linear import delta_rule, linear_attention, vla_attention
+    from ..ops.ovq import ovq_attention
+
+    dev = torch.device(device)
+    B, H, D = int(sc.get("batch", 1)), int(sc.get("heads", 4)), int(sc.get("head_dim", 64))
+    C, Cv = int(sc.get("chunk_size", 64)), int(sc.get("vla_chunk", 20))
+    N, Lo, ovq_backend = int(sc.get("max_centroids", 2048)), int(sc.get("ovq_chunk", 128)), sc.get("ovq_backend", "blocked")
+    repeats, max_ref = int(sc.get("repeats", 3)), int(sc.get("max_reference_len", 1024))
+    rows: list[dict] = []
+    for T in sc["seq_lens"]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, u = (torch.randn(B, H, T, D, generator=g).to(dev) for _ in range(4))
+        kn, beta = F.normalize(k, dim=-1), torch.rand(B, H, T, generator=g).to(dev)
+        ops = {
+            "linear": (lambda *a: linear_attention(*a, chunk_size=C), (q, k, v),
+                       lambda: linear_attention_reference(q, k, v)),
+            "deltanet": (lambda *a: delta_rule(*a, chunk_size=C), (q, kn, v, beta),
+                         lambda: delta_rule_reference(q, kn, v, beta)),
+            "vla": (lambda *a: vla_attention(*a, chunk_size=Cv), (q, k, v, u), lambda: vla_reference(q, k, v, u)),
+        }
+        cases = []
+        for name, (op, args, ref) in ops.items():
+            def fwd(op=op, args=args):
+                with torch.no_grad():
+                    return op(*args)
+
+            grad_args = tuple(a.clone().requires_grad_() for a in args)
+
+            def fwd_bwd(op=op, grad_args=grad_args):
+                op(*grad_args).sum().backward()
+
+            cases += [(f"{name} chunked fwd", fwd), (f"{name} chunked fwd+bwd", fwd_bwd)]
+            if T <= max_ref:
+                def reference(ref=ref):
+                    with torch.no_grad():
+                        return ref()
+                cases.append((f"{name} reference loop fwd", reference))
+        beta_ovq = torch.full((H,), D**0.5, device=dev)
+
+        def ovq():
+            with torch.no_grad():
+                return ovq_attention(q, k, v, beta_ovq, chunk_size=Lo, max_centroids=N, backend=ovq_backend)
+
+        def sdpa():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        cases += [(f"ovq {ovq_backend} fwd", ovq), ("sdpa causal fwd", sdpa)]
+        results = {name: measure(fn, device=dev, repeats=repeats) for name, fn in cases}
+        for name, m in results.items():
+            ref = results.get(name.replace("chunked fwd", "reference loop fwd")) if "chunked fwd" in name else None
+            rows.append({"T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
+                         "x_vs_sdpa": results["sdpa causal fwd"].seconds / m.seconds,
+                         "x_vs_reference": ref.seconds / m.seconds if ref and name.endswith("fwd") else None})
+    return rows
+
+
+KINDS["recurrent"] = recurrent

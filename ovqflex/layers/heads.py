@@ -22,13 +22,15 @@ from ..attention import BACKENDS
 
 
 class MultiHeadProjection(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, backend: str, qk_conv: int = 0):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, backend: str | None,
+                 qk_conv: int = 0):
         super().__init__()
         check_int("hidden_size", hidden_size)
         check_int("num_heads", num_heads)
         head_dim = hidden_size // num_heads if head_dim is None else head_dim
         check_int("head_dim", head_dim)
-        check_choice("backend", backend, BACKENDS)
+        if backend is not None:  # None: a layer that runs no attention program (linear recurrences)
+            check_choice("backend", backend, BACKENDS)
         self.hidden_size, self.num_heads, self.head_dim, self.backend = hidden_size, num_heads, head_dim, backend
         self.qkv_proj = nn.Linear(hidden_size, 3 * num_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)

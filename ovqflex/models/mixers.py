@@ -1,7 +1,7 @@
 """The mixer registry: pattern names -> layer factories ``(config) -> nn.Module``.
 
 Each mixer maps ``x [B, T, d_model] -> [B, T, d_model]``. Methods that land later
-(``vq``, ``longvq``, ``linear``, ``deltanet``, ``vla``) register here with
+(``vq``, ``longvq``) register here with
 :func:`register_mixer`; a pattern naming an unregistered mixer is refused with the list
 of available ones.
 """
@@ -11,12 +11,13 @@ from typing import Callable
 
 from torch import nn
 
-from ..layers import CausalAttention, KVMAttention, OVQAttention, SlidingWindowAttention
+from ..layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, OVQAttention,
+                      SlidingWindowAttention, VLAAttention)
 from .config import HybridConfig
 
 MixerFactory = Callable[[HybridConfig], nn.Module]
 _MIXERS: dict[str, MixerFactory] = {}
-_PLANNED = ("vq", "longvq", "linear", "deltanet", "vla")
+_PLANNED = ("vq", "longvq")
 
 
 def register_mixer(name: str, factory: MixerFactory) -> None:
@@ -55,3 +56,13 @@ register_mixer("ovq", lambda c: OVQAttention(c.d_model, c.n_heads, chunk_size=c.
 register_mixer("kvm", lambda c: KVMAttention(c.d_model, c.n_heads, chunk_size=c.chunk_size,
                                              n_bswa_chunks=c.bswa_chunks, rope_base=c.rope_base,
                                              **_attn_kwargs(c, "kvm")))
+
+
+def _recurrent_kwargs(c: HybridConfig, name: str) -> dict:
+    """Non-softmax recurrences: no backend or attention block; the q/k conv and head dim apply."""
+    return dict(head_dim=c.head_dim, qk_conv=c.qk_conv, **c.mixer_options.get(name, {}))
+
+
+register_mixer("linear", lambda c: LinearAttention(c.d_model, c.n_heads, **_recurrent_kwargs(c, "linear")))
+register_mixer("deltanet", lambda c: DeltaNetAttention(c.d_model, c.n_heads, **_recurrent_kwargs(c, "deltanet")))
+register_mixer("vla", lambda c: VLAAttention(c.d_model, c.n_heads, **_recurrent_kwargs(c, "vla")))

@@ -8,3 +8,6 @@ __all__ += ["OVQState", "ovq_attention", "ovq_program"]
 from .kvm import KVMState, kvm_attention, kvm_program
 
 __all__ += ["KVMState", "kvm_attention", "kvm_program"]
+from .linear import delta_rule, linear_attention, vla_attention
+
+__all__ += ["delta_rule", "linear_attention", "vla_attention"]

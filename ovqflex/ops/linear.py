@@ -1,0 +1,72 @@
+"""Non-softmax recurrent attention ops (SPEC §4.6): linear attention, the delta rule, VLA.
+
+All causal; ``[B, H, T, D]`` in, ``[B, H, T, Dv]`` out. They validate their inputs and
+call the chunked forms of ``recurrences/`` (linear.py, delta.py, vla.py), which compute in
+float32 (float64 for float64 inputs) whatever the autocast state; the token-by-token
+references the tests compare them with are in ``recurrences/reference/``.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from recurrences.checks import check_companion, check_int, check_number, check_qkv
+from recurrences.delta import delta_rule_chunked
+from recurrences.linear import linear_attention_chunked
+from recurrences.vla import VLAOptions, vla_chunked
+
+
+def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = 64, eps: float = 1e-6,
+                     return_state: bool = False):
+    """Causal linear attention with the ELU+1 feature map and normalised read-out.
+
+    q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``::
+
+        o_t = Σ_{s<=t} (φ(q_t)·φ(k_s)) v_s / max(Σ_{s<=t} φ(q_t)·φ(k_s), eps),   φ = elu + 1
+
+    ``return_state=True`` also returns ``S_T = Σ_s v_s φ(k_s)^T`` ``[B, H, Dv, Dk]``.
+    """
+    check_qkv(q, k, v)
+    check_int("chunk_size", chunk_size)
+    check_number("eps", eps)
+    return linear_attention_chunked(q, k, v, chunk_size=chunk_size, eps=eps, return_state=return_state)
+
+
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 64, return_state: bool = False):
+    """The delta rule (DeltaNet) with a per-token write strength.
+
+    q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, beta ``[B, H, T]`` -> ``[B, H, T, Dv]``::
+
+        S_t = S_{t-1} + β_t (v_t - S_{t-1} k_t) k_t^T,   o_t = S_t q_t
+
+    Keys are used as given: the recurrence is stable for ``β_t ||k_t||² ∈ [0, 2]``
+    (:class:`ovqflex.DeltaNetAttention` uses unit keys and ``β = sigmoid(.)``).
+    ``return_state=True`` also returns ``S_T`` ``[B, H, Dv, Dk]``.
+    """
+    check_qkv(q, k, v)
+    check_companion("beta", beta, q.shape[:3], q)
+    check_int("chunk_size", chunk_size)
+    return delta_rule_chunked(q, k, v, beta, chunk_size=chunk_size, return_state=return_state)
+
+
+def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float = 0.1, refresh_every: int = 20,
+                  refresh_eps: float = 1e-3, eps: float = 1e-4, chunk_size: int | None = None,
+                  return_state: bool = False):
+    """Variational Linear Attention (seed 002): a residual update written along the unit
+    direction ``α̂_t = A_t k̂_t / ||A_t k̂_t||`` of a Sherman-Morrison penalty inverse ``A_t``.
+
+    q, k, u ``[B, H, T, Dk]`` (``u``: penalty directions, the layer's ``f_θ(k)``), v
+    ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``. k and u are unit-normalised inside::
+
+        A_t = A_{t-1} - A_{t-1} û_t û_t^T A_{t-1} / (1 + û_t^T A_{t-1} û_t),   A_0 = I / lambda0
+        S_t = S_{t-1} + (v_t - S_{t-1} k̂_t) α̂_t^T
+        o_t = S_t φ(q_t) / max(φ(q_t)·Σ_{s<=t} φ(k_s), eps),   φ = elu + 1
+
+    and ``A += refresh_eps I`` after every ``refresh_every``-th token (0: never). See
+    :class:`recurrences.vla.VLAOptions` for ``chunk_size``. ``return_state=True`` also returns
+    ``(S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk])``.
+    """
+    check_qkv(q, k, v)
+    check_companion("u", u, k.shape, q)
+    opts = VLAOptions(lambda0=lambda0, refresh_every=refresh_every, refresh_eps=refresh_eps, eps=eps,
+                      chunk_size=chunk_size)
+    return vla_chunked(q, k, v, u, opts, return_state=return_state)

@@ -1,0 +1,116 @@
+"""Variational Linear Attention (seed 002), chunked: Woodbury for ``A``, WY for ``S``.
+
+Token form (reference loop: ``recurrences/reference/vla.py``), state ``X = S^T`` ``[Dk, Dv]``::
+
+    A_t = A_{t-1} - (A_{t-1} û_t)(A_{t-1} û_t)^T / (1 + û_t^T A_{t-1} û_t)     Sherman-Morrison
+    α̂_t = A_t k̂_t / ||A_t k̂_t||,   X_t = X_{t-1} + α̂_t (v_t - X_{t-1}^T k̂_t)^T
+    o_t = X_t^T φ(q_t) / max(φ(q_t)·Σ_{s<=t} φ(k_s), eps)
+
+plus ``A += refresh_eps I`` after every ``refresh_every``-th token.
+
+Chunked form. **A:** the Sherman-Morrison steps of a chunk starting from ``A_0`` are the
+Cholesky factorisation of ``G = I + U A_0 U^T`` (``U`` the chunk's unit penalty rows): with
+``G = L L^T`` and ``W = L⁻¹ U A_0``, ``A_t = A_0 - Σ_{s<=t} w_s w_s^T``, hence all write
+directions of the chunk at once, ``A_t k̂_t = A_0 k̂_t - Σ_{s<=t} (k̂_t·w_s) w_s``, and
+``A_C = A_0 - W^T W``. ``G`` has eigenvalues >= 1, so the factorisation is always defined
+(``cholesky_ex``: no host sync). Chunks must end on refresh steps (``refresh_every`` a
+multiple of the chunk). **S:** with ``α̂`` known, ``X`` is a delta rule that writes along
+``α̂`` and erases along ``k̂`` with ``β = 1``: one batched triangular solve for all chunks
+(:func:`recurrences.delta.chunk_wy`), then a loop over chunks of 3 matmuls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .checks import check_int, check_number
+from .delta import chunk_wy
+from .linear import _exclusive_cumsum, feature_map, from_chunks, to_chunks, work_dtype
+
+
+@dataclass(frozen=True)
+class VLAOptions:
+    """VLA hyper-parameters (seed 002 §5.3 defaults).
+
+    ``lambda0``: initial regulariser (``A_0 = I / lambda0``); ``refresh_every``: tokens between
+    identity refreshes (0: none); ``refresh_eps``: their size; ``eps``: floor of every norm
+    and of the read-out denominator; ``chunk_size``: tokens per chunk of the fast form
+    (``None``: ``refresh_every``, or 64 without refresh); ``refresh_every`` must be a multiple.
+    """
+
+    lambda0: float = 0.1
+    refresh_every: int = 20
+    refresh_eps: float = 1e-3
+    eps: float = 1e-4
+    chunk_size: int | None = None
+
+    def __post_init__(self):
+        check_number("lambda0", self.lambda0)
+        check_int("refresh_every", self.refresh_every, minimum=0)
+        check_number("refresh_eps", self.refresh_eps, strict=False)
+        check_number("eps", self.eps)
+        if self.chunk_size is not None:
+            check_int("chunk_size", self.chunk_size)
+            if self.refresh_every % self.chunk_size:
+                raise ValueError(f"chunk_size must divide refresh_every={self.refresh_every} so refreshes fall on "
+                                 f"chunk ends, got chunk_size={self.chunk_size}")
+
+    @property
+    def chunk(self) -> int:
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return self.refresh_every or 64
+
+
+def vla_write_directions(k_unit: Tensor, u_unit: Tensor, opts: VLAOptions, T: int) -> tuple[Tensor, Tensor]:
+    """Unit write directions of every token and the final penalty inverse.
+
+    k_unit, u_unit ``[B, H, n, C, Dk]`` (chunked, zero rows for padding), ``T`` real tokens ->
+    (α̂ ``[B, H, n, C, Dk]``, ``A_T`` ``[B, H, Dk, Dk]``).
+    """
+    B, H, n, C, Dk = k_unit.shape
+    eye = torch.eye(Dk, dtype=k_unit.dtype, device=k_unit.device)
+    eye_c = torch.eye(C, dtype=k_unit.dtype, device=k_unit.device)
+    A = (eye / opts.lambda0).expand(B, H, Dk, Dk)
+    alphas = []
+    for c in range(n):
+        uc, kc = u_unit[:, :, c], k_unit[:, :, c]
+        ua = uc @ A                                                     # [B, H, C, Dk] (A symmetric)
+        L = torch.linalg.cholesky_ex(eye_c + ua @ uc.transpose(-1, -2)).L
+        w = torch.linalg.solve_triangular(L, ua, upper=False)           # rows w_s
+        raw = kc @ A - torch.tril(kc @ w.transpose(-1, -2)) @ w        # rows A_t k̂_t
+        alphas.append(F.normalize(raw, dim=-1, eps=opts.eps))
+        A = A - w.transpose(-1, -2) @ w
+        end = (c + 1) * C
+        if opts.refresh_every and end <= T and end % opts.refresh_every == 0:
+            A = A + opts.refresh_eps * eye
+    return torch.stack(alphas, 2), A
+
+
+def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = VLAOptions(), *,
+                return_state: bool = False):
+    """q, k, u ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype); with
+    ``return_state`` also ``(S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk])`` (paper orientation)."""
+    T, Dv, dt, C = q.shape[2], v.shape[-1], work_dtype(q), opts.chunk
+    with torch.autocast(q.device.type, enabled=False):
+        kh = to_chunks(F.normalize(k.to(dt), dim=-1, eps=opts.eps), C)    # [B, H, n, C, Dk]
+        uh = to_chunks(F.normalize(u.to(dt), dim=-1, eps=opts.eps), C)
+        fq = to_chunks(feature_map(q.to(dt)), C)
+        vc = to_chunks(v.to(dt), C)
+        alpha, A = vla_write_directions(kh, uh, opts, T)
+        sol = chunk_wy(kh, alpha, torch.cat([vc, kh], dim=-1))
+        e0, wk = sol.split([Dv, kh.shape[-1]], dim=-1)
+        qa = torch.tril(fq @ alpha.transpose(-1, -2))                   # [B, H, n, C, C]
+        X = q.new_zeros(*q.shape[:2], k.shape[-1], Dv, dtype=dt)
+        nums = []
+        for c in range(kh.shape[2]):
+            e = e0[:, :, c] - wk[:, :, c] @ X                           # residuals e_t of the chunk
+            nums.append(fq[:, :, c] @ X + qa[:, :, c] @ e)
+            X = X + alpha[:, :, c].transpose(-1, -2) @ e
+        fk = feature_map(k.to(dt))
+        den = (feature_map(q.to(dt)) * fk.cumsum(2)).sum(-1, keepdim=True)
+        out = (from_chunks(torch.stack(nums, 2), T) / torch.clamp(den, min=opts.eps)).to(q.dtype)
+    return (out, (X.transpose(-1, -2), A)) if return_state else out

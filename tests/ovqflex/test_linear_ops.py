@@ -1,0 +1,78 @@
+"""Non-softmax recurrent ops (``ovqflex.linear_attention``, ``delta_rule``, ``vla_attention``):
+input validation (SPEC §2), causality and batch independence (§9.3-4)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ovqflex
+from tests.recurrences.recurrent_cases import one_thread  # noqa: F401
+
+
+def _args(name, B=2, H=2, T=37, D=6, dtype=torch.float32):
+    q, k, v, u = (torch.randn(B, H, T, D, dtype=dtype) for _ in range(4))
+    if name == "linear":
+        return (q, k, v), {}
+    if name == "delta":
+        return (q, F.normalize(k, dim=-1), v, torch.rand(B, H, T, dtype=dtype)), {"chunk_size": 16}
+    return (q, k, v, u), {"chunk_size": 10}
+
+
+OPS = {"linear": ovqflex.linear_attention, "delta": ovqflex.delta_rule, "vla": ovqflex.vla_attention}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_causal_and_batch_independent(name):
+    args, kw = _args(name)
+    args = [a.clone().requires_grad_() for a in args]
+    out = OPS[name](*args, **kw)
+    assert out.shape == (2, 2, 37, 6) and out.dtype == torch.float32
+    t = 20
+    grads = torch.autograd.grad(out[:, :, t].sum(), args)
+    for i, g in enumerate(grads):
+        assert g[:, :, t + 1:].abs().max() == 0, f"input {i} at j > {t} reaches output {t}"
+        assert g[:, :, :t + 1].abs().max() > 0
+    # batch independence: the first row alone gives the same output
+    alone = OPS[name](*[a[:1] for a in args], **kw)
+    assert torch.allclose(alone, out[:1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_bf16_in_bf16_out(name):
+    args, kw = _args(name)
+    out = OPS[name](*[a.bfloat16() for a in args], **kw)
+    ref = OPS[name](*[a.bfloat16().float() for a in args], **kw)
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _bad(name, change):
+    args, kw = _args(name)
+    return change(list(args), kw)
+
+
+BAD = [
+    ("linear", lambda a, kw: ([a[0][0], *a[1:]], kw), ValueError, r"q must have 4 dims, got shape \(2, 37, 6\)"),
+    ("linear", lambda a, kw: ([a[0], a[1][..., :5], a[2]], kw), ValueError, "q and k must share the head dim D"),
+    ("linear", lambda a, kw: ([a[0], a[1], a[2].double()], kw), TypeError, "q, k, v must share a dtype"),
+    ("linear", lambda a, kw: (a, {"chunk_size": 0}), ValueError, "chunk_size must be >= 1, got 0"),
+    ("linear", lambda a, kw: (a, {"eps": 0.0}), ValueError, "eps must be > 0, got 0.0"),
+    ("delta", lambda a, kw: ([*a[:3], a[3][..., :-1]], kw), ValueError,
+     r"beta must have shape \(2, 2, 37\), got \(2, 2, 36\)"),
+    ("delta", lambda a, kw: ([*a[:3], a[3].double()], kw), TypeError, "beta must have dtype torch.float32"),
+    ("delta", lambda a, kw: ([*a[:3], a[3].long()], kw), TypeError, "beta must be a floating tensor"),
+    ("delta", lambda a, kw: ([*a[:3], "0.5"], kw), TypeError, "beta must be a torch.Tensor, got str"),
+    ("vla", lambda a, kw: ([*a[:3], a[3][..., :4]], kw), ValueError,
+     r"u must have shape \(2, 2, 37, 6\), got \(2, 2, 37, 4\)"),
+    ("vla", lambda a, kw: (a, {"chunk_size": 7}), ValueError, "chunk_size must divide refresh_every=20"),
+    ("vla", lambda a, kw: (a, {"lambda0": -1.0}), ValueError, "lambda0 must be > 0, got -1.0"),
+    ("vla", lambda a, kw: (a, {"refresh_every": 2.5}), TypeError, "refresh_every must be an int, got float 2.5"),
+]
+
+
+@pytest.mark.parametrize("name,change,exc,match", BAD,
+                         ids=["linear-rank", "linear-head-dim", "linear-dtype", "linear-chunk0", "linear-eps0",
+                              "delta-beta-shape", "delta-beta-dtype", "delta-beta-int", "delta-beta-str",
+                              "vla-u-shape", "vla-chunk", "vla-lambda0", "vla-refresh-float"])
+def test_bad_inputs_refused(name, change, exc, match):
+    args, kw = _bad(name, change)
+    with pytest.raises(exc, match=match):
+        OPS[name](*args, **kw)
