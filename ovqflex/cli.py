@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="viz-out", help="directory for PNG/SVG/HTML/JSON (default viz-out)")
     s.set_defaults(fn=_cmd_viz)
 
-    from .bench.profiler import MODES
+    from .profiling import MODES  # (not ovqflex.bench: the CLI stays light for `train`)
 
     s = sub.add_parser("profile", help="run a layer or model step under torch.profiler: stage table + trace")
     s.add_argument("target", help=f"'model' or a layer: one of {', '.join(sorted(VIZ_METHODS))}")

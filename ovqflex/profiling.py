@@ -18,6 +18,8 @@ from torch.profiler import record_function
 #: The stages a layer forward is divided into, in data-flow order (SPEC §1).
 STAGES = ("proj", "routing", "state_build", "block_mask", "attention")
 PREFIX = "ovqflex."
+#: What ``ovqflex profile`` runs: forward without grad, and forward + backward.
+MODES = ("fwd", "fwd+bwd")
 
 
 def stage(name: str) -> record_function | nullcontext:

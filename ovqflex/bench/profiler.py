@@ -21,9 +21,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from recurrences.checks import check_int
 
-from ..profiling import PREFIX, STAGES
+from ..profiling import MODES, PREFIX, STAGES
 
-MODES = ("fwd", "fwd+bwd")
 STEP = PREFIX + "step"
 BACKWARD = PREFIX + "backward"
 
