@@ -18,7 +18,7 @@ class TrainConfig:
     preset: str = "tiny"
     pattern: str | None = None                         # None: the preset's pattern
     model_options: dict = field(default_factory=dict)  # HybridConfig overrides
-    steps: int = 3000
+    steps: int = 4000
     seq_len: int = 64
     batch_size: int = 32                               # global batch (split over torchrun ranks)
     lr: float = 5e-3
