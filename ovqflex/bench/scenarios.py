@@ -227,6 +227,8 @@ def kvm(sc: dict, device: str) -> list[dict]:
     budget options of :func:`ovqflex.kvm_attention` (``budget``, ``growth_factor``, ...;
     ``max_state_chunks = 0`` means uncapped), ``max_backward_len``, ``repeats``.
     """
+    import functools
+
     import torch.nn.functional as F
 
     from recurrences.kvm import KVMBudget, kvm_state_sizes
@@ -245,14 +247,17 @@ def kvm(sc: dict, device: str) -> list[dict]:
                     ln_s_weight=torch.ones(D, device=dev), ln_s_bias=torch.zeros(D, device=dev),
                     tau_state=torch.ones(H, device=dev), tau_bswa=torch.ones(H, device=dev))
 
+    spec = KVMBudget(**budget)
+    sizes = functools.cache(lambda T: kvm_state_sizes(T, C, Nb, spec))  # state rows of each chunk at length T
+
     def flops(T, H, D):
-        return _kvm_flops(T, H, D, C, Nb, kvm_state_sizes(T, C, Nb, KVMBudget(**budget)))
+        return _kvm_flops(T, H, D, C, Nb, sizes(T))
 
     rows = _op_scenario(sc, device, op=kvm_attention, reference=lambda **a: kvm_attention_reference(**a).out,
                         extra=extra, options=dict(chunk_size=C, n_bswa_chunks=Nb,
                                                   sink_len=int(sc.get("sink_len", 1)), **budget), flops=flops)
     for row in rows:
-        row["state_rows_last_chunk"] = (kvm_state_sizes(row["T"], C, Nb, KVMBudget(**budget)) or [0])[-1]
+        row["state_rows_last_chunk"] = (sizes(row["T"]) or [0])[-1]
     return rows
 
 

@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_chunk, check_int
 from recurrences.kvm import KVMBudget
 
-from ..ops.kvm import kvm_attention, kvm_program
+from ..ops.kvm import check_kvm_options, kvm_attention, kvm_program
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .rope import apply_rope
@@ -41,15 +40,8 @@ class KVMAttention(MultiHeadProjection):
                  use_vlens: bool = True, use_temperatures: bool = True, qk_conv: int = 0, backend: str = "auto",
                  block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
+        rope_dims = check_kvm_options(self.head_dim, chunk_size, n_bswa_chunks, sink_len, rope_dims)
         D = self.head_dim
-        check_chunk("chunk_size", chunk_size)
-        check_int("n_bswa_chunks", n_bswa_chunks)
-        check_int("sink_len", sink_len, minimum=0)
-        if sink_len >= chunk_size:
-            raise ValueError(f"sink_len must be < chunk_size={chunk_size}, got {sink_len}")
-        rope_dims = D // 2 if rope_dims is None else rope_dims
-        if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or rope_dims % 2 or not 0 <= rope_dims <= D:
-            raise ValueError(f"rope_dims must be an even int in [0, head_dim={D}], got {rope_dims!r}")
         KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n, max_state_chunks)
         self.budget, self.state_min_len, self.max_state_chunks = budget, state_min_len, max_state_chunks
         self.growth_factor, self.growth_exponent = growth_factor, growth_exponent

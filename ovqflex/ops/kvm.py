@@ -39,8 +39,24 @@ def _check_vector(name: str, x, n: int, like: Tensor) -> None:
         raise ValueError(f"{name} must be on {like.device}, got {x.device}")
 
 
+def check_kvm_options(head_dim: int, chunk_size, n_bswa_chunks, sink_len, rope_dims) -> int:
+    """Validate the shape options shared by :func:`kvm_program` and ``KVMAttention``;
+    returns ``rope_dims`` resolved (None: ``head_dim // 2``)."""
+    check_chunk("chunk_size", chunk_size)
+    check_int("n_bswa_chunks", n_bswa_chunks)
+    check_int("sink_len", sink_len, minimum=0)
+    if sink_len >= chunk_size:
+        raise ValueError(f"sink_len must be < chunk_size={chunk_size} (the initial state), got {sink_len}")
+    rope_dims = head_dim // 2 if rope_dims is None else rope_dims
+    if (isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or rope_dims % 2
+            or not 0 <= rope_dims <= head_dim):
+        raise ValueError(f"rope_dims must be an even int in [0, head_dim={head_dim}], got {rope_dims!r}")
+    return rope_dims
+
+
 def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size, n_bswa_chunks,
-                    sink_len, rope_dims):
+                    sink_len, rope_dims) -> int:
+    """Validate the op's inputs; returns the resolved ``rope_dims``."""
     check_qkv(q, k, v)
     B, H, T, D = q.shape
     if gate is not None:
@@ -52,13 +68,7 @@ def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, 
     for name, tau in (("tau_state", tau_state), ("tau_bswa", tau_bswa)):
         if tau is not None:
             _check_vector(name, tau, H, q)
-    check_chunk("chunk_size", chunk_size)
-    check_int("n_bswa_chunks", n_bswa_chunks)
-    check_int("sink_len", sink_len, minimum=0)
-    if sink_len >= chunk_size:
-        raise ValueError(f"sink_len must be < chunk_size={chunk_size} (the initial state), got {sink_len}")
-    if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or rope_dims % 2 or not 0 <= rope_dims <= D:
-        raise ValueError(f"rope_dims must be an even int in [0, {D}], got {rope_dims!r}")
+    return check_kvm_options(D, chunk_size, n_bswa_chunks, sink_len, rope_dims)
 
 
 def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, ln_s_weight: Tensor,
@@ -72,11 +82,9 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     :class:`KVMState`. Arguments as :func:`kvm_attention`. Stages are labelled
     ``ovqflex.routing``, ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
     """
-    D = q.shape[-1] if isinstance(q, Tensor) and q.dim() == 4 else 0
-    rope_dims = D // 2 if rope_dims is None else rope_dims
-    _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size, n_bswa_chunks,
-                    sink_len, rope_dims)
-    B, H, T, _ = q.shape
+    rope_dims = _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size,
+                                n_bswa_chunks, sink_len, rope_dims)
+    B, H, T, D = q.shape
     spec = KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n,
                      max_state_chunks)
     sizes = kvm_state_sizes(T, chunk_size, n_bswa_chunks, spec)
