@@ -101,14 +101,18 @@ def ovq_route_chunk(kc: Tensor, sums: Tensor, counts: Tensor, n_old: int, n_new:
     return route.scatter(2, chosen, torch.arange(n_new, device=kc.device).expand(B, H, n_new))
 
 
-def ovq_absorb(sums: Tensor, counts: Tensor, kc: Tensor, route: Tensor) -> None:
+def ovq_absorb(sums: Tensor, counts: Tensor, kc: Tensor, route: Tensor, value_sums: Tensor | None = None,
+               vc: Tensor | None = None) -> None:
     """Add a routed chunk to the routing dictionary in place (routes -1 or past the last
-    row go to the spare last row). The one write both routing and decode caches use, so a
-    cache rebuilt from routes holds bit for bit the dictionary routing saw."""
+    row go to the spare last row); with ``value_sums``/``vc`` the values too. The one write
+    both routing and decode caches use, so a cache rebuilt from routes holds bit for bit
+    the dictionary routing saw."""
     spare = sums.shape[2] - 1
     route = torch.where((route >= 0) & (route < spare), route, spare)
     sums.scatter_add_(2, route[..., None].expand(*route.shape, kc.shape[-1]), kc)
     counts.scatter_add_(2, route, torch.ones_like(route, dtype=counts.dtype))
+    if value_sums is not None:
+        value_sums.scatter_add_(2, route[..., None].expand(*route.shape, vc.shape[-1]), vc)
 
 
 def seeding_draw(gen: torch.Generator | None, B: int, H: int, L: int, device) -> Tensor | None:
