@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from masks.regions import OwnChunk, token_visibility
-from recurrences.ovq import dictionary_sizes, ovq_absorb, ovq_route_chunk, seeding_draw
+from recurrences.ovq import dictionary_size, ovq_absorb, ovq_route_chunk, seeding_draw
 
 from ..attention import attend_rows
 from .base import LayerCache, chunk_segments, positions
@@ -54,8 +54,9 @@ class OVQDecodeOptions:
     seed: int
     normalize_centroids: bool
 
-    def sizes(self, n_chunks: int) -> list[int]:
-        return dictionary_sizes(n_chunks, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
+    def size(self, c: int) -> int:
+        """Dictionary rows chunk ``c`` reads."""
+        return dictionary_size(c, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
 
 
 def _generator(opts: OVQDecodeOptions, state: Tensor | None) -> torch.Generator | None:
@@ -103,8 +104,7 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
     outs, pos = [], cache.position
     for off, take in chunk_segments(pos, T2, C):
         c = pos // C
-        sizes = opts.sizes(c + 1)
-        n = sizes[c]
+        n = opts.size(c)
         buf_k = torch.cat([buf_k, kn[:, :, off:off + take].detach()], dim=2)
         buf_v = torch.cat([buf_v, v[:, :, off:off + take].detach()], dim=2)
         cnt = counts[:, :, :n]
@@ -123,7 +123,7 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
         if pos % C == 0:  # the chunk is complete: route it, absorb it, drop its raw tokens
             u = seeding_draw(gen, B, H, C, kn.device)
             kc = buf_k.float()
-            route = ovq_route_chunk(kc, sums, counts, n, opts.sizes(c + 1)[c + 1] - n, u, opts.normalize_centroids)
+            route = ovq_route_chunk(kc, sums, counts, n, opts.size(c + 1) - n, u, opts.normalize_centroids)
             ovq_absorb(sums, counts, kc, route, vsums, buf_v.float())
             buf_k, buf_v = buf_k[:, :, :0], buf_v[:, :, :0]
     new = OVQCache(position=pos, conv=conv, key_sums=sums, value_sums=vsums, counts=counts, buf_k=buf_k,

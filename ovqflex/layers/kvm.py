@@ -34,6 +34,8 @@ class KVMAttention(MultiHeadProjection):
     (``layer.max_state_chunks = None``, or ``HybridLM.set_overrides(max_state_chunks=...)``).
     """
 
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  n_bswa_chunks: int = 2, sink_len: int = 1, rope_dims: int | None = None,
                  rope_base: float = 10000.0, budget: str = "fixed", state_min_len: int | None = None,

@@ -26,6 +26,8 @@ class OVQAttention(MultiHeadProjection):
     passing ``forward(x, max_centroids=...)`` — no parameter depends on it.
     """
 
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  max_centroids: int = 2048, growth: str = "plateau", growth_horizon: int | None = None,
                  seeding: str = "spread", seed: int = 0, normalize_centroids: bool = False,

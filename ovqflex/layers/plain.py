@@ -26,6 +26,8 @@ class _PlainAttention(MultiHeadProjection):
     ``[H]`` initialised to ``sqrt(head_dim)``; otherwise scores are ``<q, k> / sqrt(head_dim)``.
     """
 
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
                  qk_norm: bool, backend: str, block_size: int, regions, qk_conv: int = 0):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)

@@ -23,20 +23,21 @@ def dictionary_sizes(n_chunks: int, chunk: int, max_centroids: int, growth: str 
     plateau: ``floor(t N / (t + N))``; full: ``min(t, N)``; linear: ``min(N, c * n)``
     with ``n = min(L, ceil(N L / horizon))`` new slots per chunk (horizon default 4N).
     """
-    N, L = max_centroids, chunk
-    sizes = []
-    for c in range(n_chunks + 1):
-        t = c * L
-        if growth == "plateau":
-            sizes.append(t * N // (t + N))
-        elif growth == "full":
-            sizes.append(min(t, N))
-        elif growth == "linear":
-            per = min(L, math.ceil(N * L / (growth_horizon or 4 * N)))
-            sizes.append(min(N, c * per))
-        else:
-            raise ValueError(f"growth must be one of {list(GROWTHS)}, got {growth!r}")
-    return sizes
+    return [dictionary_size(c, chunk, max_centroids, growth, growth_horizon) for c in range(n_chunks + 1)]
+
+
+def dictionary_size(c: int, chunk: int, max_centroids: int, growth: str = "plateau",
+                    growth_horizon: int | None = None) -> int:
+    """``N_c``: the dictionary size chunk ``c`` reads (one entry of :func:`dictionary_sizes`)."""
+    N, L, t = max_centroids, chunk, c * chunk
+    if growth == "plateau":
+        return t * N // (t + N)
+    if growth == "full":
+        return min(t, N)
+    if growth == "linear":
+        per = min(L, math.ceil(N * L / (growth_horizon or 4 * N)))
+        return min(N, c * per)
+    raise ValueError(f"growth must be one of {list(GROWTHS)}, got {growth!r}")
 
 
 def _rank_first(key: Tensor, n: int) -> Tensor:
