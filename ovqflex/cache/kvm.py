@@ -131,7 +131,8 @@ def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor,
     ``[B, H, T2, Dv]`` and the cache after them."""
     B, H, T2, D = q.shape
     C, Nb = opts.chunk_size, opts.n_bswa_chunks
-    st = {name: getattr(cache, name).clone() for name in ("state", "value_sums", "radius", "counts")}
+    st = {name: getattr(cache, name) for name in ("state", "value_sums", "radius", "counts")}
+    copied = False  # the given cache stays valid: copy the state before the first write of this call
     win = dict(k=cache.win_k, v=cache.win_v, kbar=cache.win_kbar, gate=cache.win_gate)
     rows, state_chunk, pos, outs = cache.rows, cache.state_chunk, cache.position, []
     window = (BlockWindow(Nb, C),)
@@ -139,6 +140,8 @@ def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor,
         c = pos // C
         if c > state_chunk and c >= Nb:  # a new query chunk: absorb the oldest window chunk
             st = _grow(st, opts.capacity(opts.size(c)))
+            if not copied:
+                st, copied = {name: t.clone() for name, t in st.items()}, True
             _absorb(st, c, opts, win["kbar"][:, :, :C], win["gate"][:, :, :C], win["v"][:, :, :C].float())
             win = {name: t[:, :, C:] for name, t in win.items()}
             rows = opts.size(c)

@@ -98,7 +98,8 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
                          "start a new cache (prefill) to change it")
     B, H, T2, D = kn.shape
     C = opts.chunk_size
-    sums, vsums, counts = cache.key_sums.clone(), cache.value_sums.clone(), cache.counts.clone()
+    sums, vsums, counts = cache.key_sums, cache.value_sums, cache.counts  # copied before the first write
+    copied = False
     buf_k, buf_v = cache.buf_k, cache.buf_v
     gen = _generator(opts, cache.rng)
     outs, pos = [], cache.position
@@ -123,6 +124,8 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
         if pos % C == 0:  # the chunk is complete: route it, absorb it, drop its raw tokens
             u = seeding_draw(gen, B, H, C, kn.device)
             kc = buf_k.float()
+            if not copied:  # the given cache stays valid (copy on write, once per call)
+                sums, vsums, counts, copied = sums.clone(), vsums.clone(), counts.clone(), True
             route = ovq_route_chunk(kc, sums, counts, n, opts.size(c + 1) - n, u, opts.normalize_centroids)
             ovq_absorb(sums, counts, kc, route, vsums, buf_v.float())
             buf_k, buf_v = buf_k[:, :, :0], buf_v[:, :, :0]
