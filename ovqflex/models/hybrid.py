@@ -2,6 +2,11 @@
 
 tokens ``[B, T]`` ─embed─▶ h ``[B, T, d]`` ─(h += mixer(norm(h)); h += mlp(norm(h))) × n_layers
 ─norm─▶ logits ``[B, T, vocab]`` (head tied to the embedding).
+
+Mixers may return ``(y, aux)`` with ``aux["loss"]`` an auxiliary training loss (the VQ
+commitment loss); ``forward(tokens, return_aux=True)`` returns ``(logits, aux_loss)`` with
+their sum, which the trainer adds to the task loss. A mixer with ``standalone_block = True``
+(the LongVQ block, which has its own gated residual, norms and FFN) is the whole block.
 """
 from __future__ import annotations
 
@@ -36,14 +41,23 @@ class Block(nn.Module):
     def __init__(self, mixer_name: str, config: HybridConfig):
         super().__init__()
         self.mixer_name = mixer_name
-        self.norm1 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mixer = build_mixer(mixer_name, config)
-        self.norm2 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
+        self.standalone = bool(getattr(self.mixer, "standalone_block", False))
+        if not self.standalone:
+            self.norm1 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+            self.norm2 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+            self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
-    def forward(self, h: Tensor) -> Tensor:
-        h = h + self.mixer(self.norm1(h))
-        return h + self.mlp(self.norm2(h))
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        """-> (h, the mixer's aux loss or None)."""
+        out = self.mixer(h if self.standalone else self.norm1(h))
+        aux = None
+        if isinstance(out, tuple):
+            out, aux = out[0], out[1]["loss"]
+        if self.standalone:
+            return out, aux
+        h = h + out
+        return h + self.mlp(self.norm2(h)), aux
 
 
 class HybridLM(nn.Module):
@@ -74,14 +88,20 @@ class HybridLM(nn.Module):
                     if mod.bias is not None:
                         nn.init.zeros_(mod.bias)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, *, return_aux: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """-> logits; with ``return_aux=True`` ``(logits, aux_loss)`` (0-d fp32, the sum of the
+        mixers' auxiliary losses; 0 when no mixer has one)."""
         check_tensor("tokens", tokens, 2)
         if tokens.dtype != torch.int64:
             raise TypeError(f"tokens must be int64 token ids, got {tokens.dtype}")
         h = self.embed(tokens)
+        aux_loss = torch.zeros((), device=tokens.device)
         for block in self.blocks:
-            h = block(h)
-        return F.linear(self.norm(h), self.embed.weight).float()
+            h, aux = block(h)
+            if aux is not None:
+                aux_loss = aux_loss + aux.float()
+        logits = F.linear(self.norm(h), self.embed.weight).float()
+        return (logits, aux_loss) if return_aux else logits
 
     def set_overrides(self, **overrides) -> dict:
         """Test-time overrides of mixer attributes, e.g. ``max_centroids=8192`` for every OVQ
