@@ -264,6 +264,39 @@ def kvm(sc: dict, device: str) -> list[dict]:
 KINDS["kvm"] = kvm
 
 
+def _vq_flops(T: int, H: int, D: int, C: int, N: int, B: int = 1) -> float:
+    """Model FLOPs of VQ attention in linear form: per chunk, the codebook rows (from chunk 2
+    on), the whole previous chunk and the causal half of its own chunk."""
+    total = 0
+    for c in range(-(-T // C)):
+        lq = min(C, T - c * C)
+        total += lq * (N if c >= 2 else 0) + lq * (C if c >= 1 else 0) + lq * (lq + 1) / 2
+    return 4.0 * B * H * D * total
+
+
+def vq(sc: dict, device: str) -> list[dict]:
+    """VQ-attention op (SPEC §4.4) through :func:`_op_scenario`; its "reference loop" is the
+    quadratic form ``softmax(q K̂ᵀ + causal) V`` (dense, O(T²) memory: keep T moderate).
+
+    Keys: ``codebook_size``, ``heads``, ``head_dim``, ``chunk_size``, ``max_backward_len``, ``repeats``.
+    """
+    from recurrences.reference import vq_attention_reference
+
+    from ..ops.vq import vq_attention
+
+    C, N = int(sc.get("chunk_size", 128)), int(sc.get("codebook_size", 512))
+
+    def extra(T, H, D, g, dev):
+        return {"codebook": torch.randn(H, N, D, generator=g).to(dev), "beta": torch.full((H,), D**0.5, device=dev)}
+
+    return _op_scenario(sc, device, op=lambda **a: vq_attention(**a)[0],
+                        reference=lambda **a: vq_attention_reference(**a).out, extra=extra,
+                        options=dict(chunk_size=C), flops=lambda T, H, D: _vq_flops(T, H, D, C, N))
+
+
+KINDS["vq"] = vq
+
+
 def viz(sc: dict, device: str) -> list[dict]:
     """The visualizer at scale: build a method's program (random input), then its block view
     (grid, statistics, PNG) — timed and memory-measured separately, for each ``seq_len``.

@@ -2,6 +2,11 @@
 
 tokens ``[B, T]`` ─embed─▶ h ``[B, T, d]`` ─(h += mixer(norm(h)); h += mlp(norm(h))) × n_layers
 ─norm─▶ logits ``[B, T, vocab]`` (head tied to the embedding).
+
+Mixers may return ``(y, aux)`` with ``aux["loss"]`` an auxiliary training loss (the VQ
+commitment loss); ``forward(tokens, return_aux=True)`` returns ``(logits, aux_loss)`` with
+their sum, which the trainer adds to the task loss. A mixer with ``standalone_block = True``
+(the LongVQ block, which has its own gated residual, norms and FFN) is the whole block.
 """
 from __future__ import annotations
 
@@ -61,22 +66,29 @@ class Block(nn.Module):
     def __init__(self, mixer_name: str, config: HybridConfig):
         super().__init__()
         self.mixer_name = mixer_name
-        self.norm1 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mixer = build_mixer(mixer_name, config)
-        self.norm2 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
+        self.standalone = bool(getattr(self.mixer, "standalone_block", False))
+        if not self.standalone:
+            self.norm1 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+            self.norm2 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+            self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
     def forward(self, h: Tensor, cache=None, use_cache: bool = False):
-        """h ``[B, T, d]`` -> ``[B, T, d]``; ``(h, mixer cache)`` with a cache or ``use_cache``."""
+        """h ``[B, T, d]`` -> ``(h, the mixer's aux loss or None)``; with a ``cache`` or ``use_cache``
+        (inference) ``(h, the mixer's cache)``."""
+        x = h if self.standalone else self.norm1(h)
         if cache is None and not use_cache:
-            h = h + self.mixer(self.norm1(h))
-            return h + self.mlp(self.norm2(h))
-        if not getattr(self.mixer, "supports_cache", False):
-            raise NotImplementedError(f"mixer {self.mixer_name!r} ({type(self.mixer).__name__}) has no decode "
-                                      "cache: generation and use_cache need layers with supports_cache=True")
-        m, cache = self.mixer(self.norm1(h), cache=cache, use_cache=True)
-        h = h + m
-        return h + self.mlp(self.norm2(h)), cache
+            out = self.mixer(x)
+            out, extra = (out[0], out[1]["loss"]) if isinstance(out, tuple) else (out, None)
+        else:
+            if not getattr(self.mixer, "supports_cache", False):
+                raise NotImplementedError(f"mixer {self.mixer_name!r} ({type(self.mixer).__name__}) has no decode "
+                                          "cache: generation and use_cache need layers with supports_cache=True")
+            out, extra = self.mixer(x, cache=cache, use_cache=True)
+        if not self.standalone:
+            h = h + out
+            out = h + self.mlp(self.norm2(h))
+        return out, extra
 
 
 
@@ -108,9 +120,12 @@ class HybridLM(nn.Module):
                     if mod.bias is not None:
                         nn.init.zeros_(mod.bias)
 
-    def forward(self, tokens: Tensor, cache: ModelCache | None = None, use_cache: bool = False):
-        """tokens ``[B, T]`` int64 -> logits ``[B, T, vocab]``; ``(logits, cache)`` with
-        ``use_cache=True`` or a ``cache`` (:class:`ModelCache`) to continue from."""
+    def forward(self, tokens: Tensor, cache: ModelCache | None = None, use_cache: bool = False, *,
+                return_aux: bool = False):
+        """tokens ``[B, T]`` int64 -> logits ``[B, T, vocab]``; with ``return_aux=True``
+        ``(logits, aux_loss)`` (0-d fp32, the sum of the mixers' auxiliary losses; 0 when no
+        mixer has one); with ``use_cache=True`` or a ``cache`` (:class:`ModelCache`, inference)
+        ``(logits, cache)``."""
         check_tensor("tokens", tokens, 2)
         if tokens.dtype != torch.int64:
             raise TypeError(f"tokens must be int64 token ids, got {tokens.dtype}")
@@ -118,9 +133,15 @@ class HybridLM(nn.Module):
             raise TypeError(f"cache must be a ModelCache (from forward(..., use_cache=True)), got {type(cache).__name__}")
         h = self.embed(tokens)
         if cache is None and not use_cache:
+            aux_loss = torch.zeros((), device=tokens.device)
             for block in self.blocks:
-                h = block(h)
-            return F.linear(self.norm(h), self.embed.weight).float()
+                h, aux = block(h)
+                if aux is not None:
+                    aux_loss = aux_loss + aux.float()
+            logits = F.linear(self.norm(h), self.embed.weight).float()
+            return (logits, aux_loss) if return_aux else logits
+        if return_aux:
+            raise ValueError("return_aux is for training forwards; a cached (inference) forward has no aux loss")
         layers = []
         for i, block in enumerate(self.blocks):
             h, layer_cache = block(h, None if cache is None else cache.layers[i], use_cache=True)
