@@ -28,8 +28,12 @@ def ema_kernel(delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Te
 
 
 def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,
-               omega: Tensor, *, chunk: int = 64) -> Tensor:
+               omega: Tensor, *, chunk: int = 64, h0: Tensor | None = None, return_state: bool = False):
     """x ``[B, T, D]`` -> ``y [B, T, D]`` (dtype of x), exactly causal, fp32 inside.
+
+    ``h0`` ``[B, D, n]``: the EMA state before ``x`` (None: zeros, a sequence start) — how a
+    decode cache continues; ``return_state=True`` also returns the state after ``x``
+    ``[B, D, n]`` fp32.
 
     Chunked two-level form: inside each chunk of ``chunk`` tokens a ``[chunk, chunk]``
     lower-triangular Toeplitz matrix of the kernel; across chunks, the EMA states at chunk
@@ -60,7 +64,18 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
     from_state = torch.exp((i + 1).float()[None, None, :] * loga[..., None]) * g[..., None]  # [D, n, L]
     y = y + torch.einsum("dnt,bcdn->bctd", from_state, before)
     y = y.reshape(B, nc * L, D)[:, :T]
-    return (y + x.float() * omega.float()).to(x.dtype)
+    t = torch.arange(T, device=x.device, dtype=torch.float32)
+    if h0 is not None:  # the carried state decays into every output: sum_n g (decay^(t+1)) h0
+        y = y + torch.einsum("dnt,bdn->btd", torch.exp((t + 1)[None, None, :] * loga[..., None]) * g[..., None],
+                             h0.float())
+    y = (y + x.float() * omega.float()).to(x.dtype)
+    if not return_state:
+        return y
+    to_last = torch.exp((T - 1 - t)[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, T]
+    state = torch.einsum("dnt,btd->bdn", to_last, x.float())
+    if h0 is not None:
+        state = state + torch.exp(T * loga)[None] * h0.float()
+    return y, state
 
 
 def damped_ema_reference(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,

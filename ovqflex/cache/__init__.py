@@ -8,5 +8,6 @@ from .base import LayerCache
 from .kvm import KVMCache
 from .ovq import OVQCache
 from .plain import PlainCache
+from .vq import LongVQCache, VQCache
 
-__all__ = ["KVMCache", "LayerCache", "OVQCache", "PlainCache"]
+__all__ = ["KVMCache", "LayerCache", "LongVQCache", "OVQCache", "PlainCache", "VQCache"]

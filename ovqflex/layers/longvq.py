@@ -36,11 +36,14 @@ from recurrences.ema import damped_ema
 from ..attention import BACKENDS
 from ..ops.vq import vq_attention, vq_program
 from ..profiling import stage
-from .vq import VQCodebook, vq_aux
+from ..cache.base import check_cache
+from ..cache.vq import LongVQCache
+from .vq import VQCodebook, vq_aux, vq_layer_step
 
 
 class LongVQBlock(nn.Module):
     standalone_block = True
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
 
     def __init__(self, hidden_size: int, num_heads: int = 1, *, head_dim: int | None = None, ema_dim: int = 16,
                  chunk_size: int = 128, codebook_size: int = 512, estimator: str = "ste",
@@ -80,17 +83,23 @@ class LongVQBlock(nn.Module):
         self.norm1 = nn.LayerNorm(hidden_size, eps=norm_eps)
         self.norm2 = nn.LayerNorm(hidden_size, eps=norm_eps)
 
-    def _qkv_gates(self, x: Tensor):
+    def _qkv_gates(self, x: Tensor, ema_state: Tensor | None = None, want_state: bool = False):
+        """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, the gates, and (``want_state``) the EMA
+        state after x, continuing from ``ema_state`` ``[B, hidden, ema_dim]`` (None: a sequence
+        start); else None."""
         check_tensor("x", x, 3)
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         B, T, _ = x.shape
         H, Dk, Dv = self.num_heads, self.head_dim, self.head_dim_v
-        z = F.silu(damped_ema(x, self.ema_delta, self.ema_alpha, self.ema_beta, self.ema_gamma, self.ema_omega))
+        z = damped_ema(x, self.ema_delta, self.ema_alpha, self.ema_beta, self.ema_gamma, self.ema_omega,
+                       h0=ema_state, return_state=want_state)
+        z, state = z if want_state else (z, None)
+        z = F.silu(z)
         q, k, g_a = self.z_proj(z).split([H * Dk, H * Dk, H * Dv], dim=-1)
         v, g_o = self.x_proj(x).split([H * Dv, self.hidden_size], dim=-1)
         heads = lambda t, d: t.view(B, T, H, d).transpose(1, 2)  # noqa: E731
-        return heads(q, Dk), heads(k, Dk), heads(F.silu(v), Dv), F.silu(g_a), torch.sigmoid(g_o)
+        return heads(q, Dk), heads(k, Dk), heads(F.silu(v), Dv), F.silu(g_a), torch.sigmoid(g_o), state
 
     def _options(self) -> dict:
         return dict(chunk_size=self.chunk_size, estimator=self.quantizer.estimator, local_bias=self.local_bias,
@@ -99,23 +108,31 @@ class LongVQBlock(nn.Module):
     def program(self, x: Tensor) -> AttentionProgram:
         """The block's VQ attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
         with stage("proj"):
-            q, k, v, _, _ = self._qkv_gates(x)
+            q, k, v, _, _, _ = self._qkv_gates(x)
         return vq_program(q, k, v, self.quantizer.codebook, self.beta, **self._options())[0]
 
-    def forward(self, x: Tensor) -> tuple[Tensor, dict]:
+    def forward(self, x: Tensor, cache: LongVQCache | None = None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> ``(y, aux)``; with ``use_cache=True`` or a ``cache``
+        (:class:`~ovqflex.cache.LongVQCache`: the VQ cache plus the EMA state; inference)
+        ``(y, cache)``."""
+        check_cache(cache, LongVQCache, self)
         with stage("proj"):
-            q, k, v, g_a, g_o = self._qkv_gates(x)
-        o, op_aux = vq_attention(q, k, v, self.quantizer.codebook, self.beta, backend=self.backend,
-                                 **self._options())
-        aux = vq_aux(op_aux, self.quantizer, self.commitment_weight)
-        if self.training:
-            with stage("routing"):
-                self.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
+            q, k, v, g_a, g_o, ema = self._qkv_gates(x, None if cache is None else cache.ema,
+                                                     want_state=cache is not None or use_cache)
+        if cache is None and not use_cache:
+            o, op_aux = vq_attention(q, k, v, self.quantizer.codebook, self.beta, backend=self.backend,
+                                     **self._options())
+            extra = vq_aux(op_aux, self.quantizer, self.commitment_weight)
+            if self.training:
+                with stage("routing"):
+                    self.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
+        else:
+            o, extra = vq_layer_step(self, q, k, v, cache, None, LongVQCache, ema=ema.detach())
         with stage("proj"):
             B, H, T, Dv = o.shape
             o_a = self.h_proj(g_a * o.transpose(1, 2).reshape(B, T, H * Dv))
             y = self.norm1(g_o * o_a + (1 - g_o) * x)
-            return self.norm2(y + self.ffn(y)), aux
+            return self.norm2(y + self.ffn(y)), extra
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

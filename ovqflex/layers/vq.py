@@ -27,8 +27,11 @@ from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.checks import check_choice, check_chunk, check_int, check_number
-from recurrences.vq import ESTIMATORS, ema_update_
+from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
+from recurrences.vq.codebook import gather_codes
 
+from ..cache.base import check_cache
+from ..cache.vq import VQCache, vq_decode, vq_prefill
 from ..ops.vq import vq_attention, vq_program
 from ..profiling import stage
 from .heads import MultiHeadProjection
@@ -97,10 +100,33 @@ def vq_aux(op_aux: dict, codebook: VQCodebook, commitment_weight: float) -> dict
     return aux
 
 
+def vq_layer_step(layer, q: Tensor, k: Tensor, v: Tensor, cache: VQCache | None, conv: Tensor | None,
+                  cache_type: type = VQCache, **extra):
+    """The cached forward of a VQ-attention layer (``VQAttention``, ``LongVQBlock``): a
+    prefill (the fused op, then the cache from its codes) or a decode step over the cache.
+    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]`` -> ``(o [B, H, T, Dv], new cache)``; ``extra``:
+    more fields of ``cache_type``."""
+    cb = F.normalize(layer.quantizer.codebook.detach(), dim=-1)
+    options = layer._options()
+    if cache is None:
+        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, backend=layer.backend, **options)
+        codes = op_aux["codes"]
+        fields = vq_prefill(gather_codes(cb.to(v.dtype), codes), v, codes, cb.shape[1], layer.chunk_size, conv)
+    else:
+        codes = assign_codes(k, cb, options["code_bias"])
+        q_scaled = F.normalize(q, dim=-1) * layer.beta.to(q.dtype).view(1, -1, 1, 1)
+        o, fields = vq_decode(cache, q_scaled, gather_codes(cb.to(v.dtype), codes), v, codes, cb,
+                              options["local_bias"], layer.chunk_size)
+        fields["conv"] = conv
+    return o, cache_type(**fields, **extra)
+
+
 class VQAttention(MultiHeadProjection):
     """x ``[B, T, hidden]`` -> ``(y [B, T, hidden], aux)``. NoPE; unit q/k; per-head ``beta``
     (init ``sqrt(head_dim)``); keys quantized by a ``codebook_size``-code codebook per head;
     ``local_bias=True`` adds a learned per-head bias (init 0) to the window rows' scores."""
+
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  codebook_size: int = 512, estimator: str = "ste", commitment_weight: float = 1e-4,
@@ -125,17 +151,25 @@ class VQAttention(MultiHeadProjection):
             q, k, v = self.split_heads(x)
         return vq_program(q, k, v, self.quantizer.codebook, self.beta, **self._options())[0]
 
-    def forward(self, x: Tensor) -> tuple[Tensor, dict]:
+    def forward(self, x: Tensor, cache: VQCache | None = None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> ``(y, aux)``; with ``use_cache=True`` or a ``cache``
+        (:class:`~ovqflex.cache.VQCache`; inference: the codebook is not updated)
+        ``(y, cache)``."""
+        check_cache(cache, VQCache, self)
         with stage("proj"):
-            q, k, v = self.split_heads(x)
-        o, op_aux = vq_attention(q, k, v, self.quantizer.codebook, self.beta, backend=self.backend,
-                                 **self._options())
-        aux = vq_aux(op_aux, self.quantizer, self.commitment_weight)
-        if self.training:
-            with stage("routing"):
-                self.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
+            q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
+        if cache is None and not use_cache:
+            o, op_aux = vq_attention(q, k, v, self.quantizer.codebook, self.beta, backend=self.backend,
+                                     **self._options())
+            aux = vq_aux(op_aux, self.quantizer, self.commitment_weight)
+            if self.training:
+                with stage("routing"):
+                    self.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
+            with stage("proj"):
+                return self.merge(o), aux
+        o, new_cache = vq_layer_step(self, q, k, v, cache, tail)
         with stage("proj"):
-            return self.merge(o), aux
+            return self.merge(o), new_cache
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
