@@ -40,8 +40,17 @@ LAYERS = {
     "kvm-ablations": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=1, sink_len=0,
                                                   use_gate=False, use_vlens=False, use_temperatures=False,
                                                   backend="dense"),
+    "vq": lambda: ovqflex.VQAttention(HIDDEN, HEADS, chunk_size=16, codebook_size=12, backend="dense"),
+    "vq-localbias-conv-diveq": lambda: ovqflex.VQAttention(HIDDEN, HEADS, chunk_size=16, codebook_size=12,
+                                                           local_bias=True, qk_conv=3, estimator="diveq",
+                                                           backend="dense"),
+    "longvq": lambda: ovqflex.LongVQBlock(HIDDEN, HEADS, chunk_size=16, codebook_size=12, backend="dense"),
 }
-T_MAX = 160
+
+
+def _y(out):
+    """A layer's output tensor (VQ layers return ``(y, aux)``)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _perturbed(layer):
@@ -73,13 +82,13 @@ def test_prefill_then_decode_equals_full_forward(name, t1, t2, steps):
     layer = _perturbed(LAYERS[name]())
     x = torch.randn(2, t1 + t2, HIDDEN)
     with torch.no_grad():
-        full = layer(x)
+        full = _y(layer(x))
         streamed, cache = _stream(layer, x, t1, steps)
     assert cache.position == t1 + t2
     assert_close(streamed, full, FWD_TOL[torch.float32], f"{name} t1={t1} t2={t2} steps={steps}")
 
 
-@pytest.mark.parametrize("name", ["ovq-plateau", "kvm-fixed", "swa-20-sinks"])
+@pytest.mark.parametrize("name", ["ovq-plateau", "kvm-fixed", "swa-20-sinks", "vq", "longvq"])
 def test_a_cache_can_be_continued_twice(name):
     """Decoding does not mutate the cache it was given: one prefix, two continuations."""
     layer = _perturbed(LAYERS[name]())
@@ -93,14 +102,15 @@ def test_a_cache_can_be_continued_twice(name):
     assert all(torch.equal(t, u) for t, u in zip(before, cache.tensors()))
 
 
-PATTERNS = ["swa,ovq", "kvm", "full,bswa", "swa,nope"]
+PATTERNS = ["swa,ovq", "kvm", "full,bswa", "swa,nope", "swa,vq", "longvq"]
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 @given(t1=st.integers(1, 80), t2=st.integers(1, 50), steps=st.lists(st.integers(1, 20), min_size=1, max_size=3))
 def test_hybrid_lm_prefill_then_decode_equals_full_forward(pattern, t1, t2, steps):
     cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern=pattern, window=24,
-                       chunk_size=16, bswa_chunks=2, max_centroids=20, qk_conv=2, backend="dense")
+                       chunk_size=16, bswa_chunks=2, max_centroids=20, qk_conv=2, backend="dense",
+                       mixer_options={"vq": {"codebook_size": 12}, "longvq": {"codebook_size": 12}})
     torch.manual_seed(t1 + 100 * t2)
     model = _perturbed(HybridLM(cfg))
     tokens = torch.randint(0, 40, (2, t1 + t2))
@@ -181,6 +191,18 @@ def test_window_caches_are_bounded_and_full_attention_grows():
     assert max(kept["swa"]) == 19 + 2  # window - 1 tokens and 2 sinks
     assert max(kept["bswa"]) <= 2 * 16
     assert kept["full"][-1] == 300
+
+
+def test_vq_cache_holds_code_statistics_and_at_most_two_chunks():
+    layer = _perturbed(LAYERS["longvq"]())
+    x = torch.randn(1, 300, HIDDEN)
+    with torch.no_grad():
+        _, cache = layer(x[:, :3], use_cache=True)
+        for i in range(3, 300, 5):
+            _, cache = layer(x[:, i:i + 5], cache=cache)
+            assert cache.win_k.shape[2] <= 2 * 16 and cache.counts.shape == (1, HEADS, 12)
+            # every token is either counted in the state (once per head) or still in the window
+            assert int(cache.counts.sum()) == HEADS * (cache.position - cache.win_k.shape[2])
 
 
 def test_kvm_cache_holds_state_and_at_most_nb_chunks():
