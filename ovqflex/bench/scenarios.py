@@ -456,7 +456,6 @@ def decode(sc: dict, device: str) -> list[dict]:
             rows.append({"case": case["name"], "T": T, "prefill_s": prefill, "tokens_per_s": n_dec / m.seconds,
                          "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
                          "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
-            del cache, end, x
     by_t = {}
     for r in rows:
         by_t.setdefault(r["T"], []).append(r)

@@ -34,11 +34,11 @@ from recurrences.checks import check_choice, check_chunk, check_int, check_numbe
 from recurrences.ema import damped_ema
 
 from ..attention import BACKENDS
-from ..ops.vq import vq_attention, vq_program
+from ..ops.vq import vq_program
 from ..profiling import stage
 from ..cache.base import check_cache
 from ..cache.vq import LongVQCache
-from .vq import VQCodebook, vq_aux, vq_layer_step
+from .vq import VQCodebook, vq_layer_attention
 
 
 class LongVQBlock(nn.Module):
@@ -119,15 +119,8 @@ class LongVQBlock(nn.Module):
         with stage("proj"):
             q, k, v, g_a, g_o, ema = self._qkv_gates(x, None if cache is None else cache.ema,
                                                      want_state=cache is not None or use_cache)
-        if cache is None and not use_cache:
-            o, op_aux = vq_attention(q, k, v, self.quantizer.codebook, self.beta, backend=self.backend,
-                                     **self._options())
-            extra = vq_aux(op_aux, self.quantizer, self.commitment_weight)
-            if self.training:
-                with stage("routing"):
-                    self.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
-        else:
-            o, extra = vq_layer_step(self, q, k, v, cache, None, LongVQCache, ema=ema.detach())
+        o, extra = vq_layer_attention(self, q, k, v, cache, use_cache, None, LongVQCache,
+                                      **({} if ema is None else {"ema": ema.detach()}))
         with stage("proj"):
             B, H, T, Dv = o.shape
             o_a = self.h_proj(g_a * o.transpose(1, 2).reshape(B, T, H * Dv))

@@ -100,14 +100,22 @@ def vq_aux(op_aux: dict, codebook: VQCodebook, commitment_weight: float) -> dict
     return aux
 
 
-def vq_layer_step(layer, q: Tensor, k: Tensor, v: Tensor, cache: VQCache | None, conv: Tensor | None,
-                  cache_type: type = VQCache, **extra):
-    """The cached forward of a VQ-attention layer (``VQAttention``, ``LongVQBlock``): a
-    prefill (the fused op, then the cache from its codes) or a decode step over the cache.
-    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]`` -> ``(o [B, H, T, Dv], new cache)``; ``extra``:
-    more fields of ``cache_type``."""
-    cb = F.normalize(layer.quantizer.codebook.detach(), dim=-1)
+def vq_layer_attention(layer, q: Tensor, k: Tensor, v: Tensor, cache: VQCache | None = None,
+                       use_cache: bool = False, conv: Tensor | None = None, cache_type: type = VQCache, **extra):
+    """The VQ attention of a layer that owns ``quantizer``, ``beta``, ``chunk_size``,
+    ``commitment_weight``, ``backend`` and ``_options()`` (``VQAttention``, ``LongVQBlock``).
+    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]`` -> ``(o [B, H, T, Dv], aux)``, updating the EMA
+    codebook in training mode; with a ``cache`` or ``use_cache`` (inference) ``(o, new cache)``:
+    a prefill (the fused op, then the cache from its codes) or a decode step. ``conv`` and
+    ``extra``: more fields of the new cache (``cache_type``)."""
     options = layer._options()
+    if cache is None and not use_cache:
+        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, backend=layer.backend, **options)
+        if layer.training:
+            with stage("routing"):
+                layer.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
+        return o, vq_aux(op_aux, layer.quantizer, layer.commitment_weight)
+    cb = F.normalize(layer.quantizer.codebook.detach(), dim=-1)
     if cache is None:
         o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, backend=layer.backend, **options)
         codes = op_aux["codes"]
@@ -158,18 +166,9 @@ class VQAttention(MultiHeadProjection):
         check_cache(cache, VQCache, self)
         with stage("proj"):
             q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
-        if cache is None and not use_cache:
-            o, op_aux = vq_attention(q, k, v, self.quantizer.codebook, self.beta, backend=self.backend,
-                                     **self._options())
-            aux = vq_aux(op_aux, self.quantizer, self.commitment_weight)
-            if self.training:
-                with stage("routing"):
-                    self.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
-            with stage("proj"):
-                return self.merge(o), aux
-        o, new_cache = vq_layer_step(self, q, k, v, cache, tail)
+        o, extra = vq_layer_attention(self, q, k, v, cache, use_cache, tail)
         with stage("proj"):
-            return self.merge(o), new_cache
+            return self.merge(o), extra
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
