@@ -73,20 +73,25 @@ class VersionPlan:
         return self.n_ckpt * self.rows + self.n_versions
 
 
-def default_every(rows: int, chunk: int) -> int:
-    """``R = ceil(rows / (2 chunk))``: checkpoints then hold about ``T`` rows, so the state is
-    about ``2T`` rows, while a query chunk scans at most ``R - 1`` chunks of version rows."""
-    return max(1, -(-rows // (2 * chunk)))
+def default_every(rows: int, chunk: int, n_chunks: int | None = None) -> int:
+    """``R ~ rows / (2 chunk)``: the smallest ``R >= ceil(rows / (2 chunk))`` whose ``ceil(n_chunks / R)``
+    checkpoints hold at most ``2 n_chunks chunk`` rows, so the whole state stays within ``3T``
+    rows, while a query chunk scans at most ``R - 1`` chunks of version rows."""
+    every = max(1, -(-rows // (2 * chunk)))
+    while n_chunks is not None and every < n_chunks and -(-n_chunks // every) * rows > 2 * n_chunks * chunk:
+        every += 1
+    return every
 
 
 def plan_versioned(n_chunks: int, chunk: int, rows: int, lag: int, every: int | None = None,
                    align: int = 1) -> VersionPlan:
     """The layout of a state of ``rows`` rows read by ``n_chunks`` chunks (``every=None``:
-    :func:`default_every`); checkpoint rows are padded to a multiple of ``align`` (the block size)."""
+    :func:`default_every` of the padded rows); checkpoint rows are padded to a multiple of ``align`` (the block size)."""
     if every is not None:
         check_int("checkpoint_every", every)
     rows_pad = -(-rows // align) * align
-    return VersionPlan(n_chunks, chunk, rows_pad, default_every(rows, chunk) if every is None else every, lag)
+    every = default_every(rows_pad, chunk, n_chunks) if every is None else every
+    return VersionPlan(n_chunks, chunk, rows_pad, every, lag)
 
 
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan) -> str:

@@ -1,5 +1,5 @@
 """OVQ-attention (seed 000): growth schedules, no-grad routing, snapshot state build."""
 from .routing import GROWTHS, SEEDINGS, dictionary_sizes, route_ovq
-from .state import OVQSnapshots, build_ovq_snapshots
+from .state import OVQSnapshots, OVQVersioned, build_ovq_snapshots, build_ovq_versioned
 
-__all__ = ["GROWTHS", "SEEDINGS", "OVQSnapshots", "build_ovq_snapshots", "dictionary_sizes", "route_ovq"]
+__all__ = ["GROWTHS", "SEEDINGS", "OVQSnapshots", "OVQVersioned", "build_ovq_snapshots", "build_ovq_versioned", "dictionary_sizes", "route_ovq"]
