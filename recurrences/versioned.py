@@ -25,6 +25,14 @@ gated sums, VQ code means with ``lag=2``): :func:`versioned_sums` takes the meth
 weighted token vectors, its routes and its lag, and the method applies its per-row readout
 (means, ``LN_s``, radius) to checkpoint and version rows alike.
 
+A method plugs in with three calls (what ``ovqflex.ops.ovq`` and ``ovqflex.ops.kvm`` do; VQ-attention,
+whose state is ``segment_snapshot_sums(..., lag=2)``, takes the same path with ``lag=2``)::
+
+    plan = plan_versioned(n_chunks, chunk, rows, lag, checkpoint_every, align=block_size)
+    if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
+        vs = versioned_sums([weighted_keys, weighted_values], routes, plan)   # + per-row readout
+        regions = masks.versioned.versioned_regions(plan, sizes, vs.born, vs.dies) + (window,)
+
 Precondition (true of every routing here): a token entering at chunk ``e`` routes to a slot
 ``< sizes[e]``, with ``sizes`` non-decreasing — so a row with tokens exists in the dictionary
 of every chunk that can see it, and checkpoint ``k`` only needs its first ``sizes[R k]`` rows.
