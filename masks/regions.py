@@ -233,3 +233,17 @@ class StateBank(Region):
         touched = max(1, bq // c) if (bq % c == 0 or c % bq == 0) else (bq - 1) // c + 2
         return touched * self.rows_per_chunk
 
+
+
+def token_visibility(regions, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+    """Which token rows each query sees, at absolute positions and with no state rows:
+    q_pos ``[Tq]``, kv_pos ``[S]`` int -> ``[Tq, S]`` bool, the union of the token regions
+    (sinks, windows, causal). The decode caches use it to attend over the tokens they keep
+    and to drop the ones the next query cannot see: every token region's lower bound
+    never decreases with the query, so no later query sees them again."""
+    geom = Geometry(q_len=1, q_pad=16, n_state=0, kv_tokens=16, block_q=16, block_kv=16)
+    q_idx, kv_idx = q_pos.view(-1, 1), kv_pos.view(1, -1)
+    visible = torch.zeros(q_idx.shape[0], kv_idx.shape[1], dtype=torch.bool, device=q_pos.device)
+    for region in regions:
+        visible = visible | region.contains(region.params(geom, q_pos.device), q_idx, kv_idx)
+    return visible

@@ -5,10 +5,10 @@ Functional ops take ``[B, H, T, D]`` tensors; layers take ``x [B, T, hidden]``.
 from masks.program import AttentionProgram, build_program
 
 from .attention import attend, resolve_backend
-from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, OVQAttention,
-                     SlidingWindowAttention, VLAAttention)
+from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
+                     SlidingWindowAttention, VLAAttention, VQAttention, VQCodebook)
 from .ops import (KVMState, OVQState, causal_attention, delta_rule, kvm_attention, linear_attention,
-                  ovq_attention, sliding_window_attention, vla_attention)
+                  ovq_attention, sliding_window_attention, vla_attention, vq_attention, vq_program)
 
 __version__ = "0.1.0"
 
@@ -19,10 +19,13 @@ __all__ = [
     "KVMAttention",
     "KVMState",
     "LinearAttention",
+    "LongVQBlock",
     "OVQAttention",
     "OVQState",
     "SlidingWindowAttention",
     "VLAAttention",
+    "VQAttention",
+    "VQCodebook",
     "attend",
     "build_program",
     "causal_attention",
@@ -33,4 +36,6 @@ __all__ = [
     "resolve_backend",
     "sliding_window_attention",
     "vla_attention",
+    "vq_attention",
+    "vq_program",
 ]

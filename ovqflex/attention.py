@@ -176,3 +176,18 @@ def _dense(p: AttentionProgram) -> Tensor:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     s = torch.where(p.mask_mod(b, h, q_idx, kv_idx), s, float("-inf"))
     return _safe_softmax_av(s, p.v.float()).to(p.q.dtype)
+
+
+def attend_rows(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: float,
+                bias: Tensor | None = None) -> Tensor:
+    """Attention of a few queries over explicit kv rows (the decode path of the caches).
+
+    q ``[B, H, Tq, D]``, k ``[B, H, S, D]``, v ``[B, H, S, Dv]``, visible ``[Tq, S]`` bool
+    (or broadcastable to ``[B, H, Tq, S]``), bias ``[B, H, S]`` fp32 -> ``[B, H, Tq, Dv]`` in
+    q's dtype. Softmax in fp32, as the ``dense`` and ``blocked`` backends.
+    """
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias[:, :, None, :].float()
+    s = torch.where(visible, s, float("-inf"))
+    return _safe_softmax_av(s, v.float()).to(q.dtype)

@@ -1,4 +1,4 @@
-"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``bench``, ``viz``, ``profile``."""
+"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``generate``, ``bench``, ``viz``, ``profile``."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,13 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _id_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 3,0,17, got {text!r}") from None
+
+
 def _options(items: list[str] | None, what: str) -> dict:
     from .training.evaluate import parse_overrides
 
@@ -104,6 +111,49 @@ def _cmd_eval(args) -> int:
                     for r in doc["rows"]], headers=["length", "accuracy", "loss", "targets", "seconds"]))
     png = " and eval.png" if doc.get("plot") else " (no plot: matplotlib is not installed)"
     print(f"wrote {args.run}/eval.json{png}")
+    return 0
+
+
+def _prompt_tokens(args, vocab_size: int):
+    import torch
+
+    if (args.prompt is None) == (args.tokens is None):
+        raise ValueError("give exactly one of --prompt TEXT (UTF-8 bytes, vocab >= 256) or --tokens ID,ID,...")
+    if args.prompt is not None:
+        if vocab_size < 256:
+            raise ValueError(f"--prompt encodes UTF-8 bytes, but the model's vocab_size is {vocab_size} "
+                             "(use --tokens with ids below it)")
+        ids = list(args.prompt.encode("utf-8"))
+    else:
+        ids = args.tokens
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if not ids or bad:
+        raise ValueError(f"--tokens must be non-empty ids in [0, {vocab_size}), got {bad or ids}")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def _cmd_generate(args) -> int:
+    import torch
+
+    from .quantize import quantize_model
+    from .training.evaluate import load_run
+
+    cfg, _, model, step = load_run(args.run, args.checkpoint, args.device)
+    model.set_overrides(**_options(args.override, "--override"))
+    quantize_model(model, args.quantize)
+    prompt = _prompt_tokens(args, model.config.vocab_size).to(next(model.parameters()).device)
+    gen = torch.Generator().manual_seed(args.seed)
+    t0 = time.perf_counter()
+    out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         generator=gen)
+    dt = time.perf_counter() - t0
+    new = out[0, prompt.shape[1]:].tolist()
+    print(f"{args.run} step {step}, pattern {model.config.pattern}, quantize {args.quantize}")
+    print("prompt tokens:", ",".join(map(str, prompt[0].tolist())))
+    print("generated:    ", ",".join(map(str, new)))
+    if model.config.vocab_size == 256:
+        print("as text:", repr(bytes(new).decode("utf-8", errors="replace")))
+    print(f"{len(new)} tokens in {dt:.2f} s ({len(new) / max(dt, 1e-9):.1f} tokens/s, prefill included)")
     return 0
 
 
@@ -247,6 +297,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
     s.set_defaults(fn=_cmd_eval)
 
+    s = sub.add_parser("generate", help="continue a prompt with a trained run's model (prefill + cached decode)")
+    s.add_argument("run", help="run directory written by ovqflex train")
+    s.add_argument("--prompt", default=None, help="prompt text, encoded as UTF-8 bytes (byte-level models)")
+    s.add_argument("--tokens", type=_id_list, default=None, help="prompt token ids, comma-separated")
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--seed", type=int, default=0, help="sampling seed")
+    s.add_argument("--quantize", default="none", choices=["none", "int8"],
+                   help="int8: torchao int8 weight-only linears (CPU inference; pip install 'ovqflex[quant]')")
+    s.add_argument("--override", action="append", metavar="NAME=VALUE",
+                   help="test-time mixer override, e.g. max_centroids=4096 (repeatable)")
+    s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.set_defaults(fn=_cmd_generate)
+
     s = sub.add_parser("bench", help="run a benchmark profile (TOML) and print its table")
     s.add_argument("profile", help="path to a profile, e.g. profiles/blockmask.toml")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -310,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError, ImportError) as e:
         print(f"ovqflex {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from masks.program import AttentionProgram
 from recurrences.checks import check_int
 
-from .layers import CausalAttention, KVMAttention, OVQAttention, SlidingWindowAttention
+from .layers import CausalAttention, KVMAttention, LongVQBlock, OVQAttention, SlidingWindowAttention, VQAttention
 
 
 @dataclass
@@ -62,6 +62,14 @@ register_viz_method("kvm", VizMethod(
     temperatures=lambda m: {"state": 1.0 if m.tau_state is None else m.tau_state.detach(),
                             "window": 1.0 if m.tau_bswa is None else m.tau_bswa.detach()},
     description="KVM: sinks + growable state (16 sqrt(ctx) rows) + Nb-chunk block window, region temperatures"))
+register_viz_method("vq", VizMethod(
+    lambda hidden, heads, head_dim, **o: VQAttention(hidden, heads, head_dim=head_dim, **o),
+    defaults=dict(chunk_size=128, codebook_size=256), temperatures=_beta_everywhere,
+    description="VQ-attention: codebook per chunk (log-count bias, tokens of chunks < c-1) + chunks c-1, c causal"))
+register_viz_method("longvq", VizMethod(
+    lambda hidden, heads, head_dim, **o: LongVQBlock(hidden, heads, head_dim=head_dim, **o),
+    defaults=dict(chunk_size=128, codebook_size=256), temperatures=_beta_everywhere,
+    description="LongVQ block's VQ attention (local bias folded into the codebook rows' bias)"))
 register_viz_method("full", VizMethod(_plain(cls="causal"), description="full causal attention"))
 register_viz_method("swa", VizMethod(_plain(), defaults=dict(window=128), description="token sliding window"))
 register_viz_method("bswa", VizMethod(_plain(), defaults=dict(block_window=2, chunk_size=128),

@@ -89,7 +89,8 @@ def _build(cfg: ProfileConfig):
         raise ValueError(f"bad option for target {cfg.target!r} (options {opts}): {e}") from None
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.batch, cfg.seq_len, cfg.heads * cfg.head_dim, generator=g).to(dev)
-    return layer, x, lambda out, _: out.float().square().mean()
+    # layers with an aux dict (VQ, LongVQ) return (y, aux): profile the loss of y
+    return layer, x, lambda out, _: (out[0] if isinstance(out, tuple) else out).float().square().mean()
 
 
 def _step(module, x, loss, mode: str) -> None:

@@ -264,6 +264,39 @@ def kvm(sc: dict, device: str) -> list[dict]:
 KINDS["kvm"] = kvm
 
 
+def _vq_flops(T: int, H: int, D: int, C: int, N: int, B: int = 1) -> float:
+    """Model FLOPs of VQ attention in linear form: per chunk, the codebook rows (from chunk 2
+    on), the whole previous chunk and the causal half of its own chunk."""
+    total = 0
+    for c in range(-(-T // C)):
+        lq = min(C, T - c * C)
+        total += lq * (N if c >= 2 else 0) + lq * (C if c >= 1 else 0) + lq * (lq + 1) / 2
+    return 4.0 * B * H * D * total
+
+
+def vq(sc: dict, device: str) -> list[dict]:
+    """VQ-attention op (SPEC §4.4) through :func:`_op_scenario`; its "reference loop" is the
+    quadratic form ``softmax(q K̂ᵀ + causal) V`` (dense, O(T²) memory: keep T moderate).
+
+    Keys: ``codebook_size``, ``heads``, ``head_dim``, ``chunk_size``, ``max_backward_len``, ``repeats``.
+    """
+    from recurrences.reference import vq_attention_reference
+
+    from ..ops.vq import vq_attention
+
+    C, N = int(sc.get("chunk_size", 128)), int(sc.get("codebook_size", 512))
+
+    def extra(T, H, D, g, dev):
+        return {"codebook": torch.randn(H, N, D, generator=g).to(dev), "beta": torch.full((H,), D**0.5, device=dev)}
+
+    return _op_scenario(sc, device, op=lambda **a: vq_attention(**a)[0],
+                        reference=lambda **a: vq_attention_reference(**a).out, extra=extra,
+                        options=dict(chunk_size=C), flops=lambda T, H, D: _vq_flops(T, H, D, C, N))
+
+
+KINDS["vq"] = vq
+
+
 def viz(sc: dict, device: str) -> list[dict]:
     """The visualizer at scale: build a method's program (random input), then its block view
     (grid, statistics, PNG) — timed and memory-measured separately, for each ``seq_len``.
@@ -419,3 +452,111 @@ def state_layout(sc: dict, device: str) -> list[dict]:
 
 
 KINDS["state_layout"] = state_layout
+
+
+def _decode_layer(case: dict, hidden: int, heads: int):
+    from ..layers import CausalAttention, KVMAttention, OVQAttention, SlidingWindowAttention
+
+    kind = case["kind"]
+    opts = {k: v for k, v in case.items() if k not in ("kind", "name")}
+    if kind == "ovq":
+        return OVQAttention(hidden, heads, backend="flex", **opts)
+    if kind == "kvm":
+        return KVMAttention(hidden, heads, backend="flex", **opts)
+    if kind == "full":
+        return CausalAttention(hidden, heads, rope=True, backend="flex", **opts)
+    if kind == "swa":
+        return SlidingWindowAttention(hidden, heads, backend="flex", **opts)
+    raise ValueError(f"decode case kind must be ovq, kvm, full or swa, got {kind!r}")
+
+
+def decode(sc: dict, device: str) -> list[dict]:
+    """Streaming decode at long contexts: each layer ``case`` prefills ``T`` tokens (the
+    fused forward, flex, no grad) and then decodes ``decode_tokens`` tokens one per call
+    through its cache. Rows: decode tokens/s, seconds per token (``time_s``, whose slope vs
+    T is ~0 for a bounded cache and ~1 for a growing KV cache), the cache's own bytes
+    (``cache_mb``) and the RSS growth while decoding (``peak_mb``).
+
+    Keys: ``seq_lens``, ``hidden``, ``heads``, ``decode_tokens``, ``repeats``, ``cases``: a list
+    of tables with ``name``, ``kind`` (ovq, kvm, full, swa) and the layer's options.
+    """
+    import time
+
+    dev = torch.device(device)
+    hidden, heads, n_dec = int(sc.get("hidden", 256)), int(sc.get("heads", 4)), int(sc.get("decode_tokens", 64))
+    rows = []
+    for case in sc["cases"]:
+        torch.manual_seed(0)
+        layer = _decode_layer(case, hidden, heads).to(dev).eval()
+        for T in sc["seq_lens"]:
+            x = torch.randn(1, T + n_dec, hidden, device=dev)
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                _, cache = layer(x[:, :T], use_cache=True)
+                prefill = time.perf_counter() - t0
+
+                def run():
+                    c = cache
+                    for i in range(n_dec):
+                        _, c = layer(x[:, T + i:T + i + 1], cache=c)
+                    return c
+
+                m = measure(run, device=dev, repeats=int(sc.get("repeats", 2)), warmup=1)
+                end = run()
+            rows.append({"case": case["name"], "T": T, "prefill_s": prefill, "tokens_per_s": n_dec / m.seconds,
+                         "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
+                         "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
+            del cache, end, x
+    by_t = {}
+    for r in rows:
+        by_t.setdefault(r["T"], []).append(r)
+    base = sc["cases"][-1]["name"]  # the last case is the baseline (full attention's KV cache)
+    for rs in by_t.values():
+        ref = next((r for r in rs if r["case"] == base), None)
+        for r in rs:
+            if ref is not None:
+                r["x_vs_" + base] = r["tokens_per_s"] / ref["tokens_per_s"]
+    return rows
+
+
+KINDS["decode"] = decode
+
+
+def quantized(sc: dict, device: str) -> list[dict]:
+    """A model's decode throughput and output agreement, fp32 vs torchao int8 weight-only.
+
+    Keys: ``preset``, ``pattern``, ``vocab_size``, ``model_options``, ``prompt_len``,
+    ``decode_tokens``, ``repeats``. Rows: tokens/s, ``x_vs_fp32`` and ``rel_err_logits`` of the
+    prompt's logits against the fp32 model (the stated tolerance is 2e-2).
+    """
+    import copy
+
+    from ..models import HybridLM
+    from ..models.config import preset
+    from ..quantize import quantize_model
+
+    dev = torch.device(device)
+    cfg = preset(sc.get("preset", "tiny"), pattern=sc.get("pattern", "swa,ovq"),
+                 vocab_size=int(sc.get("vocab_size", 256)), backend="flex", **dict(sc.get("model_options", {})))
+    torch.manual_seed(0)
+    fp32 = HybridLM(cfg).to(dev).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, int(sc.get("prompt_len", 1024))), device=dev)
+    n_dec = int(sc.get("decode_tokens", 64))
+    rows, ref_logits = [], None
+    for mode in ("none", "int8"):
+        model = quantize_model(copy.deepcopy(fp32), mode)
+        with torch.no_grad():
+            logits = model(prompt)
+            m = measure(lambda: model.generate(prompt, n_dec, temperature=0), device=dev,
+                        repeats=int(sc.get("repeats", 2)), warmup=1)
+        ref_logits = logits if ref_logits is None else ref_logits
+        err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+        rows.append({"case": "fp32" if mode == "none" else mode, "pattern": cfg.pattern,
+                     "prompt": prompt.shape[1], "generate_s": m.seconds, "tokens_per_s": n_dec / m.seconds,
+                     "rel_err_logits": err})
+    for r in rows:
+        r["x_vs_fp32"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
+
+
+KINDS["quantized"] = quantized

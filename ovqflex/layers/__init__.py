@@ -1,8 +1,10 @@
 """Thin ``nn.Module`` layers: they own parameters and call the functional ops."""
 from .kvm import KVMAttention
+from .longvq import LongVQBlock
 from .linear import DeltaNetAttention, LinearAttention, VLAAttention
 from .ovq import OVQAttention
 from .plain import CausalAttention, SlidingWindowAttention
+from .vq import VQAttention, VQCodebook
 
-__all__ = ["CausalAttention", "DeltaNetAttention", "KVMAttention", "LinearAttention", "OVQAttention",
-           "SlidingWindowAttention", "VLAAttention"]
+__all__ = ["CausalAttention", "DeltaNetAttention", "KVMAttention", "LinearAttention", "LongVQBlock", "OVQAttention",
+           "SlidingWindowAttention", "VLAAttention", "VQAttention", "VQCodebook"]

@@ -43,17 +43,29 @@ class MultiHeadProjection(nn.Module):
 
     def split_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]``."""
+        return self.split_heads_cached(x, None)[:3]
+
+    def split_heads_cached(self, x: Tensor, conv_tail: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Like :meth:`split_heads`, continuing after earlier tokens: ``conv_tail``
+        ``[B, 2*H*D, qk_conv-1]`` holds the raw q/k projections of the ``qk_conv-1`` tokens
+        before ``x`` (None: none, zero padding as at the sequence start). Returns q, k, v and
+        the tail after ``x`` (None without ``qk_conv``)."""
         check_tensor("x", x, 3)
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)  # [B, T, 3*H*D]
+        tail = None
         if self.qk_conv:
             n = 2 * self.num_heads * self.head_dim
-            qk = F.pad(qkv[..., :n].transpose(1, 2), (self.qk_conv - 1, 0))  # [B, 2HD, K-1+T], causal
+            qk = qkv[..., :n].transpose(1, 2)  # [B, 2HD, T]
+            prev = qk.new_zeros(B, n, self.qk_conv - 1) if conv_tail is None else conv_tail.to(qk.dtype)
+            qk = torch.cat([prev, qk], dim=2)  # causal: the K-1 tokens before x, then x
+            tail = qk[:, :, qk.shape[2] - (self.qk_conv - 1):]
             qk = F.conv1d(qk, self.qk_conv_weight.to(qk.dtype), groups=n).transpose(1, 2)
             qkv = torch.cat([qk, qkv[..., n:]], dim=-1)
-        return qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return q, k, v, tail
 
     def merge(self, o: Tensor) -> Tensor:
         """o ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.kvm import KVMBudget
+from recurrences.kvm import KVMBudget, memory_keys
 
+from ..cache.base import check_cache, positions
+from ..cache.kvm import KVMCache, KVMDecodeOptions, kvm_decode, kvm_prefill
 from ..ops.kvm import check_kvm_options, kvm_attention, kvm_program
 from ..profiling import stage
 from .heads import MultiHeadProjection
@@ -33,6 +35,8 @@ class KVMAttention(MultiHeadProjection):
     ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the state is
     laid out as kv rows (SPEC §5); same outputs.
     """
+
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  n_bswa_chunks: int = 2, sink_len: int = 1, rope_dims: int | None = None,
@@ -60,11 +64,12 @@ class KVMAttention(MultiHeadProjection):
         else:
             self.tau_state = self.tau_bswa = None
 
-    def _prepare(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, dict]:
-        """q, k (normalized, rotated), v ``[B, H, T, D]`` and the op's keyword options."""
+    def _prepare(self, x: Tensor, start: int = 0, conv_tail: Tensor | None = None):
+        """q, k (normalized, rotated at positions ``start..``), v ``[B, H, T, D]``, the op's
+        keyword options and the q/k conv tail."""
         with stage("proj"):
-            q, k, v = self.split_heads(x)
-            pos = torch.arange(x.shape[1], device=x.device)
+            q, k, v, tail = self.split_heads_cached(x, conv_tail)
+            pos = positions(start, x.shape[1], x.device)
             q = apply_rope(self.q_norm(q), pos, self.rope_dims, self.rope_base, interleaved=True)
             k = apply_rope(self.k_norm(k), pos, self.rope_dims, self.rope_base, interleaved=True)
             gate = None if self.gate_proj is None else (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)  # [B, H, T]
@@ -76,18 +81,40 @@ class KVMAttention(MultiHeadProjection):
                        saturation_n=self.saturation_n, max_state_chunks=self.max_state_chunks,
                        use_vlens=self.use_vlens, ln_eps=self.ln_s.eps, state_layout=self.state_layout,
                        checkpoint_every=self.checkpoint_every, block_size=self.block_size)
-        return q, k, v, options
+        return q, k, v, options, tail
 
     def program(self, x: Tensor) -> AttentionProgram:
         """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
-        q, k, v, options = self._prepare(x)
+        q, k, v, options, _ = self._prepare(x)
         return kvm_program(q, k, v, **options)[0]
 
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v, options = self._prepare(x)
-        o = kvm_attention(q, k, v, backend=self.backend, **options)
+    def _decode_options(self) -> KVMDecodeOptions:
+        budget = KVMBudget(self.budget, self.state_min_len, self.growth_factor, self.growth_exponent,
+                           self.round_down, self.saturation_n, self.max_state_chunks)
+        return KVMDecodeOptions(self.chunk_size, self.n_bswa_chunks, self.sink_len, budget, self.use_vlens,
+                                self.ln_s.weight, self.ln_s.bias, self.ln_s.eps, self.tau_state, self.tau_bswa)
+
+    def forward(self, x: Tensor, cache: KVMCache | None = None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or
+        a ``cache`` (:class:`~ovqflex.cache.KVMCache`) to continue from."""
+        check_cache(cache, KVMCache, self)
+        start, conv = (0, None) if cache is None else (cache.position, cache.conv)
+        q, k, v, options, tail = self._prepare(x, start, conv)
+        if cache is None and not use_cache:
+            o, new_cache = kvm_attention(q, k, v, backend=self.backend, **options), None
+        else:
+            gate = options["gate"]
+            gate = torch.ones(q.shape[:3], dtype=q.dtype, device=q.device) if gate is None else gate
+            kbar32 = memory_keys(k.float(), self.rope_dims, self.ln_s.weight.float(), self.ln_s.bias.float(),
+                                 self.ln_s.eps)
+            if cache is None:
+                o, state = kvm_attention(q, k, v, backend=self.backend, return_state=True, **options)
+                new_cache = kvm_prefill(k, v, kbar32, gate, state.routes, state.founder, self._decode_options(), tail)
+            else:
+                o, new_cache = kvm_decode(cache, q, k, v, kbar32, gate, self._decode_options(), tail)
         with stage("proj"):
-            return self.merge(o)
+            y = self.merge(o)
+        return y if new_cache is None else (y, new_cache)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
@@ -11,6 +12,8 @@ from recurrences.checks import check_choice, check_chunk, check_int
 from recurrences.ovq import GROWTHS, SEEDINGS
 from recurrences.versioned import STATE_LAYOUTS
 
+from ..cache.base import check_cache
+from ..cache.ovq import OVQCache, OVQDecodeOptions, ovq_decode, ovq_prefill
 from ..ops.ovq import ovq_attention, ovq_program
 from ..profiling import stage
 from .heads import MultiHeadProjection
@@ -26,6 +29,8 @@ class OVQAttention(MultiHeadProjection):
     ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the
     dictionaries are laid out as kv rows (:func:`ovqflex.ovq_attention`, SPEC §5); same outputs.
     """
+
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  max_centroids: int = 2048, growth: str = "plateau", growth_horizon: int | None = None,
@@ -59,12 +64,29 @@ class OVQAttention(MultiHeadProjection):
             q, k, v = self.split_heads(x)
         return ovq_program(q, k, v, self.beta, **self._options(max_centroids))[0]
 
-    def forward(self, x: Tensor, *, max_centroids: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: OVQCache | None = None, use_cache: bool = False, *,
+                max_centroids: int | None = None):
+        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or
+        a ``cache`` (:class:`~ovqflex.cache.OVQCache`) to continue from: prefill any length,
+        then decode one or more tokens per call."""
+        check_cache(cache, OVQCache, self)
+        options = self._options(max_centroids)
         with stage("proj"):
-            q, k, v = self.split_heads(x)
-        o = ovq_attention(q, k, v, self.beta, backend=self.backend, **self._options(max_centroids))
+            q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
+        if cache is None and not use_cache:
+            o = ovq_attention(q, k, v, self.beta, backend=self.backend, **options)
+            new_cache = None
+        else:
+            opts = OVQDecodeOptions(**{f: options[f] for f in OVQDecodeOptions.__dataclass_fields__})
+            qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            if cache is None:
+                o, state = ovq_attention(q, k, v, self.beta, backend=self.backend, return_state=True, **options)
+                new_cache = ovq_prefill(kn, v, state.routes, opts, tail)
+            else:
+                o, new_cache = ovq_decode(cache, qn * self.beta.to(qn.dtype).view(1, -1, 1, 1), kn, v, opts, tail)
         with stage("proj"):
-            return self.merge(o)
+            y = self.merge(o)
+        return y if new_cache is None else (y, new_cache)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

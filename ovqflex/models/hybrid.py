@@ -2,19 +2,49 @@
 
 tokens ``[B, T]`` ─embed─▶ h ``[B, T, d]`` ─(h += mixer(norm(h)); h += mlp(norm(h))) × n_layers
 ─norm─▶ logits ``[B, T, vocab]`` (head tied to the embedding).
+
+Mixers may return ``(y, aux)`` with ``aux["loss"]`` an auxiliary training loss (the VQ
+commitment loss); ``forward(tokens, return_aux=True)`` returns ``(logits, aux_loss)`` with
+their sum, which the trainer adds to the task loss. A mixer with ``standalone_block = True``
+(the LongVQ block, which has its own gated residual, norms and FFN) is the whole block.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_tensor
+from recurrences.checks import check_int, check_tensor
 
 from .config import HybridConfig
 from .mixers import build_mixer
+
+
+@dataclass
+class ModelCache:
+    """Decode cache of a :class:`HybridLM`: one layer cache per block, and tokens seen."""
+
+    layers: list
+    position: int
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.layers)
+
+
+def sample_next(logits: Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None = None) -> Tensor:
+    """logits ``[B, V]`` -> next tokens ``[B, 1]`` int64: greedy at temperature 0, else a
+    sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` best."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
 class SwiGLU(nn.Module):
@@ -36,14 +66,30 @@ class Block(nn.Module):
     def __init__(self, mixer_name: str, config: HybridConfig):
         super().__init__()
         self.mixer_name = mixer_name
-        self.norm1 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mixer = build_mixer(mixer_name, config)
-        self.norm2 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
+        self.standalone = bool(getattr(self.mixer, "standalone_block", False))
+        if not self.standalone:
+            self.norm1 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+            self.norm2 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+            self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
-    def forward(self, h: Tensor) -> Tensor:
-        h = h + self.mixer(self.norm1(h))
-        return h + self.mlp(self.norm2(h))
+    def forward(self, h: Tensor, cache=None, use_cache: bool = False):
+        """h ``[B, T, d]`` -> ``(h, the mixer's aux loss or None)``; with a ``cache`` or ``use_cache``
+        (inference) ``(h, the mixer's cache)``."""
+        x = h if self.standalone else self.norm1(h)
+        if cache is None and not use_cache:
+            out = self.mixer(x)
+            out, extra = (out[0], out[1]["loss"]) if isinstance(out, tuple) else (out, None)
+        else:
+            if not getattr(self.mixer, "supports_cache", False):
+                raise NotImplementedError(f"mixer {self.mixer_name!r} ({type(self.mixer).__name__}) has no decode "
+                                          "cache: generation and use_cache need layers with supports_cache=True")
+            out, extra = self.mixer(x, cache=cache, use_cache=True)
+        if not self.standalone:
+            h = h + out
+            out = h + self.mlp(self.norm2(h))
+        return out, extra
+
 
 
 class HybridLM(nn.Module):
@@ -74,14 +120,64 @@ class HybridLM(nn.Module):
                     if mod.bias is not None:
                         nn.init.zeros_(mod.bias)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, cache: ModelCache | None = None, use_cache: bool = False, *,
+                return_aux: bool = False):
+        """tokens ``[B, T]`` int64 -> logits ``[B, T, vocab]``; with ``return_aux=True``
+        ``(logits, aux_loss)`` (0-d fp32, the sum of the mixers' auxiliary losses; 0 when no
+        mixer has one); with ``use_cache=True`` or a ``cache`` (:class:`ModelCache`, inference)
+        ``(logits, cache)``."""
         check_tensor("tokens", tokens, 2)
         if tokens.dtype != torch.int64:
             raise TypeError(f"tokens must be int64 token ids, got {tokens.dtype}")
+        if cache is not None and not isinstance(cache, ModelCache):
+            raise TypeError(f"cache must be a ModelCache (from forward(..., use_cache=True)), got {type(cache).__name__}")
         h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return F.linear(self.norm(h), self.embed.weight).float()
+        if cache is None and not use_cache:
+            aux_loss = torch.zeros((), device=tokens.device)
+            for block in self.blocks:
+                h, aux = block(h)
+                if aux is not None:
+                    aux_loss = aux_loss + aux.float()
+            logits = F.linear(self.norm(h), self.embed.weight).float()
+            return (logits, aux_loss) if return_aux else logits
+        if return_aux:
+            raise ValueError("return_aux is for training forwards; a cached (inference) forward has no aux loss")
+        layers = []
+        for i, block in enumerate(self.blocks):
+            h, layer_cache = block(h, None if cache is None else cache.layers[i], use_cache=True)
+            layers.append(layer_cache)
+        logits = F.linear(self.norm(h), self.embed.weight).float()
+        return logits, ModelCache(layers, (0 if cache is None else cache.position) + tokens.shape[1])
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Continue ``prompt [B, T]`` int64 by ``max_new_tokens`` sampled tokens -> ``[B, T + max_new_tokens]``.
+
+        One prefill over the prompt, then one token per step through the layers' decode
+        caches (memory bounded by the caches, not the context). ``temperature=0`` is greedy;
+        ``top_k`` keeps the k most likely tokens before sampling.
+        """
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
+        if not (isinstance(temperature, (int, float)) and temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if top_k is not None:
+            check_int("top_k", top_k)
+        was_training = self.training
+        self.eval()
+        try:
+            out = prompt
+            if max_new_tokens == 0:
+                return out
+            logits, cache = self(prompt, use_cache=True)
+            for step in range(max_new_tokens):
+                nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+                out = torch.cat([out, nxt], dim=1)
+                if step + 1 < max_new_tokens:
+                    logits, cache = self(nxt, cache=cache)
+            return out
+        finally:
+            self.train(was_training)
 
     def set_overrides(self, **overrides) -> dict:
         """Test-time overrides of mixer attributes, e.g. ``max_centroids=8192`` for every OVQ

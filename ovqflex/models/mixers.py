@@ -1,8 +1,7 @@
 """The mixer registry: pattern names -> layer factories ``(config) -> nn.Module``.
 
-Each mixer maps ``x [B, T, d_model] -> [B, T, d_model]``. Methods that land later
-(``vq``, ``longvq``) register here with
-:func:`register_mixer`; a pattern naming an unregistered mixer is refused with the list
+Each mixer maps ``x [B, T, d_model] -> [B, T, d_model]`` (or ``(y, aux)`` with an aux loss:
+``vq``, ``longvq``). Methods that land later register here with :func:`register_mixer`; a pattern naming an unregistered mixer is refused with the list
 of available ones.
 """
 from __future__ import annotations
@@ -11,13 +10,13 @@ from typing import Callable
 
 from torch import nn
 
-from ..layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, OVQAttention,
-                      SlidingWindowAttention, VLAAttention)
+from ..layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
+                      SlidingWindowAttention, VLAAttention, VQAttention)
 from .config import HybridConfig
 
 MixerFactory = Callable[[HybridConfig], nn.Module]
 _MIXERS: dict[str, MixerFactory] = {}
-_PLANNED = ("vq", "longvq")
+_PLANNED: tuple[str, ...] = ()
 
 
 def register_mixer(name: str, factory: MixerFactory) -> None:
@@ -56,6 +55,11 @@ register_mixer("ovq", lambda c: OVQAttention(c.d_model, c.n_heads, chunk_size=c.
 register_mixer("kvm", lambda c: KVMAttention(c.d_model, c.n_heads, chunk_size=c.chunk_size,
                                              n_bswa_chunks=c.bswa_chunks, rope_base=c.rope_base,
                                              **_attn_kwargs(c, "kvm")))
+
+register_mixer("vq", lambda c: VQAttention(c.d_model, c.n_heads, chunk_size=c.chunk_size, **_attn_kwargs(c, "vq")))
+register_mixer("longvq", lambda c: LongVQBlock(c.d_model, c.n_heads, chunk_size=c.chunk_size, backend=c.backend,
+                                               block_size=c.block_size, norm_eps=c.norm_eps,
+                                               **({"head_dim": c.head_dim} | c.mixer_options.get("longvq", {}))))
 
 
 def _recurrent_kwargs(c: HybridConfig, name: str) -> dict:

@@ -11,3 +11,6 @@ __all__ += ["KVMState", "kvm_attention", "kvm_program"]
 from .linear import delta_rule, linear_attention, vla_attention
 
 __all__ += ["delta_rule", "linear_attention", "vla_attention"]
+from .vq import vq_attention, vq_program
+
+__all__ += ["vq_attention", "vq_program"]

@@ -34,12 +34,17 @@ _RESUME_KEYS = ("task", "task_options", "data", "preset", "pattern", "model_opti
                 "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "grad_clip")
 
 
-def forward_loss(fwd, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_loss(fwd, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None, *, with_aux: bool = False):
     """tokens ``x`` ``[B, T]``, labels ``y`` ``[B, T]`` -> (logits ``[B, T, V]``, cross-entropy summed
-    over the target positions); the forward runs under ``amp`` autocast when it is not None."""
+    over the target positions); the forward runs under ``amp`` autocast when it is not None.
+    ``with_aux=True`` appends the model's auxiliary loss (e.g. VQ commitment; a mean, not a sum)."""
     with torch.autocast(x.device.type, dtype=amp, enabled=amp is not None):
-        logits = fwd(x)
-    return logits, F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+        if with_aux:
+            logits, aux = fwd(x, return_aux=True)
+        else:
+            logits = fwd(x)
+    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+    return (logits, ce, aux) if with_aux else (logits, ce)
 
 
 @dataclass
@@ -161,8 +166,9 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> Train
             # [loss sum, correct, targets] summed over ranks; the count normalises the loss
             n_targets = target.sum().to(torch.float32).reshape(1)
             all_reduce_sum_([n_targets], info)
-            logits, loss_sum = forward_loss(fwd, x, y, amp)
-            (loss_sum / n_targets.clamp_min(1)).backward()
+            logits, loss_sum, aux_loss = forward_loss(fwd, x, y, amp, with_aux=True)
+            # gradients are summed over ranks: each rank adds its share of the aux loss
+            (loss_sum / n_targets.clamp_min(1) + aux_loss / info.world_size).backward()
             all_reduce_sum_([p.grad for p in params if p.grad is not None], info)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
             optimizer.step()

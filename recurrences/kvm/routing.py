@@ -47,6 +47,44 @@ def _(kbar, gate, ln_weight, ln_bias, chunk, n_bswa_chunks, sizes, sink_len, ln_
     return kbar.new_empty(kbar.shape[:3], dtype=torch.long), kbar.new_empty(kbar.shape[:3], dtype=torch.bool)
 
 
+def kvm_route_chunk(state: Tensor, m: int, n_app: int, ok: Tensor, og: Tensor, ln_weight: Tensor,
+                    ln_bias: Tensor, sink_len: int, ln_eps: float) -> tuple[Tensor, Tensor]:
+    """Routes of one overflow chunk against the routing state (fp32 row sums ``[B, H, S, D]``,
+    ``m`` live rows): ``ok [B, H, C, D]`` fp32 memory keys, ``og [B, H, C]`` gates; ``n_app``
+    tokens found rows ``m..m+n_app-1``. Returns ``target [B, H, C]`` and ``appended [B, H, C]``
+    bool. Reads the state only; :func:`kvm_absorb` writes the chunk in."""
+    B, H, C, D = ok.shape
+    appended = torch.zeros(B, H, C, dtype=torch.bool, device=ok.device)
+    rows = F.layer_norm(state[:, :, :m], (D,), ln_weight, ln_bias, ln_eps)
+    if n_app > 0:
+        score = (ok @ rows.transpose(-1, -2)).amax(-1)
+        chosen = torch.sort(score, dim=-1, stable=True).indices[..., :n_app].sort(dim=-1).values
+        appended.scatter_(2, chosen, True)
+        new_rows = F.layer_norm(ok.gather(2, chosen[..., None].expand(B, H, n_app, D)), (D,), ln_weight, ln_bias,
+                                ln_eps)
+        rows = torch.cat([rows, new_rows], dim=2)
+    logits = (og[..., None] * ok) @ rows.transpose(-1, -2)
+    logits[..., :sink_len] = float("-inf")
+    target = logits.argmax(-1)  # [B, H, C]
+    if n_app > 0:
+        target = target.scatter(2, chosen, m + torch.arange(n_app, device=ok.device).expand(B, H, n_app))
+    return target, appended
+
+
+def kvm_absorb(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appended: Tensor, n_app: int) -> None:
+    """Write a routed chunk into the routing state in place: founders (``appended``, in
+    temporal order, ``n_app`` per head) fill their fresh rows, the others add ``g * kbar`` to their target. The
+    one write both routing and decode caches use, so a cache rebuilt from routes holds bit
+    for bit the state routing saw."""
+    B, H, C, D = ok.shape
+    if n_app > 0:
+        founders = torch.sort((~appended).to(torch.uint8), dim=-1, stable=True).indices[..., :n_app]
+        state.scatter_(2, target.gather(2, founders)[..., None].expand(B, H, n_app, D),
+                       ok.gather(2, founders[..., None].expand(B, H, n_app, D)))
+    merged_keys = torch.where(appended, 0.0, og)[..., None] * ok
+    state.scatter_add_(2, target[..., None].expand(B, H, C, D), merged_keys)
+
+
 def _route(kbar, gate, ln_weight, ln_bias, chunk, n_bswa, sizes, sink_len, ln_eps):
     B, H, T, D = kbar.shape
     C, dev = chunk, kbar.device
@@ -56,28 +94,15 @@ def _route(kbar, gate, ln_weight, ln_bias, chunk, n_bswa, sizes, sink_len, ln_ep
         return routes, founder
     kf, gf = kbar.float(), gate.float()
     w, b = ln_weight.float(), ln_bias.float()
-    rows = max(sizes)
-    state = kf.new_zeros(B, H, rows, D)  # fp32 row sums of (gated) memory keys
+    state = kf.new_zeros(B, H, max(sizes), D)  # fp32 row sums of (gated) memory keys
     state[:, :, :C] = kf[:, :, :C]
     routes[:, :, :C] = torch.arange(C, device=dev)
     founder[:, :, :C] = True
     for c in range(n_bswa + 1, len(sizes)):
         u, m = c - n_bswa, sizes[c - 1]
-        n_app = sizes[c] - m
         ok, og = kf[:, :, u * C:(u + 1) * C], gf[:, :, u * C:(u + 1) * C]  # [B, H, C, D], [B, H, C]
-        appended = torch.zeros(B, H, C, dtype=torch.bool, device=dev)
-        if n_app > 0:
-            score = (ok @ F.layer_norm(state[:, :, :m], (D,), w, b, ln_eps).transpose(-1, -2)).amax(-1)
-            chosen = torch.sort(score, dim=-1, stable=True).indices[..., :n_app].sort(dim=-1).values
-            state[:, :, m:m + n_app] = ok.gather(2, chosen[..., None].expand(B, H, n_app, D))
-            appended.scatter_(2, chosen, True)
-        logits = (og[..., None] * ok) @ F.layer_norm(state[:, :, :m + n_app], (D,), w, b, ln_eps).transpose(-1, -2)
-        logits[..., :sink_len] = float("-inf")
-        target = logits.argmax(-1)  # [B, H, C]
-        if n_app > 0:
-            target = target.scatter(2, chosen, m + torch.arange(n_app, device=dev).expand(B, H, n_app))
-        merged_keys = torch.where(appended, 0.0, og)[..., None] * ok
-        state.scatter_add_(2, target[..., None].expand(B, H, C, D), merged_keys)
+        target, appended = kvm_route_chunk(state, m, sizes[c] - m, ok, og, w, b, sink_len, ln_eps)
+        kvm_absorb(state, ok, og, target, appended, sizes[c] - m)
         routes[:, :, u * C:(u + 1) * C] = target
         founder[:, :, u * C:(u + 1) * C] = appended
     return routes, founder

@@ -23,20 +23,21 @@ def dictionary_sizes(n_chunks: int, chunk: int, max_centroids: int, growth: str 
     plateau: ``floor(t N / (t + N))``; full: ``min(t, N)``; linear: ``min(N, c * n)``
     with ``n = min(L, ceil(N L / horizon))`` new slots per chunk (horizon default 4N).
     """
-    N, L = max_centroids, chunk
-    sizes = []
-    for c in range(n_chunks + 1):
-        t = c * L
-        if growth == "plateau":
-            sizes.append(t * N // (t + N))
-        elif growth == "full":
-            sizes.append(min(t, N))
-        elif growth == "linear":
-            per = min(L, math.ceil(N * L / (growth_horizon or 4 * N)))
-            sizes.append(min(N, c * per))
-        else:
-            raise ValueError(f"growth must be one of {list(GROWTHS)}, got {growth!r}")
-    return sizes
+    return [dictionary_size(c, chunk, max_centroids, growth, growth_horizon) for c in range(n_chunks + 1)]
+
+
+def dictionary_size(c: int, chunk: int, max_centroids: int, growth: str = "plateau",
+                    growth_horizon: int | None = None) -> int:
+    """``N_c``: the dictionary size chunk ``c`` reads (one entry of :func:`dictionary_sizes`)."""
+    N, L, t = max_centroids, chunk, c * chunk
+    if growth == "plateau":
+        return t * N // (t + N)
+    if growth == "full":
+        return min(t, N)
+    if growth == "linear":
+        per = min(L, math.ceil(N * L / (growth_horizon or 4 * N)))
+        return min(N, c * per)
+    raise ValueError(f"growth must be one of {list(GROWTHS)}, got {growth!r}")
 
 
 def _rank_first(key: Tensor, n: int) -> Tensor:
@@ -69,6 +70,57 @@ def _(k, chunk, sizes, seeding, seed, normalize_centroids):
     return k.new_empty(k.shape[:3], dtype=torch.long)
 
 
+def ovq_route_chunk(kc: Tensor, sums: Tensor, counts: Tensor, n_old: int, n_new: int, u: Tensor | None,
+                    normalize_centroids: bool) -> Tensor:
+    """Routes ``[B, H, L]`` of one chunk's unit keys ``kc [B, H, L, D]`` (fp32) against the
+    routing dictionary (fp32 ``sums [B, H, S, D]``, ``counts [B, H, S]``, ``n_old`` live rows);
+    ``n_new`` tokens found new slots ``n_old..``; ``u [B, H, L]``: random seeding keys (None: spread).
+    Reads the dictionary only; :func:`ovq_absorb` writes the chunk in."""
+    B, H, L, D = kc.shape
+    if n_old == 0 and n_new == 0:
+        return torch.full((B, H, L), -1, dtype=torch.long, device=kc.device)
+    if n_old > 0:
+        d = sums[:, :, :n_old] / counts[:, :, :n_old, None]
+        if normalize_centroids:
+            d = F.normalize(d, dim=-1)
+        sim = kc @ d.transpose(-1, -2)  # [B, H, L, n_old]
+        best_sim, route = sim.max(dim=-1)
+        if n_new > 0:
+            chosen = _rank_first(best_sim if u is None else u, n_new)
+            new_ids = (n_old + torch.arange(n_new, device=kc.device)).expand(B, H, n_new)
+            route = route.scatter(2, chosen, new_ids)
+        return route
+    # first seeding: token 0 (spread) and the tokens least similar to it
+    if u is None:
+        key = (kc @ kc[:, :, :1].transpose(-1, -2)).squeeze(-1)
+        key[:, :, 0] = float("-inf")
+    else:
+        key = u
+    chosen = _rank_first(key, n_new)  # [B, H, n_new]
+    seeds = kc.gather(2, chosen[..., None].expand(B, H, n_new, D))
+    route = (kc @ seeds.transpose(-1, -2)).argmax(dim=-1)
+    return route.scatter(2, chosen, torch.arange(n_new, device=kc.device).expand(B, H, n_new))
+
+
+def ovq_absorb(sums: Tensor, counts: Tensor, kc: Tensor, route: Tensor, value_sums: Tensor | None = None,
+               vc: Tensor | None = None) -> None:
+    """Add a routed chunk to the routing dictionary in place (routes -1 or past the last
+    row go to the spare last row); with ``value_sums``/``vc`` the values too. The one write
+    both routing and decode caches use, so a cache rebuilt from routes holds bit for bit
+    the dictionary routing saw."""
+    spare = sums.shape[2] - 1
+    route = torch.where((route >= 0) & (route < spare), route, spare)
+    sums.scatter_add_(2, route[..., None].expand(*route.shape, kc.shape[-1]), kc)
+    counts.scatter_add_(2, route, torch.ones_like(route, dtype=counts.dtype))
+    if value_sums is not None:
+        value_sums.scatter_add_(2, route[..., None].expand(*route.shape, vc.shape[-1]), vc)
+
+
+def seeding_draw(gen: torch.Generator | None, B: int, H: int, L: int, device) -> Tensor | None:
+    """The random-seeding keys of one chunk (one draw per chunk, whether used or not)."""
+    return None if gen is None else torch.rand((B, H, L), generator=gen).to(device)
+
+
 def _route(k: Tensor, chunk: int, sizes: list[int], seeding: str, seed: int, normalize_centroids: bool) -> Tensor:
     B, H, T, D = k.shape
     L = chunk
@@ -80,34 +132,10 @@ def _route(k: Tensor, chunk: int, sizes: list[int], seeding: str, seed: int, nor
     pieces = []  # routes chunk by chunk (built functionally: compiles to plain concatenation)
     gen = torch.Generator().manual_seed(seed) if seeding == "random" else None
     for c in range(n_full):
-        u = torch.rand((B, H, L), generator=gen).to(k.device) if gen is not None else None
-        n_old, n_new = sizes[c], sizes[c + 1] - sizes[c]
-        if n_old == 0 and n_new == 0:
-            pieces.append(torch.full((B, H, L), -1, dtype=torch.long, device=k.device))
-            continue
+        u = seeding_draw(gen, B, H, L, k.device)
         kc = kf[:, :, c * L:(c + 1) * L]
-        if n_old > 0:
-            d = sums[:, :, :n_old] / counts[:, :, :n_old, None]
-            if normalize_centroids:
-                d = F.normalize(d, dim=-1)
-            sim = kc @ d.transpose(-1, -2)  # [B, H, L, n_old]
-            best_sim, route = sim.max(dim=-1)
-            if n_new > 0:
-                chosen = _rank_first(best_sim if u is None else u, n_new)
-                new_ids = (n_old + torch.arange(n_new, device=k.device)).expand(B, H, n_new)
-                route = route.scatter(2, chosen, new_ids)
-        else:  # first seeding: token 0 (spread) and the tokens least similar to it
-            if u is None:
-                key = (kc @ kc[:, :, :1].transpose(-1, -2)).squeeze(-1)
-                key[:, :, 0] = float("-inf")
-            else:
-                key = u
-            chosen = _rank_first(key, n_new)  # [B, H, n_new]
-            seeds = kc.gather(2, chosen[..., None].expand(B, H, n_new, D))
-            route = (kc @ seeds.transpose(-1, -2)).argmax(dim=-1)
-            route = route.scatter(2, chosen, torch.arange(n_new, device=k.device).expand(B, H, n_new))
+        route = ovq_route_chunk(kc, sums, counts, sizes[c], sizes[c + 1] - sizes[c], u, normalize_centroids)
         pieces.append(route)
-        sums.scatter_add_(2, route[..., None].expand(B, H, L, D), kc)
-        counts.scatter_add_(2, route, torch.ones_like(route, dtype=counts.dtype))
+        ovq_absorb(sums, counts, kc, route)
     pieces.append(torch.full((B, H, T - n_full * L), -1, dtype=torch.long, device=k.device))
     return torch.cat(pieces, dim=2)

@@ -51,6 +51,15 @@ def test_readme_train_and_eval_flags_exist():
     assert args.lengths == [64, 128]
 
 
+def test_readme_generate_flags_exist():
+    parser = build_parser()
+    args = parser.parse_args(["generate", "d", "--tokens", "3,0,5", "--max-new-tokens", "32", "--temperature", "0",
+                              "--top-k", "4", "--seed", "1", "--quantize", "int8", "--override", "max_centroids=64",
+                              "--checkpoint", "c", "--device", "cpu"])
+    assert args.tokens == [3, 0, 5] and args.quantize == "int8"
+    assert parser.parse_args(["generate", "d", "--prompt", "hi"]).prompt == "hi"
+
+
 @pytest.mark.parametrize("argv, match", [
     (["train", "--task", "sudoku"], "--task must be one of"),
     (["train", "--seq-len", "0"], "seq_len must be >= 1"),

@@ -22,12 +22,12 @@ def test_pattern_repeats_over_layers():
 
 
 def test_available_mixers_cover_the_plain_ovq_and_kvm_layers():
-    assert {"full", "nope", "swa", "bswa", "ovq", "kvm"} <= set(available_mixers())
+    assert {"full", "nope", "swa", "bswa", "ovq", "kvm", "vq", "longvq"} <= set(available_mixers())
 
 
 @pytest.mark.parametrize("pattern, match", [("swa,wat", "unknown mixer 'wat'.*available"),
-                                            ("vq", "planned but not built"), (",", "at least one mixer")],
-                         ids=["unknown", "planned", "empty"])
+                                            (",", "at least one mixer")],
+                         ids=["unknown", "empty"])
 def test_bad_pattern(pattern, match):
     with pytest.raises(ValueError, match=match):
         HybridLM(HybridConfig(**{**SMALL, "pattern": pattern}))
@@ -57,7 +57,7 @@ def test_head_is_tied_to_embedding():
     tokens = torch.randint(0, 64, (1, 20))
     h = model.embed(tokens)
     for block in model.blocks:
-        h = block(h)
+        h, _ = block(h)
     expected = model.norm(h) @ model.embed.weight.T
     assert torch.allclose(model(tokens), expected, atol=1e-5)
     assert not any("head" in name for name, _ in model.named_parameters())

@@ -1,0 +1,13 @@
+"""Decode caches (SPEC §6): bounded state a layer carries from one call to the next.
+
+``layer(x, use_cache=True) -> (y, cache)`` after a prefill of any length;
+``layer(x, cache=cache) -> (y, cache)`` continues with one or more tokens. Each cache
+type documents its size bound; ``cache.nbytes()`` is its own accounting.
+"""
+from .base import LayerCache
+from .kvm import KVMCache
+from .ovq import OVQCache
+from .plain import PlainCache
+from .vq import LongVQCache, VQCache
+
+__all__ = ["KVMCache", "LayerCache", "LongVQCache", "OVQCache", "PlainCache", "VQCache"]

@@ -1,0 +1,61 @@
+"""What every decode cache shares (SPEC §6).
+
+A cache is a small typed object a layer returns from ``forward(x, use_cache=True)``
+and takes back with ``forward(x, cache=cache)``: the tokens seen so far
+(``position``) and the q/k convolution tail, plus the method's own bounded state
+(subclasses). Caches are inference objects: they hold no autograd graph and are
+updated by the layer that owns them (a new object per call; the old one is not
+mutated, so a prefix cache can be reused for several continuations).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerCache:
+    """``position``: tokens seen; ``conv``: ``[B, 2*H*D, qk_conv-1]`` raw q/k projections of
+    the last tokens (None without ``qk_conv``)."""
+
+    position: int
+    conv: Tensor | None
+
+    def tensors(self) -> list[Tensor]:
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                out.append(value)
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache's tensors (its own accounting; the bound each cache
+        type documents is on this number)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def check_cache(cache, kind: type, layer) -> None:
+    """A cache passed to ``layer`` must be the type that layer returns."""
+    if cache is not None and not isinstance(cache, kind):
+        raise TypeError(f"cache for {type(layer).__name__} must be a {kind.__name__} (from forward(..., "
+                        f"use_cache=True)), got {type(cache).__name__}")
+
+
+def positions(start: int, n: int, device) -> Tensor:
+    """Absolute positions ``[n]`` int64 of the tokens ``start .. start+n-1``."""
+    return torch.arange(start, start + n, device=device)
+
+
+def chunk_segments(start: int, n: int, chunk: int) -> list[tuple[int, int]]:
+    """Split tokens ``start .. start+n-1`` at chunk boundaries: ``[(offset, length), ...]``
+    (offsets relative to ``start``)."""
+    out, i = [], 0
+    while i < n:
+        take = min(n - i, chunk - (start + i) % chunk)
+        out.append((i, take))
+        i += take
+    return out

@@ -1,0 +1,139 @@
+"""``LongVQBlock``: the LongVQ block (seed 003 §4.2–4.3; SPEC §4.5).
+
+    Z   = silu(EMA(X))                  multi-head damped EMA as a causal convolution
+    G_a = silu(Z W_g),  Q = Z W_q,  K = Z W_k,  V = silu(X W_v)
+    O_a = (G_a ⊙ VQAttn(Q, K̂, V)) W_h   softmax VQ-attention (SPEC §4.4) with a learned
+                                        per-head local bias on the window region
+    G_o = sigmoid(X W_o),  O = G_o ⊙ O_a + (1 − G_o) ⊙ X
+    Y   = Norm(O),  Y' = Norm(Y + FFN(Y))
+
+``W_h`` maps the ``H * head_dim_v`` attention output back to ``hidden`` (MEGA's output
+projection; the paper's equations leave it implicit). The FFN gets a residual (as MEGA's
+and every post-norm Transformer's FFN; the paper's eq. 22 omits it). The local bias ``B`` is
+one learned scalar per head (init 0) added to the scores of the quantized keys of the
+query's own and previous chunk, relative to the codebook (state) rows — folded exactly into
+the state rows' bias (see :func:`ovqflex.vq_attention`); its gradient needs a backend with
+bias gradients: ``blocked``/``dense`` (CPU training), or ``flex`` where it supports
+captured-tensor gradients.
+
+``forward(x [B, T, hidden]) -> (y [B, T, hidden], aux)``; the codebook trains as in
+:class:`~ovqflex.layers.VQAttention` (EMA buffers updated in training-mode forwards).
+In a :class:`~ovqflex.models.HybridLM` (pattern ``"longvq"``) the block replaces the whole
+pre-norm mixer + MLP block (``standalone_block = True``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from masks.program import DEFAULT_BLOCK, AttentionProgram
+from recurrences.checks import check_choice, check_chunk, check_int, check_number, check_tensor
+from recurrences.ema import damped_ema
+
+from ..attention import BACKENDS
+from ..ops.vq import vq_attention, vq_program
+from ..profiling import stage
+from ..cache.base import check_cache
+from ..cache.vq import LongVQCache
+from .vq import VQCodebook, vq_aux, vq_layer_step
+
+
+class LongVQBlock(nn.Module):
+    standalone_block = True
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+
+    def __init__(self, hidden_size: int, num_heads: int = 1, *, head_dim: int | None = None, ema_dim: int = 16,
+                 chunk_size: int = 128, codebook_size: int = 512, estimator: str = "ste",
+                 commitment_weight: float = 1e-4, ema_decay: float = 0.99, dead_threshold: float = 0.01,
+                 ffn_ratio: float = 2.0, norm_eps: float = 1e-5, backend: str = "auto",
+                 block_size: int = DEFAULT_BLOCK):
+        super().__init__()
+        check_int("hidden_size", hidden_size)
+        check_int("num_heads", num_heads)
+        check_int("ema_dim", ema_dim)
+        check_chunk("chunk_size", chunk_size)
+        check_choice("backend", backend, BACKENDS)
+        check_number("ffn_ratio", ffn_ratio)
+        check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+        H, Dv = num_heads, hidden_size // num_heads
+        Dk = Dv if head_dim is None else check_int("head_dim", head_dim)
+        self.hidden_size, self.num_heads, self.head_dim, self.head_dim_v = hidden_size, H, Dk, Dv
+        self.chunk_size, self.commitment_weight, self.backend, self.block_size = (chunk_size, commitment_weight,
+                                                                                  backend, block_size)
+        # damped EMA parameters (MEGA's initialisation)
+        self.ema_delta = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.2)
+        self.ema_alpha = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.2)
+        self.ema_beta = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.02 + (torch.arange(ema_dim) % 2 * -2 + 1))
+        self.ema_gamma = nn.Parameter(torch.randn(hidden_size, ema_dim) / math.sqrt(ema_dim))
+        self.ema_omega = nn.Parameter(torch.randn(hidden_size) * 0.1)
+        self.z_proj = nn.Linear(hidden_size, 2 * H * Dk + H * Dv)  # -> Q, K, G_a
+        self.x_proj = nn.Linear(hidden_size, H * Dv + hidden_size)  # -> V, G_o
+        self.h_proj = nn.Linear(H * Dv, hidden_size)
+        self.quantizer = VQCodebook(H, codebook_size, Dk, estimator=estimator, ema_decay=ema_decay,
+                                    dead_threshold=dead_threshold)
+        self.beta = nn.Parameter(torch.full((H,), math.sqrt(Dk)))
+        self.local_bias = nn.Parameter(torch.zeros(H))
+        ffn = int(ffn_ratio * hidden_size)
+        self.ffn = nn.Sequential(nn.Linear(hidden_size, ffn), nn.SiLU(), nn.Linear(ffn, hidden_size))
+        self.norm1 = nn.LayerNorm(hidden_size, eps=norm_eps)
+        self.norm2 = nn.LayerNorm(hidden_size, eps=norm_eps)
+
+    def _qkv_gates(self, x: Tensor, ema_state: Tensor | None = None, want_state: bool = False):
+        """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, the gates, and (``want_state``) the EMA
+        state after x, continuing from ``ema_state`` ``[B, hidden, ema_dim]`` (None: a sequence
+        start); else None."""
+        check_tensor("x", x, 3)
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H, Dk, Dv = self.num_heads, self.head_dim, self.head_dim_v
+        z = damped_ema(x, self.ema_delta, self.ema_alpha, self.ema_beta, self.ema_gamma, self.ema_omega,
+                       h0=ema_state, return_state=want_state)
+        z, state = z if want_state else (z, None)
+        z = F.silu(z)
+        q, k, g_a = self.z_proj(z).split([H * Dk, H * Dk, H * Dv], dim=-1)
+        v, g_o = self.x_proj(x).split([H * Dv, self.hidden_size], dim=-1)
+        heads = lambda t, d: t.view(B, T, H, d).transpose(1, 2)  # noqa: E731
+        return heads(q, Dk), heads(k, Dk), heads(F.silu(v), Dv), F.silu(g_a), torch.sigmoid(g_o), state
+
+    def _options(self) -> dict:
+        return dict(chunk_size=self.chunk_size, estimator=self.quantizer.estimator, local_bias=self.local_bias,
+                    code_bias=self.quantizer.code_bias(), block_size=self.block_size)
+
+    def program(self, x: Tensor) -> AttentionProgram:
+        """The block's VQ attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
+        with stage("proj"):
+            q, k, v, _, _, _ = self._qkv_gates(x)
+        return vq_program(q, k, v, self.quantizer.codebook, self.beta, **self._options())[0]
+
+    def forward(self, x: Tensor, cache: LongVQCache | None = None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> ``(y, aux)``; with ``use_cache=True`` or a ``cache``
+        (:class:`~ovqflex.cache.LongVQCache`: the VQ cache plus the EMA state; inference)
+        ``(y, cache)``."""
+        check_cache(cache, LongVQCache, self)
+        with stage("proj"):
+            q, k, v, g_a, g_o, ema = self._qkv_gates(x, None if cache is None else cache.ema,
+                                                     want_state=cache is not None or use_cache)
+        if cache is None and not use_cache:
+            o, op_aux = vq_attention(q, k, v, self.quantizer.codebook, self.beta, backend=self.backend,
+                                     **self._options())
+            extra = vq_aux(op_aux, self.quantizer, self.commitment_weight)
+            if self.training:
+                with stage("routing"):
+                    self.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
+        else:
+            o, extra = vq_layer_step(self, q, k, v, cache, None, LongVQCache, ema=ema.detach())
+        with stage("proj"):
+            B, H, T, Dv = o.shape
+            o_a = self.h_proj(g_a * o.transpose(1, 2).reshape(B, T, H * Dv))
+            y = self.norm1(g_o * o_a + (1 - g_o) * x)
+            return self.norm2(y + self.ffn(y)), extra
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"chunk_size={self.chunk_size}, backend={self.backend!r}")

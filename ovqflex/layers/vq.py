@@ -1,0 +1,176 @@
+"""``VQAttention``: the VQ-attention layer (Transformer-VQ; the OVQ paper's sw-vq; SPEC §4.4),
+and ``VQCodebook``, the codebook module it shares with :class:`~ovqflex.layers.LongVQBlock`.
+
+Codebook training. With ``estimator="ste"`` (default) the codebook is a *buffer* learned by
+EMA k-means, like BatchNorm's running statistics: every ``forward`` in training mode updates
+it in place (after the attention has used the old codebook), and codes whose EMA count falls
+below ``dead_threshold`` are revived with random keys of the batch. ``eval()`` freezes it.
+The update is part of the forward, so it runs under ``torch.compile(fullgraph=True)`` too
+(dynamo functionalizes the buffer mutation). Under data parallelism each rank updates its
+own copy from its own batch (no all-reduce of the EMA statistics).
+With ``estimator="diveq"`` the codebook is an ``nn.Parameter`` trained by the optimizer
+through DiVeQ's gradient, and dead codes get the OVQ paper's "no-use penalty": a bonus of
+``penalty_rate`` per training step without a token, added to the code's assignment score.
+
+``forward(x)`` returns ``(y, aux)``: ``aux["loss"]`` (``commitment_weight · commitment``, add it
+to the training loss; :class:`~ovqflex.models.HybridLM` does with ``return_aux=True``) and
+detached metrics ``usage``, ``perplexity``, ``unused_codes``, ``dead_codes``, ``rel_quant_error``,
+``commitment``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from masks.program import DEFAULT_BLOCK, AttentionProgram
+from recurrences.checks import check_choice, check_chunk, check_int, check_number
+from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
+from recurrences.vq.codebook import gather_codes
+
+from ..cache.base import check_cache
+from ..cache.vq import VQCache, vq_decode, vq_prefill
+from ..ops.vq import vq_attention, vq_program
+from ..profiling import stage
+from .heads import MultiHeadProjection
+
+
+class VQCodebook(nn.Module):
+    """Per-head unit-norm codebook ``[H, N, D]`` and its training state (see module doc)."""
+
+    def __init__(self, num_heads: int, codebook_size: int, head_dim: int, *, estimator: str = "ste",
+                 ema_decay: float = 0.99, dead_threshold: float = 0.01, penalty_rate: float = 0.0025,
+                 dead_after: int = 100):
+        super().__init__()
+        check_int("codebook_size", codebook_size)
+        check_choice("estimator", estimator, ESTIMATORS)
+        check_number("ema_decay", ema_decay, minimum=0.0, strict=False)
+        if ema_decay >= 1:
+            raise ValueError(f"ema_decay must be < 1, got {ema_decay!r}")
+        check_number("dead_threshold", dead_threshold, minimum=0.0, strict=False)
+        check_number("penalty_rate", penalty_rate, minimum=0.0, strict=False)
+        check_int("dead_after", dead_after)
+        self.estimator, self.ema_decay, self.dead_threshold = estimator, ema_decay, dead_threshold
+        self.penalty_rate, self.dead_after = penalty_rate, dead_after
+        init = F.normalize(torch.randn(num_heads, codebook_size, head_dim), dim=-1)
+        if estimator == "ste":
+            self.register_buffer("codebook", init)
+            self.register_buffer("ema_counts", torch.ones(num_heads, codebook_size))
+            self.register_buffer("ema_sums", init.clone())
+        else:
+            self.codebook = nn.Parameter(init)
+            self.register_buffer("idle_steps", torch.zeros(num_heads, codebook_size))
+
+    def code_bias(self) -> Tensor | None:
+        """``[H, N]`` assignment bonus (DiVeQ's no-use penalty), or None."""
+        return None if self.estimator == "ste" else self.penalty_rate * self.idle_steps
+
+    def dead_codes(self) -> Tensor:
+        """Codes currently dead (EMA count below threshold / idle ``dead_after`` steps), summed over heads."""
+        with torch.no_grad():
+            if self.estimator == "ste":
+                return (self.ema_counts < self.dead_threshold).float().sum()
+            return (self.idle_steps >= self.dead_after).float().sum()
+
+    def update_(self, kn: Tensor, codes: Tensor) -> None:
+        """One training step's codebook update from unit keys ``kn`` and their ``codes``."""
+        with torch.no_grad():
+            if self.estimator == "ste":
+                ema_update_(self.codebook, self.ema_counts, self.ema_sums, kn, codes, decay=self.ema_decay,
+                            dead_threshold=self.dead_threshold)
+            else:
+                used = torch.zeros_like(self.idle_steps).scatter_add(
+                    1, codes.permute(1, 0, 2).reshape(codes.shape[1], -1),
+                    torch.ones(codes.shape[1], codes.numel() // codes.shape[1], device=codes.device)) > 0
+                self.idle_steps.copy_(torch.where(used, torch.zeros_like(self.idle_steps), self.idle_steps + 1))
+
+    def extra_repr(self) -> str:
+        H, N, D = self.codebook.shape
+        return f"heads={H}, codebook_size={N}, head_dim={D}, estimator={self.estimator!r}"
+
+
+def vq_aux(op_aux: dict, codebook: VQCodebook, commitment_weight: float) -> dict:
+    """The layer aux dict from the op's: loss, metrics (detached), dead codes."""
+    aux = {"loss": commitment_weight * op_aux["commitment"], "commitment": op_aux["commitment"].detach()}
+    for name in ("usage", "perplexity", "unused_codes", "rel_quant_error"):
+        aux[name] = op_aux[name]
+    aux["dead_codes"] = codebook.dead_codes()
+    return aux
+
+
+def vq_layer_step(layer, q: Tensor, k: Tensor, v: Tensor, cache: VQCache | None, conv: Tensor | None,
+                  cache_type: type = VQCache, **extra):
+    """The cached forward of a VQ-attention layer (``VQAttention``, ``LongVQBlock``): a
+    prefill (the fused op, then the cache from its codes) or a decode step over the cache.
+    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]`` -> ``(o [B, H, T, Dv], new cache)``; ``extra``:
+    more fields of ``cache_type``."""
+    cb = F.normalize(layer.quantizer.codebook.detach(), dim=-1)
+    options = layer._options()
+    if cache is None:
+        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, backend=layer.backend, **options)
+        codes = op_aux["codes"]
+        fields = vq_prefill(gather_codes(cb.to(v.dtype), codes), v, codes, cb.shape[1], layer.chunk_size, conv)
+    else:
+        codes = assign_codes(k, cb, options["code_bias"])
+        q_scaled = F.normalize(q, dim=-1) * layer.beta.to(q.dtype).view(1, -1, 1, 1)
+        o, fields = vq_decode(cache, q_scaled, gather_codes(cb.to(v.dtype), codes), v, codes, cb,
+                              options["local_bias"], layer.chunk_size)
+        fields["conv"] = conv
+    return o, cache_type(**fields, **extra)
+
+
+class VQAttention(MultiHeadProjection):
+    """x ``[B, T, hidden]`` -> ``(y [B, T, hidden], aux)``. NoPE; unit q/k; per-head ``beta``
+    (init ``sqrt(head_dim)``); keys quantized by a ``codebook_size``-code codebook per head;
+    ``local_bias=True`` adds a learned per-head bias (init 0) to the window rows' scores."""
+
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+
+    def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
+                 codebook_size: int = 512, estimator: str = "ste", commitment_weight: float = 1e-4,
+                 ema_decay: float = 0.99, dead_threshold: float = 0.01, penalty_rate: float = 0.0025,
+                 local_bias: bool = False, qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
+        super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
+        check_chunk("chunk_size", chunk_size)
+        check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
+        self.chunk_size, self.commitment_weight, self.block_size = chunk_size, commitment_weight, block_size
+        self.quantizer = VQCodebook(num_heads, codebook_size, self.head_dim, estimator=estimator, ema_decay=ema_decay,
+                                    dead_threshold=dead_threshold, penalty_rate=penalty_rate)
+        self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
+        self.local_bias = nn.Parameter(torch.zeros(num_heads)) if local_bias else None
+
+    def _options(self) -> dict:
+        return dict(chunk_size=self.chunk_size, estimator=self.quantizer.estimator, local_bias=self.local_bias,
+                    code_bias=self.quantizer.code_bias(), block_size=self.block_size)
+
+    def program(self, x: Tensor) -> AttentionProgram:
+        """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
+        with stage("proj"):
+            q, k, v = self.split_heads(x)
+        return vq_program(q, k, v, self.quantizer.codebook, self.beta, **self._options())[0]
+
+    def forward(self, x: Tensor, cache: VQCache | None = None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> ``(y, aux)``; with ``use_cache=True`` or a ``cache``
+        (:class:`~ovqflex.cache.VQCache`; inference: the codebook is not updated)
+        ``(y, cache)``."""
+        check_cache(cache, VQCache, self)
+        with stage("proj"):
+            q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
+        if cache is None and not use_cache:
+            o, op_aux = vq_attention(q, k, v, self.quantizer.codebook, self.beta, backend=self.backend,
+                                     **self._options())
+            aux = vq_aux(op_aux, self.quantizer, self.commitment_weight)
+            if self.training:
+                with stage("routing"):
+                    self.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
+            with stage("proj"):
+                return self.merge(o), aux
+        o, new_cache = vq_layer_step(self, q, k, v, cache, tail)
+        with stage("proj"):
+            return self.merge(o), new_cache
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"chunk_size={self.chunk_size}, local_bias={self.local_bias is not None}, backend={self.backend!r}")

@@ -1,0 +1,118 @@
+"""``vq_attention``: VQ-attention (Transformer-VQ; the OVQ paper's sw-vq) as one attention
+program (SPEC §4.4).
+
+q, k, codebook ─normalize─▶ codes (nearest code, no grad, fp32) ─▶ quantized keys k̂
+(straight-through or DiVeQ) ─▶ snapshots (differentiable segment means, lag 2) ─▶ program
+[per-chunk codebook bank (log-count bias) ; chunks c−1, c causal with k̂] ─▶ backend.
+
+Gradients. q, v, beta and ``local_bias`` get exactly the quadratic form's gradients. Keys:
+tokens of the window (chunks c−1, c) get their exact straight-through gradient; a token
+that a query reads through the state (a codebook row) gets the *mean* key gradient of the
+tokens sharing its code and snapshot: the per-code sums of the key gradients equal the
+quadratic form's, but the split among tokens of a code does not (the value each token
+carries is averaged away in the state). With ``estimator="diveq"`` the codebook is
+trained by gradient through the same path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
+from masks.regions import BlockWindow, StateBank
+from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor
+from recurrences.vq import ESTIMATORS, assign_codes, build_vq_snapshots, codebook_metrics, commitment_loss, quantize
+
+from ..attention import attend
+from ..profiling import stage
+
+
+def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias):
+    check_qkv(q, k, v)
+    H, D = q.shape[1], q.shape[-1]
+    check_tensor("codebook", codebook, 3)
+    if codebook.shape[0] != H or codebook.shape[2] != D or codebook.shape[1] < 1:
+        raise ValueError(f"codebook must have shape [H, N, D]=[{H}, N>=1, {D}], got {tuple(codebook.shape)}")
+    if not codebook.is_floating_point() or codebook.device != q.device:
+        raise TypeError(f"codebook must be a floating tensor on {q.device}, got {codebook.dtype} on {codebook.device}")
+    check_tensor("beta", beta, 1)
+    if beta.shape[0] != H:
+        raise ValueError(f"beta must have shape [H]=[{H}], got {tuple(beta.shape)}")
+    check_chunk("chunk_size", chunk_size)
+    check_choice("estimator", estimator, ESTIMATORS)
+    if local_bias is not None:
+        check_tensor("local_bias", local_bias, 1)
+        if local_bias.shape[0] != H:
+            raise ValueError(f"local_bias must have shape [H]=[{H}], got {tuple(local_bias.shape)}")
+    if code_bias is not None:
+        check_tensor("code_bias", code_bias, 2)
+        if tuple(code_bias.shape) != tuple(codebook.shape[:2]):
+            raise ValueError(f"code_bias must have shape [H, N]={tuple(codebook.shape[:2])}, "
+                             f"got {tuple(code_bias.shape)}")
+
+
+def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, chunk_size: int = 128,
+               estimator: str = "ste", local_bias: Tensor | None = None, code_bias: Tensor | None = None,
+               block_size: int = DEFAULT_BLOCK) -> tuple[AttentionProgram, dict]:
+    """The VQ attention program, without running it -> ``(program, aux)``.
+
+    ``aux``: ``codes [B, H, T]``, ``k_hat`` (quantized unit keys), ``k_unit`` (normalized keys).
+    """
+    _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias)
+    B, H, T, _ = q.shape
+    N = codebook.shape[1]
+    with stage("proj"):
+        qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        cb = F.normalize(codebook, dim=-1)
+        q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
+    with stage("routing"):
+        codes = assign_codes(kn, cb, code_bias)
+    aux = {"codes": codes, "k_unit": kn}
+    with stage("state_build"):
+        k_hat = quantize(kn, cb, codes, estimator)
+        aux["k_hat"] = k_hat
+        window = BlockWindow(2, chunk_size)
+        snap = build_vq_snapshots(k_hat, v, codes, chunk=chunk_size, n_codes=N)
+        bias = torch.where(snap.counts > 0, snap.counts.log(), float("-inf"))
+        if local_bias is not None:
+            # + local_bias on window rows == - local_bias on state rows (softmax is shift invariant
+            # per query, and every query sees the whole window region): exact, differentiable
+            bias = bias - local_bias.float().view(1, H, 1, 1)
+    with stage("block_mask"):
+        program = build_program(
+            q_scaled, k_hat, v, (StateBank(N, chunk_size, snap.live), window), scale=1.0,
+            state_k=snap.keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), state_bias=bias.flatten(2, 3),
+            block_size=block_size)
+    return program, aux
+
+
+def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, chunk_size: int = 128,
+                 estimator: str = "ste", local_bias: Tensor | None = None, code_bias: Tensor | None = None,
+                 backend: str = "auto", block_size: int = DEFAULT_BLOCK) -> tuple[Tensor, dict]:
+    """VQ-attention. q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, codebook ``[H, N, D]``, beta ``[H]``
+    -> ``(out [B, H, T, Dv], aux)``.
+
+    q, k and the codebook rows are L2-normalized inside; each key is replaced by its nearest
+    code ``k̂``; scores are ``beta[h] * <q̂, k̂>``, causal — computed in linear form: chunk
+    ``c`` reads the codebook with ``log(count)`` and running-mean values of the tokens of
+    chunks ``< c−1``, plus the quantized keys of chunks ``c−1, c`` causally. Equal to
+    ``softmax(q K̂ᵀ + causal) V`` (see :func:`recurrences.reference.vq_attention_reference`).
+
+    ``estimator``: ``"ste"`` (straight-through; the codebook gets no gradient) or ``"diveq"``.
+    ``local_bias`` ``[H]``: added to the scores of the window rows (LongVQ's local bias).
+    ``code_bias`` ``[H, N]``: added to the assignment similarities only (no-use penalty).
+
+    ``aux``: ``codes``, ``commitment`` (``mean ||k̂ - sg(code)||²``, differentiable in k),
+    and detached metrics ``usage``, ``perplexity``, ``unused_codes``, ``rel_quant_error``.
+    """
+    program, aux = vq_program(q, k, v, codebook, beta, chunk_size=chunk_size, estimator=estimator,
+                              local_bias=local_bias, code_bias=code_bias, block_size=block_size)
+    with stage("attention"):
+        out = attend(program, backend)
+    kn, codes = aux.pop("k_unit"), aux["codes"]
+    aux.pop("k_hat")
+    cb = F.normalize(codebook, dim=-1)
+    aux["commitment"] = commitment_loss(kn, cb, codes)
+    aux.update(codebook_metrics(kn, cb, codes))
+    return out, aux

@@ -1,0 +1,92 @@
+"""Multi-head damped EMA (MEGA, Ma et al. 2022), the SSM of the LongVQ block (SPEC §4.5).
+
+Every channel ``d`` of ``x [B, T, D]`` runs ``n`` damped EMAs ("heads") and mixes them:
+
+    h_t = p ⊙ β ⊙ x_t + (1 − p ⊙ α) ⊙ h_{t−1},     y_t = Σ_n γ_n h_{t,n} + ω ⊙ x_t
+
+with ``p = sigmoid(delta_logit)``, ``α = sigmoid(alpha_logit)`` (all ``[D, n]``, ω ``[D]``).
+Unrolled, ``y = K * x + ω x`` is a causal convolution with the kernel
+``K[d, t] = Σ_n γ p β (1 − p α)^t``, computed by :func:`damped_ema` in a chunked form
+(no Python loop, differentiable). Not with an FFT: its round-off lets later inputs move
+earlier outputs (~1e-9 relative in fp32), which breaks exact causality.
+:func:`damped_ema_reference` is the token-by-token recurrence, the test oracle.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def ema_kernel(delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor, length: int) -> Tensor:
+    """``K [D, length]`` of the damped EMA (parameters ``[D, n]``), fp32."""
+    p = torch.sigmoid(delta_logit.float())
+    decay = 1 - p * torch.sigmoid(alpha_logit.float())  # [D, n] in (0, 1)
+    t = torch.arange(length, device=p.device, dtype=torch.float32)
+    vander = torch.exp(torch.log(decay)[..., None] * t)  # [D, n, T]
+    return torch.einsum("dn,dnt->dt", (p * beta.float() * gamma.float()), vander)
+
+
+def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,
+               omega: Tensor, *, chunk: int = 64, h0: Tensor | None = None, return_state: bool = False):
+    """x ``[B, T, D]`` -> ``y [B, T, D]`` (dtype of x), exactly causal, fp32 inside.
+
+    ``h0`` ``[B, D, n]``: the EMA state before ``x`` (None: zeros, a sequence start) — how a
+    decode cache continues; ``return_state=True`` also returns the state after ``x``
+    ``[B, D, n]`` fp32.
+
+    Chunked two-level form: inside each chunk of ``chunk`` tokens a ``[chunk, chunk]``
+    lower-triangular Toeplitz matrix of the kernel; across chunks, the EMA states at chunk
+    ends carried by a lower-triangular ``[n_chunks, n_chunks]`` matrix of decay powers. Masked
+    entries are exact zeros (built with ``where`` before ``exp``), so an output has an exactly
+    zero gradient with respect to later inputs. Work ``O(T·chunk·D + (T/chunk)²·D·n)``.
+    """
+    B, T, D = x.shape
+    L = chunk
+    nc = max(1, -(-T // L))
+    xf = F.pad(x.float(), (0, 0, 0, nc * L - T)).view(B, nc, L, D)
+    p = torch.sigmoid(delta_logit.float())
+    loga = torch.log(1 - p * torch.sigmoid(alpha_logit.float()))  # [D, n], < 0
+    b, g = p * beta.float(), gamma.float()
+    i = torch.arange(L, device=x.device)
+    lag = i[:, None] - i[None, :]  # [L, L]
+    kernel = ema_kernel(delta_logit, alpha_logit, beta, gamma, L)  # [D, L]
+    toeplitz = torch.where(lag >= 0, kernel[:, lag.clamp_min(0)], 0.0)  # [D, L(t), L(s)]
+    y = torch.einsum("dts,bcsd->bctd", toeplitz, xf)
+    # state contribution of each chunk at its last token, then carried across chunks
+    to_end = torch.exp((L - 1 - i).float()[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, L]
+    ends = torch.einsum("dns,bcsd->bcdn", to_end, xf)
+    ci = torch.arange(nc, device=x.device)
+    dc = (ci[:, None] - ci[None, :]).float()  # [nc, nc]
+    carry = torch.exp(torch.where(dc >= 0, dc.clamp_min(0) * L * loga[..., None, None], float("-inf")))
+    states = torch.einsum("dnce,bedn->bcdn", carry, ends)  # EMA state at the end of chunk c
+    before = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)  # state entering chunk c
+    from_state = torch.exp((i + 1).float()[None, None, :] * loga[..., None]) * g[..., None]  # [D, n, L]
+    y = y + torch.einsum("dnt,bcdn->bctd", from_state, before)
+    y = y.reshape(B, nc * L, D)[:, :T]
+    t = torch.arange(T, device=x.device, dtype=torch.float32)
+    if h0 is not None:  # the carried state decays into every output: sum_n g (decay^(t+1)) h0
+        y = y + torch.einsum("dnt,bdn->btd", torch.exp((t + 1)[None, None, :] * loga[..., None]) * g[..., None],
+                             h0.float())
+    y = (y + x.float() * omega.float()).to(x.dtype)
+    if not return_state:
+        return y
+    to_last = torch.exp((T - 1 - t)[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, T]
+    state = torch.einsum("dnt,btd->bdn", to_last, x.float())
+    if h0 is not None:
+        state = state + torch.exp(T * loga)[None] * h0.float()
+    return y, state
+
+
+def damped_ema_reference(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,
+                         omega: Tensor) -> Tensor:
+    """The recurrence, one token at a time (fp32 state)."""
+    B, T, D = x.shape
+    p = torch.sigmoid(delta_logit)
+    decay = 1 - p * torch.sigmoid(alpha_logit)
+    h = x.new_zeros(B, D, delta_logit.shape[1], dtype=torch.float32)
+    ys = []
+    for t in range(T):
+        h = p * beta * x[:, t, :, None].float() + decay * h
+        ys.append((h * gamma).sum(-1) + omega * x[:, t].float())
+    return torch.stack(ys, dim=1).to(x.dtype)

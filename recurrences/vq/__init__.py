@@ -1,0 +1,9 @@
+"""VQ-attention (Transformer-VQ; the OVQ paper's sw-vq, seed 000 §2.2 / appendix 8.1):
+codebook quantizer (nearest code, straight-through or DiVeQ estimator, commitment loss,
+EMA k-means updates with dead-code revival, metrics) and the snapshot state build."""
+from .codebook import (ESTIMATORS, assign_codes, code_histogram, codebook_metrics, commitment_loss, ema_update_,
+                       quantize)
+from .state import VQSnapshots, build_vq_snapshots
+
+__all__ = ["ESTIMATORS", "VQSnapshots", "assign_codes", "build_vq_snapshots", "code_histogram", "codebook_metrics",
+           "commitment_loss", "ema_update_", "quantize"]

@@ -1,0 +1,42 @@
+"""Differentiable VQ-attention state (SPEC §4.4, §5 "Snapshots").
+
+Query chunk ``c`` reads, for every code ``n``, the tokens of chunks ``< c−1`` assigned to
+it: key row = mean of their quantized keys (forward value: the code itself), value row =
+running mean of their values, count (bias ``log(count)``, ``-inf`` when 0). A token of
+chunk ``ct`` therefore enters the snapshots of chunks ``c >= ct + 2`` — the shared segment
+sums of :mod:`recurrences.segments` with ``lag=2``. Since every token of a code has the
+same quantized key, ``count · exp(<q, code>)`` reproduces the sum of their ``exp`` scores:
+the linear form equals the quadratic form exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..segments import segment_snapshot_sums
+
+LAG = 2  # a token of chunk ct is in the state of chunks >= ct + 2 (chunks c-1, c are the window)
+
+
+@dataclass
+class VQSnapshots:
+    """keys ``[B, H, n_chunks, N, D]``, values ``[B, H, n_chunks, N, Dv]``, counts
+    ``[B, H, n_chunks, N]`` fp32, live ``[n_chunks]`` int64 (``N`` from chunk 2 on, else 0)."""
+
+    keys: Tensor
+    values: Tensor
+    counts: Tensor
+    live: Tensor
+
+
+def build_vq_snapshots(k_hat: Tensor, v: Tensor, codes: Tensor, *, chunk: int, n_codes: int) -> VQSnapshots:
+    """k_hat ``[B, H, T, D]`` quantized keys, v ``[B, H, T, Dv]``, codes ``[B, H, T]`` (-1: none)."""
+    T = k_hat.shape[2]
+    n_chunks = max(1, -(-T // chunk))
+    ks, counts = segment_snapshot_sums(k_hat, codes, chunk, n_chunks, n_codes, lag=LAG)
+    vs, _ = segment_snapshot_sums(v, codes, chunk, n_chunks, n_codes, lag=LAG)
+    denom = counts.clamp_min(1.0)[..., None]
+    live = torch.where(torch.arange(n_chunks, device=k_hat.device) >= LAG, n_codes, 0)
+    return VQSnapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts, live)

@@ -1,0 +1,233 @@
+"""Prefill + decode == full forward (SPEC §6, §9.6) for every cached layer and HybridLM.
+
+The full forward runs the fused program; the cache path runs a prefill (fused, plus a
+route replay) and then per-chunk decode over explicit rows. They share only the
+projections and the routing steps, so agreement checks the caches' bookkeeping:
+which rows each query sees, when chunks are absorbed, conv tails and positions.
+"""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ovqflex
+from ovqflex.cache import KVMCache, OVQCache, PlainCache
+from ovqflex.models import HybridLM
+from ovqflex.models.config import HybridConfig
+from tests.helpers import FWD_TOL, assert_close
+
+HIDDEN, HEADS = 32, 2
+
+LAYERS = {
+    "full-rope-conv": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, rope=True, qk_conv=3, backend="dense"),
+    "full-nope-qknorm": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, qk_norm=True, backend="dense"),
+    "swa-20-sinks": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=20, n_sinks=2, backend="dense"),
+    "bswa-2x16": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, block_window=2, chunk_size=16,
+                                                        backend="dense"),
+    "ovq-plateau": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, backend="dense"),
+    "ovq-full-random-norm-conv": lambda: ovqflex.OVQAttention(
+        HIDDEN, HEADS, chunk_size=16, max_centroids=40, growth="full", seeding="random", normalize_centroids=True,
+        qk_conv=2, backend="dense"),
+    "ovq-linear": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=30, growth="linear",
+                                               growth_horizon=64, backend="dense"),
+    "kvm-fixed": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, backend="dense"),
+    "kvm-powerlaw-uncapped-conv": lambda: ovqflex.KVMAttention(
+        HIDDEN, HEADS, chunk_size=16, budget="power_law", growth_factor=4.0, max_state_chunks=None, qk_conv=3,
+        backend="dense"),
+    "kvm-saturation-nb3": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=3,
+                                                       budget="saturation", saturation_n=40, max_state_chunks=3,
+                                                       backend="dense"),
+    "kvm-ablations": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=1, sink_len=0,
+                                                  use_gate=False, use_vlens=False, use_temperatures=False,
+                                                  backend="dense"),
+    "vq": lambda: ovqflex.VQAttention(HIDDEN, HEADS, chunk_size=16, codebook_size=12, backend="dense"),
+    "vq-localbias-conv-diveq": lambda: ovqflex.VQAttention(HIDDEN, HEADS, chunk_size=16, codebook_size=12,
+                                                           local_bias=True, qk_conv=3, estimator="diveq",
+                                                           backend="dense"),
+    "longvq": lambda: ovqflex.LongVQBlock(HIDDEN, HEADS, chunk_size=16, codebook_size=12, backend="dense"),
+}
+
+
+def _y(out):
+    """A layer's output tensor (VQ layers return ``(y, aux)``)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _perturbed(layer):
+    """Move the layer off its init (unit LayerNorms, temperatures 1) so every parameter matters."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return layer.eval()
+
+
+def _stream(model, x, t1, steps):
+    """Prefill ``x[:, :t1]``, then decode the rest in ``steps`` sized calls (cycled)."""
+    y, cache = model(x[:, :t1], use_cache=True)
+    ys, i, k = [y], t1, 0
+    while i < x.shape[1]:
+        n = min(steps[k % len(steps)], x.shape[1] - i)
+        y, cache = model(x[:, i:i + n], cache=cache)
+        ys.append(y)
+        i, k = i + n, k + 1
+    return torch.cat(ys, dim=1), cache
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@given(t1=st.integers(1, 100), t2=st.integers(1, 60),
+       steps=st.one_of(st.just([1]), st.lists(st.integers(1, 40), min_size=1, max_size=4)))
+def test_prefill_then_decode_equals_full_forward(name, t1, t2, steps):
+    torch.manual_seed(t1 * 1000 + t2)
+    layer = _perturbed(LAYERS[name]())
+    x = torch.randn(2, t1 + t2, HIDDEN)
+    with torch.no_grad():
+        full = _y(layer(x))
+        streamed, cache = _stream(layer, x, t1, steps)
+    assert cache.position == t1 + t2
+    assert_close(streamed, full, FWD_TOL[torch.float32], f"{name} t1={t1} t2={t2} steps={steps}")
+
+
+@pytest.mark.parametrize("name", ["ovq-plateau", "kvm-fixed", "swa-20-sinks", "vq", "longvq"])
+def test_a_cache_can_be_continued_twice(name):
+    """Decoding does not mutate the cache it was given: one prefix, two continuations."""
+    layer = _perturbed(LAYERS[name]())
+    x = torch.randn(1, 70, HIDDEN)
+    with torch.no_grad():
+        _, cache = layer(x[:, :48], use_cache=True)
+        before = [t.clone() for t in cache.tensors()]
+        a, _ = layer(x[:, 48:], cache=cache)
+        b, _ = layer(x[:, 48:], cache=cache)
+    assert torch.equal(a, b)
+    assert all(torch.equal(t, u) for t, u in zip(before, cache.tensors()))
+
+
+PATTERNS = ["swa,ovq", "kvm", "full,bswa", "swa,nope", "swa,vq", "longvq"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@given(t1=st.integers(1, 80), t2=st.integers(1, 50), steps=st.lists(st.integers(1, 20), min_size=1, max_size=3))
+def test_hybrid_lm_prefill_then_decode_equals_full_forward(pattern, t1, t2, steps):
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern=pattern, window=24,
+                       chunk_size=16, bswa_chunks=2, max_centroids=20, qk_conv=2, backend="dense",
+                       mixer_options={"vq": {"codebook_size": 12}, "longvq": {"codebook_size": 12}})
+    torch.manual_seed(t1 + 100 * t2)
+    model = _perturbed(HybridLM(cfg))
+    tokens = torch.randint(0, 40, (2, t1 + t2))
+    with torch.no_grad():
+        full = model(tokens)
+        streamed, cache = _stream(model, tokens, t1, steps)
+    assert cache.position == t1 + t2
+    assert_close(streamed, full, FWD_TOL[torch.float32], f"{pattern} t1={t1} t2={t2}")
+
+
+def test_generate_greedy_matches_argmax_of_full_forward():
+    """Greedy generation through the caches picks, at every step, the argmax of a full
+    forward over everything so far (no cache involved)."""
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern="swa,ovq", window=24,
+                       chunk_size=16, max_centroids=20, backend="dense")
+    model = _perturbed(HybridLM(cfg))
+    prompt = torch.randint(0, 40, (2, 21))
+    out = model.generate(prompt, 30, temperature=0)
+    assert out.shape == (2, 51) and torch.equal(out[:, :21], prompt)
+    with torch.no_grad():
+        logits = model(out[:, :-1])
+    assert torch.equal(logits[:, 20:].argmax(-1), out[:, 21:])
+
+
+def test_generate_samples_reproducibly_within_top_k():
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="kvm", chunk_size=16,
+                       backend="dense")
+    model = _perturbed(HybridLM(cfg))
+    prompt = torch.randint(0, 40, (3, 5))
+    a = model.generate(prompt, 40, temperature=1.5, top_k=3, generator=torch.Generator().manual_seed(7))
+    b = model.generate(prompt, 40, temperature=1.5, top_k=3, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    with torch.no_grad():
+        logits = model(a[:, :-1])[:, 4:]
+    top3 = logits.topk(3, dim=-1).indices
+    assert (top3 == a[:, 5:, None]).any(-1).all(), "a sampled token outside the top 3"
+
+
+def test_generate_restores_training_mode():
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="swa", backend="dense")
+    model = HybridLM(cfg).train()
+    model.generate(torch.zeros(1, 3, dtype=torch.long), 2)
+    assert model.training
+
+
+def test_ovq_cache_stops_growing_over_20000_decoded_tokens():
+    """max_centroids 256: the dictionary is allocated once at its bound; the raw-token
+    buffer never reaches a chunk. The bound is computed here from the documented formula."""
+    B, H, D, C, N = 1, 1, 16, 32, 256
+    layer = ovqflex.OVQAttention(H * D, H, chunk_size=C, max_centroids=N, backend="dense").eval()
+    x = torch.randn(B, 20001, H * D)
+    bound = B * H * ((N + 1) * (2 * D + 1) * 4 + (C - 1) * 2 * D * 4)
+    sizes = []
+    with torch.no_grad():
+        _, cache = layer(x[:, :1], use_cache=True)
+        for i in range(1, x.shape[1]):
+            _, cache = layer(x[:, i:i + 1], cache=cache)
+            sizes.append(cache.nbytes())
+    assert isinstance(cache, OVQCache) and cache.position == 20001
+    assert max(sizes) <= bound
+    assert max(sizes[10000:]) == max(sizes[1000:10000]), "the cache kept growing after saturation"
+    live = int((cache.counts[..., :N] > 0).sum())
+    assert 240 <= live <= N, f"dictionary rows in use: {live}"
+
+
+def test_window_caches_are_bounded_and_full_attention_grows():
+    x = torch.randn(1, 300, HIDDEN)
+    swa, bswa, full = LAYERS["swa-20-sinks"](), LAYERS["bswa-2x16"](), LAYERS["full-rope-conv"]()
+    with torch.no_grad():
+        kept = {}
+        for name, layer in (("swa", swa), ("bswa", bswa), ("full", full)):
+            _, cache = layer(x[:, :10], use_cache=True)
+            n = []
+            for i in range(10, 300):
+                _, cache = layer(x[:, i:i + 1], cache=cache)
+                n.append(cache.k.shape[2])
+            kept[name] = n
+    assert max(kept["swa"]) == 19 + 2  # window - 1 tokens and 2 sinks
+    assert max(kept["bswa"]) <= 2 * 16
+    assert kept["full"][-1] == 300
+
+
+def test_vq_cache_holds_code_statistics_and_at_most_two_chunks():
+    layer = _perturbed(LAYERS["longvq"]())
+    x = torch.randn(1, 300, HIDDEN)
+    with torch.no_grad():
+        _, cache = layer(x[:, :3], use_cache=True)
+        for i in range(3, 300, 5):
+            _, cache = layer(x[:, i:i + 5], cache=cache)
+            assert cache.win_k.shape[2] <= 2 * 16 and cache.counts.shape == (1, HEADS, 12)
+            # every token is either counted in the state (once per head) or still in the window
+            assert int(cache.counts.sum()) == HEADS * (cache.position - cache.win_k.shape[2])
+
+
+def test_kvm_cache_holds_state_and_at_most_nb_chunks():
+    layer = _perturbed(LAYERS["kvm-saturation-nb3"]())
+    x = torch.randn(1, 400, HIDDEN)
+    with torch.no_grad():
+        _, cache = layer(x[:, :3], use_cache=True)
+        for i in range(3, 400, 7):
+            _, cache = layer(x[:, i:i + 7], cache=cache)
+            assert isinstance(cache, KVMCache)
+            assert cache.win_k.shape[2] <= 3 * 16
+            assert cache.state.shape[2] <= 3 * 16 and cache.rows <= 3 * 16
+
+
+def test_bad_cache_arguments_are_refused():
+    ovq, swa = LAYERS["ovq-plateau"](), LAYERS["swa-20-sinks"]()
+    x = torch.randn(1, 20, HIDDEN)
+    with torch.no_grad():
+        _, swa_cache = swa(x, use_cache=True)
+        _, ovq_cache = ovq(x, use_cache=True)
+        with pytest.raises(TypeError, match="cache for OVQAttention must be a OVQCache"):
+            ovq(x, cache=swa_cache)
+        with pytest.raises(ValueError, match="max_centroids=99 differs"):
+            ovq(x, cache=ovq_cache, max_centroids=99)
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="linear")
+    with pytest.raises(NotImplementedError, match="mixer 'linear'"):
+        HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2)
+    assert isinstance(swa_cache, PlainCache)

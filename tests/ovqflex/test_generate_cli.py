@@ -1,0 +1,62 @@
+"""``ovqflex generate``: a trained run continues a prompt through the decode caches."""
+import copy
+
+import pytest
+import torch
+
+from ovqflex.cli import main
+from ovqflex.training import TrainConfig, train
+from ovqflex.training.evaluate import load_run
+
+MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=32, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen") / "run"
+    train(TrainConfig(out=str(out), task="icr", task_options=dict(key_len=1, value_len=1), seq_len=64,
+                      batch_size=4, steps=2, warmup=1, compile=False, progress=False, model_options=dict(MODEL)))
+    return out
+
+
+def _generated(text: str) -> list[int]:
+    line = next(ln for ln in text.splitlines() if ln.startswith("generated:"))
+    return [int(v) for v in line.split(":", 1)[1].strip().split(",")]
+
+
+def test_generate_greedy_continues_like_the_model(run_dir, capsys):
+    assert main(["generate", str(run_dir), "--tokens", "3,0,5,7,1,2", "--max-new-tokens", "20",
+                 "--temperature", "0"]) == 0
+    new = _generated(capsys.readouterr().out)
+    _, _, model, _ = load_run(run_dir)
+    prompt = torch.tensor([[3, 0, 5, 7, 1, 2]])
+    assert new == model.generate(prompt, 20, temperature=0)[0, 6:].tolist()
+
+
+def test_generate_int8_runs_and_refuses_bad_prompts(run_dir, capsys):
+    assert main(["generate", str(run_dir), "--tokens", "1,2,3", "--max-new-tokens", "5", "--quantize", "int8",
+                 "--top-k", "4", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "quantize int8" in out and len(_generated(out)) == 5
+    assert main(["generate", str(run_dir), "--prompt", "hello"]) == 2  # ICR vocab is below 256
+    assert "--prompt encodes UTF-8 bytes" in capsys.readouterr().err
+    assert main(["generate", str(run_dir), "--tokens", "1,99999"]) == 2
+    assert "--tokens must be non-empty ids" in capsys.readouterr().err
+    assert main(["generate", str(run_dir)]) == 2
+    assert "exactly one of --prompt" in capsys.readouterr().err
+
+
+def test_int8_model_agrees_with_fp32_within_stated_tolerance(run_dir):
+    """The tolerance stated in ovqflex.quantize: about 1e-2 relative error on the logits."""
+    from ovqflex.quantize import quantize_model
+    from tests.helpers import rel_err
+
+    _, _, model, _ = load_run(run_dir)
+    q = quantize_model(copy.deepcopy(model), "int8")
+    assert any("Int8" in type(m.weight).__name__ for m in q.modules() if isinstance(m, torch.nn.Linear))
+    tokens = torch.randint(0, model.config.vocab_size, (2, 96))
+    with torch.no_grad():
+        err = rel_err(q(tokens), model(tokens))
+    assert 0 < err <= 2e-2, f"int8 logits relative error {err:.2e}"
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        quantize_model(model, "int4")

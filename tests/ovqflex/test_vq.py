@@ -1,0 +1,215 @@
+"""VQ-attention: linear form (one attention program) == quadratic form (SPEC §4.4, §9.5)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+import ovqflex
+from recurrences.reference import vq_attention_reference
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+
+
+@st.composite
+def vq_cases(draw):
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    D = draw(st.sampled_from([16, 32]))
+    C = draw(st.sampled_from([16, 32, 64]))
+    T = draw(st.one_of(st.integers(1, 2 * C), st.integers(2 * C, 512)))
+    N = draw(st.sampled_from([1, 3, 16, 64]))
+    kw = dict(chunk_size=C, estimator=draw(st.sampled_from(["ste", "diveq"])))
+    return B, H, D, T, N, kw, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+def inputs(B, H, D, T, N, seed, requires_grad=True, on_codes=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    codebook = torch.randn(H, N, D, generator=g)
+    if on_codes:  # every key exactly a (unit) code: tokens of one code share the normalize Jacobian
+        idx = torch.randint(0, N, (B, H, T), generator=g)
+        k = F.normalize(codebook, dim=-1)[torch.arange(H).view(1, H, 1), idx]
+    beta = D**0.5 * (0.5 + torch.rand(H, generator=g))
+    local = torch.randn(H, generator=g)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v, codebook, beta, local)]
+
+
+def _case_id(case):
+    B, H, D, T, N, kw, local, _ = case
+    return f"B{B}H{H}D{D}T{T}N{N}C{kw['chunk_size']}-{kw['estimator']}{'-local' if local else ''}"
+
+
+@settings(max_examples=100)
+@given(vq_cases())
+def test_linear_form_equals_quadratic_form(case):
+    """Forward (<= 1e-5) and the gradients of q, v, beta, local bias and (DiVeQ) codebook
+    (<= 1e-4) equal the quadratic form; keys that no query reads through the state (the last
+    two chunks) get their exact key gradient."""
+    B, H, D, T, N, kw, local, seed = case
+    q, k, v, cb, beta, lb = inputs(B, H, D, T, N, seed)
+    lb = lb if local else None
+    out, aux = ovqflex.vq_attention(q, k, v, cb, beta, local_bias=lb, backend="blocked", **kw)
+    ref = vq_attention_reference(q, k, v, cb, beta, local_bias=lb, **kw)
+    assert torch.equal(aux["codes"], ref.codes), f"{_case_id(case)}: code assignments differ"
+    assert_close(out, ref.out, FWD_TOL[torch.float32], f"{_case_id(case)} forward")
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    names, wrt = ["q", "k", "v", "beta"], [q, k, v, beta]
+    if local:
+        names, wrt = names + ["local_bias"], wrt + [lb]
+    if kw["estimator"] == "diveq":
+        names, wrt = names + ["codebook"], wrt + [cb]
+    grads = dict(zip(names, torch.autograd.grad((out * w).sum(), wrt)))
+    ref_grads = dict(zip(names, torch.autograd.grad((ref.out * w).sum(), wrt)))
+    for name in names:
+        if name in ("k", "codebook"):
+            continue
+        assert_close(grads[name], ref_grads[name], GRAD_TOL[torch.float32], f"{_case_id(case)} d{name}", floor=0.1)
+    C = kw["chunk_size"]
+    never_in_state = max(0, (-(-T // C) - 2) * C)  # tokens of the last two chunks
+    assert_close(grads["k"][:, :, never_in_state:], ref_grads["k"][:, :, never_in_state:],
+                 GRAD_TOL[torch.float32], f"{_case_id(case)} dk (window-only tokens)", floor=0.1)
+    if kw["estimator"] == "diveq" and T <= 2 * C:  # no state: codebook gradient exact too
+        assert_close(grads["codebook"], ref_grads["codebook"], GRAD_TOL[torch.float32], "dcodebook", floor=0.1)
+
+
+@pytest.mark.parametrize("T, C, N", [(300, 32, 8), (512, 64, 16), (200, 16, 3)], ids=["T300C32N8", "T512C64N16",
+                                                                                      "T200C16N3"])
+def test_key_gradient_per_code_sums_equal_quadratic_form(T, C, N):
+    """Straight-through key gradients: a token read through the state gets its code's mean
+    gradient, so per-code sums of dk equal the quadratic form's (keys on codes, so all tokens
+    of a code share the normalization Jacobian), while per-token gradients do differ."""
+    q, k, v, cb, beta, lb = inputs(2, 2, 16, T, N, seed=T, on_codes=True)
+    out, aux = ovqflex.vq_attention(q, k, v, cb, beta, chunk_size=C, local_bias=lb, backend="blocked")
+    ref = vq_attention_reference(q, k, v, cb, beta, chunk_size=C, local_bias=lb)
+    assert torch.equal(aux["codes"], ref.codes)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    dk = torch.autograd.grad((out * w).sum(), k)[0]
+    dk_ref = torch.autograd.grad((ref.out * w).sum(), k)[0]
+    onehot = F.one_hot(ref.codes, N).to(dk.dtype)
+    per_code = torch.einsum("bhtn,bhtd->bhnd", onehot, dk)
+    per_code_ref = torch.einsum("bhtn,bhtd->bhnd", onehot, dk_ref)
+    assert_close(per_code, per_code_ref, GRAD_TOL[torch.float32], "per-code sums of dk")
+    assert dk.abs().sum() > 0
+    assert (dk - dk_ref).abs().max() > 1e-3, "per-token dk would be exact: update the documented gradient rule"
+
+
+@pytest.mark.parametrize("T, C, N, local", [(300, 32, 8, True), (256, 64, 64, False), (100, 16, 5, True)],
+                         ids=["T300-local", "T256", "T100-local"])
+def test_flex_and_dense_forward_equal_quadratic_form(T, C, N, local):
+    q, k, v, cb, beta, lb = inputs(1, 2, 32, T, N, seed=T, requires_grad=False)
+    lb = lb if local else None
+    ref = vq_attention_reference(q, k, v, cb, beta, chunk_size=C, local_bias=lb).out
+    with torch.no_grad():
+        for backend in ("flex", "dense"):
+            out, _ = ovqflex.vq_attention(q, k, v, cb, beta, chunk_size=C, local_bias=lb, backend=backend)
+            assert_close(out, ref, FWD_TOL[torch.float32], backend)
+
+
+def test_causality_padding_batch_independence_and_determinism():
+    q, k, v, cb, beta, lb = inputs(2, 2, 16, 150, 8, seed=3)
+    kw = dict(chunk_size=32, local_bias=lb, backend="blocked")
+    out, _ = ovqflex.vq_attention(q, k, v, cb, beta, **kw)
+    for i in (0, 31, 64, 100, 149):
+        gq, gk, gv = torch.autograd.grad(out[:, :, i].sum(), (q, k, v), retain_graph=True)
+        for g in (gq, gk, gv):
+            assert g[:, :, i + 1:].abs().sum() == 0
+        assert gv[:, :, : i + 1].abs().sum() > 0
+    with torch.no_grad():
+        again, _ = ovqflex.vq_attention(q, k, v, cb, beta, **kw)
+        assert torch.equal(out, again), "not deterministic"
+        prefix, _ = ovqflex.vq_attention(q[:, :, :90], k[:, :, :90], v[:, :, :90], cb, beta, **kw)
+        assert_close(prefix, out[:, :, :90], FWD_TOL[torch.float32], "prefix / padding")
+        alone, _ = ovqflex.vq_attention(q[1:], k[1:], v[1:], cb, beta, **kw)
+        assert_close(alone, out[1:], FWD_TOL[torch.float32], "batch independence")
+
+
+def test_op_aux_metrics_and_commitment_gradient():
+    q, k, v, cb, beta, _ = inputs(1, 2, 16, 64, 4, seed=5)
+    out, aux = ovqflex.vq_attention(q, k, v, cb, beta, chunk_size=16, backend="blocked")
+    assert set(aux) == {"codes", "commitment", "usage", "perplexity", "unused_codes", "rel_quant_error"}
+    assert 0 < aux["usage"] <= 1 and 1 <= aux["perplexity"] <= 4
+    assert torch.allclose(aux["commitment"], aux["rel_quant_error"])  # unit keys: same quantity
+    dk, dcb = torch.autograd.grad(aux["commitment"], (k, cb), allow_unused=True)
+    assert dk.abs().sum() > 0 and dcb is None  # commits keys to codes, never moves the codebook
+
+
+def test_layer_ema_mode_updates_codebook_in_train_only_and_returns_aux():
+    torch.manual_seed(0)
+    layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, backend="blocked")
+    assert torch.allclose(layer.beta, torch.full((2,), 4.0))
+    assert "codebook" in dict(layer.named_buffers(prefix="")) or "quantizer.codebook" in dict(layer.named_buffers())
+    x = torch.randn(2, 64, 32)
+    before = layer.quantizer.codebook.clone()
+    y, aux = layer(x)
+    assert y.shape == x.shape
+    assert {"loss", "commitment", "usage", "perplexity", "unused_codes", "dead_codes", "rel_quant_error"} <= set(aux)
+    assert aux["loss"].requires_grad and not aux["usage"].requires_grad
+    assert not torch.allclose(layer.quantizer.codebook, before), "training forward must update the codebook"
+    assert torch.allclose(layer.quantizer.codebook.norm(dim=-1), torch.ones(2, 8), atol=1e-5)
+    layer.eval()
+    frozen = layer.quantizer.codebook.clone()
+    layer(x)
+    assert torch.equal(layer.quantizer.codebook, frozen), "eval forward must not touch the codebook"
+
+
+def test_layer_diveq_trains_codebook_by_gradient():
+    torch.manual_seed(0)
+    layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq", backend="blocked")
+    assert isinstance(layer.quantizer.codebook, torch.nn.Parameter)
+    y, aux = layer(torch.randn(2, 64, 32))
+    y.square().mean().backward()
+    assert layer.quantizer.codebook.grad is not None and layer.quantizer.codebook.grad.abs().sum() > 0
+    assert layer.quantizer.idle_steps.max() <= 1  # one step: idle codes count 1, used ones 0
+
+
+@pytest.mark.parametrize("estimator", ["ste", "diveq"])
+def test_layer_compiles_fullgraph_without_recompile(estimator):
+    """The EMA/no-use-penalty buffer updates run inside the compiled graph."""
+    counters.clear()
+    torch.manual_seed(0)
+    layer = ovqflex.VQAttention(32, 2, chunk_size=32, codebook_size=16, estimator=estimator, local_bias=True,
+                                backend="blocked")
+    compiled = torch.compile(layer, fullgraph=True)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    for step in range(3):
+        before = layer.quantizer.codebook.detach().clone()
+        y, aux = compiled(torch.randn(2, 128, 32))
+        (y.square().mean() + aux["loss"]).backward()
+        opt.step()
+        opt.zero_grad()
+        assert not torch.equal(layer.quantizer.codebook.detach(), before)
+        if step == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
+
+
+def test_hybrid_model_adds_vq_aux_loss():
+    from ovqflex.models import HybridConfig, HybridLM
+
+    torch.manual_seed(0)
+    cfg = HybridConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, pattern="swa,vq", window=16, chunk_size=16,
+                       block_size=16, backend="blocked", mixer_options={"vq": {"codebook_size": 8,
+                                                                               "commitment_weight": 0.5}})
+    model = HybridLM(cfg)
+    tokens = torch.randint(0, 64, (2, 40))
+    logits, aux = model(tokens, return_aux=True)
+    assert logits.shape == (2, 40, 64) and aux.dim() == 0 and aux > 0
+    k_weight = model.blocks[1].mixer.qkv_proj.weight
+    g = torch.autograd.grad(aux, k_weight)[0]
+    assert g[32:64].abs().sum() > 0 and g[:32].abs().sum() == 0  # commitment reaches k only
+    assert torch.equal(model.eval()(tokens), model(tokens, return_aux=True)[0])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(codebook=torch.randn(3, 4, 16)), "codebook"), (dict(codebook=torch.randn(2, 4, 8)), "codebook"),
+    (dict(beta=torch.ones(3)), "beta"), (dict(chunk_size=20), "chunk_size"), (dict(estimator="gumbel"), "estimator"),
+    (dict(local_bias=torch.ones(1)), "local_bias"), (dict(code_bias=torch.ones(2, 3)), "code_bias"),
+], ids=["codebook-H", "codebook-D", "beta", "chunk", "estimator", "local_bias", "code_bias"])
+def test_bad_arguments(kw, match):
+    q, k, v, cb, beta, _ = inputs(1, 2, 16, 40, 4, seed=0, requires_grad=False)
+    args = dict(codebook=cb, beta=beta) | kw
+    with pytest.raises((ValueError, TypeError), match=match):
+        ovqflex.vq_attention(q, k, v, args.pop("codebook"), args.pop("beta"), **args)
+    with pytest.raises(ValueError, match="codebook_size"):
+        ovqflex.VQAttention(32, 2, codebook_size=0)
