@@ -212,3 +212,31 @@ def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPla
                                                                    rows_of * live[..., None])
     seen = torch.zeros(B, H, plan.rows + 1, dtype=torch.long, device=r.device).scatter_add(2, slot, live.long())
     return state[:, :, :plan.rows], seen[:, :, :plan.rows]
+
+
+@dataclass
+class VersionedMeans:
+    """Running-mean rows of a versioned layout (OVQ dictionaries, VQ codebook state): keys
+    ``[B, H, S, D]``, values ``[B, H, S, Dv]``, counts ``[B, H, S]`` fp32, born/dies ``[B, H, S]``
+    int32 (row ``r`` is live for chunk ``c`` iff ``born <= c < dies``), checkpoints first."""
+
+    keys: Tensor
+    values: Tensor
+    counts: Tensor
+    born: Tensor
+    dies: Tensor
+    plan: VersionPlan
+
+    def bias(self) -> Tensor:
+        """``log(count)`` of live rows, ``-inf`` for rows no chunk sees."""
+        return torch.where(self.dies > self.born, self.counts.clamp_min(1.0).log(), float("-inf"))
+
+
+def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> VersionedMeans:
+    """Means of the keys and values routed to each slot, laid out as :func:`versioned_sums`."""
+    vs = versioned_sums([k, v], routes, plan)
+    counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
+    ks = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
+    vv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
+    denom = counts.clamp_min(1.0)[..., None]
+    return VersionedMeans(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), counts, vs.born, vs.dies, plan)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..segments import segment_snapshot_sums
-from ..versioned import VersionPlan, versioned_sums
+from ..versioned import VersionedMeans, VersionPlan, versioned_means
 
 
 @dataclass
@@ -50,37 +50,14 @@ def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk: int, siz
     return OVQSnapshots(keys, values, counts, live)
 
 
-@dataclass
-class OVQVersioned:
-    """The versioned layout (SPEC §5) of the same dictionaries: ``S = plan.state_rows`` rows,
-    checkpoints then one version row per token (:mod:`recurrences.versioned`).
-
-    keys ``[B, H, S, D]``, values ``[B, H, S, Dv]`` (running means), counts ``[B, H, S]`` fp32,
-    born/dies ``[B, H, S]`` int32 (row ``r`` is live for chunk ``c`` iff ``born <= c < dies``).
-    """
-
-    keys: Tensor
-    values: Tensor
-    counts: Tensor
-    born: Tensor
-    dies: Tensor
-    plan: VersionPlan
-
-    def bias(self) -> Tensor:
-        """``log(count)`` of live rows, ``-inf`` for rows no chunk sees."""
-        return torch.where(self.dies > self.born, self.counts.clamp_min(1.0).log(), float("-inf"))
+OVQVersioned = VersionedMeans  # the versioned layout of the same dictionaries (SPEC §5)
 
 
 def build_ovq_versioned(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan,
-                        normalize_centroids: bool = False) -> OVQVersioned:
+                        normalize_centroids: bool = False) -> VersionedMeans:
     """Versioned rows of the OVQ dictionaries (``plan.lag = 1``): the same running means as
-    :func:`build_ovq_snapshots`, per checkpoint and per version row."""
-    vs = versioned_sums([k, v], routes, plan)
-    counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
-    ks = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
-    vv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
-    denom = counts.clamp_min(1.0)[..., None]
-    keys, values = ks / denom.to(ks.dtype), vv / denom.to(vv.dtype)
+    :func:`build_ovq_snapshots`, per checkpoint and per version row (:mod:`recurrences.versioned`)."""
+    ver = versioned_means(k, v, routes, plan)
     if normalize_centroids:
-        keys = F.normalize(keys, dim=-1)
-    return OVQVersioned(keys, values, counts, vs.born, vs.dies, plan)
+        ver.keys = F.normalize(ver.keys, dim=-1)
+    return ver

@@ -1,4 +1,5 @@
-"""Snapshot layout == versioned layout (SPEC §5, §9.5): outputs and gradients, every method and schedule."""
+"""Snapshot layout == versioned layout (SPEC §5, §9.5): outputs and gradients, every method (OVQ, KVM,
+VQ) and schedule, on the blocked and dense backends (flex: forward)."""
 import pytest
 import torch
 from hypothesis import event, given
@@ -12,6 +13,7 @@ from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 from tests.ovqflex.test_kvm import BUDGETS
 from tests.ovqflex.test_kvm import inputs as kvm_inputs
 from tests.ovqflex.test_ovq import inputs as ovq_inputs
+from tests.ovqflex.test_vq import inputs as vq_inputs
 
 
 def state_rows(program):
@@ -58,6 +60,21 @@ def test_ovq_versioned_equals_snapshot(case):
     compare_layouts(run, (q, k, v, beta), seed, backends=("blocked", "dense"))
 
 
+@pytest.mark.parametrize("growth, seeding, normalize", [("plateau", "spread", False), ("linear", "random", True),
+                                                       ("full", "spread", True)],
+                         ids=["plateau-spread", "linear-random-normalized", "full-spread-normalized"])
+def test_ovq_every_growth_long_enough_to_checkpoint(growth, seeding, normalize):
+    """Each growth schedule once with many chunks, several checkpoints and re-versioned slots."""
+    q, k, v, beta = ovq_inputs(2, 2, 16, 32 * 22 + 5, seed=9)
+    kw = dict(chunk_size=32, max_centroids=90, growth=growth, growth_horizon=512 if growth == "linear" else None,
+              seeding=seeding, normalize_centroids=normalize, checkpoint_every=3, block_size=64)
+
+    def run(layout, backend):
+        return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **kw)
+
+    compare_layouts(run, (q, k, v, beta), seed=9)
+
+
 @st.composite
 def kvm_cases(draw):
     B, H = draw(st.integers(1, 2)), draw(st.integers(1, 2))
@@ -79,6 +96,29 @@ def test_kvm_versioned_equals_snapshot(case):
     def run(layout, backend):
         return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **params, **kw)
 
+    compare_layouts(run, leaves, seed, backends=("blocked", "dense"))
+
+
+@st.composite
+def vq_cases(draw):
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    D, C = 16, draw(st.sampled_from([16, 32]))
+    T = draw(st.integers(1, 520))
+    kw = dict(chunk_size=C, estimator=draw(st.sampled_from(["ste", "diveq"])),
+              checkpoint_every=draw(st.sampled_from([None, 1, 2, 5])), block_size=draw(st.sampled_from([16, 32, 64])))
+    return B, H, D, T, draw(st.sampled_from([1, 3, 16, 64])), kw, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+@given(vq_cases())
+def test_vq_versioned_equals_snapshot(case):
+    B, H, D, T, N, kw, local, seed = case
+    q, k, v, cb, beta, lb = vq_inputs(B, H, D, T, N, seed)
+    lb = lb if local else None
+
+    def run(layout, backend):
+        return ovqflex.vq_attention(q, k, v, cb, beta, local_bias=lb, backend=backend, state_layout=layout, **kw)[0]
+
+    leaves = (q, k, v, beta, cb) + ((lb,) if local else ())
     compare_layouts(run, leaves, seed, backends=("blocked", "dense"))
 
 
@@ -180,10 +220,13 @@ def test_kvm_layer_versioned_equals_snapshot():
     (lambda: ovqflex.OVQAttention(32, 2, state_layout="versioned-ish"), "state_layout"),
     (lambda: ovqflex.OVQAttention(32, 2, checkpoint_every=1.5), "checkpoint_every"),
     (lambda: ovqflex.KVMAttention(32, 2, state_layout=None), "state_layout"),
+    (lambda: ovqflex.VQAttention(32, 2, state_layout="chunked"), "state_layout"),
+    (lambda: ovqflex.vq_attention(*vq_inputs(1, 1, 16, 40, 4, 0, False)[:5], checkpoint_every=-2), "checkpoint_every"),
     (lambda: ovqflex.kvm_attention(*kvm_inputs(1, 1, 16, 40, 0, requires_grad=False)[:3],
                                    **kvm_inputs(1, 1, 16, 40, 0, requires_grad=False)[3], state_layout="snapshots"),
      "state_layout"),
-], ids=["ovq-op-layout", "ovq-op-every", "ovq-layer-layout", "ovq-layer-every", "kvm-layer-layout", "kvm-op-layout"])
+], ids=["ovq-op-layout", "ovq-op-every", "ovq-layer-layout", "ovq-layer-every", "kvm-layer-layout", "vq-layer-layout",
+        "vq-op-every", "kvm-op-layout"])
 def test_bad_state_layout_raises(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
