@@ -12,6 +12,9 @@ inside them a row is visible only while ``born[b, h, r] <= c < dies[b, h, r]`` â
 predicate read from captured int32 ``[B, H, S]`` tensors, so these regions are not ``exact``:
 their blocks are always partial (the ``mask_mod`` decides). The queries of padding chunks read
 the last chunk's state, as :class:`~masks.regions.StateBank` does.
+
+Viewers: ``contains`` without ``b, h`` draws batch 0, head 0; statistics computed from the
+interval bounds alone (``masks.viz.stats``) count every candidate row, live or not.
 """
 from __future__ import annotations
 
