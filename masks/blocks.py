@@ -137,6 +137,7 @@ def build_block_layout(
     q_first = torch.arange(geom.n_q_blocks, device=dev, dtype=torch.int32) * bq
     q_last = q_first + (bq - 1)
     cands, valids, fulls = [], [], []
+    full_width = 0  # full blocks come only from exact regions: their lists need no wider
     for region, p in zip(regions, params):
         lo_first, hi_first = region.bounds(p, q_first)
         lo_last, hi_last = region.bounds(p, q_last)
@@ -149,6 +150,10 @@ def build_block_layout(
         cand = blo[:, None] + torch.arange(width, device=dev)
         valid = (cand < bhi[:, None]) & (cand < nkv)
         full = valid & (cand >= flo[:, None]) & (cand < fhi[:, None])
+        if region.exact:
+            full_width += width
+        else:  # rows inside the interval may be masked: every block is partial
+            full = torch.zeros_like(full)
         cands.append(cand)
         valids.append(valid)
         fulls.append(full)
@@ -164,7 +169,7 @@ def build_block_layout(
     is_full = (key % 2) == 0
     out_w = min(cand.shape[-1], nkv)
     kv_num, kv_idx = _compact(blk, keep & ~is_full, out_w, big)
-    full_num, full_idx = _compact(blk, keep & is_full, out_w, big)
+    full_num, full_idx = _compact(blk, keep & is_full, max(1, min(full_width, nkv)), big)
     return BlockLayout(geom, kv_num, kv_idx, full_num, full_idx)
 
 

@@ -52,9 +52,9 @@ class AttentionProgram:
             regions, params = self.regions, self.params
 
             def mask_mod(b, h, q_idx, kv_idx):
-                visible = regions[0].contains(params[0], q_idx, kv_idx)
+                visible = regions[0].contains(params[0], q_idx, kv_idx, b, h)
                 for region, p in zip(regions[1:], params[1:]):
-                    visible = visible | region.contains(p, q_idx, kv_idx)
+                    visible = visible | region.contains(p, q_idx, kv_idx, b, h)
                 return visible
 
             self._mask_mod = mask_mod

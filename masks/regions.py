@@ -64,9 +64,14 @@ class Region:
     ``params`` (int32 tensors captured by the mask_mod), ``bounds`` and
     ``max_span`` (an upper bound, in rows, of ``hi(qe-1) - lo(qs)`` over one
     query block, from which the static width of the block lists follows).
+
+    ``exact``: every row of ``[lo, hi)`` is visible. A region with a per-row predicate
+    inside its interval (the versioned state layout, :mod:`masks.versioned`) sets it
+    False and overrides ``contains``: its blocks are then never listed as full.
     """
 
     name: ClassVar[str] = "region"
+    exact: ClassVar[bool] = True
 
     def params(self, geom: Geometry, device: torch.device) -> tuple[Tensor, ...]:
         raise NotImplementedError
@@ -78,7 +83,10 @@ class Region:
     def max_span(self, geom: Geometry) -> int:
         raise NotImplementedError
 
-    def contains(self, p: tuple[Tensor, ...], q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    def contains(self, p: tuple[Tensor, ...], q_idx: Tensor, kv_idx: Tensor, b: Tensor | None = None,
+                 h: Tensor | None = None) -> Tensor:
+        """Whether query ``q_idx`` sees kv row ``kv_idx`` (broadcast); ``b, h`` (batch, head
+        index tensors of the ``mask_mod``) matter only to regions with per-row predicates."""
         lo, hi = self.bounds(p, q_idx)
         return (kv_idx >= lo) & (kv_idx < hi)
 

@@ -14,27 +14,33 @@ from torch import Tensor
 
 
 def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, rows: int,
-                          lag: int = 1) -> tuple[Tensor, Tensor]:
+                          lag: int = 1, every: int = 1) -> tuple[Tensor, Tensor]:
     """Per-chunk prefix sums of ``x`` by slot.
 
     x ``[B, H, T, D]``, routes ``[B, H, T]`` (-1 or >= rows: ignored). A token of chunk
     ``ct`` is in the snapshot of every chunk ``c >= ct + lag`` (OVQ: ``lag=1``, the chunk
-    after it; KVM: ``lag = n_bswa_chunks``, once it has left the window).
-    Returns sums ``[B, H, n_chunks, rows, D]`` and token counts ``[B, H, n_chunks, rows]`` fp32.
+    after it; KVM: ``lag = n_bswa_chunks``, once it has left the window); tokens that would
+    enter at ``ct + lag >= n_chunks`` are in no snapshot.
+    Returns sums ``[B, H, n_out, rows, D]`` and token counts ``[B, H, n_out, rows]`` fp32 of the
+    snapshots of chunks ``0, every, 2 every, ...`` (``n_out = ceil(n_chunks / every)``; ``every > 1``:
+    the checkpoints of the versioned layout, :mod:`recurrences.versioned`).
     """
     if x.shape[2] % chunk:  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
         pad = chunk - x.shape[2] % chunk
         x, routes = F.pad(x, (0, 0, 0, pad)), F.pad(routes, (0, pad), value=-1)
     B, H, T, D = x.shape
     slot = torch.where((routes >= 0) & (routes < rows), routes, rows)  # spare slot `rows` drops a token
-    # token of chunk ct is added at chunk ct + lag (clamped into a spare chunk n_chunks), then cumsum
-    tok_chunk = torch.clamp(torch.arange(T, device=x.device) // chunk + lag, max=n_chunks)
-    n_cells = (n_chunks + 1) * (rows + 1)
+    # token of chunk ct enters at chunk e = ct + lag, i.e. output ceil(e / every) onwards (clamped into a
+    # spare output n_out; e >= n_chunks lands there too), then cumsum over outputs
+    n_out = -(-n_chunks // every)
+    entry = torch.arange(T, device=x.device) // chunk + lag
+    tok_chunk = torch.clamp((entry + every - 1) // every, max=n_out)
+    n_cells = (n_out + 1) * (rows + 1)
     bh = torch.arange(B * H, device=x.device).view(B, H, 1) * n_cells
     cell = (bh + tok_chunk.view(1, 1, T) * (rows + 1) + slot).reshape(-1)  # [B*H*T] global cell
     sums = x.new_zeros(B * H * n_cells, D).index_add(0, cell, x.reshape(B * H * T, D)).view(B, H, n_cells, D)
     counts = torch.zeros(B * H * n_cells, device=x.device).index_add(
         0, cell, torch.ones(B * H * T, device=x.device)).view(B, H, n_cells)
-    sums = sums.view(B, H, n_chunks + 1, rows + 1, D)[:, :, :n_chunks, :rows].cumsum(2)
-    counts = counts.view(B, H, n_chunks + 1, rows + 1)[:, :, :n_chunks, :rows].cumsum(2)
+    sums = sums.view(B, H, n_out + 1, rows + 1, D)[:, :, :n_out, :rows].cumsum(2)
+    counts = counts.view(B, H, n_out + 1, rows + 1)[:, :, :n_out, :rows].cumsum(2)
     return sums, counts

@@ -404,6 +404,56 @@ def recurrent(sc: dict, device: str) -> list[dict]:
 KINDS["recurrent"] = recurrent
 
 
+def state_layout(sc: dict, device: str) -> list[dict]:
+    """OVQ op under each state layout (SPEC §5): state rows, forward and forward+backward time and
+    peak memory at each ``seq_len`` of ``seq_lens``; the runner fits the log-log slope of each case.
+
+    Keys: ``seq_lens``, ``max_centroids`` (2048), ``heads`` (2), ``head_dim`` (64), ``chunk_size`` (128),
+    ``growth`` (plateau), ``layouts`` (["snapshot", "versioned"]), ``checkpoint_every`` (0: the default),
+    ``backend`` (blocked), ``backward`` (true), ``repeats`` (2). ``x_time_vs_snapshot`` is the
+    time ratio to the snapshot layout's same case (> 1: slower).
+    """
+    from ..ops.ovq import ovq_attention, ovq_program
+
+    dev = torch.device(device)
+    H, D = int(sc.get("heads", 2)), int(sc.get("head_dim", 64))
+    L, N = int(sc.get("chunk_size", 128)), int(sc.get("max_centroids", 2048))
+    every = int(sc.get("checkpoint_every", 0)) or None
+    backend, repeats = sc.get("backend", "blocked"), int(sc.get("repeats", 2))
+    options = dict(chunk_size=L, max_centroids=N, growth=sc.get("growth", "plateau"), checkpoint_every=every)
+    rows: list[dict] = []
+    for T in sc["seq_lens"]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))
+        beta = torch.full((H,), D**0.5, device=dev)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, beta)]
+        base: dict[str, float] = {}
+        for layout in sc.get("layouts", ["snapshot", "versioned"]):
+            with torch.no_grad():
+                n_state = ovq_program(q, k, v, beta, state_layout=layout, **options)[0].geom.n_state
+
+            def fwd(layout=layout):
+                with torch.no_grad():
+                    return ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **options)
+
+            def fwd_bwd(layout=layout):
+                ovq_attention(*leaves, backend=backend, state_layout=layout, **options).sum().backward()
+                for x in leaves:
+                    x.grad = None
+
+            cases = [("fwd", fwd)] + ([("fwd+bwd", fwd_bwd)] if sc.get("backward", True) else [])
+            for what, fn in cases:
+                m = measure(fn, device=dev, repeats=repeats)
+                base.setdefault(what, m.seconds) if layout == "snapshot" else None
+                rows.append({"T": T, "case": f"{layout} {backend} {what}", "state_rows": n_state,
+                             "state_rows_per_T": n_state / T, "time_s": m.seconds, "peak_mb": m.peak_mb,
+                             "x_time_vs_snapshot": m.seconds / base[what] if what in base else None})
+    return rows
+
+
+KINDS["state_layout"] = state_layout
+
+
 def _decode_layer(case: dict, hidden: int, heads: int):
     from ..layers import CausalAttention, KVMAttention, OVQAttention, SlidingWindowAttention
 

@@ -32,6 +32,8 @@ class KVMAttention(MultiHeadProjection):
     ``round_down``, ``saturation_n``, ``max_state_chunks``) are those of
     :func:`ovqflex.kvm_attention`; none is a parameter, so they may be changed at test time
     (``layer.max_state_chunks = None``, or ``HybridLM.set_overrides(max_state_chunks=...)``).
+    ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the state is
+    laid out as kv rows (SPEC §5); same outputs.
     """
 
     supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
@@ -42,9 +44,11 @@ class KVMAttention(MultiHeadProjection):
                  growth_factor: float = 16.0, growth_exponent: float = 0.5, round_down: int = 1,
                  saturation_n: int = 1024, max_state_chunks: int | None = 1, use_gate: bool = True,
                  use_vlens: bool = True, use_temperatures: bool = True, qk_conv: int = 0, backend: str = "auto",
-                 block_size: int = DEFAULT_BLOCK):
+                 state_layout: str = "auto", checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
-        rope_dims = check_kvm_options(self.head_dim, chunk_size, n_bswa_chunks, sink_len, rope_dims)
+        rope_dims = check_kvm_options(self.head_dim, chunk_size, n_bswa_chunks, sink_len, rope_dims, state_layout,
+                                      checkpoint_every)
+        self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         D = self.head_dim
         KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n, max_state_chunks)
         self.budget, self.state_min_len, self.max_state_chunks = budget, state_min_len, max_state_chunks
@@ -75,7 +79,8 @@ class KVMAttention(MultiHeadProjection):
                        state_min_len=self.state_min_len, growth_factor=self.growth_factor,
                        growth_exponent=self.growth_exponent, round_down=self.round_down,
                        saturation_n=self.saturation_n, max_state_chunks=self.max_state_chunks,
-                       use_vlens=self.use_vlens, ln_eps=self.ln_s.eps, block_size=self.block_size)
+                       use_vlens=self.use_vlens, ln_eps=self.ln_s.eps, state_layout=self.state_layout,
+                       checkpoint_every=self.checkpoint_every, block_size=self.block_size)
         return q, k, v, options, tail
 
     def program(self, x: Tensor) -> AttentionProgram:

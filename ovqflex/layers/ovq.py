@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.checks import check_choice, check_chunk, check_int
 from recurrences.ovq import GROWTHS, SEEDINGS
+from recurrences.versioned import STATE_LAYOUTS
 
 from ..cache.base import check_cache
 from ..cache.ovq import OVQCache, OVQDecodeOptions, ovq_decode, ovq_prefill
@@ -24,6 +25,9 @@ class OVQAttention(MultiHeadProjection):
     ``max_centroids`` is the training dictionary cap; it may be raised at inference
     (the paper trains N=2k and tests up to 20k) by setting ``layer.max_centroids`` or
     passing ``forward(x, max_centroids=...)`` — no parameter depends on it.
+
+    ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the
+    dictionaries are laid out as kv rows (:func:`ovqflex.ovq_attention`, SPEC §5); same outputs.
     """
 
     supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
@@ -31,9 +35,14 @@ class OVQAttention(MultiHeadProjection):
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  max_centroids: int = 2048, growth: str = "plateau", growth_horizon: int | None = None,
                  seeding: str = "spread", seed: int = 0, normalize_centroids: bool = False,
-                 qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
+                 qk_conv: int = 0, backend: str = "auto", state_layout: str = "auto",
+                 checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         check_chunk("chunk_size", chunk_size)
+        check_choice("state_layout", state_layout, STATE_LAYOUTS)
+        if checkpoint_every is not None:
+            check_int("checkpoint_every", checkpoint_every)
+        self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         check_int("max_centroids", max_centroids)
         check_choice("growth", growth, GROWTHS)
         check_choice("seeding", seeding, SEEDINGS)
@@ -46,7 +55,8 @@ class OVQAttention(MultiHeadProjection):
         return dict(chunk_size=self.chunk_size,
                     max_centroids=self.max_centroids if max_centroids is None else max_centroids,
                     growth=self.growth, growth_horizon=self.growth_horizon, seeding=self.seeding,
-                    seed=self.seed, normalize_centroids=self.normalize_centroids, block_size=self.block_size)
+                    seed=self.seed, normalize_centroids=self.normalize_centroids, state_layout=self.state_layout,
+                    checkpoint_every=self.checkpoint_every, block_size=self.block_size)
 
     def program(self, x: Tensor, *, max_centroids: int | None = None) -> AttentionProgram:
         """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
@@ -81,4 +91,4 @@ class OVQAttention(MultiHeadProjection):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"chunk_size={self.chunk_size}, max_centroids={self.max_centroids}, growth={self.growth!r}, "
-                f"seeding={self.seeding!r}, backend={self.backend!r}")
+                f"seeding={self.seeding!r}, state_layout={self.state_layout!r}, backend={self.backend!r}")

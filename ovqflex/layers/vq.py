@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.checks import check_choice, check_chunk, check_int, check_number
+from recurrences.versioned import STATE_LAYOUTS
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
 
@@ -132,16 +133,23 @@ def vq_layer_attention(layer, q: Tensor, k: Tensor, v: Tensor, cache: VQCache | 
 class VQAttention(MultiHeadProjection):
     """x ``[B, T, hidden]`` -> ``(y [B, T, hidden], aux)``. NoPE; unit q/k; per-head ``beta``
     (init ``sqrt(head_dim)``); keys quantized by a ``codebook_size``-code codebook per head;
-    ``local_bias=True`` adds a learned per-head bias (init 0) to the window rows' scores."""
+    ``local_bias=True`` adds a learned per-head bias (init 0) to the window rows' scores.
+    ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the codebook
+    state is laid out as kv rows (:func:`ovqflex.vq_attention`, SPEC §5); same outputs."""
 
     supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  codebook_size: int = 512, estimator: str = "ste", commitment_weight: float = 1e-4,
                  ema_decay: float = 0.99, dead_threshold: float = 0.01, penalty_rate: float = 0.0025,
-                 local_bias: bool = False, qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
+                 local_bias: bool = False, qk_conv: int = 0, backend: str = "auto", state_layout: str = "auto",
+                 checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         check_chunk("chunk_size", chunk_size)
+        check_choice("state_layout", state_layout, STATE_LAYOUTS)
+        if checkpoint_every is not None:
+            check_int("checkpoint_every", checkpoint_every)
+        self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
         self.chunk_size, self.commitment_weight, self.block_size = chunk_size, commitment_weight, block_size
         self.quantizer = VQCodebook(num_heads, codebook_size, self.head_dim, estimator=estimator, ema_decay=ema_decay,
@@ -151,7 +159,8 @@ class VQAttention(MultiHeadProjection):
 
     def _options(self) -> dict:
         return dict(chunk_size=self.chunk_size, estimator=self.quantizer.estimator, local_bias=self.local_bias,
-                    code_bias=self.quantizer.code_bias(), block_size=self.block_size)
+                    code_bias=self.quantizer.code_bias(), state_layout=self.state_layout,
+                    checkpoint_every=self.checkpoint_every, block_size=self.block_size)
 
     def program(self, x: Tensor) -> AttentionProgram:
         """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""

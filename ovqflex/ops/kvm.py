@@ -13,8 +13,11 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import BlockWindow, StateBank
-from recurrences.checks import check_chunk, check_int, check_qkv, check_tensor
-from recurrences.kvm import KVMBudget, build_kvm_snapshots, kvm_state_sizes, memory_keys, route_kvm
+from masks.versioned import versioned_regions
+from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
+from recurrences.kvm import (KVMBudget, build_kvm_snapshots, build_kvm_versioned, kvm_state_sizes, memory_keys,
+                             route_kvm)
+from recurrences.versioned import STATE_LAYOUTS, choose_state_layout, plan_versioned
 
 from ..attention import attend
 from ..profiling import stage
@@ -39,9 +42,13 @@ def _check_vector(name: str, x, n: int, like: Tensor) -> None:
         raise ValueError(f"{name} must be on {like.device}, got {x.device}")
 
 
-def check_kvm_options(head_dim: int, chunk_size, n_bswa_chunks, sink_len, rope_dims) -> int:
+def check_kvm_options(head_dim: int, chunk_size, n_bswa_chunks, sink_len, rope_dims, state_layout="auto",
+                      checkpoint_every=None) -> int:
     """Validate the shape options shared by :func:`kvm_program` and ``KVMAttention``;
     returns ``rope_dims`` resolved (None: ``head_dim // 2``)."""
+    check_choice("state_layout", state_layout, STATE_LAYOUTS)
+    if checkpoint_every is not None:
+        check_int("checkpoint_every", checkpoint_every)
     check_chunk("chunk_size", chunk_size)
     check_int("n_bswa_chunks", n_bswa_chunks)
     check_int("sink_len", sink_len, minimum=0)
@@ -55,7 +62,7 @@ def check_kvm_options(head_dim: int, chunk_size, n_bswa_chunks, sink_len, rope_d
 
 
 def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size, n_bswa_chunks,
-                    sink_len, rope_dims) -> int:
+                    sink_len, rope_dims, state_layout, checkpoint_every) -> int:
     """Validate the op's inputs; returns the resolved ``rope_dims``."""
     check_qkv(q, k, v)
     B, H, T, D = q.shape
@@ -68,7 +75,7 @@ def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, 
     for name, tau in (("tau_state", tau_state), ("tau_bswa", tau_bswa)):
         if tau is not None:
             _check_vector(name, tau, H, q)
-    return check_kvm_options(D, chunk_size, n_bswa_chunks, sink_len, rope_dims)
+    return check_kvm_options(D, chunk_size, n_bswa_chunks, sink_len, rope_dims, state_layout, checkpoint_every)
 
 
 def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, ln_s_weight: Tensor,
@@ -77,13 +84,14 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
                 budget: str = "fixed", state_min_len: int | None = None, growth_factor: float = 16.0,
                 growth_exponent: float = 0.5, round_down: int = 1, saturation_n: int = 1024,
                 max_state_chunks: int | None = 1, use_vlens: bool = True, ln_eps: float = 1e-5,
+                state_layout: str = "auto", checkpoint_every: int | None = None,
                 block_size: int = DEFAULT_BLOCK) -> tuple[AttentionProgram, KVMState]:
     """The KVM attention program, without running it (what the visualizer draws), and its
     :class:`KVMState`. Arguments as :func:`kvm_attention`. Stages are labelled
     ``ovqflex.routing``, ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
     """
     rope_dims = _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size,
-                                n_bswa_chunks, sink_len, rope_dims)
+                                n_bswa_chunks, sink_len, rope_dims, state_layout, checkpoint_every)
     B, H, T, D = q.shape
     spec = KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n,
                      max_state_chunks)
@@ -103,6 +111,17 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     if rows == 0:  # T <= Nb*C: the front only, plain causal attention
         with stage("block_mask"):
             return build_program(q, k_win, v, (window,), scale=D ** -0.5, block_size=block_size), state
+    plan = plan_versioned(len(sizes), chunk_size, rows, n_bswa_chunks, checkpoint_every, align=block_size)
+    if choose_state_layout(state_layout, n_chunks=len(sizes), rows=rows, plan=plan) == "versioned":
+        with stage("state_build"):
+            ver = build_kvm_versioned(kbar, v, gate, routes, founder, plan, ln_weight=ln_s_weight, ln_bias=ln_s_bias,
+                                      ln_eps=ln_eps, use_vlens=use_vlens)
+            keys = ver.keys if tau_state is None else ver.keys * tau_state.to(ver.keys.dtype).view(1, H, 1, 1)
+        with stage("block_mask"):
+            regions = versioned_regions(plan, sizes, ver.born, ver.dies) + (window,)
+            program = build_program(q, k_win, v, regions, scale=D ** -0.5, state_k=keys, state_v=ver.values,
+                                    block_size=block_size)
+        return program, state
     with stage("state_build"):
         snap = build_kvm_snapshots(kbar, v, gate, routes, founder, chunk=chunk_size, n_bswa_chunks=n_bswa_chunks,
                                    sizes=sizes, ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps,
@@ -127,7 +146,9 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *
     ``growth_factor=16``, ``growth_exponent=0.5``, ``round_down=1``, ``saturation_n=1024``,
     ``max_state_chunks=1`` rows cap in chunks, None: uncapped; see :mod:`recurrences.kvm.budget`),
     ``use_vlens=True`` (False: state values ``s_v / count`` instead of the founder's radius),
-    ``ln_eps``, ``block_size``.
+    ``ln_eps``, ``state_layout="auto"`` (``"snapshot"``: one state per query chunk;
+    ``"versioned"``: checkpoints every ``checkpoint_every`` chunks plus one version row per token,
+    memory-linear; ``"auto"``: fewer rows; SPEC §5), ``checkpoint_every``, ``block_size``.
 
     The first ``Nb * C`` tokens attend causally; query chunk ``c`` after that sees the state
     built from tokens ``[0, (c - Nb + 1) C)`` and its ``Nb``-chunk block window.

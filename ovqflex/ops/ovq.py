@@ -13,8 +13,10 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import OwnChunk, StateBank
+from masks.versioned import versioned_regions
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
-from recurrences.ovq import GROWTHS, SEEDINGS, build_ovq_snapshots, dictionary_sizes, route_ovq
+from recurrences.ovq import GROWTHS, SEEDINGS, build_ovq_snapshots, build_ovq_versioned, dictionary_sizes, route_ovq
+from recurrences.versioned import STATE_LAYOUTS, choose_state_layout, plan_versioned
 
 from ..attention import attend
 from ..profiling import stage
@@ -31,7 +33,8 @@ class OVQState:
     sizes: list[int]
 
 
-def _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon):
+def _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon, state_layout,
+                    checkpoint_every):
     check_qkv(q, k, v)
     check_tensor("beta", beta, 1)
     if beta.shape[0] != q.shape[1]:
@@ -42,11 +45,15 @@ def _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, g
     check_choice("seeding", seeding, SEEDINGS)
     if growth_horizon is not None:
         check_int("growth_horizon", growth_horizon)
+    check_choice("state_layout", state_layout, STATE_LAYOUTS)
+    if checkpoint_every is not None:
+        check_int("checkpoint_every", checkpoint_every)
 
 
 def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 128, max_centroids: int,
                 growth: str = "plateau", growth_horizon: int | None = None, seeding: str = "spread",
-                seed: int = 0, normalize_centroids: bool = False,
+                seed: int = 0, normalize_centroids: bool = False, state_layout: str = "auto",
+                checkpoint_every: int | None = None,
                 block_size: int = DEFAULT_BLOCK) -> tuple[AttentionProgram, Tensor, list[int]]:
     """The OVQ attention program, without running it (what the visualizer draws).
 
@@ -54,7 +61,8 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: in
     Stages are labelled ``ovqflex.proj`` (normalization), ``ovqflex.routing``,
     ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
     """
-    _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon)
+    _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon, state_layout,
+                    checkpoint_every)
     B, H, T, _ = q.shape
     n_chunks = max(1, -(-T // chunk_size))
     sizes = dictionary_sizes(n_chunks, chunk_size, max_centroids, growth, growth_horizon)
@@ -68,6 +76,15 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: in
     if rows == 0:  # no chunk reads a dictionary: attention inside each chunk only
         with stage("block_mask"):
             program = build_program(q_scaled, kn, v, (OwnChunk(chunk_size),), scale=1.0, block_size=block_size)
+        return program, routes, sizes
+    plan = plan_versioned(n_chunks, chunk_size, rows, 1, checkpoint_every, align=block_size)
+    if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
+        with stage("state_build"):
+            ver = build_ovq_versioned(kn, v, routes, plan, normalize_centroids)
+        with stage("block_mask"):
+            regions = versioned_regions(plan, sizes, ver.born, ver.dies) + (OwnChunk(chunk_size),)
+            program = build_program(q_scaled, kn, v, regions, scale=1.0, state_k=ver.keys, state_v=ver.values,
+                                    state_bias=ver.bias(), block_size=block_size)
         return program, routes, sizes
     with stage("state_build"):
         snap = build_ovq_snapshots(kn, v, routes, chunk=chunk_size, sizes=sizes,
@@ -85,6 +102,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: in
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 128, max_centroids: int,
                   growth: str = "plateau", growth_horizon: int | None = None, seeding: str = "spread",
                   seed: int = 0, normalize_centroids: bool = False, backend: str = "auto",
+                  state_layout: str = "auto", checkpoint_every: int | None = None,
                   return_state: bool = False, block_size: int = DEFAULT_BLOCK):
     """OVQ-attention. q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, beta ``[H]`` -> ``[B, H, T, Dv]``
     (and an :class:`OVQState` with ``return_state=True``).
@@ -92,11 +110,16 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: 
     q and k are L2-normalized inside; scores are ``beta[h] * <q̂, row>`` plus ``log(count)``
     on dictionary rows. Chunk ``c`` reads the dictionary of the chunks before it and its
     own tokens causally.
+
+    ``state_layout`` (SPEC §5): ``"snapshot"`` lays out one dictionary per chunk
+    (``n_chunks * N`` state rows); ``"versioned"`` checkpoints every ``checkpoint_every``
+    chunks (None: ``ceil(N / 2L)``) plus one version row per token (about ``2T`` rows,
+    memory-linear); ``"auto"`` picks the one with fewer rows. Outputs and gradients are the same.
     """
     program, routes, sizes = ovq_program(
         q, k, v, beta, chunk_size=chunk_size, max_centroids=max_centroids, growth=growth,
         growth_horizon=growth_horizon, seeding=seeding, seed=seed, normalize_centroids=normalize_centroids,
-        block_size=block_size)
+        state_layout=state_layout, checkpoint_every=checkpoint_every, block_size=block_size)
     with stage("attention"):
         out = attend(program, backend)
     if not return_state:

@@ -21,14 +21,18 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import BlockWindow, StateBank
-from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor
-from recurrences.vq import ESTIMATORS, assign_codes, build_vq_snapshots, codebook_metrics, commitment_loss, quantize
+from masks.versioned import versioned_regions
+from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
+from recurrences.versioned import STATE_LAYOUTS, choose_state_layout, plan_versioned
+from recurrences.vq import (ESTIMATORS, LAG, assign_codes, build_vq_snapshots, build_vq_versioned, codebook_metrics,
+                            commitment_loss, quantize, vq_state_sizes)
 
 from ..attention import attend
 from ..profiling import stage
 
 
-def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias):
+def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout="auto",
+                   checkpoint_every=None):
     check_qkv(q, k, v)
     H, D = q.shape[1], q.shape[-1]
     check_tensor("codebook", codebook, 3)
@@ -41,6 +45,9 @@ def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, c
         raise ValueError(f"beta must have shape [H]=[{H}], got {tuple(beta.shape)}")
     check_chunk("chunk_size", chunk_size)
     check_choice("estimator", estimator, ESTIMATORS)
+    check_choice("state_layout", state_layout, STATE_LAYOUTS)
+    if checkpoint_every is not None:
+        check_int("checkpoint_every", checkpoint_every)
     if local_bias is not None:
         check_tensor("local_bias", local_bias, 1)
         if local_bias.shape[0] != H:
@@ -54,12 +61,14 @@ def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, c
 
 def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, chunk_size: int = 128,
                estimator: str = "ste", local_bias: Tensor | None = None, code_bias: Tensor | None = None,
+               state_layout: str = "auto", checkpoint_every: int | None = None,
                block_size: int = DEFAULT_BLOCK) -> tuple[AttentionProgram, dict]:
     """The VQ attention program, without running it -> ``(program, aux)``.
 
     ``aux``: ``codes [B, H, T]``, ``k_hat`` (quantized unit keys), ``k_unit`` (normalized keys).
     """
-    _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias)
+    _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout,
+                   checkpoint_every)
     B, H, T, _ = q.shape
     N = codebook.shape[1]
     with stage("proj"):
@@ -73,6 +82,18 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
         k_hat = quantize(kn, cb, codes, estimator)
         aux["k_hat"] = k_hat
         window = BlockWindow(2, chunk_size)
+        n_chunks = max(1, -(-T // chunk_size))
+        plan = plan_versioned(n_chunks, chunk_size, N, LAG, checkpoint_every, align=block_size)
+        if choose_state_layout(state_layout, n_chunks=n_chunks, rows=N, plan=plan) == "versioned":
+            ver = build_vq_versioned(k_hat, v, codes, plan)
+            bias = ver.bias()
+            if local_bias is not None:  # as below
+                bias = bias - local_bias.float().view(1, H, 1)
+            regions = versioned_regions(plan, vq_state_sizes(n_chunks, N), ver.born, ver.dies) + (window,)
+            with stage("block_mask"):
+                program = build_program(q_scaled, k_hat, v, regions, scale=1.0, state_k=ver.keys, state_v=ver.values,
+                                        state_bias=bias, block_size=block_size)
+            return program, aux
         snap = build_vq_snapshots(k_hat, v, codes, chunk=chunk_size, n_codes=N)
         bias = torch.where(snap.counts > 0, snap.counts.log(), float("-inf"))
         if local_bias is not None:
@@ -89,7 +110,8 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
 
 def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, chunk_size: int = 128,
                  estimator: str = "ste", local_bias: Tensor | None = None, code_bias: Tensor | None = None,
-                 backend: str = "auto", block_size: int = DEFAULT_BLOCK) -> tuple[Tensor, dict]:
+                 backend: str = "auto", state_layout: str = "auto", checkpoint_every: int | None = None,
+                 block_size: int = DEFAULT_BLOCK) -> tuple[Tensor, dict]:
     """VQ-attention. q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, codebook ``[H, N, D]``, beta ``[H]``
     -> ``(out [B, H, T, Dv], aux)``.
 
@@ -102,12 +124,16 @@ def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor
     ``estimator``: ``"ste"`` (straight-through; the codebook gets no gradient) or ``"diveq"``.
     ``local_bias`` ``[H]``: added to the scores of the window rows (LongVQ's local bias).
     ``code_bias`` ``[H, N]``: added to the assignment similarities only (no-use penalty).
+    ``state_layout`` (SPEC §5): ``"snapshot"`` (one codebook state per chunk, ``n_chunks * N``
+    rows), ``"versioned"`` (checkpoints every ``checkpoint_every`` chunks plus one version row per
+    token: memory-linear) or ``"auto"`` (fewer rows); same outputs and gradients.
 
     ``aux``: ``codes``, ``commitment`` (``mean ||k̂ - sg(code)||²``, differentiable in k),
     and detached metrics ``usage``, ``perplexity``, ``unused_codes``, ``rel_quant_error``.
     """
     program, aux = vq_program(q, k, v, codebook, beta, chunk_size=chunk_size, estimator=estimator,
-                              local_bias=local_bias, code_bias=code_bias, block_size=block_size)
+                              local_bias=local_bias, code_bias=code_bias, state_layout=state_layout,
+                              checkpoint_every=checkpoint_every, block_size=block_size)
     with stage("attention"):
         out = attend(program, backend)
     kn, codes = aux.pop("k_unit"), aux["codes"]

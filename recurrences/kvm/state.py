@@ -1,4 +1,4 @@
-"""Differentiable KVM snapshots (SPEC §4.3, §5 "Snapshots").
+"""Differentiable KVM state: snapshots and the versioned layout (SPEC §4.3, §5).
 
 Given the routes, the state query chunk ``c`` reads is, per row, a sum over the
 tokens absorbed before it (tokens of chunks ``< c - Nb + 1``): the founder with
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..segments import segment_snapshot_sums
+from ..versioned import VersionPlan, versioned_sums
 
 
 def memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5) -> Tensor:
@@ -62,3 +63,45 @@ def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
         values = sv.float() / counts.clamp_min(1.0)[..., None]
     live = torch.tensor(sizes, dtype=torch.long, device=kbar.device)
     return KVMSnapshots(keys, values.to(v.dtype), counts, live)
+
+
+@dataclass
+class KVMVersioned:
+    """The versioned layout (SPEC §5) of the same states: ``S = plan.state_rows`` rows,
+    checkpoints then one version row per token (:mod:`recurrences.versioned`, ``lag = Nb``).
+
+    keys ``[B, H, S, D]`` (``LN_s`` of the key sums, before ``tau_state``), values
+    ``[B, H, S, Dv]`` (readout values), born/dies ``[B, H, S]`` int32 (row ``r`` is live for
+    query chunk ``c`` iff ``born <= c < dies``).
+    """
+
+    keys: Tensor
+    values: Tensor
+    born: Tensor
+    dies: Tensor
+    plan: VersionPlan
+
+
+def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, plan: VersionPlan, *,
+                        ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5, use_vlens: bool = True,
+                        norm_eps: float = 1e-12) -> KVMVersioned:
+    """Versioned rows of the KVM states: the same gated sums and per-row readout as
+    :func:`build_kvm_snapshots` (``LN_s`` keys; values at the founder's radius or ``s_v / count``)."""
+    B, H, T, D = kbar.shape
+    rows = plan.rows
+    weight = torch.where(founder, torch.ones_like(gate), gate).to(kbar.dtype)[..., None]
+    vs = versioned_sums([weight * kbar, weight.to(v.dtype) * v], routes, plan)
+    sk = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
+    sv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
+    keys = F.layer_norm(sk, (D,), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
+    if use_vlens:
+        slot = torch.where(founder & (routes >= 0), routes, rows)
+        radius = torch.linalg.vector_norm(v.float(), dim=-1) * founder
+        rho = radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)  # [B, H, rows + 1], spare last
+        row_rho = torch.cat([rho[:, :, :rows].repeat(1, 1, plan.n_ckpt), rho.gather(2, vs.ver_slot)], 2)
+        svf = sv.float()
+        values = row_rho[..., None] * svf / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(norm_eps)
+    else:
+        counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
+        values = sv.float() / counts.clamp_min(1.0)[..., None]
+    return KVMVersioned(keys, values.to(v.dtype), vs.born, vs.dies, plan)

@@ -1,4 +1,4 @@
-"""Differentiable OVQ snapshots (SPEC §4.2, §5 "Snapshots").
+"""Differentiable OVQ state: snapshots and the versioned layout (SPEC §4.2, §5).
 
 Given the routes, the dictionary chunk ``c`` reads is the mean of every key and
 value routed before chunk ``c``: the shared segment sums of
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..segments import segment_snapshot_sums
+from ..versioned import VersionedMeans, VersionPlan, versioned_means
 
 
 @dataclass
@@ -47,3 +48,16 @@ def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk: int, siz
         keys = F.normalize(keys, dim=-1)
     live = torch.tensor(sizes[:n_chunks], dtype=torch.long, device=k.device)
     return OVQSnapshots(keys, values, counts, live)
+
+
+OVQVersioned = VersionedMeans  # the versioned layout of the same dictionaries (SPEC §5)
+
+
+def build_ovq_versioned(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan,
+                        normalize_centroids: bool = False) -> VersionedMeans:
+    """Versioned rows of the OVQ dictionaries (``plan.lag = 1``): the same running means as
+    :func:`build_ovq_snapshots`, per checkpoint and per version row (:mod:`recurrences.versioned`)."""
+    ver = versioned_means(k, v, routes, plan)
+    if normalize_centroids:
+        ver.keys = F.normalize(ver.keys, dim=-1)
+    return ver

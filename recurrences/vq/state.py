@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..segments import segment_snapshot_sums
+from ..versioned import VersionedMeans, VersionPlan, versioned_means
 
 LAG = 2  # a token of chunk ct is in the state of chunks >= ct + 2 (chunks c-1, c are the window)
 
@@ -40,3 +41,14 @@ def build_vq_snapshots(k_hat: Tensor, v: Tensor, codes: Tensor, *, chunk: int, n
     denom = counts.clamp_min(1.0)[..., None]
     live = torch.where(torch.arange(n_chunks, device=k_hat.device) >= LAG, n_codes, 0)
     return VQSnapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts, live)
+
+
+def vq_state_sizes(n_chunks: int, n_codes: int) -> list[int]:
+    """Rows chunk ``c`` reads: the whole codebook from chunk ``LAG`` on, none before."""
+    return [0 if c < LAG else n_codes for c in range(n_chunks)]
+
+
+def build_vq_versioned(k_hat: Tensor, v: Tensor, codes: Tensor, plan: VersionPlan) -> VersionedMeans:
+    """The versioned layout (SPEC §5; ``plan.lag = LAG``) of the same per-code means and counts as
+    :func:`build_vq_snapshots`: checkpoints plus one version row per token."""
+    return versioned_means(k_hat, v, codes, plan)

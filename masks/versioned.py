@@ -1,0 +1,143 @@
+"""Regions of the versioned state layout (SPEC §5 "Versioned"; rows from :mod:`recurrences.versioned`).
+
+State rows are ``[checkpoints: n_ckpt x rows ; version rows: one per token position]``.
+Query chunk ``c`` (checkpoint ``k = c // R``) reads
+
+- :class:`CheckpointBank`: rows ``[k rows, k rows + live[k])`` (``live[k] = sizes[R k]``);
+- :class:`VersionRows`: the version rows of tokens ``[(R k - lag + 1) L, (c - lag + 1) L)``,
+  i.e. those entering the state in chunks ``(R k, c]``.
+
+Both are intervals with non-decreasing bounds (the analytic block builder's contract), and
+inside them a row is visible only while ``born[b, h, r] <= c < dies[b, h, r]`` — a per-row
+predicate read from captured int32 ``[B, H, S]`` tensors, so these regions are not ``exact``:
+their blocks are always partial (the ``mask_mod`` decides). The queries of padding chunks read
+the last chunk's state, as :class:`~masks.regions.StateBank` does.
+
+Viewers: ``contains`` without ``b, h`` draws batch 0, head 0; statistics computed from the
+interval bounds alone (``masks.viz.stats``) count every candidate row, live or not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recurrences.versioned import VersionPlan
+
+from .regions import Geometry, Region, _i32
+
+
+def _touched_chunks(geom: Geometry, chunk: int) -> int:
+    bq = geom.block_q
+    return max(1, bq // chunk) if (bq % chunk == 0 or chunk % bq == 0) else (bq - 1) // chunk + 2
+
+
+def _liveness(born: Tensor, dies: Tensor, geom: Geometry) -> tuple[Tensor, Tensor]:
+    pad = geom.n_state - born.shape[-1]
+    if pad < 0:
+        raise ValueError(f"liveness covers {born.shape[-1]} rows, more than the program's {geom.n_state} state rows")
+    return F.pad(born.to(torch.int32), (0, pad)), F.pad(dies.to(torch.int32), (0, pad))
+
+
+def _live(born: Tensor, dies: Tensor, c: Tensor, kv_idx: Tensor, b, h) -> Tensor:
+    """``born[b, h, r] <= c < dies[b, h, r]`` (``b, h`` None: batch 0, head 0, as a viewer draws)."""
+    r = torch.clamp(kv_idx, min=0, max=born.shape[-1] - 1)
+    b = 0 if b is None else b
+    h = 0 if h is None else h
+    return (born[b, h, r] <= c) & (c < dies[b, h, r])
+
+
+@dataclass(frozen=True, eq=False)
+class CheckpointBank(Region):
+    """Checkpoint ``k = c // every`` of query chunk ``c``: rows ``[k rows, k rows + live[k])``,
+    each visible while the slot has no newer version (``born <= c < dies``)."""
+
+    rows: int
+    chunk: int
+    every: int
+    n_chunks: int
+    live: Tensor
+    born: Tensor
+    dies: Tensor
+    name: ClassVar[str] = "state"
+    exact: ClassVar[bool] = False
+
+    def params(self, geom, device):
+        born, dies = _liveness(self.born, self.dies, geom)
+        return (_i32([self.rows, self.chunk, self.every, self.n_chunks - 1], device),
+                self.live.to(device=device, dtype=torch.int32), born, dies)
+
+    @staticmethod
+    def _chunk(p, q_idx):
+        t = p[0]
+        return torch.clamp(q_idx // t[1], max=t[3])
+
+    @staticmethod
+    def bounds(p, q_idx):
+        t, live = p[0], p[1]
+        k = CheckpointBank._chunk(p, q_idx) // t[2]
+        lo = k * t[0]
+        return lo, lo + live[k]
+
+    def contains(self, p, q_idx, kv_idx, b=None, h=None):
+        lo, hi = self.bounds(p, q_idx)
+        return (kv_idx >= lo) & (kv_idx < hi) & _live(p[2], p[3], self._chunk(p, q_idx), kv_idx, b, h)
+
+    def max_span(self, geom):
+        # chunks c0..c1 of one query block touch checkpoints c0 // R .. c1 // R
+        return (-(-(_touched_chunks(geom, self.chunk) - 1) // self.every) + 1) * self.rows
+
+
+@dataclass(frozen=True, eq=False)
+class VersionRows(Region):
+    """Version rows (one per token position, from state row ``offset``) of the tokens entering
+    the state in chunks ``(every * (c // every), c]``, each visible while it is its slot's latest."""
+
+    chunk: int
+    every: int
+    lag: int
+    n_chunks: int
+    offset: int
+    n_versions: int
+    born: Tensor
+    dies: Tensor
+    name: ClassVar[str] = "state"
+    exact: ClassVar[bool] = False
+
+    def params(self, geom, device):
+        born, dies = _liveness(self.born, self.dies, geom)
+        return (_i32([self.chunk, self.every, self.lag, self.n_chunks - 1, self.offset, self.n_versions], device),
+                born, dies)
+
+    @staticmethod
+    def _chunk(p, q_idx):
+        t = p[0]
+        return torch.clamp(q_idx // t[0], max=t[3])
+
+    @staticmethod
+    def bounds(p, q_idx):
+        t = p[0]
+        c = VersionRows._chunk(p, q_idx)
+        first = (c // t[1]) * t[1]  # the checkpoint's chunk
+        lo = torch.minimum(torch.clamp((first - t[2] + 1) * t[0], min=0), t[5])  # tensor bounds: no .item()
+        hi = torch.minimum(torch.clamp((c - t[2] + 1) * t[0], min=0), t[5])
+        return t[4] + lo, t[4] + hi
+
+    def contains(self, p, q_idx, kv_idx, b=None, h=None):
+        lo, hi = self.bounds(p, q_idx)
+        return (kv_idx >= lo) & (kv_idx < hi) & _live(p[1], p[2], self._chunk(p, q_idx), kv_idx, b, h)
+
+    def max_span(self, geom):
+        # over one query block: chunks c0..c1 read tokens from (R floor(c0/R) - lag + 1) L to (c1 - lag + 1) L
+        return (_touched_chunks(geom, self.chunk) + self.every - 2) * self.chunk
+
+
+def versioned_regions(plan: VersionPlan, sizes: list[int], born: Tensor, dies: Tensor) -> tuple[Region, Region]:
+    """The two state regions of a versioned layout; ``sizes[c]``: rows chunk ``c`` reads."""
+    live = torch.tensor([sizes[k * plan.every] for k in range(plan.n_ckpt)], dtype=torch.int32, device=born.device)
+    return (CheckpointBank(plan.rows, plan.chunk, plan.every, plan.n_chunks, live, born, dies),
+            VersionRows(plan.chunk, plan.every, plan.lag, plan.n_chunks, plan.n_ckpt * plan.rows, plan.n_versions,
+                        born, dies))

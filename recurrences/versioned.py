@@ -1,0 +1,242 @@
+"""The versioned (memory-linear) state layout (SPEC §5 "Versioned"), generic over methods.
+
+Snapshots hold one ``rows``-row state per query chunk: ``n_chunks * rows`` rows. A slot
+only changes in the chunks where tokens enter it, so the versioned layout keeps
+
+- **checkpoints**: the snapshot of chunks ``0, R, 2R, ...`` (``R = every``), ``rows`` rows each;
+- **version rows**: one per token position ``t`` (slot ``s = routes[t]``, entry chunk
+  ``e = t // chunk + lag``): the aggregate of every token of slot ``s`` entering at chunks
+  ``<= e``. Only the last token of each (slot, entry chunk) group gives a *live* row; the
+  others are superseded inside their own chunk and never visible.
+
+Query chunk ``c`` (checkpoint ``k = c // R``) sees exactly its snapshot through
+
+- checkpoint row ``(k, s)`` iff no token of slot ``s`` enters in chunks ``(R k, c]``;
+- version row ``t`` iff ``R k < e <= c`` (the token interval
+  ``[(R k - lag + 1) chunk, (c - lag + 1) chunk)``, a region of :mod:`masks.versioned`) and
+  ``e <= c < `` the next entry chunk of slot ``s`` (it is the slot's latest version).
+
+Both conditions are stored per row as ``born[r] <= c < dies[r]`` (int32 ``[B, H, rows]``;
+dead rows have ``born = dies = 0``). Row values come from one sort by (slot, position) and a
+segmented cumulative sum (cumsum minus the running sum before the slot's segment, in fp64
+so long sequences keep fp32 accuracy), all differentiable; the sort and the liveness are
+integer bookkeeping without gradient. Every method's state is such a sum (OVQ means, KVM
+gated sums, VQ code means with ``lag=2``): :func:`versioned_sums` takes the method's
+weighted token vectors, its routes and its lag, and the method applies its per-row readout
+(means, ``LN_s``, radius) to checkpoint and version rows alike.
+
+A method plugs in with three calls (what ``ovqflex.ops.ovq`` and ``ovqflex.ops.kvm`` do; VQ-attention,
+whose state is ``segment_snapshot_sums(..., lag=2)``, takes the same path with ``lag=2``)::
+
+    plan = plan_versioned(n_chunks, chunk, rows, lag, checkpoint_every, align=block_size)
+    if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
+        vs = versioned_sums([weighted_keys, weighted_values], routes, plan)   # + per-row readout
+        regions = masks.versioned.versioned_regions(plan, sizes, vs.born, vs.dies) + (window,)
+
+Precondition (true of every routing here): a token entering at chunk ``e`` routes to a slot
+``< sizes[e]``, with ``sizes`` non-decreasing — so a row with tokens exists in the dictionary
+of every chunk that can see it, and checkpoint ``k`` only needs its first ``sizes[R k]`` rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .checks import check_choice, check_int
+from .segments import segment_snapshot_sums
+
+STATE_LAYOUTS = ("snapshot", "versioned", "auto")
+
+
+@dataclass(frozen=True)
+class VersionPlan:
+    """Static (Python int) shape of a versioned layout.
+
+    ``rows``: rows per checkpoint (the largest state, rounded up to ``align``); ``every``:
+    chunks between checkpoints; ``n_ckpt = ceil(n_chunks / every)``; ``n_versions``: version
+    rows, one per (padded) token position ``n_chunks * chunk``; ``lag``: a token of chunk
+    ``ct`` enters the state of chunk ``ct + lag``.
+    """
+
+    n_chunks: int
+    chunk: int
+    rows: int
+    every: int
+    lag: int
+
+    @property
+    def n_ckpt(self) -> int:
+        return -(-self.n_chunks // self.every)
+
+    @property
+    def n_versions(self) -> int:
+        return self.n_chunks * self.chunk
+
+    @property
+    def state_rows(self) -> int:
+        """Total state rows: checkpoints then version rows."""
+        return self.n_ckpt * self.rows + self.n_versions
+
+
+def default_every(rows: int, chunk: int, n_chunks: int | None = None) -> int:
+    """``R ~ rows / (2 chunk)``: the smallest ``R >= ceil(rows / (2 chunk))`` whose ``ceil(n_chunks / R)``
+    checkpoints hold at most ``2 n_chunks chunk`` rows, so the whole state stays within ``3T``
+    rows, while a query chunk scans at most ``R - 1`` chunks of version rows."""
+    every = max(1, -(-rows // (2 * chunk)))
+    while n_chunks is not None and every < n_chunks and -(-n_chunks // every) * rows > 2 * n_chunks * chunk:
+        every += 1
+    return every
+
+
+def plan_versioned(n_chunks: int, chunk: int, rows: int, lag: int, every: int | None = None,
+                   align: int = 1) -> VersionPlan:
+    """The layout of a state of ``rows`` rows read by ``n_chunks`` chunks (``every=None``:
+    :func:`default_every` of the padded rows); checkpoint rows are padded to a multiple of ``align`` (the block size)."""
+    if every is not None:
+        check_int("checkpoint_every", every)
+    rows_pad = -(-rows // align) * align
+    every = default_every(rows_pad, chunk, n_chunks) if every is None else every
+    return VersionPlan(n_chunks, chunk, rows_pad, every, lag)
+
+
+def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan) -> str:
+    """``auto`` -> the layout with fewer state rows (snapshot: ``n_chunks * rows``)."""
+    check_choice("state_layout", state_layout, STATE_LAYOUTS)
+    if state_layout != "auto":
+        return state_layout
+    return "versioned" if plan.state_rows < n_chunks * rows else "snapshot"
+
+
+@dataclass
+class VersionedSums:
+    """Sums of a versioned layout (``S = n_ckpt * rows + n_versions`` rows, checkpoints first).
+
+    ``ckpt[i]`` ``[B, H, n_ckpt, rows, D_i]`` and ``ckpt_counts`` ``[B, H, n_ckpt, rows]`` fp32;
+    ``ver[i]`` ``[B, H, n_versions, D_i]`` and ``ver_counts`` ``[B, H, n_versions]`` fp32 (version
+    row ``t`` sums its slot's tokens up to ``t`` in (slot, position) order: the full aggregate
+    on live rows); ``ver_slot`` ``[B, H, n_versions]`` int64 (``rows``: the token is in no state);
+    ``born``, ``dies`` ``[B, H, S]`` int32: row ``r`` is live for query chunk ``c`` iff
+    ``born[r] <= c < dies[r]``.
+    """
+
+    ckpt: list[Tensor]
+    ckpt_counts: Tensor
+    ver: list[Tensor]
+    ver_counts: Tensor
+    ver_slot: Tensor
+    born: Tensor
+    dies: Tensor
+
+
+def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: VersionPlan) -> VersionedSums:
+    """Checkpoint and version sums of each ``x`` in ``xs`` (``[B, H, T, D_i]``, already weighted),
+    grouped by ``routes`` ``[B, H, T]`` (-1 or ``>= plan.rows``: in no state); one sort shared by
+    all ``xs``. Differentiable in ``xs``; ``T <= plan.n_versions``."""
+    L, R, nc, rows, lag = plan.chunk, plan.every, plan.n_chunks, plan.rows, plan.lag
+    Tp, n_ckpt = plan.n_versions, plan.n_ckpt
+    T = routes.shape[2]
+    if T > Tp:
+        raise ValueError(f"routes cover T={T} tokens, more than the plan's {Tp}")
+    xs = [F.pad(x, (0, 0, 0, Tp - T)) for x in xs]
+    routes = F.pad(routes, (0, Tp - T), value=-1)
+    B, H = routes.shape[:2]
+    dev = routes.device
+    ckpt, ckpt_counts = [], None
+    for x in xs:
+        s, ckpt_counts = segment_snapshot_sums(x, routes, L, nc, rows, lag=lag, every=R)
+        ckpt.append(s)
+
+    with torch.no_grad():
+        pos = torch.arange(Tp, device=dev)
+        entry = pos // L + lag  # [Tp]
+        ok = (routes >= 0) & (routes < rows) & (entry < nc)
+        slot = torch.where(ok, routes, rows)  # [B, H, Tp]; slot `rows` collects what no state holds
+        order = torch.sort(slot * Tp + pos, dim=-1).indices  # by (slot, position); keys are distinct
+        slot_s, entry_s = slot.gather(2, order), entry[order]
+        hist = torch.zeros(B, H, rows + 1, dtype=torch.long, device=dev).scatter_add(2, slot, torch.ones_like(slot))
+        seg_start = (hist.cumsum(2) - hist).gather(2, slot_s)  # first sorted index of each token's slot
+        idx = pos.expand(B, H, Tp)
+        count_s = idx - seg_start + 1
+        nxt_slot = torch.cat([slot_s[..., 1:], torch.full_like(slot_s[..., :1], rows + 1)], -1)
+        nxt_entry = torch.cat([entry_s[..., 1:], torch.full_like(entry_s[..., :1], nc)], -1)
+        same = nxt_slot == slot_s
+        last = (slot_s < rows) & ~(same & (nxt_entry == entry_s))  # the group's final token: a live row
+        born_s = torch.where(last, entry_s, 0)
+        dies_s = torch.where(last, torch.where(same, nxt_entry, nc), 0)
+        inv = torch.empty_like(order).scatter_(2, order, idx)  # sorted index of each position
+        ver_born, ver_dies = born_s.gather(2, inv), dies_s.gather(2, inv)
+        ver_counts = count_s.gather(2, inv).float()
+        # checkpoint (k, s) dies at the first entry of s after chunk R k: put each live group's entry at
+        # checkpoint (e - 1) // R (the last one before it), then a reverse running minimum over k
+        cell = torch.where(last, ((entry_s - 1) // R) * (rows + 1) + slot_s, n_ckpt * (rows + 1))
+        first = torch.full((B, H, (n_ckpt + 1) * (rows + 1)), nc, dtype=torch.long, device=dev)
+        first = first.scatter_reduce(2, cell, entry_s.expand(B, H, Tp), reduce="amin")
+        first = first.view(B, H, n_ckpt + 1, rows + 1)[:, :, :n_ckpt, :rows]
+        ck_dies = torch.flip(torch.cummin(torch.flip(first, [2]), 2).values, [2])
+        ck_dies = torch.where(ckpt_counts > 0, ck_dies, 0)
+        born = torch.cat([torch.zeros_like(ck_dies).flatten(2), ver_born], -1).to(torch.int32)
+        dies = torch.cat([ck_dies.flatten(2), ver_dies], -1).to(torch.int32)
+
+    ver = []
+    for x in xs:
+        D = x.shape[-1]
+        xs_ = x.gather(2, order[..., None].expand(B, H, Tp, D)).double()
+        cs = xs_.cumsum(2)
+        before = (cs - xs_).gather(2, seg_start[..., None].expand(B, H, Tp, D))  # running sum before the slot
+        ver.append((cs - before).to(x.dtype).gather(2, inv[..., None].expand(B, H, Tp, D)))
+    return VersionedSums(ckpt, ckpt_counts, ver, ver_counts, slot, born, dies)
+
+
+def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPlan, c: int) -> tuple[Tensor, Tensor]:
+    """Test/inspection helper: the state query chunk ``c`` sees through a versioned layout.
+
+    ``rows_of`` ``[B, H, S, D]`` the laid-out rows (checkpoints then versions). Returns
+    ``(state [B, H, rows, D], seen [B, H, rows] int64)`` by slot: the sum of the visible rows of each
+    slot and how many there are (0 or 1 in a correct layout). Plain gathers, ``O(S)``: not for the training path.
+    """
+    B, H, S, D = rows_of.shape
+    k = c // plan.every
+    r = torch.arange(S, device=rows_of.device)
+    lo_t = max(0, (k * plan.every - plan.lag + 1) * plan.chunk)
+    hi_t = max(0, (c - plan.lag + 1) * plan.chunk)
+    off = plan.n_ckpt * plan.rows
+    in_ck = (r >= k * plan.rows) & (r < (k + 1) * plan.rows)
+    in_ver = (r >= off + lo_t) & (r < off + hi_t)
+    live = (vs.born <= c) & (c < vs.dies) & (in_ck | in_ver)
+    slot = torch.cat([torch.arange(plan.rows, device=r.device).repeat(plan.n_ckpt).expand(B, H, -1), vs.ver_slot], -1)
+    slot = torch.where(live, slot, plan.rows)
+    state = rows_of.new_zeros(B, H, plan.rows + 1, D).scatter_add(2, slot[..., None].expand(B, H, S, D),
+                                                                   rows_of * live[..., None])
+    seen = torch.zeros(B, H, plan.rows + 1, dtype=torch.long, device=r.device).scatter_add(2, slot, live.long())
+    return state[:, :, :plan.rows], seen[:, :, :plan.rows]
+
+
+@dataclass
+class VersionedMeans:
+    """Running-mean rows of a versioned layout (OVQ dictionaries, VQ codebook state): keys
+    ``[B, H, S, D]``, values ``[B, H, S, Dv]``, counts ``[B, H, S]`` fp32, born/dies ``[B, H, S]``
+    int32 (row ``r`` is live for chunk ``c`` iff ``born <= c < dies``), checkpoints first."""
+
+    keys: Tensor
+    values: Tensor
+    counts: Tensor
+    born: Tensor
+    dies: Tensor
+    plan: VersionPlan
+
+    def bias(self) -> Tensor:
+        """``log(count)`` of live rows, ``-inf`` for rows no chunk sees."""
+        return torch.where(self.dies > self.born, self.counts.clamp_min(1.0).log(), float("-inf"))
+
+
+def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> VersionedMeans:
+    """Means of the keys and values routed to each slot, laid out as :func:`versioned_sums`."""
+    vs = versioned_sums([k, v], routes, plan)
+    counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
+    ks = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
+    vv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
+    denom = counts.clamp_min(1.0)[..., None]
+    return VersionedMeans(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), counts, vs.born, vs.dies, plan)

@@ -1,0 +1,232 @@
+"""Snapshot layout == versioned layout (SPEC §5, §9.5): outputs and gradients, every method (OVQ, KVM,
+VQ) and schedule, on the blocked and dense backends (flex: forward)."""
+import pytest
+import torch
+from hypothesis import event, given
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+import ovqflex
+from ovqflex.ops.kvm import kvm_program
+from ovqflex.ops.ovq import ovq_program
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.ovqflex.test_kvm import BUDGETS
+from tests.ovqflex.test_kvm import inputs as kvm_inputs
+from tests.ovqflex.test_ovq import inputs as ovq_inputs
+from tests.ovqflex.test_vq import inputs as vq_inputs
+
+
+def state_rows(program):
+    return program.geom.n_state
+
+
+def compare_layouts(run, leaves, seed, backends=("blocked",)):
+    """run(state_layout, backend) -> output; versioned == snapshot in forward and every leaf's gradient."""
+    ref = run("snapshot", "blocked")
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1))
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves, allow_unused=True, materialize_grads=True)
+    for backend in backends:
+        out = run("versioned", backend)
+        grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
+        assert_close(out, ref, FWD_TOL[torch.float32], f"{backend} forward")
+        for i, (a, b) in enumerate(zip(grads, ref_grads)):
+            assert_close(a, b, GRAD_TOL[torch.float32], f"{backend} grad of leaf {i}", floor=0.1)
+
+
+@st.composite
+def ovq_cases(draw):
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    D = draw(st.sampled_from([16, 32]))
+    L = draw(st.sampled_from([16, 32, 64]))
+    T = draw(st.integers(1, 600))
+    growth = draw(st.sampled_from(["plateau", "linear", "full"]))
+    kw = dict(chunk_size=L, max_centroids=draw(st.one_of(st.integers(1, 40), st.integers(40, 300))), growth=growth,
+              growth_horizon=draw(st.sampled_from([None, 256])) if growth == "linear" else None,
+              seeding=draw(st.sampled_from(["spread", "random"])), seed=draw(st.integers(0, 9)),
+              normalize_centroids=draw(st.booleans()), checkpoint_every=draw(st.sampled_from([None, 1, 2, 5])),
+              block_size=draw(st.sampled_from([16, 32, 64, 128])))
+    return B, H, D, T, kw, draw(st.integers(0, 2**16))
+
+
+@given(ovq_cases())
+def test_ovq_versioned_equals_snapshot(case):
+    B, H, D, T, kw, seed = case
+    event(f"growth {kw['growth']}")
+    q, k, v, beta = ovq_inputs(B, H, D, T, seed)
+
+    def run(layout, backend):
+        return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **kw)
+
+    compare_layouts(run, (q, k, v, beta), seed, backends=("blocked", "dense"))
+
+
+@pytest.mark.parametrize("growth, seeding, normalize", [("plateau", "spread", False), ("linear", "random", True),
+                                                       ("full", "spread", True)],
+                         ids=["plateau-spread", "linear-random-normalized", "full-spread-normalized"])
+def test_ovq_every_growth_long_enough_to_checkpoint(growth, seeding, normalize):
+    """Each growth schedule once with many chunks, several checkpoints and re-versioned slots."""
+    q, k, v, beta = ovq_inputs(2, 2, 16, 32 * 22 + 5, seed=9)
+    kw = dict(chunk_size=32, max_centroids=90, growth=growth, growth_horizon=512 if growth == "linear" else None,
+              seeding=seeding, normalize_centroids=normalize, checkpoint_every=3, block_size=64)
+
+    def run(layout, backend):
+        return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **kw)
+
+    compare_layouts(run, (q, k, v, beta), seed=9)
+
+
+@st.composite
+def kvm_cases(draw):
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    D, C = 16, draw(st.sampled_from([16, 32]))
+    Nb = draw(st.integers(1, 3))
+    T = (Nb + draw(st.integers(0, 12))) * C + draw(st.sampled_from([C, 1, 7, C // 2 + 3]))
+    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=draw(st.integers(0, 2)),
+              rope_dims=draw(st.sampled_from([0, D // 2])), use_vlens=draw(st.booleans()),
+              checkpoint_every=draw(st.sampled_from([None, 1, 2, 5])), block_size=draw(st.sampled_from([16, 32, 64])),
+              **BUDGETS[draw(st.sampled_from(sorted(BUDGETS)))])
+    return B, H, D, T, kw, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+@given(kvm_cases())
+def test_kvm_versioned_equals_snapshot(case):
+    B, H, D, T, kw, gated, seed = case
+    q, k, v, params, leaves = kvm_inputs(B, H, D, T, seed, gated)
+
+    def run(layout, backend):
+        return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **params, **kw)
+
+    compare_layouts(run, leaves, seed, backends=("blocked", "dense"))
+
+
+@st.composite
+def vq_cases(draw):
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    D, C = 16, draw(st.sampled_from([16, 32]))
+    T = draw(st.integers(1, 520))
+    kw = dict(chunk_size=C, estimator=draw(st.sampled_from(["ste", "diveq"])),
+              checkpoint_every=draw(st.sampled_from([None, 1, 2, 5])), block_size=draw(st.sampled_from([16, 32, 64])))
+    return B, H, D, T, draw(st.sampled_from([1, 3, 16, 64])), kw, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+@given(vq_cases())
+def test_vq_versioned_equals_snapshot(case):
+    B, H, D, T, N, kw, local, seed = case
+    q, k, v, cb, beta, lb = vq_inputs(B, H, D, T, N, seed)
+    lb = lb if local else None
+
+    def run(layout, backend):
+        return ovqflex.vq_attention(q, k, v, cb, beta, local_bias=lb, backend=backend, state_layout=layout, **kw)[0]
+
+    leaves = (q, k, v, beta, cb) + ((lb,) if local else ())
+    compare_layouts(run, leaves, seed, backends=("blocked", "dense"))
+
+
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+def test_kvm_every_budget_long_enough_to_checkpoint(budget):
+    """Each budget once with several checkpoints and re-versioned rows (a fixed, readable case)."""
+    q, k, v, params, leaves = kvm_inputs(1, 2, 16, 16 * 20 + 9, seed=5)
+    kw = dict(chunk_size=16, n_bswa_chunks=2, checkpoint_every=3, block_size=32, **BUDGETS[budget])
+
+    def run(layout, backend):
+        return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **params, **kw)
+
+    compare_layouts(run, leaves, seed=5)
+
+
+def test_versioned_layout_is_memory_linear_and_auto_picks_it():
+    """At T=4096, N=2048, L=128 the snapshot layout needs n_chunks * N rows; versioned about 2T."""
+    q, k, v, beta = ovq_inputs(1, 1, 16, 4096, seed=0, requires_grad=False)
+    kw = dict(chunk_size=128, max_centroids=2048)
+    snap = ovq_program(q, k, v, beta, state_layout="snapshot", **kw)[0]
+    ver = ovq_program(q, k, v, beta, state_layout="versioned", **kw)[0]
+    auto = ovq_program(q, k, v, beta, **kw)[0]
+    assert state_rows(ver) <= 3 * 4096 < state_rows(snap)
+    assert state_rows(auto) == state_rows(ver)
+    # a small dictionary read by few chunks: snapshots are smaller, auto keeps them
+    small = dict(chunk_size=32, max_centroids=40)
+    assert state_rows(ovq_program(q[:, :, :128], k[:, :, :128], v[:, :, :128], beta, **small)[0]) == state_rows(
+        ovq_program(q[:, :, :128], k[:, :, :128], v[:, :, :128], beta, state_layout="snapshot", **small)[0])
+
+
+def test_versioned_blocks_are_never_full():
+    """Rows inside the versioned intervals can be dead: their blocks must reach the mask_mod."""
+    q, k, v, beta = ovq_inputs(1, 1, 16, 512, seed=0, requires_grad=False)
+    prog = ovq_program(q, k, v, beta, chunk_size=32, max_centroids=64, state_layout="versioned", block_size=16)[0]
+    lay = prog.layout
+    listed = torch.arange(lay.full_idx.shape[1]) < lay.full_num[:, None]
+    assert lay.full_num.sum() > 0  # the own-chunk window still has full blocks
+    assert (lay.full_idx[listed] * 16 >= prog.geom.n_state).all(), "a state block was listed as full"
+    # the full lists are only as wide as the exact (window) region needs
+    assert lay.full_idx.shape[1] < lay.kv_idx.shape[1]
+
+
+@pytest.mark.parametrize("method", ["ovq", "kvm"])
+def test_flex_forward_versioned_equals_snapshot(method):
+    if method == "ovq":
+        q, k, v, beta = ovq_inputs(2, 2, 32, 384, seed=1, requires_grad=False)
+        kw = dict(chunk_size=32, max_centroids=64, checkpoint_every=2)
+
+        def run(layout, backend):
+            return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **kw)
+    else:
+        q, k, v, params, _ = kvm_inputs(2, 2, 32, 384, seed=1, requires_grad=False)
+        kw = dict(chunk_size=32, n_bswa_chunks=2, budget="power_law", growth_factor=6.0, max_state_chunks=None,
+                  checkpoint_every=2)
+
+        def run(layout, backend):
+            return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **params, **kw)
+    with torch.no_grad():
+        assert_close(run("versioned", "flex"), run("snapshot", "blocked"), FWD_TOL[torch.float32], "flex")
+
+
+def test_layer_compiles_versioned_without_graph_break_or_recompile():
+    counters.clear()
+    torch.manual_seed(0)
+    layer = ovqflex.OVQAttention(64, 2, chunk_size=32, max_centroids=48, backend="blocked", state_layout="versioned",
+                                 checkpoint_every=2)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(2, 200, 64)
+    want = layer(x)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    for step in range(3):
+        out = compiled(x if step == 0 else torch.randn(2, 200, 64))
+        if step == 0:
+            assert_close(out, want, FWD_TOL[torch.float32], "compiled == eager")
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
+
+
+def test_kvm_layer_versioned_equals_snapshot():
+    torch.manual_seed(0)
+    layer = ovqflex.KVMAttention(32, 2, chunk_size=16, budget="saturation", saturation_n=64, max_state_chunks=None,
+                                 backend="blocked", state_layout="versioned", checkpoint_every=2)
+    x = torch.randn(1, 150, 32)
+    ver = layer(x)
+    layer.state_layout = "snapshot"
+    assert_close(ver, layer(x), FWD_TOL[torch.float32], "layer")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ovqflex.ovq_attention(*ovq_inputs(1, 1, 16, 40, 0, False), max_centroids=8, state_layout="sparse"),
+     "state_layout"),
+    (lambda: ovqflex.ovq_attention(*ovq_inputs(1, 1, 16, 40, 0, False), max_centroids=8, checkpoint_every=0),
+     "checkpoint_every"),
+    (lambda: ovqflex.OVQAttention(32, 2, state_layout="versioned-ish"), "state_layout"),
+    (lambda: ovqflex.OVQAttention(32, 2, checkpoint_every=1.5), "checkpoint_every"),
+    (lambda: ovqflex.KVMAttention(32, 2, state_layout=None), "state_layout"),
+    (lambda: ovqflex.VQAttention(32, 2, state_layout="chunked"), "state_layout"),
+    (lambda: ovqflex.vq_attention(*vq_inputs(1, 1, 16, 40, 4, 0, False)[:5], checkpoint_every=-2), "checkpoint_every"),
+    (lambda: ovqflex.kvm_attention(*kvm_inputs(1, 1, 16, 40, 0, requires_grad=False)[:3],
+                                   **kvm_inputs(1, 1, 16, 40, 0, requires_grad=False)[3], state_layout="snapshots"),
+     "state_layout"),
+], ids=["ovq-op-layout", "ovq-op-every", "ovq-layer-layout", "ovq-layer-every", "kvm-layer-layout", "vq-layer-layout",
+        "vq-op-every", "kvm-op-layout"])
+def test_bad_state_layout_raises(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()

@@ -1,0 +1,108 @@
+"""The versioned state build (SPEC §5): every query chunk sees exactly its snapshot."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from recurrences.segments import segment_snapshot_sums
+from recurrences.versioned import (choose_state_layout, plan_versioned, snapshot_from_versioned, versioned_sums)
+
+
+def random_routes(B, H, T, chunk, lag, sizes, drop, g):
+    """Routes obeying the layouts' precondition: a token entering at chunk e routes to a slot < sizes[e];
+    a fraction ``drop`` is unrouted (-1). Tokens entering past the last chunk get any slot."""
+    n_chunks = len(sizes)
+    entry = torch.arange(T) // chunk + lag
+    cap = torch.tensor([sizes[min(e, n_chunks - 1)] for e in entry.tolist()])
+    r = (torch.rand(B, H, T, generator=g) * cap).long()
+    dead = (cap == 0) | (torch.rand(B, H, T, generator=g) < drop)
+    return torch.where(dead, -1, r)
+
+
+@st.composite
+def cases(draw):
+    chunk = draw(st.sampled_from([16, 32]))
+    n_chunks = draw(st.integers(1, 12))
+    T = (n_chunks - 1) * chunk + draw(st.integers(1, chunk))
+    lag = draw(st.integers(1, 3))
+    # non-decreasing sizes, 0 for the first `lag` chunks; few slots (many re-versions) or many
+    cap = draw(st.sampled_from([3, 20, 70]))
+    sizes, n = [], 0
+    for c in range(n_chunks):
+        if c >= lag:
+            n = min(cap, n + draw(st.integers(0, chunk)))
+        sizes.append(n)
+    every = draw(st.one_of(st.none(), st.integers(1, 5)))
+    return dict(B=draw(st.integers(1, 2)), H=draw(st.integers(1, 2)), T=T, chunk=chunk, lag=lag, sizes=sizes,
+                every=every, align=draw(st.sampled_from([1, 16])), drop=draw(st.sampled_from([0.0, 0.3])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@given(cases())
+def test_every_chunk_sees_exactly_its_snapshot(case):
+    B, H, T, L, lag, sizes = case["B"], case["H"], case["T"], case["chunk"], case["lag"], case["sizes"]
+    g = torch.Generator().manual_seed(case["seed"])
+    n_chunks, rows = len(sizes), max(max(sizes), 1)
+    routes = random_routes(B, H, T, L, lag, sizes, case["drop"], g)
+    x = torch.randn(B, H, T, 5, generator=g, dtype=torch.float64)
+    plan = plan_versioned(n_chunks, L, rows, lag, case["every"], case["align"])
+    snap, counts = segment_snapshot_sums(x, routes, L, n_chunks, plan.rows, lag=lag)
+    vs = versioned_sums([x], routes, plan)
+    laid = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
+    laid_counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)[..., None].double()
+    assert vs.born.shape == vs.dies.shape == (B, H, plan.state_rows)
+    for c in range(n_chunks):
+        state, seen = snapshot_from_versioned(laid, vs, plan, c)
+        cnt, _ = snapshot_from_versioned(laid_counts, vs, plan, c)
+        # each slot with tokens in the snapshot is seen exactly once, the others never
+        assert torch.equal(seen, (counts[:, :, c] > 0).long()), f"chunk {c}: wrong rows live"
+        torch.testing.assert_close(state, snap[:, :, c], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(cnt[..., 0].float(), counts[:, :, c])
+        # live rows are slots of the dictionary chunk c reads
+        assert not seen[:, :, sizes[c]:].any()
+
+
+def test_sums_are_differentiable_and_match_snapshot_gradients():
+    g = torch.Generator().manual_seed(3)
+    L, lag, sizes = 16, 1, [0, 5, 9, 9, 12, 12]
+    routes = random_routes(1, 2, 90, L, lag, sizes, 0.1, g)
+    x = torch.randn(1, 2, 90, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    plan = plan_versioned(len(sizes), L, 12, lag, every=2)
+    vs = versioned_sums([x], routes, plan)
+    laid = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
+    snap, _ = segment_snapshot_sums(x, routes, L, len(sizes), 12, lag=lag)
+    w = torch.randn(len(sizes), 1, 2, 12, 4, generator=g, dtype=torch.float64)
+    got = sum((snapshot_from_versioned(laid, vs, plan, c)[0] * w[c]).sum() for c in range(len(sizes)))
+    want = sum((snap[:, :, c] * w[c]).sum() for c in range(len(sizes)))
+    torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
+
+
+def test_long_sequence_keeps_fp32_accuracy():
+    """fp64 segmented cumsum: a slot's sum late in a long fp32 sequence stays as accurate as the snapshot's."""
+    g = torch.Generator().manual_seed(0)
+    T, L = 8192, 128
+    routes = torch.randint(0, 8, (1, 1, T), generator=g)
+    x = 10 + torch.randn(1, 1, T, 8, generator=g)  # large common offset: a global running sum grows to ~8e5
+    plan = plan_versioned(T // L, L, 8, 1, every=4)
+    vs = versioned_sums([x], routes, plan)
+    ref, _ = segment_snapshot_sums(x.double(), routes, L, T // L, 8, lag=1)
+    last = vs.born[0, 0, plan.n_ckpt * 8:] > 0
+    slots, t = vs.ver_slot[0, 0][last], torch.nonzero(last).squeeze(1)
+    want = ref[0, 0, (t // L + 1).clamp(max=T // L - 1), slots]
+    ok = t // L + 1 < T // L
+    err = ((vs.ver[0][0, 0][last][ok].double() - want[ok]).abs() / want[ok].abs()).max().item()
+    assert err < 1e-6, err
+
+
+def test_plan_and_layout_choice():
+    plan = plan_versioned(n_chunks=256, chunk=128, rows=1927, lag=1, align=128)
+    assert (plan.rows, plan.every, plan.n_ckpt) == (2048, 8, 32)
+    assert plan.state_rows == 32 * 2048 + 256 * 128 <= 3 * 256 * 128
+    assert choose_state_layout("auto", n_chunks=256, rows=1927, plan=plan) == "versioned"
+    small = plan_versioned(n_chunks=4, chunk=32, rows=40, lag=1)
+    assert choose_state_layout("auto", n_chunks=4, rows=40, plan=small) == "snapshot"
+    assert choose_state_layout("versioned", n_chunks=4, rows=40, plan=small) == "versioned"
+    with pytest.raises(ValueError, match="state_layout"):
+        choose_state_layout("sparse", n_chunks=4, rows=40, plan=small)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        plan_versioned(4, 32, 40, 1, every=0)
