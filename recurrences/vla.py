@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .checks import check_int, check_number
 from .delta import chunk_wy
-from .linear import _exclusive_cumsum, feature_map, from_chunks, to_chunks, work_dtype
+from .linear import feature_map, from_chunks, to_chunks, work_dtype
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Seed 002's MQAR setting at CPU scale: VLA and linear attention at n_pairs < d_head (slow)."""
+"""Seed 002's MQAR capacity setting at CPU scale: VLA beats linear attention at n_pairs < d_head (slow)."""
+import math
 import time
 
 import pytest
@@ -7,24 +8,26 @@ import torch.nn.functional as F
 
 from ovqflex.models import HybridConfig, HybridLM
 from ovqflex.tasks import IGNORE, make_batch, make_task
-from tests.recurrences.recurrent_cases import one_thread  # noqa: F401  (eager small ops: ~2 min instead of ~10)
+from tests.recurrences.recurrent_cases import one_thread  # noqa: F401  (eager small ops: minutes instead of hours)
 
-N_PAIRS, D_HEAD, STEPS = 24, 32, 600
+# seed 002 §5 / Table 3: vocab 128, 2 layers, head dim 32, T = 3n + 1, batch 64, AdamW, 10% warmup + cosine,
+# no q/k convolution; 1,500 steps at lr 1e-3 (the paper: 2-3k steps at 3e-4)
+N_PAIRS, D_HEAD, HEADS, VOCAB, STEPS, BATCH, LR = 24, 32, 4, 128, 1500, 64, 1e-3
 
 
 def train_mqar(pattern: str, steps: int = STEPS) -> float:
-    """Eager AdamW on seed-002-layout MQAR (vocab 64, T = 3n + 1); returns the exact-match
-    accuracy of the query positions on 256 held-out examples."""
+    """Eager AdamW on MQAR; returns the accuracy on the query positions of 256 held-out examples."""
     torch.manual_seed(0)
-    task = make_task("mqar", vocab_size=64, n_pairs=N_PAIRS)
+    task = make_task("mqar", vocab_size=VOCAB, n_pairs=N_PAIRS)
     T = task.min_len()
-    model = HybridLM(HybridConfig(vocab_size=64, d_model=2 * D_HEAD, n_layers=2, n_heads=2, pattern=pattern,
-                                  qk_conv=4, chunk_size=16, block_size=16, window=16,
-                                  mixer_options={pattern: {"out_norm": True}}))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
+    model = HybridLM(HybridConfig(vocab_size=VOCAB, d_model=HEADS * D_HEAD, n_layers=2, n_heads=HEADS,
+                                  pattern=pattern, mixer_options={pattern: {"out_norm": True}}))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = steps // 10
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
+        (s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / (steps - warm))))))
     for step in range(steps):
-        x, y = make_batch(task, seed=0, step=step, start=0, count=32, seq_len=T)
+        x, y = make_batch(task, seed=0, step=step, start=0, count=BATCH, seq_len=T)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         opt.zero_grad()
         loss.backward()
@@ -39,13 +42,14 @@ def train_mqar(pattern: str, steps: int = STEPS) -> float:
 
 
 @pytest.mark.slow
-def test_vla_and_linear_attention_learn_mqar_within_capacity():
-    """Both recurrences learn MQAR at n_pairs < d_head (chance is 1/60). The paper's claim
-    that VLA *beats* linear attention here (1.00 vs 0.07 after 2-3k steps) was not
-    reproduced at this scale — VLA 0.81 vs linear 0.82 after 600 steps — so the comparison
-    is printed, not asserted; issue 10 stays open on it."""
+def test_vla_beats_linear_attention_on_mqar_within_capacity():
+    """n_pairs = 24 < d_head = 32 (chance 1/128 over values). Measured: VLA 0.445, linear 0.064
+    after 1,500 steps (the paper: 1.00 vs 0.07 after 2-3k steps). With the appendix-C q/k
+    convolution both learn the task (0.81 vs 0.82 in an earlier run), so the comparison is
+    made without it, as in the paper."""
     t0 = time.perf_counter()
     vla, lin = train_mqar("vla"), train_mqar("linear")
     print(f"MQAR n_pairs={N_PAIRS} d_head={D_HEAD} {STEPS} steps: vla {vla:.3f}, linear {lin:.3f}, "
           f"{time.perf_counter() - t0:.0f} s")
-    assert vla > 0.5 and lin > 0.5
+    assert vla > lin + 0.2, f"VLA {vla:.3f} does not clearly beat linear attention {lin:.3f}"
+    assert vla > 0.3
