@@ -13,6 +13,8 @@ earlier outputs (~1e-9 relative in fp32), which breaks exact causality.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -27,8 +29,17 @@ def ema_kernel(delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Te
     return torch.einsum("dn,dnt->dt", (p * beta.float() * gamma.float()), vander)
 
 
+def ema_chunk(T: int) -> int:
+    """Default chunk of :func:`damped_ema` for ``T`` tokens: ``sqrt(T)`` rounded up to a multiple
+    of 16, at least 64 — the ``[chunk, chunk]`` Toeplitz blocks and the ``[T/chunk, T/chunk]``
+    carry matrix then both hold ``O(T)`` entries per channel (a fixed chunk of 64 would make the
+    carry matrix quadratic in ``T``: 1 GB at T = 16k, hidden 256, 16 EMA heads)."""
+    root = math.isqrt(T - 1) + 1 if T > 1 else 1  # ceil(sqrt(T))
+    return max(64, -(-root // 16) * 16)
+
+
 def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,
-               omega: Tensor, *, chunk: int = 64, h0: Tensor | None = None, return_state: bool = False):
+               omega: Tensor, *, chunk: int | None = None, h0: Tensor | None = None, return_state: bool = False):
     """x ``[B, T, D]`` -> ``y [B, T, D]`` (dtype of x), exactly causal, fp32 inside.
 
     ``h0`` ``[B, D, n]``: the EMA state before ``x`` (None: zeros, a sequence start) — how a
@@ -39,10 +50,12 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
     lower-triangular Toeplitz matrix of the kernel; across chunks, the EMA states at chunk
     ends carried by a lower-triangular ``[n_chunks, n_chunks]`` matrix of decay powers. Masked
     entries are exact zeros (built with ``where`` before ``exp``), so an output has an exactly
-    zero gradient with respect to later inputs. Work ``O(T·chunk·D + (T/chunk)²·D·n)``.
+    zero gradient with respect to later inputs. Work ``O(T·chunk·D + (T/chunk)²·D·n)``, memory
+    ``O(D·chunk² + D·n·(T/chunk)²)``; ``chunk=None`` takes :func:`ema_chunk` (about ``sqrt(T)``),
+    which keeps the memory linear in ``T``.
     """
     B, T, D = x.shape
-    L = chunk
+    L = ema_chunk(T) if chunk is None else chunk
     nc = max(1, -(-T // L))
     xf = F.pad(x.float(), (0, 0, 0, nc * L - T)).view(B, nc, L, D)
     p = torch.sigmoid(delta_logit.float())

@@ -3,12 +3,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from recurrences.ema import damped_ema, damped_ema_reference
+from recurrences.ema import damped_ema, damped_ema_reference, ema_chunk
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 
 
 @given(st.integers(1, 2), st.integers(1, 200), st.sampled_from([1, 4, 16]), st.integers(1, 8),
-       st.sampled_from([16, 64]), st.integers(0, 2**16))
+       st.sampled_from([16, 64, None]), st.integers(0, 2**16))
 def test_chunked_convolution_equals_recurrence(B, T, n, D, chunk, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, D, generator=g, requires_grad=True)
@@ -31,3 +31,18 @@ def test_exactly_causal():
     for i in (0, 15, 16, 70, 149):
         (g,) = torch.autograd.grad(y[:, i].sum(), x, retain_graph=True)
         assert g[:, i + 1:].abs().sum() == 0 and g[:, : i + 1].abs().sum() > 0
+
+
+def test_default_chunk_grows_like_sqrt_t_and_stays_exact():
+    """Long inputs take chunks of about sqrt(T) (memory linear in T), still equal to the recurrence,
+    and a continuation from the carried state equals the whole sequence."""
+    assert [ema_chunk(T) for T in (1, 4096, 4097, 16384, 65536)] == [64, 64, 80, 128, 256]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 5000, 3, generator=g)
+    params = [torch.randn(3, 2, generator=g) for _ in range(4)]
+    omega = torch.randn(3, generator=g)
+    ref = damped_ema_reference(x, *params, omega)
+    assert_close(damped_ema(x, *params, omega), ref, 10 * FWD_TOL[torch.float32], "T=5000, chunk 80")
+    head, state = damped_ema(x[:, :4200], *params, omega, return_state=True)
+    tail = damped_ema(x[:, 4200:], *params, omega, h0=state)
+    assert_close(torch.cat([head, tail], 1), ref, 10 * FWD_TOL[torch.float32], "continued from the state")
