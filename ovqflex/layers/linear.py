@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_int, check_number
+from recurrences.checks import check_int, check_number, check_tensor
 from recurrences.vla import VLAOptions
 
 from ..cache.base import check_cache
@@ -41,6 +41,14 @@ class _Recurrent(MultiHeadProjection):
     def finish(self, o: Tensor) -> Tensor:
         """op output ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""
         return self.merge(o if self.out_norm is None else self.out_norm(o))
+
+    def empty_step(self, x: Tensor, cache):
+        """A decode call with no tokens (x ``[B, 0, hidden]``): an empty ``[B, 0, hidden]`` output and
+        the cache unchanged (a new object)."""
+        check_tensor("x", x, 3)
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        return x.new_zeros(x.shape[0], 0, self.hidden_size), dataclasses.replace(cache)
 
     @staticmethod
     def decode_chunk(chunk: int, x: Tensor, cache) -> int:
@@ -64,6 +72,8 @@ class LinearAttention(_Recurrent):
         """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
         ``cache`` (:class:`~ovqflex.cache.LinearAttentionCache`) to continue from."""
         check_cache(cache, LinearAttentionCache, self)
+        if cache is not None and x.shape[1] == 0:
+            return self.empty_step(x, cache)
         q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
         if cache is None and not use_cache:
             return self.finish(linear_attention(q, k, v, chunk_size=self.chunk_size, eps=self.eps))
@@ -95,6 +105,8 @@ class DeltaNetAttention(_Recurrent):
         """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
         ``cache`` (:class:`~ovqflex.cache.DeltaNetCache`) to continue from."""
         check_cache(cache, DeltaNetCache, self)
+        if cache is not None and x.shape[1] == 0:
+            return self.empty_step(x, cache)
         q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)      # [B, H, T]
         args = (F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta.to(q.dtype))
@@ -138,6 +150,8 @@ class VLAAttention(_Recurrent):
         ``cache`` (:class:`~ovqflex.cache.VLACache`) to continue from. A one-token decode step
         runs with ``chunk_size=1`` (one Sherman-Morrison step; 1 divides every refresh period)."""
         check_cache(cache, VLACache, self)
+        if cache is not None and x.shape[1] == 0:
+            return self.empty_step(x, cache)
         q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
         u = self.penalty_proj(k)
         options = dataclasses.asdict(self.options)

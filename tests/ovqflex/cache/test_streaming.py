@@ -266,6 +266,20 @@ def test_recurrent_caches_hold_no_graph():
         assert y.requires_grad and not any(t.requires_grad for t in cache.tensors()), name
 
 
+def test_recurrent_layers_decode_zero_tokens():
+    for name in ("linear-outnorm-conv", "deltanet-outnorm-conv", "vla-outnorm-conv-r12c4"):
+        layer = _perturbed(LAYERS[name]())
+        x = torch.randn(2, 30, HIDDEN)
+        with torch.no_grad():
+            full = layer(x)
+            y0, cache = layer(x[:, :13], use_cache=True)
+            empty, cache2 = layer(x[:, :0], cache=cache)
+            y1, cache3 = layer(x[:, 13:], cache=cache2)
+        assert empty.shape == (2, 0, HIDDEN) and cache2 is not cache and cache2.position == 13, name
+        assert cache3.position == 30, name
+        assert_close(torch.cat([y0, y1], 1), full, FWD_TOL[torch.float32], name)
+
+
 def test_bad_cache_arguments_are_refused(monkeypatch):
     ovq, swa = LAYERS["ovq-plateau"](), LAYERS["swa-20-sinks"]()
     lin, vla = LAYERS["linear"](), LAYERS["vla"]()
