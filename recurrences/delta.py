@@ -10,7 +10,8 @@ unit lower-triangular system ``(I + strictly_lower(diag(β) K K^T)) W = diag(β)
 so with ``U = T⁻¹ diag(β) V`` and ``Wk = T⁻¹ diag(β) K`` (one batched triangular solve for
 every chunk at once) a chunk is ``W = U - Wk X_0``, ``O = Q X_0 + tril(Q K^T) W``,
 ``X_1 = X_0 + K^T W`` — a Python loop over chunks only, 4 matmuls each. Stable for
-``β_t ||k_t||² ∈ [0, 2]`` (the layer uses unit keys and ``β ∈ (0, 1)``).
+``β_t ||k_t||² ∈ [0, 2]`` (the layer uses unit keys and ``β ∈ (0, 1)``). A decode cache
+continues from its ``S`` as ``X_0`` of the first chunk (``initial_state``).
 """
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ def chunk_wy(read: Tensor, write: Tensor, rhs: Tensor) -> Tensor:
 
 
 def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 64,
-                       return_state: bool = False):
+                       return_state: bool = False, initial_state: Tensor | None = None,
+                       output_final_state: bool = False):
     """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, beta ``[B, H, T]`` -> o ``[B, H, T, Dv]``
-    (q's dtype); with ``return_state`` also ``S_T`` ``[B, H, Dv, Dk]`` (paper orientation)."""
+    (q's dtype); with ``return_state`` or ``output_final_state`` also ``S_T`` ``[B, H, Dv, Dk]``
+    (paper orientation; work dtype). ``initial_state``: ``S_0`` ``[B, H, Dv, Dk]`` before q, k, v
+    (None: zeros, a sequence start)."""
     T, Dv, dt = q.shape[2], v.shape[-1], work_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
         qc, kc, vc = (to_chunks(x.to(dt), chunk_size) for x in (q, k, v))   # [B, H, n, C, *]
@@ -43,11 +47,14 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_s
         sol = chunk_wy(bc * kc, kc, torch.cat([bc * vc, bc * kc], dim=-1))
         u, wk = sol.split([Dv, kc.shape[-1]], dim=-1)
         qk = torch.tril(qc @ kc.transpose(-1, -2))                          # [B, H, n, C, C]
-        X = q.new_zeros(*q.shape[:2], k.shape[-1], Dv, dtype=dt)
+        if initial_state is None:
+            X = q.new_zeros(*q.shape[:2], k.shape[-1], Dv, dtype=dt)
+        else:
+            X = initial_state.to(dt).transpose(-1, -2)
         outs = []
         for c in range(qc.shape[2]):
             w = u[:, :, c] - wk[:, :, c] @ X
             outs.append(qc[:, :, c] @ X + qk[:, :, c] @ w)
             X = X + kc[:, :, c].transpose(-1, -2) @ w
         out = from_chunks(torch.stack(outs, 2), T).to(q.dtype)
-    return (out, X.transpose(-1, -2)) if return_state else out
+    return (out, X.transpose(-1, -2)) if return_state or output_final_state else out

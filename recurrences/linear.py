@@ -8,9 +8,13 @@ Chunked form, with no Python loop: split ``T`` into chunks of ``C`` (zero-padded
 end — a zero feature row adds nothing, and padding only follows the real tokens); the
 state each chunk starts from is an exclusive cumulative sum over chunks of ``φ(K_c)^T V_c``,
 and inside a chunk ``tril(φ(Q_c) φ(K_c)^T)`` is the causal part. Memory
-``O(T/C · Dk · Dv)`` per head. Also the helpers the other recurrences share.
+``O(T/C · Dk · Dv)`` per head. An initial state ``(S_0, z_0)`` (a decode cache's, SPEC §6)
+is added to every chunk's starting state, so a continuation equals one pass over the
+concatenated sequence. Also the helpers the other recurrences share.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,19 +31,22 @@ def work_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def to_chunks(x: Tensor, chunk: int) -> Tensor:
-    """``[B, H, T, *rest]`` -> ``[B, H, n, chunk, *rest]``, zero-padded at the end to ``n * chunk``."""
+def to_chunks(x: Tensor, chunk: int, lead: int = 0) -> Tensor:
+    """``[B, H, T, *rest]`` -> ``[B, H, n, chunk, *rest]``: ``lead`` zero rows in front (so a
+    continuation's chunks fall on absolute chunk boundaries), zero-padded at the end to ``n * chunk``."""
     T = x.shape[2]
-    n = -(-T // chunk)
-    pad = n * chunk - T
+    n = -(-(lead + T) // chunk)
+    pad = n * chunk - T - lead
+    if lead:
+        x = torch.cat([x.new_zeros(*x.shape[:2], lead, *x.shape[3:]), x], dim=2)
     if pad:
         x = torch.cat([x, x.new_zeros(*x.shape[:2], pad, *x.shape[3:])], dim=2)
     return x.view(*x.shape[:2], n, chunk, *x.shape[3:])
 
 
-def from_chunks(x: Tensor, T: int) -> Tensor:
-    """``[B, H, n, chunk, D]`` -> ``[B, H, T, D]`` (drops the padding)."""
-    return x.flatten(2, 3)[:, :, :T]
+def from_chunks(x: Tensor, T: int, lead: int = 0) -> Tensor:
+    """``[B, H, n, chunk, D]`` -> ``[B, H, T, D]`` (drops ``lead`` front rows and the end padding)."""
+    return x.flatten(2, 3)[:, :, lead:lead + T]
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
@@ -47,10 +54,23 @@ def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     return torch.cat([torch.zeros_like(total.narrow(dim, 0, 1)), total.narrow(dim, 0, x.shape[dim] - 1)], dim)
 
 
+class LinearState(NamedTuple):
+    """The linear-attention recurrence after ``t`` tokens: S ``[B, H, Dv, Dk]`` ``= Σ_s v_s φ(k_s)^T``
+    (paper orientation, ``S k -> v``) and z ``[B, H, Dk]`` ``= Σ_s φ(k_s)`` (the read-out's normaliser)."""
+
+    S: Tensor
+    z: Tensor
+
+
 def linear_attention_chunked(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = 64, eps: float = 1e-6,
-                             return_state: bool = False):
-    """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype); with
-    ``return_state`` also ``S_T`` ``[B, H, Dv, Dk]`` (the paper's orientation, ``S k -> v``)."""
+                             return_state: bool = False, initial_state: LinearState | None = None,
+                             output_final_state: bool = False):
+    """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype).
+
+    ``initial_state``: the :class:`LinearState` before q, k, v (None: zeros, a sequence start).
+    ``output_final_state=True`` returns ``(o, LinearState)`` after the last token (work dtype);
+    ``return_state=True`` returns ``(o, S_T)``, ``S_T`` ``[B, H, Dv, Dk]`` only.
+    """
     T, dt = q.shape[2], work_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
         fq = to_chunks(feature_map(q.to(dt)), chunk_size)            # [B, H, n, C, Dk]; padding rows 0
@@ -59,10 +79,16 @@ def linear_attention_chunked(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int
         kv = fk.transpose(-1, -2) @ vc                               # [B, H, n, Dk, Dv]
         state = _exclusive_cumsum(kv, 2)                             # state each chunk starts from
         zsum = _exclusive_cumsum(fk.sum(-2), 2)                      # [B, H, n, Dk]
+        if initial_state is not None:
+            state = state + initial_state.S.to(dt).transpose(-1, -2).unsqueeze(2)
+            zsum = zsum + initial_state.z.to(dt).unsqueeze(2)
         scores = torch.tril(fq @ fk.transpose(-1, -2))               # [B, H, n, C, C], causal incl. diagonal
         num = fq @ state + scores @ vc
         den = (fq * zsum.unsqueeze(-2)).sum(-1) + scores.sum(-1)     # [B, H, n, C]
         out = from_chunks(num / torch.clamp(den, min=eps).unsqueeze(-1), T).to(q.dtype)
-    if not return_state:
+    if not (return_state or output_final_state):
         return out
-    return out, (state[:, :, -1] + kv[:, :, -1]).transpose(-1, -2)
+    S_T = (state[:, :, -1] + kv[:, :, -1]).transpose(-1, -2)
+    if not output_final_state:
+        return out, S_T
+    return out, LinearState(S_T, zsum[:, :, -1] + fk[:, :, -1].sum(-2))

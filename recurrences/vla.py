@@ -17,10 +17,18 @@ directions of the chunk at once, ``A_t k̂_t = A_0 k̂_t - Σ_{s<=t} (k̂_t·w_s
 multiple of the chunk). **S:** with ``α̂`` known, ``X`` is a delta rule that writes along
 ``α̂`` and erases along ``k̂`` with ``β = 1``: one batched triangular solve for all chunks
 (:func:`recurrences.delta.chunk_wy`), then a loop over chunks of 3 matmuls.
+
+**Continuing** (a decode cache, SPEC §6) from a :class:`VLAState` at absolute position ``p``:
+chunks stay on absolute boundaries, so the refreshes still fall on chunk ends — the new
+tokens get ``p mod C`` zero rows in front (after the unit-normalisation and the feature
+map). A zero row is an exact no-op: ``û = k̂ = 0`` gives ``w = 0`` and ``α̂ = 0``, so neither
+``A`` nor ``S`` moves. The normaliser ``Σ φ(k)`` is a cumulative sum over the real tokens
+only (``φ(0) = 1``: a padded raw key would count), continued from the state's ``z``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -65,16 +73,31 @@ class VLAOptions:
         return self.refresh_every or 64
 
 
-def vla_write_directions(k_unit: Tensor, u_unit: Tensor, opts: VLAOptions, T: int) -> tuple[Tensor, Tensor]:
+class VLAState(NamedTuple):
+    """The VLA recurrence after ``position`` tokens: S ``[B, H, Dv, Dk]`` (paper orientation),
+    the penalty inverse A ``[B, H, Dk, Dk]`` (refreshes up to ``position`` applied), the
+    normaliser z ``[B, H, Dk]`` ``= Σ_s φ(k_s)``, and ``position`` (int: where the refresh
+    schedule stands)."""
+
+    S: Tensor
+    A: Tensor
+    z: Tensor
+    position: int
+
+
+def vla_write_directions(k_unit: Tensor, u_unit: Tensor, opts: VLAOptions, T: int, *, A0: Tensor | None = None,
+                         base: int = 0) -> tuple[Tensor, Tensor]:
     """Unit write directions of every token and the final penalty inverse.
 
-    k_unit, u_unit ``[B, H, n, C, Dk]`` (chunked, zero rows for padding), ``T`` real tokens ->
-    (α̂ ``[B, H, n, C, Dk]``, ``A_T`` ``[B, H, Dk, Dk]``).
+    k_unit, u_unit ``[B, H, n, C, Dk]`` (chunked, zero rows for padding) whose row 0 is the
+    token at absolute position ``base`` (a multiple of C), ``T`` the absolute position after
+    the last real token, ``A0`` ``[B, H, Dk, Dk]`` the penalty inverse at ``base`` (None:
+    ``I / lambda0``, a sequence start) -> (α̂ ``[B, H, n, C, Dk]``, ``A_T`` ``[B, H, Dk, Dk]``).
     """
     B, H, n, C, Dk = k_unit.shape
     eye = torch.eye(Dk, dtype=k_unit.dtype, device=k_unit.device)
     eye_c = torch.eye(C, dtype=k_unit.dtype, device=k_unit.device)
-    A = (eye / opts.lambda0).expand(B, H, Dk, Dk)
+    A = (eye / opts.lambda0).expand(B, H, Dk, Dk) if A0 is None else A0
     alphas = []
     for c in range(n):
         uc, kc = u_unit[:, :, c], k_unit[:, :, c]
@@ -84,33 +107,48 @@ def vla_write_directions(k_unit: Tensor, u_unit: Tensor, opts: VLAOptions, T: in
         raw = kc @ A - torch.tril(kc @ w.transpose(-1, -2)) @ w        # rows A_t k̂_t
         alphas.append(F.normalize(raw, dim=-1, eps=opts.eps))
         A = A - w.transpose(-1, -2) @ w
-        end = (c + 1) * C
+        end = base + (c + 1) * C
         if opts.refresh_every and end <= T and end % opts.refresh_every == 0:
             A = A + opts.refresh_eps * eye
     return torch.stack(alphas, 2), A
 
 
 def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = VLAOptions(), *,
-                return_state: bool = False):
-    """q, k, u ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype); with
-    ``return_state`` also ``(S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk])`` (paper orientation)."""
+                return_state: bool = False, initial_state: VLAState | None = None,
+                output_final_state: bool = False):
+    """q, k, u ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype).
+
+    ``initial_state``: the :class:`VLAState` before q, k, v (None: a sequence start at
+    position 0). ``output_final_state=True`` returns ``(o, VLAState)`` after the last token
+    (work dtype); ``return_state=True`` returns ``(o, (S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk]))``.
+    """
     T, Dv, dt, C = q.shape[2], v.shape[-1], work_dtype(q), opts.chunk
+    start = 0 if initial_state is None else initial_state.position
+    lead = start % C                                                    # zero rows up to the chunk boundary
     with torch.autocast(q.device.type, enabled=False):
-        kh = to_chunks(F.normalize(k.to(dt), dim=-1, eps=opts.eps), C)    # [B, H, n, C, Dk]
-        uh = to_chunks(F.normalize(u.to(dt), dim=-1, eps=opts.eps), C)
-        fq = to_chunks(feature_map(q.to(dt)), C)
-        vc = to_chunks(v.to(dt), C)
-        alpha, A = vla_write_directions(kh, uh, opts, T)
+        kh = to_chunks(F.normalize(k.to(dt), dim=-1, eps=opts.eps), C, lead)   # [B, H, n, C, Dk]
+        uh = to_chunks(F.normalize(u.to(dt), dim=-1, eps=opts.eps), C, lead)
+        fq = to_chunks(feature_map(q.to(dt)), C, lead)
+        vc = to_chunks(v.to(dt), C, lead)
+        A0 = None if initial_state is None else initial_state.A.to(dt)
+        alpha, A = vla_write_directions(kh, uh, opts, start + T, A0=A0, base=start - lead)
         sol = chunk_wy(kh, alpha, torch.cat([vc, kh], dim=-1))
         e0, wk = sol.split([Dv, kh.shape[-1]], dim=-1)
         qa = torch.tril(fq @ alpha.transpose(-1, -2))                   # [B, H, n, C, C]
-        X = q.new_zeros(*q.shape[:2], k.shape[-1], Dv, dtype=dt)
+        if initial_state is None:
+            X = q.new_zeros(*q.shape[:2], k.shape[-1], Dv, dtype=dt)
+        else:
+            X = initial_state.S.to(dt).transpose(-1, -2)
         nums = []
         for c in range(kh.shape[2]):
             e = e0[:, :, c] - wk[:, :, c] @ X                           # residuals e_t of the chunk
             nums.append(fq[:, :, c] @ X + qa[:, :, c] @ e)
             X = X + alpha[:, :, c].transpose(-1, -2) @ e
-        fk = feature_map(k.to(dt))
-        den = (feature_map(q.to(dt)) * fk.cumsum(2)).sum(-1, keepdim=True)
-        out = (from_chunks(torch.stack(nums, 2), T) / torch.clamp(den, min=opts.eps)).to(q.dtype)
+        ksum = feature_map(k.to(dt)).cumsum(2)                          # [B, H, T, Dk], real tokens only
+        if initial_state is not None:
+            ksum = ksum + initial_state.z.to(dt).unsqueeze(2)
+        den = (feature_map(q.to(dt)) * ksum).sum(-1, keepdim=True)
+        out = (from_chunks(torch.stack(nums, 2), T, lead) / torch.clamp(den, min=opts.eps)).to(q.dtype)
+    if output_final_state:
+        return out, VLAState(X.transpose(-1, -2), A, ksum[:, :, -1], start + T)
     return (out, (X.transpose(-1, -2), A)) if return_state else out

@@ -8,6 +8,8 @@ from .base import LayerCache
 from .kvm import KVMCache
 from .ovq import OVQCache
 from .plain import PlainCache
+from .recurrent import DeltaNetCache, LinearAttentionCache, VLACache
 from .vq import LongVQCache, VQCache
 
-__all__ = ["KVMCache", "LayerCache", "LongVQCache", "OVQCache", "PlainCache", "VQCache"]
+__all__ = ["DeltaNetCache", "KVMCache", "LayerCache", "LinearAttentionCache", "LongVQCache", "OVQCache", "PlainCache",
+           "VLACache", "VQCache"]

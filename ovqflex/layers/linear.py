@@ -1,5 +1,9 @@
 """Non-softmax recurrent layers (SPEC §4.6): ``forward(x [B, T, hidden]) -> [B, T, hidden]``.
 
+Like every attention layer they decode from a cache (SPEC §6): ``forward(x, use_cache=True)``
+returns ``(y, cache)`` after a prefill of any length and ``forward(x, cache=cache)`` continues;
+the caches (``ovqflex.cache.recurrent``) hold the recurrence's state, constant in size.
+
 Each owns the shared q/k/v/output projections (:class:`MultiHeadProjection`, with the
 optional causal q/k convolution) and calls one op of ``ovqflex.ops.linear``; ``out_norm=True``
 adds a per-head RMSNorm (learned ``[head_dim]`` gain shared by the heads) on the op's output
@@ -18,14 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_int, check_number
+from recurrences.checks import check_int, check_number, check_tensor
 from recurrences.vla import VLAOptions
 
+from ..cache.base import check_cache
+from ..cache.recurrent import DeltaNetCache, LinearAttentionCache, VLACache
 from ..ops.linear import delta_rule, linear_attention, vla_attention
 from .heads import MultiHeadProjection
 
 
 class _Recurrent(MultiHeadProjection):
+    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, qk_conv: int, out_norm: bool):
         super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
         self.out_norm = nn.RMSNorm(self.head_dim) if out_norm else None
@@ -33,6 +41,20 @@ class _Recurrent(MultiHeadProjection):
     def finish(self, o: Tensor) -> Tensor:
         """op output ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""
         return self.merge(o if self.out_norm is None else self.out_norm(o))
+
+    def empty_step(self, x: Tensor, cache):
+        """A decode call with no tokens (x ``[B, 0, hidden]``): an empty ``[B, 0, hidden]`` output and
+        the cache unchanged (a new object)."""
+        check_tensor("x", x, 3)
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        return x.new_zeros(x.shape[0], 0, self.hidden_size), dataclasses.replace(cache)
+
+    @staticmethod
+    def decode_chunk(chunk: int, x: Tensor, cache) -> int:
+        """Chunk of the recurrence for x ``[B, T, hidden]``: the layer's, or at most ``T`` when
+        decoding (linear attention and the delta rule do not depend on where chunks fall)."""
+        return chunk if cache is None else min(chunk, x.shape[1])
 
 
 class LinearAttention(_Recurrent):
@@ -46,9 +68,20 @@ class LinearAttention(_Recurrent):
         super().__init__(hidden_size, num_heads, head_dim, qk_conv, out_norm)
         self.chunk_size, self.eps = check_int("chunk_size", chunk_size), check_number("eps", eps)
 
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self.split_heads(x)
-        return self.finish(linear_attention(q, k, v, chunk_size=self.chunk_size, eps=self.eps))
+    def forward(self, x: Tensor, cache: LinearAttentionCache | None = None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
+        ``cache`` (:class:`~ovqflex.cache.LinearAttentionCache`) to continue from."""
+        check_cache(cache, LinearAttentionCache, self)
+        if cache is not None and x.shape[1] == 0:
+            return self.empty_step(x, cache)
+        q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
+        if cache is None and not use_cache:
+            return self.finish(linear_attention(q, k, v, chunk_size=self.chunk_size, eps=self.eps))
+        o, state = linear_attention(q, k, v, chunk_size=self.decode_chunk(self.chunk_size, x, cache), eps=self.eps,
+                                    initial_state=None if cache is None else cache.recurrence_state(),
+                                    output_final_state=True)
+        position = (0 if cache is None else cache.position) + x.shape[1]
+        return self.finish(o), LinearAttentionCache.of(state, position, tail)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
@@ -68,12 +101,22 @@ class DeltaNetAttention(_Recurrent):
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.beta_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self.split_heads(x)
+    def forward(self, x: Tensor, cache: DeltaNetCache | None = None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
+        ``cache`` (:class:`~ovqflex.cache.DeltaNetCache`) to continue from."""
+        check_cache(cache, DeltaNetCache, self)
+        if cache is not None and x.shape[1] == 0:
+            return self.empty_step(x, cache)
+        q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)      # [B, H, T]
-        o = delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta.to(q.dtype),
-                       chunk_size=self.chunk_size)
-        return self.finish(o)
+        args = (F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta.to(q.dtype))
+        if cache is None and not use_cache:
+            return self.finish(delta_rule(*args, chunk_size=self.chunk_size))
+        o, state = delta_rule(*args, chunk_size=self.decode_chunk(self.chunk_size, x, cache),
+                              initial_state=None if cache is None else cache.recurrence_state(),
+                              output_final_state=True)
+        position = (0 if cache is None else cache.position) + x.shape[1]
+        return self.finish(o), DeltaNetCache.of(state, position, tail)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
@@ -102,10 +145,23 @@ class VLAAttention(_Recurrent):
         self.options = options if options is not None else VLAOptions(**option_kwargs)
         self.penalty_proj = nn.Linear(self.head_dim, self.head_dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self.split_heads(x)
+    def forward(self, x: Tensor, cache: VLACache | None = None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
+        ``cache`` (:class:`~ovqflex.cache.VLACache`) to continue from. A one-token decode step
+        runs with ``chunk_size=1`` (one Sherman-Morrison step; 1 divides every refresh period)."""
+        check_cache(cache, VLACache, self)
+        if cache is not None and x.shape[1] == 0:
+            return self.empty_step(x, cache)
+        q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
         u = self.penalty_proj(k)
-        return self.finish(vla_attention(q, k, v, u, **dataclasses.asdict(self.options)))
+        options = dataclasses.asdict(self.options)
+        if cache is None and not use_cache:
+            return self.finish(vla_attention(q, k, v, u, **options))
+        if cache is not None and x.shape[1] == 1:
+            options["chunk_size"] = 1
+        o, state = vla_attention(q, k, v, u, **options, output_final_state=True,
+                                 initial_state=None if cache is None else cache.recurrence_state())
+        return self.finish(o), VLACache.of(state, tail)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -4,34 +4,69 @@ All causal; ``[B, H, T, D]`` in, ``[B, H, T, Dv]`` out. They validate their inpu
 call the chunked forms of ``recurrences/`` (linear.py, delta.py, vla.py), which compute in
 float32 (float64 for float64 inputs) whatever the autocast state; the token-by-token
 references the tests compare them with are in ``recurrences/reference/``.
+
+Each op continues from an ``initial_state`` (None: a sequence start) and returns the state
+after its last token with ``output_final_state=True`` — what the layers' decode caches
+(``ovqflex.cache.recurrent``) carry, so a continuation equals one pass over the whole sequence.
 """
 from __future__ import annotations
 
 from torch import Tensor
 
-from recurrences.checks import check_companion, check_int, check_number, check_qkv
+from recurrences.checks import check_companion, check_int, check_number, check_qkv, check_tensor
 from recurrences.delta import delta_rule_chunked
-from recurrences.linear import linear_attention_chunked
-from recurrences.vla import VLAOptions, vla_chunked
+from recurrences.linear import LinearState, linear_attention_chunked
+from recurrences.vla import VLAOptions, VLAState, vla_chunked
+
+
+def _check_state(name: str, x: object, shape: tuple, like: Tensor) -> None:
+    """A carried state: a floating tensor of exactly ``shape`` on ``like``'s device (any
+    floating dtype: caches keep fp32 states for bf16 layers)."""
+    check_tensor(name, x, len(shape))
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.device != like.device:
+        raise ValueError(f"{name} must be on device {like.device} (as q), got {x.device}")
+
+
+def _check_initial_state(state, kind: type, q: Tensor, v: Tensor) -> None:
+    if state is None:
+        return
+    if not isinstance(state, kind):
+        raise TypeError(f"initial_state must be a {kind.__name__}, got {type(state).__name__}")
+    B, H, _, Dk = q.shape
+    _check_state("initial_state.S", state.S, (B, H, v.shape[-1], Dk), q)
+    _check_state("initial_state.z", state.z, (B, H, Dk), q)
+    if kind is VLAState:
+        _check_state("initial_state.A", state.A, (B, H, Dk, Dk), q)
+        check_int("initial_state.position", state.position, minimum=0)
 
 
 def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = 64, eps: float = 1e-6,
-                     return_state: bool = False):
+                     return_state: bool = False, initial_state: LinearState | None = None,
+                     output_final_state: bool = False):
     """Causal linear attention with the ELU+1 feature map and normalised read-out.
 
     q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``::
 
         o_t = Σ_{s<=t} (φ(q_t)·φ(k_s)) v_s / max(Σ_{s<=t} φ(q_t)·φ(k_s), eps),   φ = elu + 1
 
-    ``return_state=True`` also returns ``S_T = Σ_s v_s φ(k_s)^T`` ``[B, H, Dv, Dk]``.
+    ``return_state=True`` also returns ``S_T = Σ_s v_s φ(k_s)^T`` ``[B, H, Dv, Dk]``;
+    ``output_final_state=True`` the whole :class:`recurrences.linear.LinearState` ``(S_T, z_T)``
+    (``z_T = Σ_s φ(k_s)`` ``[B, H, Dk]``, fp32), which ``initial_state`` continues from.
     """
     check_qkv(q, k, v)
     check_int("chunk_size", chunk_size)
     check_number("eps", eps)
-    return linear_attention_chunked(q, k, v, chunk_size=chunk_size, eps=eps, return_state=return_state)
+    _check_initial_state(initial_state, LinearState, q, v)
+    return linear_attention_chunked(q, k, v, chunk_size=chunk_size, eps=eps, return_state=return_state,
+                                    initial_state=initial_state, output_final_state=output_final_state)
 
 
-def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 64, return_state: bool = False):
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 64, return_state: bool = False,
+               initial_state: Tensor | None = None, output_final_state: bool = False):
     """The delta rule (DeltaNet) with a per-token write strength.
 
     q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, beta ``[B, H, T]`` -> ``[B, H, T, Dv]``::
@@ -40,17 +75,22 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int
 
     Keys are used as given: the recurrence is stable for ``β_t ||k_t||² ∈ [0, 2]``
     (:class:`ovqflex.DeltaNetAttention` uses unit keys and ``β = sigmoid(.)``).
-    ``return_state=True`` also returns ``S_T`` ``[B, H, Dv, Dk]``.
+    ``return_state=True`` (or ``output_final_state=True``) also returns ``S_T`` ``[B, H, Dv, Dk]``
+    (fp32), the whole state: ``initial_state`` ``S_0`` continues from it.
     """
     check_qkv(q, k, v)
     check_companion("beta", beta, q.shape[:3], q)
     check_int("chunk_size", chunk_size)
-    return delta_rule_chunked(q, k, v, beta, chunk_size=chunk_size, return_state=return_state)
+    if initial_state is not None:
+        _check_state("initial_state", initial_state, (*q.shape[:2], v.shape[-1], q.shape[-1]), q)
+    return delta_rule_chunked(q, k, v, beta, chunk_size=chunk_size, return_state=return_state,
+                              initial_state=initial_state, output_final_state=output_final_state)
 
 
 def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float = 0.1, refresh_every: int = 20,
                   refresh_eps: float = 1e-3, eps: float = 1e-4, chunk_size: int | None = None,
-                  return_state: bool = False):
+                  return_state: bool = False, initial_state: VLAState | None = None,
+                  output_final_state: bool = False):
     """Variational Linear Attention (seed 002): a residual update written along the unit
     direction ``α̂_t = A_t k̂_t / ||A_t k̂_t||`` of a Sherman-Morrison penalty inverse ``A_t``.
 
@@ -63,10 +103,14 @@ def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float 
 
     and ``A += refresh_eps I`` after every ``refresh_every``-th token (0: never). See
     :class:`recurrences.vla.VLAOptions` for ``chunk_size``. ``return_state=True`` also returns
-    ``(S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk])``.
+    ``(S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk])``; ``output_final_state=True`` the whole
+    :class:`recurrences.vla.VLAState` ``(S_T, A_T, z_T [B, H, Dk], position)`` (fp32), which
+    ``initial_state`` continues from — the refresh schedule follows the absolute position.
     """
     check_qkv(q, k, v)
     check_companion("u", u, k.shape, q)
     opts = VLAOptions(lambda0=lambda0, refresh_every=refresh_every, refresh_eps=refresh_eps, eps=eps,
                       chunk_size=chunk_size)
-    return vla_chunked(q, k, v, u, opts, return_state=return_state)
+    _check_initial_state(initial_state, VLAState, q, v)
+    return vla_chunked(q, k, v, u, opts, return_state=return_state, initial_state=initial_state,
+                       output_final_state=output_final_state)

@@ -76,3 +76,41 @@ def test_bad_inputs_refused(name, change, exc, match):
     args, kw = _bad(name, change)
     with pytest.raises(exc, match=match):
         OPS[name](*args, **kw)
+
+
+def _state(name):
+    """The op's final state after the first 20 tokens (what a decode cache carries)."""
+    args, kw = _args(name)
+    _, state = OPS[name](*[a[:, :, :20] for a in args], output_final_state=True, **kw)
+    return state
+
+
+BAD_STATES = [
+    ("linear", lambda s: (s.S, s.z), TypeError, "initial_state must be a LinearState, got tuple"),
+    ("linear", lambda s: s._replace(z=s.z[..., :5]), ValueError,
+     r"initial_state.z must have shape \(2, 2, 6\), got \(2, 2, 5\)"),
+    ("linear", lambda s: s._replace(S=s.S.long()), TypeError, "initial_state.S must be a floating tensor"),
+    ("delta", lambda s: s.transpose(0, 1)[:1], ValueError,
+     r"initial_state must have shape \(2, 2, 6, 6\), got \(1, 2, 6, 6\)"),
+    ("vla", lambda s: s._replace(A=s.A[..., :3]), ValueError,
+     r"initial_state.A must have shape \(2, 2, 6, 6\), got \(2, 2, 6, 3\)"),
+    ("vla", lambda s: s._replace(position=-3), ValueError, "initial_state.position must be >= 0, got -3"),
+]
+
+
+@pytest.mark.parametrize("name,change,exc,match", BAD_STATES,
+                         ids=["linear-tuple", "linear-z-shape", "linear-S-int", "delta-S-shape", "vla-A-shape",
+                              "vla-position"])
+def test_bad_initial_state_refused(name, change, exc, match):
+    args, kw = _args(name)
+    with pytest.raises(exc, match=match):
+        OPS[name](*[a[:, :, 20:] for a in args], initial_state=change(_state(name)), **kw)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_continuation_equals_one_pass(name):
+    args, kw = _args(name)
+    full = OPS[name](*args, **kw)
+    first, state = OPS[name](*[a[:, :, :20] for a in args], output_final_state=True, **kw)
+    rest = OPS[name](*[a[:, :, 20:] for a in args], initial_state=state, **kw)
+    assert torch.allclose(torch.cat([first, rest], 2), full, atol=1e-6, rtol=1e-5)

@@ -3,16 +3,19 @@
 The full forward runs the fused program; the cache path runs a prefill (fused, plus a
 route replay) and then per-chunk decode over explicit rows. They share only the
 projections and the routing steps, so agreement checks the caches' bookkeeping:
-which rows each query sees, when chunks are absorbed, conv tails and positions.
+which rows each query sees, when chunks are absorbed, conv tails and positions. The
+non-softmax recurrences (linear, DeltaNet, VLA) carry their state instead: agreement
+checks the continued recurrence (VLA: refreshes on the absolute schedule).
 """
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 import ovqflex
-from ovqflex.cache import KVMCache, OVQCache, PlainCache
-from ovqflex.models import HybridLM
+from ovqflex.cache import DeltaNetCache, KVMCache, LinearAttentionCache, OVQCache, PlainCache, VLACache
+from ovqflex.models import HybridLM, mixers
 from ovqflex.models.config import HybridConfig
 from tests.helpers import FWD_TOL, assert_close
 
@@ -45,6 +48,15 @@ LAYERS = {
                                                            local_bias=True, qk_conv=3, estimator="diveq",
                                                            backend="dense"),
     "longvq": lambda: ovqflex.LongVQBlock(HIDDEN, HEADS, chunk_size=16, codebook_size=12, backend="dense"),
+    "linear": lambda: ovqflex.LinearAttention(HIDDEN, HEADS, chunk_size=16),
+    "linear-outnorm-conv": lambda: ovqflex.LinearAttention(HIDDEN, HEADS, chunk_size=16, out_norm=True, qk_conv=3),
+    "deltanet": lambda: ovqflex.DeltaNetAttention(HIDDEN, HEADS, chunk_size=16),
+    "deltanet-outnorm-conv": lambda: ovqflex.DeltaNetAttention(HIDDEN, HEADS, chunk_size=16, out_norm=True,
+                                                               qk_conv=2),
+    "vla": lambda: ovqflex.VLAAttention(HIDDEN, HEADS),  # refresh every 20 tokens, chunk 20
+    "vla-outnorm-conv-r12c4": lambda: ovqflex.VLAAttention(HIDDEN, HEADS, out_norm=True, qk_conv=3, refresh_every=12,
+                                                           refresh_eps=0.05, chunk_size=4),
+    "vla-norefresh": lambda: ovqflex.VLAAttention(HIDDEN, HEADS, refresh_every=0, chunk_size=16, lambda0=1.0),
 }
 
 
@@ -88,7 +100,8 @@ def test_prefill_then_decode_equals_full_forward(name, t1, t2, steps):
     assert_close(streamed, full, FWD_TOL[torch.float32], f"{name} t1={t1} t2={t2} steps={steps}")
 
 
-@pytest.mark.parametrize("name", ["ovq-plateau", "kvm-fixed", "swa-20-sinks", "vq", "longvq"])
+@pytest.mark.parametrize("name", ["ovq-plateau", "kvm-fixed", "swa-20-sinks", "vq", "longvq", "linear-outnorm-conv",
+                                  "deltanet-outnorm-conv", "vla-outnorm-conv-r12c4"])
 def test_a_cache_can_be_continued_twice(name):
     """Decoding does not mutate the cache it was given: one prefix, two continuations."""
     layer = _perturbed(LAYERS[name]())
@@ -102,7 +115,7 @@ def test_a_cache_can_be_continued_twice(name):
     assert all(torch.equal(t, u) for t, u in zip(before, cache.tensors()))
 
 
-PATTERNS = ["swa,ovq", "kvm", "full,bswa", "swa,nope", "swa,vq", "longvq"]
+PATTERNS = ["swa,ovq", "kvm", "full,bswa", "swa,nope", "swa,vq", "longvq", "swa,linear", "deltanet", "vla"]
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -217,17 +230,79 @@ def test_kvm_cache_holds_state_and_at_most_nb_chunks():
             assert cache.state.shape[2] <= 3 * 16 and cache.rows <= 3 * 16
 
 
-def test_bad_cache_arguments_are_refused():
+def test_recurrent_caches_stay_constant_over_2000_decoded_tokens():
+    """The caches of linear attention, DeltaNet and VLA hold the state only: their size is the
+    documented bound (computed here from the formula) after the prefill and at every step."""
+    B, H, D, K = 1, 2, 16, 3
+    S, z, A, conv = H * D * D * 4, H * D * 4, H * D * D * 4, 2 * H * D * (K - 1) * 4
+    cases = [(ovqflex.LinearAttention(H * D, H, chunk_size=16, qk_conv=K), LinearAttentionCache, B * (S + z) + conv),
+             (ovqflex.DeltaNetAttention(H * D, H, chunk_size=16, qk_conv=K), DeltaNetCache, B * S + conv),
+             (ovqflex.VLAAttention(H * D, H, qk_conv=K), VLACache, B * (S + A + z) + conv)]
+    x = torch.randn(B, 2001, H * D)
+    for layer, kind, bound in cases:
+        layer = _perturbed(layer)
+        with torch.no_grad():
+            _, cache = layer(x[:, :37], use_cache=True)
+            sizes = [cache.nbytes()]
+            for i in range(37, x.shape[1]):
+                _, cache = layer(x[:, i:i + 1], cache=cache)
+                sizes.append(cache.nbytes())
+        name = type(layer).__name__
+        assert isinstance(cache, kind) and cache.position == x.shape[1], name
+        assert set(sizes) == {bound}, f"{name}: cache sizes {sorted(set(sizes))}, bound {bound}"
+        assert all(torch.isfinite(t).all() for t in cache.tensors()), name
+        assert not any(t.requires_grad for t in cache.tensors()), name
+
+
+def test_recurrent_caches_hold_no_graph():
+    """Even when the layer runs with gradients, its cache holds detached tensors."""
+    for name in ("linear-outnorm-conv", "deltanet-outnorm-conv", "vla-outnorm-conv-r12c4"):
+        layer = LAYERS[name]()
+        x = torch.randn(1, 9, HIDDEN, requires_grad=True)
+        y, cache = layer(x, use_cache=True)
+        assert y.requires_grad
+        assert not any(t.requires_grad for t in cache.tensors()), name
+        y, cache = layer(x[:, :2], cache=cache)
+        assert y.requires_grad and not any(t.requires_grad for t in cache.tensors()), name
+
+
+def test_recurrent_layers_decode_zero_tokens():
+    for name in ("linear-outnorm-conv", "deltanet-outnorm-conv", "vla-outnorm-conv-r12c4"):
+        layer = _perturbed(LAYERS[name]())
+        x = torch.randn(2, 30, HIDDEN)
+        with torch.no_grad():
+            full = layer(x)
+            y0, cache = layer(x[:, :13], use_cache=True)
+            empty, cache2 = layer(x[:, :0], cache=cache)
+            y1, cache3 = layer(x[:, 13:], cache=cache2)
+        assert empty.shape == (2, 0, HIDDEN) and cache2 is not cache and cache2.position == 13, name
+        assert cache3.position == 30, name
+        assert_close(torch.cat([y0, y1], 1), full, FWD_TOL[torch.float32], name)
+
+
+def test_bad_cache_arguments_are_refused(monkeypatch):
     ovq, swa = LAYERS["ovq-plateau"](), LAYERS["swa-20-sinks"]()
+    lin, vla = LAYERS["linear"](), LAYERS["vla"]()
     x = torch.randn(1, 20, HIDDEN)
     with torch.no_grad():
         _, swa_cache = swa(x, use_cache=True)
         _, ovq_cache = ovq(x, use_cache=True)
+        _, lin_cache = lin(x, use_cache=True)
         with pytest.raises(TypeError, match="cache for OVQAttention must be a OVQCache"):
             ovq(x, cache=swa_cache)
         with pytest.raises(ValueError, match="max_centroids=99 differs"):
             ovq(x, cache=ovq_cache, max_centroids=99)
-    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="linear")
-    with pytest.raises(NotImplementedError, match="mixer 'linear'"):
+        with pytest.raises(TypeError, match="cache for VLAAttention must be a VLACache"):
+            vla(x, cache=lin_cache)
+        with pytest.raises(ValueError, match=r"initial_state.S must have shape \(1, 2, 16, 16\)"):
+            LAYERS["linear"]()(torch.randn(1, 3, HIDDEN), cache=LinearAttentionCache(
+                position=20, conv=None, state=torch.zeros(1, 2, 8, 16), key_sum=torch.zeros(1, 2, 16)))
+    # every mixer of the registry decodes now (linear recurrences included) ...
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern="linear,vla")
+    assert HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2).shape == (1, 5)
+    # ... and one without a cache is still refused with its name
+    monkeypatch.setitem(mixers._MIXERS, "nocache", lambda c: nn.Linear(c.d_model, c.d_model))
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="nocache")
+    with pytest.raises(NotImplementedError, match="mixer 'nocache'"):
         HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2)
     assert isinstance(swa_cache, PlainCache)
