@@ -24,6 +24,13 @@ class LayerCache:
     position: int
     conv: Tensor | None
 
+    def __post_init__(self):
+        # inference objects: whatever produced the tensors, the cache keeps no autograd graph
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor) and value.requires_grad:
+                setattr(self, f.name, value.detach())
+
     def tensors(self) -> list[Tensor]:
         out = []
         for f in dataclasses.fields(self):

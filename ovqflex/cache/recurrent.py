@@ -25,10 +25,6 @@ from recurrences.vla import VLAState
 from .base import LayerCache
 
 
-def _detached(x: Tensor | None) -> Tensor | None:
-    return None if x is None else x.detach()
-
-
 @dataclass
 class LinearAttentionCache(LayerCache):
     """state ``[B, H, Dv, Dk]`` ``S = Σ_s v_s φ(k_s)^T`` and key_sum ``[B, H, Dk]`` ``z = Σ_s φ(k_s)``
@@ -40,7 +36,7 @@ class LinearAttentionCache(LayerCache):
     @classmethod
     def of(cls, state: LinearState, position: int, conv: Tensor | None) -> LinearAttentionCache:
         """The cache holding ``state`` (:class:`recurrences.linear.LinearState`) after ``position`` tokens."""
-        return cls(position=position, conv=_detached(conv), state=state.S.detach(), key_sum=state.z.detach())
+        return cls(position=position, conv=conv, state=state.S, key_sum=state.z)
 
     def recurrence_state(self) -> LinearState:
         return LinearState(self.state, self.key_sum)
@@ -54,7 +50,7 @@ class DeltaNetCache(LayerCache):
 
     @classmethod
     def of(cls, state: Tensor, position: int, conv: Tensor | None) -> DeltaNetCache:
-        return cls(position=position, conv=_detached(conv), state=state.detach())
+        return cls(position=position, conv=conv, state=state)
 
     def recurrence_state(self) -> Tensor:
         return self.state
@@ -72,8 +68,7 @@ class VLACache(LayerCache):
     @classmethod
     def of(cls, state: VLAState, conv: Tensor | None) -> VLACache:
         """The cache holding ``state`` (:class:`recurrences.vla.VLAState`, which knows its position)."""
-        return cls(position=state.position, conv=_detached(conv), state=state.S.detach(),
-                   penalty=state.A.detach(), key_sum=state.z.detach())
+        return cls(position=state.position, conv=conv, state=state.S, penalty=state.A, key_sum=state.z)
 
     def recurrence_state(self) -> VLAState:
         return VLAState(self.state, self.penalty, self.key_sum, self.position)
