@@ -102,6 +102,13 @@ def plan_versioned(n_chunks: int, chunk: int, rows: int, lag: int, every: int | 
     return VersionPlan(n_chunks, chunk, rows_pad, every, lag)
 
 
+def check_state_layout(state_layout: str, checkpoint_every: int | None) -> None:
+    """The ``state_layout`` / ``checkpoint_every`` options of an op or layer (ValueError naming them)."""
+    check_choice("state_layout", state_layout, STATE_LAYOUTS)
+    if checkpoint_every is not None:
+        check_int("checkpoint_every", checkpoint_every)
+
+
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan) -> str:
     """``auto`` -> the layout with fewer state rows (snapshot: ``n_chunks * rows``)."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.checks import check_choice, check_chunk, check_int
 from recurrences.ovq import GROWTHS, SEEDINGS
-from recurrences.versioned import STATE_LAYOUTS
+from recurrences.versioned import check_state_layout
 
 from ..cache.base import check_cache
 from ..cache.ovq import OVQCache, OVQDecodeOptions, ovq_decode, ovq_prefill
@@ -39,9 +39,7 @@ class OVQAttention(MultiHeadProjection):
                  checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         check_chunk("chunk_size", chunk_size)
-        check_choice("state_layout", state_layout, STATE_LAYOUTS)
-        if checkpoint_every is not None:
-            check_int("checkpoint_every", checkpoint_every)
+        check_state_layout(state_layout, checkpoint_every)
         self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         check_int("max_centroids", max_centroids)
         check_choice("growth", growth, GROWTHS)

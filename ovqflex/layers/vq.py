@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.checks import check_choice, check_chunk, check_int, check_number
-from recurrences.versioned import STATE_LAYOUTS
+from recurrences.versioned import check_state_layout
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
 
@@ -146,9 +146,7 @@ class VQAttention(MultiHeadProjection):
                  checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         check_chunk("chunk_size", chunk_size)
-        check_choice("state_layout", state_layout, STATE_LAYOUTS)
-        if checkpoint_every is not None:
-            check_int("checkpoint_every", checkpoint_every)
+        check_state_layout(state_layout, checkpoint_every)
         self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
         self.chunk_size, self.commitment_weight, self.block_size = chunk_size, commitment_weight, block_size

@@ -14,10 +14,10 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import BlockWindow, StateBank
 from masks.versioned import versioned_regions
-from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
+from recurrences.checks import check_chunk, check_int, check_qkv, check_tensor
 from recurrences.kvm import (KVMBudget, build_kvm_snapshots, build_kvm_versioned, kvm_state_sizes, memory_keys,
                              route_kvm)
-from recurrences.versioned import STATE_LAYOUTS, choose_state_layout, plan_versioned
+from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
 
 from ..attention import attend
 from ..profiling import stage
@@ -46,9 +46,7 @@ def check_kvm_options(head_dim: int, chunk_size, n_bswa_chunks, sink_len, rope_d
                       checkpoint_every=None) -> int:
     """Validate the shape options shared by :func:`kvm_program` and ``KVMAttention``;
     returns ``rope_dims`` resolved (None: ``head_dim // 2``)."""
-    check_choice("state_layout", state_layout, STATE_LAYOUTS)
-    if checkpoint_every is not None:
-        check_int("checkpoint_every", checkpoint_every)
+    check_state_layout(state_layout, checkpoint_every)
     check_chunk("chunk_size", chunk_size)
     check_int("n_bswa_chunks", n_bswa_chunks)
     check_int("sink_len", sink_len, minimum=0)

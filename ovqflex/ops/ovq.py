@@ -16,7 +16,7 @@ from masks.regions import OwnChunk, StateBank
 from masks.versioned import versioned_regions
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
 from recurrences.ovq import GROWTHS, SEEDINGS, build_ovq_snapshots, build_ovq_versioned, dictionary_sizes, route_ovq
-from recurrences.versioned import STATE_LAYOUTS, choose_state_layout, plan_versioned
+from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
 
 from ..attention import attend
 from ..profiling import stage
@@ -45,9 +45,7 @@ def _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, g
     check_choice("seeding", seeding, SEEDINGS)
     if growth_horizon is not None:
         check_int("growth_horizon", growth_horizon)
-    check_choice("state_layout", state_layout, STATE_LAYOUTS)
-    if checkpoint_every is not None:
-        check_int("checkpoint_every", checkpoint_every)
+    check_state_layout(state_layout, checkpoint_every)
 
 
 def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 128, max_centroids: int,

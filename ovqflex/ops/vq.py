@@ -22,8 +22,8 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import BlockWindow, StateBank
 from masks.versioned import versioned_regions
-from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
-from recurrences.versioned import STATE_LAYOUTS, choose_state_layout, plan_versioned
+from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor
+from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
 from recurrences.vq import (ESTIMATORS, LAG, assign_codes, build_vq_snapshots, build_vq_versioned, codebook_metrics,
                             commitment_loss, quantize, vq_state_sizes)
 
@@ -45,9 +45,7 @@ def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, c
         raise ValueError(f"beta must have shape [H]=[{H}], got {tuple(beta.shape)}")
     check_chunk("chunk_size", chunk_size)
     check_choice("estimator", estimator, ESTIMATORS)
-    check_choice("state_layout", state_layout, STATE_LAYOUTS)
-    if checkpoint_every is not None:
-        check_int("checkpoint_every", checkpoint_every)
+    check_state_layout(state_layout, checkpoint_every)
     if local_bias is not None:
         check_tensor("local_bias", local_bias, 1)
         if local_bias.shape[0] != H:

@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import ovqflex
-from ovqflex.ops.kvm import kvm_program
 from ovqflex.ops.ovq import ovq_program
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 from tests.ovqflex.test_kvm import BUDGETS

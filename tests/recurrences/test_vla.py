@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from recurrences.delta import delta_rule_chunked
 from recurrences.linear import feature_map
 from recurrences.reference import delta_rule_reference, linear_attention_reference, vla_reference
 from recurrences.vla import VLAOptions, vla_chunked
