@@ -75,15 +75,15 @@ def check_number(name: str, value: object, *, minimum: float = 0.0, strict: bool
     return float(value)
 
 
-def check_companion(name: str, x: object, shape: tuple, like: Tensor) -> Tensor:
+def check_companion(name: str, x: object, shape: tuple, like: Tensor, *, same_dtype: bool = True) -> Tensor:
     """A per-token input that travels with ``like`` (e.g. a gate ``[B, H, T]`` next to q):
-    a floating tensor of exactly ``shape`` with ``like``'s dtype and device."""
+    a floating tensor of exactly ``shape`` with ``like``'s device and (``same_dtype``) dtype."""
     check_tensor(name, x, len(shape))
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if x.dtype != like.dtype:
+    if same_dtype and x.dtype != like.dtype:
         raise TypeError(f"{name} must have dtype {like.dtype} (as q), got {x.dtype}")
     if x.device != like.device:
         raise ValueError(f"{name} must be on device {like.device} (as q), got {x.device}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from recurrences.checks import check_companion, check_int, check_number, check_qkv, check_tensor
+from recurrences.checks import check_companion, check_int, check_number, check_qkv
 from recurrences.delta import delta_rule_chunked
 from recurrences.linear import LinearState, linear_attention_chunked
 from recurrences.vla import VLAOptions, VLAState, vla_chunked
@@ -22,13 +22,7 @@ from recurrences.vla import VLAOptions, VLAState, vla_chunked
 def _check_state(name: str, x: object, shape: tuple, like: Tensor) -> None:
     """A carried state: a floating tensor of exactly ``shape`` on ``like``'s device (any
     floating dtype: caches keep fp32 states for bf16 layers)."""
-    check_tensor(name, x, len(shape))
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if x.device != like.device:
-        raise ValueError(f"{name} must be on device {like.device} (as q), got {x.device}")
+    check_companion(name, x, shape, like, same_dtype=False)
 
 
 def _check_initial_state(state, kind: type, q: Tensor, v: Tensor) -> None:
