@@ -80,10 +80,11 @@ def test_bad_arguments():
 def test_two_layer_longvq_learns_the_copy_task():
     """Eager AdamW on the copy task (vocab 16, 8 tokens, SEP, the 8 again: T = 17, chunks of 16).
     Only the window region is exercised (no query reads the codebook state at T = 17). Longer
-    copies stayed at ln(14), chance, for 300 / 800 steps: 16 tokens (T = 33, where every query still
-    finds its source in the window) and 24 (T = 49, where queries 32-39 read
-    sources 8-15 only through the codebook state). Every key is quantized, the window's too,
-    and the block's only positional signal is the EMA — open problem, see the issue-5 report."""
+    copies learn late or not at all (measured, same settings): 16 tokens (T = 33, every source
+    in the window) leave chance (ln 14) only after ~550 steps; 24 tokens (T = 49, queries 32-39
+    reach sources 8-15 only through the codebook state) stay at chance for 1,500 steps, window
+    targets included. Every key is quantized, the window's too, and the block's only positional
+    signal is the EMA — open problem, see the issue-5 report."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     task = make_task("copy", vocab_size=16, n_tokens=8)
