@@ -50,6 +50,7 @@ class DeltaNetCache(LayerCache):
 
     @classmethod
     def of(cls, state: Tensor, position: int, conv: Tensor | None) -> DeltaNetCache:
+        """The cache holding the delta rule's ``S`` after ``position`` tokens."""
         return cls(position=position, conv=conv, state=state)
 
     def recurrence_state(self) -> Tensor:
@@ -66,9 +67,11 @@ class VLACache(LayerCache):
     key_sum: Tensor
 
     @classmethod
-    def of(cls, state: VLAState, conv: Tensor | None) -> VLACache:
-        """The cache holding ``state`` (:class:`recurrences.vla.VLAState`, which knows its position)."""
-        return cls(position=state.position, conv=conv, state=state.S, penalty=state.A, key_sum=state.z)
+    def of(cls, state: VLAState, position: int, conv: Tensor | None) -> VLACache:
+        """The cache holding ``state`` (:class:`recurrences.vla.VLAState`) after ``position`` tokens."""
+        if state.position != position:
+            raise ValueError(f"VLA state is at position {state.position}, the cache at {position}")
+        return cls(position=position, conv=conv, state=state.S, penalty=state.A, key_sum=state.z)
 
     def recurrence_state(self) -> VLAState:
         return VLAState(self.state, self.penalty, self.key_sum, self.position)

@@ -42,19 +42,33 @@ class _Recurrent(MultiHeadProjection):
         """op output ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""
         return self.merge(o if self.out_norm is None else self.out_norm(o))
 
-    def empty_step(self, x: Tensor, cache):
+    def forward(self, x: Tensor, cache=None, use_cache: bool = False):
+        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
+        ``cache`` (the layer's ``cache_type``) to continue from."""
+        check_cache(cache, self.cache_type, self)
+        if cache is not None and x.shape[1] == 0:
+            return self._empty_step(x, cache)
+        q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
+        if cache is None and not use_cache:
+            return self.finish(self.recur(x, q, k, v))
+        o, state = self.recur(x, q, k, v, decoding=cache is not None, output_final_state=True,
+                              initial_state=None if cache is None else cache.recurrence_state())
+        position = (0 if cache is None else cache.position) + x.shape[1]
+        return self.finish(o), self.cache_type.of(state, position, tail)
+
+    def recur(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, decoding: bool = False, **state_options):
+        """The layer's op on q, k, v ``[B, H, T, head_dim]`` (x ``[B, T, hidden]`` for per-token
+        gates); ``state_options``: ``initial_state`` / ``output_final_state`` of the op; ``decoding``:
+        a continuation from a cache (the op may take a smaller chunk)."""
+        raise NotImplementedError
+
+    def _empty_step(self, x: Tensor, cache):
         """A decode call with no tokens (x ``[B, 0, hidden]``): an empty ``[B, 0, hidden]`` output and
         the cache unchanged (a new object)."""
         check_tensor("x", x, 3)
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         return x.new_zeros(x.shape[0], 0, self.hidden_size), dataclasses.replace(cache)
-
-    @staticmethod
-    def decode_chunk(chunk: int, x: Tensor, cache) -> int:
-        """Chunk of the recurrence for x ``[B, T, hidden]``: the layer's, or at most ``T`` when
-        decoding (linear attention and the delta rule do not depend on where chunks fall)."""
-        return chunk if cache is None else min(chunk, x.shape[1])
 
 
 class LinearAttention(_Recurrent):
@@ -63,25 +77,17 @@ class LinearAttention(_Recurrent):
     x ``[B, T, hidden]`` -> ``[B, T, hidden]``; q, k, v ``[B, H, T, head_dim]`` inside.
     """
 
+    cache_type = LinearAttentionCache
+
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 64,
                  eps: float = 1e-6, qk_conv: int = 0, out_norm: bool = False):
         super().__init__(hidden_size, num_heads, head_dim, qk_conv, out_norm)
         self.chunk_size, self.eps = check_int("chunk_size", chunk_size), check_number("eps", eps)
 
-    def forward(self, x: Tensor, cache: LinearAttentionCache | None = None, use_cache: bool = False):
-        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
-        ``cache`` (:class:`~ovqflex.cache.LinearAttentionCache`) to continue from."""
-        check_cache(cache, LinearAttentionCache, self)
-        if cache is not None and x.shape[1] == 0:
-            return self.empty_step(x, cache)
-        q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
-        if cache is None and not use_cache:
-            return self.finish(linear_attention(q, k, v, chunk_size=self.chunk_size, eps=self.eps))
-        o, state = linear_attention(q, k, v, chunk_size=self.decode_chunk(self.chunk_size, x, cache), eps=self.eps,
-                                    initial_state=None if cache is None else cache.recurrence_state(),
-                                    output_final_state=True)
-        position = (0 if cache is None else cache.position) + x.shape[1]
-        return self.finish(o), LinearAttentionCache.of(state, position, tail)
+    def recur(self, x, q, k, v, *, decoding=False, **state_options):
+        # decoding: chunks of at most the new tokens (linear attention does not depend on where chunks fall)
+        chunk = min(self.chunk_size, x.shape[1]) if decoding else self.chunk_size
+        return linear_attention(q, k, v, chunk_size=chunk, eps=self.eps, **state_options)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
@@ -95,28 +101,19 @@ class DeltaNetAttention(_Recurrent):
     x ``[B, T, hidden]`` -> ``[B, T, hidden]``.
     """
 
+    cache_type = DeltaNetCache
+
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 64,
                  qk_conv: int = 0, out_norm: bool = False):
         super().__init__(hidden_size, num_heads, head_dim, qk_conv, out_norm)
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.beta_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
-    def forward(self, x: Tensor, cache: DeltaNetCache | None = None, use_cache: bool = False):
-        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
-        ``cache`` (:class:`~ovqflex.cache.DeltaNetCache`) to continue from."""
-        check_cache(cache, DeltaNetCache, self)
-        if cache is not None and x.shape[1] == 0:
-            return self.empty_step(x, cache)
-        q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
+    def recur(self, x, q, k, v, *, decoding=False, **state_options):
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)      # [B, H, T]
-        args = (F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta.to(q.dtype))
-        if cache is None and not use_cache:
-            return self.finish(delta_rule(*args, chunk_size=self.chunk_size))
-        o, state = delta_rule(*args, chunk_size=self.decode_chunk(self.chunk_size, x, cache),
-                              initial_state=None if cache is None else cache.recurrence_state(),
-                              output_final_state=True)
-        position = (0 if cache is None else cache.position) + x.shape[1]
-        return self.finish(o), DeltaNetCache.of(state, position, tail)
+        chunk = min(self.chunk_size, x.shape[1]) if decoding else self.chunk_size  # as LinearAttention
+        return delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta.to(q.dtype), chunk_size=chunk,
+                          **state_options)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
@@ -133,6 +130,8 @@ class VLAAttention(_Recurrent):
     ``eps``, ``chunk_size``), or pass ``options=VLAOptions(...)``.
     """
 
+    cache_type = VLACache
+
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, qk_conv: int = 0,
                  out_norm: bool = False, options: VLAOptions | None = None, **option_kwargs):
         super().__init__(hidden_size, num_heads, head_dim, qk_conv, out_norm)
@@ -145,23 +144,13 @@ class VLAAttention(_Recurrent):
         self.options = options if options is not None else VLAOptions(**option_kwargs)
         self.penalty_proj = nn.Linear(self.head_dim, self.head_dim, bias=False)
 
-    def forward(self, x: Tensor, cache: VLACache | None = None, use_cache: bool = False):
-        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
-        ``cache`` (:class:`~ovqflex.cache.VLACache`) to continue from. A one-token decode step
-        runs with ``chunk_size=1`` (one Sherman-Morrison step; 1 divides every refresh period)."""
-        check_cache(cache, VLACache, self)
-        if cache is not None and x.shape[1] == 0:
-            return self.empty_step(x, cache)
-        q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
-        u = self.penalty_proj(k)
+    def recur(self, x, q, k, v, *, decoding=False, **state_options):
+        # a one-token decode step runs with chunk_size=1 (one Sherman-Morrison step; 1 divides
+        # every refresh period); longer continuations keep the layer's chunk, aligned by the op
         options = dataclasses.asdict(self.options)
-        if cache is None and not use_cache:
-            return self.finish(vla_attention(q, k, v, u, **options))
-        if cache is not None and x.shape[1] == 1:
+        if decoding and x.shape[1] == 1:
             options["chunk_size"] = 1
-        o, state = vla_attention(q, k, v, u, **options, output_final_state=True,
-                                 initial_state=None if cache is None else cache.recurrence_state())
-        return self.finish(o), VLACache.of(state, tail)
+        return vla_attention(q, k, v, self.penalty_proj(k), **options, **state_options)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
