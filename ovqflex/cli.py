@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .experiments import EXPERIMENTS
 
-    known = "; ".join(f"{e.name}: {e.description} (scales {', '.join(e.scales)})" for e in EXPERIMENTS.values())
+    known = "; ".join(f"{e.name}: {e.description} (models {', '.join(e.labels)}; scales {', '.join(e.scales)})"
+                      for e in EXPERIMENTS.values())
     s = sub.add_parser("experiment", help="train several hybrids on one task and seeds, evaluate them from the "
                        "training length to 16x it: one table, JSON and plot",
                        description=f"experiments: {known}. Writes OUT/experiment.json, OUT/<model>-s<seed>/ (train "

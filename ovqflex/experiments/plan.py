@@ -23,8 +23,9 @@ from ..training.setup import model_config
 from .spec import Experiment, ModelSpec, Scale
 
 BASE_VARIANT = "base"
-#: TrainConfig fields that differ between the runs of one experiment, or do not change results
-_PER_RUN = ("out", "seed", "pattern", "model_options", "device", "progress")
+#: TrainConfig fields that differ between the runs of one experiment, do not change results, or are
+#: recorded elsewhere in the spec (the task)
+_PER_RUN = ("out", "seed", "pattern", "model_options", "device", "progress", "task", "task_options")
 
 
 @dataclass(frozen=True)

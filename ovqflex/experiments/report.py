@@ -89,16 +89,21 @@ def plot(results: dict, path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, line in enumerate(results["lines"]):
+    models = list(dict.fromkeys(line["model"] for line in results["lines"]))
+    variant_styles = ["--", ":", "-."]
+    for line in results["lines"]:
         pts = [p for p in line["points"] if p["n"]]
         if not pts:
             continue
         x = [p["length"] for p in pts]
-        style = "-" if line["variant"] == "base" else "--"
-        color = colors[i % len(colors)]
+        # a model's colour; its test-time variants in the same colour, dashed / dotted
+        siblings = [ln["variant"] for ln in results["lines"] if ln["model"] == line["model"] and ln["variant"] != "base"]
+        style = "-" if line["variant"] == "base" else variant_styles[siblings.index(line["variant"]) % 3]
+        color = colors[models.index(line["model"]) % len(colors)]
         ax.plot(x, [p["mean"] for p in pts], style, marker="o", ms=3.5, color=color,
                 label=f"{line['label']} ({line['seeds']} seed{'s' if line['seeds'] != 1 else ''})")
-        ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts], color=color, alpha=0.15, lw=0)
+        ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts], color=color,
+                        alpha=0.15 if line["variant"] == "base" else 0.07, lw=0)
     train = results["train_seq_len"]
     ax.axvline(train, color="grey", ls=":", lw=1, label=f"train length {train:,}")
     ax.set_xscale("log", base=2)
