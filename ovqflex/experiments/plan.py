@@ -10,6 +10,7 @@ records; a resumed run must have the same.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,7 +228,7 @@ def plan(experiment: Experiment, scale: str, out: str | Path, *, seeds=None, mod
         for m in chosen:
             train, config, n_params, variants = resolved[m.label]
             run_dir = out / f"{m.label}-s{seed}"
-            train = TrainConfig.from_dict({**train.to_dict(), "out": str(run_dir), "seed": seed})
+            train = dataclasses.replace(train, out=str(run_dir), seed=seed)
             run = Run(m, seed, run_dir, train, config, n_params, variants)
             runs.append(run)
             units += [Unit("train", run)] + [Unit("eval", run, v) for v in variants]

@@ -120,7 +120,8 @@ def plot(results: dict, path: Path) -> Path | None:
     return path
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it into place."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -132,11 +133,11 @@ def write_results(plan: Plan) -> dict:
     with ``"table"`` (the printed table) and ``"files"`` (paths written)."""
     results = collect(plan)
     out = plan.out
-    _write_atomic(out / "results.json", json.dumps(results, indent=1))
+    write_atomic(out / "results.json", json.dumps(results, indent=1))
     md = (f"# {results['experiment']} ({results['scale']} scale)\n\n{results['task_description']}; trained at "
           f"{results['train_seq_len']:,} tokens. Per-token accuracy on the target tokens, mean over seeds "
           f"(min–max).\n\n{table(results, 'github')}\n")
-    _write_atomic(out / "results.md", md)
+    write_atomic(out / "results.md", md)
     files = [out / "results.json", out / "results.md"]
     png = plot(results, out / "results.png")
     if png is not None:

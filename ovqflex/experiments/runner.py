@@ -18,14 +18,13 @@ before its first checkpoint starts again.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 
 from ..training import evaluate, latest_checkpoint, train
 from ..training.checkpoint import read_state
 from .plan import Plan, Unit
-from .report import read_eval, write_results
+from .report import read_eval, write_atomic, write_results
 
 SPEC_FILE = "experiment.json"
 
@@ -71,9 +70,7 @@ def prepare_out(plan: Plan, resume: bool) -> None:
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} is not empty and holds no {SPEC_FILE}; choose an empty or new directory")
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{SPEC_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(spec, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(spec, indent=1))
 
 
 def trained_step(unit: Unit) -> int | None:
