@@ -1,4 +1,5 @@
-"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``generate``, ``bench``, ``viz``, ``profile``."""
+"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``experiment``, ``generate``, ``bench``,
+``viz``, ``profile``."""
 from __future__ import annotations
 
 import argparse
@@ -111,6 +112,41 @@ def _cmd_eval(args) -> int:
                     for r in doc["rows"]], headers=["length", "accuracy", "loss", "targets", "seconds"]))
     png = " and eval.png" if doc.get("plot") else " (no plot: matplotlib is not installed)"
     print(f"wrote {args.run}/eval.json{png}")
+    return 0
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct comma-separated integers >= 0 like 0,1, got {text!r}")
+    return values
+
+
+def _label_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated model labels like sw-ovq,sw-nope, got {text!r}")
+    return values
+
+
+def _cmd_experiment(args) -> int:
+    from .experiments import get_experiment, plan, run_experiment
+
+    exp = get_experiment(args.name)
+    out = args.out or f"runs/experiments/{exp.name}-{args.scale}"
+    p = plan(exp, args.scale, out, seeds=args.seeds, models=args.models, device=args.device,
+             progress=not args.no_progress)
+    if args.dry_run:
+        print(p.describe())
+        return 0
+    results = run_experiment(p, resume=args.resume, log=lambda line: print(line, flush=True))
+    print(f"\n{results['experiment']} ({results['scale']} scale): {results['task_description']}; trained at "
+          f"{results['train_seq_len']:,} tokens; accuracy, mean over seeds (min-max)")
+    print(results["table"])
+    print("wrote " + ", ".join(results["files"]))
     return 0
 
 
@@ -296,6 +332,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
     s.set_defaults(fn=_cmd_eval)
+
+    from .experiments import EXPERIMENTS
+
+    known = "; ".join(f"{e.name}: {e.description} (models {', '.join(e.labels)}; scales {', '.join(e.scales)})"
+                      for e in EXPERIMENTS.values())
+    s = sub.add_parser("experiment", help="train several hybrids on one task and seeds, evaluate them from the "
+                       "training length to 16x it: one table, JSON and plot",
+                       description=f"experiments: {known}. Writes OUT/experiment.json, OUT/<model>-s<seed>/ (train "
+                       "runs and eval-<variant>.json), OUT/results.json, results.md and results.png.")
+    s.add_argument("name", help=f"the experiment: {', '.join(sorted(EXPERIMENTS))}")
+    s.add_argument("--scale", default="cpu", help="cpu (a 2-core CPU in about an hour), gpu (one GPU) or smoke "
+                   "(a few steps: checks the pipeline) (default: cpu)")
+    s.add_argument("--seeds", type=_seed_list, default=None, help="comma-separated, e.g. 0,1 (default: the "
+                   "experiment's, 0,1)")
+    s.add_argument("--models", type=_label_list, default=None, help="comma-separated model labels, e.g. "
+                   "sw-ovq,sw-nope (default: all)")
+    s.add_argument("--out", default=None, help="output directory (default: runs/experiments/NAME-SCALE)")
+    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--resume", action="store_true", help="continue the experiment in --out after a crash: "
+                   "complete units are skipped, interrupted training resumes from its latest checkpoint")
+    s.add_argument("--dry-run", action="store_true", help="print the plan (models, configs, units, token counts) "
+                   "and exit without training")
+    s.add_argument("--no-progress", action="store_true", help="no training progress bar")
+    s.set_defaults(fn=_cmd_experiment)
 
     s = sub.add_parser("generate", help="continue a prompt with a trained run's model (prefill + cached decode)")
     s.add_argument("run", help="run directory written by ovqflex train")

@@ -1,6 +1,7 @@
 """``evaluate(run_dir, lengths)``: per-token accuracy on the target positions at several
 context lengths (length extrapolation), with optional test-time overrides (e.g. OVQ
-``max_centroids``). Writes ``eval.json`` and ``eval.png`` into the run directory.
+``max_centroids``). Writes ``eval.json`` and ``eval.png`` into the run directory (``name=`` picks
+another stem, e.g. one per test-time variant).
 
 Evaluation examples come from a stream disjoint from training (seed offset), so the
 numbers are on unseen sequences.
@@ -105,10 +106,10 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-def write_report(run_dir: Path, doc: dict) -> tuple[Path, Path | None]:
-    """``eval.json`` (atomic) and, when matplotlib is installed, ``eval.png``."""
-    path = run_dir / "eval.json"
-    tmp = run_dir / f".eval.json.tmp-{os.getpid()}"
+def write_report(run_dir: Path, doc: dict, name: str = "eval") -> tuple[Path, Path | None]:
+    """``<name>.json`` (atomic) and, when matplotlib is installed, ``<name>.png``."""
+    path = run_dir / f"{name}.json"
+    tmp = run_dir / f".{name}.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)
     try:
@@ -130,7 +131,7 @@ def write_report(run_dir: Path, doc: dict) -> tuple[Path, Path | None]:
     ax.set_title(f"{doc['task']} · {doc['pattern']}" + (f" · {over}" if over else ""), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    png = run_dir / "eval.png"
+    png = run_dir / f"{name}.png"
     fig.savefig(png)
     plt.close(fig)
     return path, png
@@ -138,14 +139,16 @@ def write_report(run_dir: Path, doc: dict) -> tuple[Path, Path | None]:
 
 def evaluate(run_dir: str | os.PathLike, lengths: list[int] | None = None, *, n_examples: int = 64, batch_size: int = 8,
              overrides: dict | None = None, checkpoint: str | None = None, device: str = "auto",
-             progress=None) -> dict:
+             progress=None, name: str = "eval") -> dict:
     """Evaluate the run in ``run_dir`` at ``lengths`` (default: 1x, 2x, 4x its training length);
-    returns (and writes) the report dict."""
+    returns the report dict and writes it to ``run_dir/<name>.json`` and ``<name>.png``."""
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise ValueError(f"name must be a non-empty file stem of letters, digits, '-', '_' or '.', got {name!r}")
     if lengths is not None and not lengths:
         raise ValueError("lengths must name at least one context length")
-    for name, value in (("n_examples", n_examples), ("batch_size", batch_size)):
+    for arg, value in (("n_examples", n_examples), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
     run_dir = Path(run_dir)
     cfg, task, model, step = load_run(run_dir, checkpoint, device)
     lengths = lengths or [cfg.seq_len, 2 * cfg.seq_len, 4 * cfg.seq_len]
@@ -158,6 +161,6 @@ def evaluate(run_dir: str | os.PathLike, lengths: list[int] | None = None, *, n_
     doc = {"task": cfg.task, "task_description": task.describe(), "pattern": model.config.pattern,
            "preset": cfg.preset, "step": step, "train_seq_len": cfg.seq_len, "overrides": overrides,
            "rows": [asdict(r) for r in rows]}
-    _, png = write_report(run_dir, doc)
+    _, png = write_report(run_dir, doc, name)
     doc["plot"] = None if png is None else str(png)
     return doc

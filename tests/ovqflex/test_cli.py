@@ -51,6 +51,14 @@ def test_readme_train_and_eval_flags_exist():
     assert args.lengths == [64, 128]
 
 
+def test_readme_experiment_flags_exist():
+    args = build_parser().parse_args(["experiment", "icr", "--scale", "gpu", "--seeds", "0,1", "--out", "d",
+                                      "--models", "sw-ovq,sw-nope", "--device", "cuda", "--resume", "--dry-run",
+                                      "--no-progress"])
+    assert (args.name, args.scale, args.seeds, args.models) == ("icr", "gpu", [0, 1], ["sw-ovq", "sw-nope"])
+    assert args.resume and args.dry_run and args.no_progress
+
+
 def test_readme_generate_flags_exist():
     parser = build_parser()
     args = parser.parse_args(["generate", "d", "--tokens", "3,0,5", "--max-new-tokens", "32", "--temperature", "0",

@@ -138,6 +138,11 @@ def test_eval_reports_lengths_and_overrides(tmp_path):
         evaluate(c.out, [8], n_examples=1)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         evaluate(tmp_path / "nothing", [64])
+    named = evaluate(c.out, [64], n_examples=2, name="eval-x2")  # another report next to eval.json
+    assert json.loads((Path(c.out) / "eval-x2.json").read_text())["rows"] == named["rows"]
+    assert json.loads((Path(c.out) / "eval.json").read_text())["overrides"] == {"max_centroids": 64}
+    with pytest.raises(ValueError, match="name must be a non-empty file stem"):
+        evaluate(c.out, [64], n_examples=1, name="../x")
 
 
 @pytest.mark.slow

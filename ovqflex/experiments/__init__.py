@@ -1,0 +1,19 @@
+"""Experiments: several hybrids trained on one task and seeds, evaluated from the training
+length to many times it, aggregated into one table, JSON and plot (``ovqflex experiment NAME``).
+
+    from ovqflex.experiments import get_experiment, plan, run_experiment
+    p = plan(get_experiment("icr"), "cpu", "runs/exp-icr", seeds=[0, 1])
+    print(p.describe())            # what will run (nothing is written)
+    results = run_experiment(p)    # OUT/<model>-s<seed>/, OUT/results.{json,md,png}
+
+See :mod:`ovqflex.experiments.registry` for the named experiments and their scales.
+"""
+from .plan import Plan, Run, Unit, Variant, plan
+from .registry import EXPERIMENTS, get_experiment, register_experiment
+from .report import collect, table, write_results
+from .runner import run_experiment, spec_differences
+from .spec import EvalSweep, Experiment, ModelSpec, Scale
+
+__all__ = ["EXPERIMENTS", "EvalSweep", "Experiment", "ModelSpec", "Plan", "Run", "Scale", "Unit", "Variant",
+           "collect", "get_experiment", "plan", "register_experiment", "run_experiment", "spec_differences", "table",
+           "write_results"]

@@ -1,0 +1,131 @@
+"""The named experiments: ``icr`` and ``icl``, the synthetic long-context comparisons of
+"Online Vector Quantized Attention" (arXiv 2602.03922, §4.1, Figures 4-5, appendix §8.4-8.5)
+at sizes a CPU or one GPU can run.
+
+Models (``HybridLM`` mixer patterns, sliding window + one other mixer, alternating):
+
+- ``sw-ovq`` ``swa,ovq`` -- OVQ-attention, dictionary cap ``N`` = the preset's ``max_centroids``;
+  also evaluated with ``N`` ×2 and ×4 at test time (the paper's dictionary sweep: it finds
+  that more memory at test time always helps).
+- ``sw-nope`` ``swa,nope`` -- full causal attention without positions (the paper's strongest baseline).
+- ``sw-vq`` ``swa,vq`` -- VQ-attention (Transformer-VQ), codebook of 512 (the layer's default).
+- ``sw-linear`` ``swa,linear`` -- linear attention (ELU+1 features).
+- ``sw-kvm`` ``swa,kvm`` -- Key-Value Means with the growing power-law state ``16 sqrt(ctx)`` rows, uncapped.
+
+Scales (``ovqflex experiment NAME --scale S``):
+
+- ``cpu`` -- the ``tiny`` preset. ``icr``: trained at 64 tokens, evaluated at 64 ... 1,024 (16×);
+  ``icl``: trained at 128, evaluated at 128 ... 2,048 (16×). 1,200 steps of 32 × 64
+  (icr) or 16 × 128 (icl) tokens = 2.46M training tokens per run. Estimate for all 5
+  models × 2 seeds, on a quiet 2-core CPU: at the ~16k tokens/s the tiny sw-ovq trains
+  at, 2.5-3 minutes per run plus about 30 s of compilation = ~35 min of training; the
+  evaluations read 64 examples per length (127k tokens for icr, 254k for icl) and
+  compile one flex graph per length and model (10-20 s each), ~10-15 min for the 14
+  evaluations. Total ~45-55 min (icr), a little more for icl; slower mixers or a busy
+  machine stretch it.
+- ``gpu`` -- the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` = 1,024)
+  with the q/k convolution of width 4 the ``tiny`` preset also uses, trained at 2,048
+  tokens (5,000 steps × 16 sequences = 164M tokens per run) and evaluated at 2k ... 32k
+  (16×). Not measured here (no GPU); at an assumed 300k tokens/s a run takes ~10 min,
+  all 10 runs and their evaluations ~2-3 h on one H100.
+- ``smoke`` -- 20 steps of 8 × 64 tokens, evaluated at 64 and 128 on 8 examples: checks
+  the whole pipeline in a few minutes (it learns nothing).
+
+``icr`` keys are 2 tokens and values 1 token from a vocabulary of 256 (252 content
+tokens): 63,504 distinct keys and 252 distinct values, so 1,024 tokens (199 pairs of
+5 tokens) still have distinct keys and values; with the ``tiny`` main job's 1-token keys and
+values of a 64-token vocabulary, 267 tokens is the longest context with distinct values.
+At the ``gpu`` scale keys and values are 2 tokens of a 1,024 vocabulary (5,455 pairs at 32k).
+"""
+from __future__ import annotations
+
+from .spec import EvalSweep, Experiment, ModelSpec, Scale
+
+EXPERIMENTS: dict[str, Experiment] = {}
+
+
+def register_experiment(experiment: Experiment) -> Experiment:
+    """Add ``experiment`` to :data:`EXPERIMENTS` under its name (``ValueError`` if taken)."""
+    if not isinstance(experiment, Experiment):
+        raise TypeError(f"register_experiment takes an Experiment, got {type(experiment).__name__}")
+    if experiment.name in EXPERIMENTS:
+        raise ValueError(f"an experiment named {experiment.name!r} is already registered")
+    EXPERIMENTS[experiment.name] = experiment
+    return experiment
+
+
+def get_experiment(name: str) -> Experiment:
+    """The registered experiment ``name``; ``ValueError`` listing the known names otherwise."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; known experiments: {', '.join(sorted(EXPERIMENTS))}")
+    return EXPERIMENTS[name]
+
+
+MODELS = (
+    ModelSpec("sw-ovq", "swa,ovq"),
+    ModelSpec("sw-nope", "swa,nope"),
+    ModelSpec("sw-vq", "swa,vq"),
+    ModelSpec("sw-linear", "swa,linear"),
+    ModelSpec("sw-kvm", "swa,kvm", {"mixer_options": {"kvm": {"budget": "power_law", "growth_factor": 16.0,
+                                                              "growth_exponent": 0.5, "max_state_chunks": None}}}),
+)
+DICTIONARY_SWEEP = EvalSweep("max_centroids", (1, 2, 4), ("sw-ovq",), symbol="N")
+_GPU_MODEL = {"qk_conv": 4}
+
+
+def _smoke(task_options: dict) -> Scale:
+    return Scale(preset="tiny", seq_len=64, steps=20, batch_size=8, eval_lengths=(64, 128), task_options=task_options,
+                 warmup=5, ckpt_every=10, eval_examples=8, eval_batch_size=8,
+                 budget="a few minutes for 2 models x 1 seed (compilation dominates); it learns nothing")
+
+
+_ICR_CPU_TASK = dict(vocab_size=256, key_len=2, value_len=1, n_queries=6)
+register_experiment(Experiment(
+    name="icr",
+    description="basic in-context recall with 2-token keys; accuracy from the training length to 16x it",
+    task="icr",
+    models=MODELS,
+    scales={
+        "cpu": Scale(preset="tiny", seq_len=64, steps=1200, batch_size=32, eval_lengths=(64, 128, 256, 512, 1024),
+                     task_options=_ICR_CPU_TASK, lr=5e-3, warmup=100, ckpt_every=200, eval_examples=64,
+                     eval_batch_size=16,
+                     budget="2.46M training tokens per run; ~45-55 min for 5 models x 2 seeds on a quiet 2-core CPU "
+                            "(~16k tokens/s training, plus compilation and 14 evaluations)"),
+        "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
+                     eval_lengths=(2048, 4096, 8192, 16384, 32768),
+                     task_options=dict(vocab_size=1024, key_len=2, value_len=2, n_queries=6),
+                     model_options=_GPU_MODEL, lr=1e-3, warmup=200, ckpt_every=500, eval_examples=64,
+                     eval_batch_size=4,
+                     budget="164M training tokens per run; not measured (no GPU here): ~10 min per run at an "
+                            "assumed 300k tokens/s, ~2-3 h for 5 models x 2 seeds with evaluations"),
+        "smoke": _smoke(_ICR_CPU_TASK),
+    },
+    sweeps=(DICTIONARY_SWEEP,),
+    notes="the OVQ paper's basic ICR (Figure 4, §8.4) uses 8-token keys and values of a 10k vocabulary, 8 layers "
+          "of width 768, trained at 0.5k-4k and tested to 64k; the cpu scale keeps its layout at tiny size",
+))
+
+_ICL_CPU_TASK = dict(vocab_size=512, io_len=4, n_functions=4, n_function_tokens=128, a_max=5, b_max=5)
+register_experiment(Experiment(
+    name="icl",
+    description="long in-context linear regression; accuracy from the training length to 16x it",
+    task="icl",
+    models=MODELS,
+    scales={
+        "cpu": Scale(preset="tiny", seq_len=128, steps=1200, batch_size=16,
+                     eval_lengths=(128, 256, 512, 1024, 2048), task_options=_ICL_CPU_TASK, lr=5e-3, warmup=100,
+                     ckpt_every=200, eval_examples=64, eval_batch_size=16,
+                     budget="2.46M training tokens per run; ~50-60 min for 5 models x 2 seeds on a quiet 2-core CPU "
+                            "(evaluation reads twice the tokens of icr's)"),
+        "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
+                     eval_lengths=(2048, 4096, 8192, 16384, 32768),
+                     task_options=dict(vocab_size=10000, io_len=12, n_functions=16), model_options=_GPU_MODEL,
+                     lr=1e-3, warmup=200, ckpt_every=500, eval_examples=64, eval_batch_size=4,
+                     budget="164M training tokens per run; not measured (no GPU here)"),
+        "smoke": _smoke(_ICL_CPU_TASK),
+    },
+    sweeps=(DICTIONARY_SWEEP,),
+    notes="the OVQ paper's long ICL (Figure 5, §8.5) trains at 2k with 16 functions of 12-token inputs (vocab 10k) "
+          "and tests up to 128 functions; here the function count is fixed and the context grows, so later "
+          "examples have more earlier examples of their function to learn from",
+))

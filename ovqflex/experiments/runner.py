@@ -1,0 +1,178 @@
+"""``run_experiment(plan)``: train and evaluate every unit of a plan, resumably, then write the results.
+
+Layout of ``OUT`` (the plan's ``out``)::
+
+    OUT/experiment.json                 the plan's spec; a resume must match it
+    OUT/<model>-s<seed>/                an ``ovqflex train`` run directory (config.json,
+                                        metrics.jsonl, checkpoints/)
+    OUT/<model>-s<seed>/eval-<variant>.json, .png   its evaluations (``ovqflex eval`` reports)
+    OUT/results.json, results.md, results.png       the aggregate (rewritten after every evaluation)
+
+Units run in order (per seed, per model: train, then its evaluations). A unit whose output
+exists and is complete is skipped: a run whose latest checkpoint is at the final step, an
+evaluation report with the planned lengths, examples, overrides and checkpoint step. A run
+with an earlier checkpoint continues from it (``train(..., resume=True)``: the same result
+as an uninterrupted run up to the nondeterminism of compiled CPU kernels); one that died
+before its first checkpoint starts again.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+from ..training import evaluate, latest_checkpoint, train
+from ..training.checkpoint import read_state
+from .plan import Plan, Unit
+from .report import read_eval, write_atomic, write_results
+
+SPEC_FILE = "experiment.json"
+
+
+def spec_differences(saved, wanted, path: str = "") -> list[str]:
+    """One line per (dotted) field where two specs differ, e.g.
+    ``"train.steps: 1200 in the directory vs 600 now"``."""
+    if isinstance(saved, dict) and isinstance(wanted, dict):
+        out = []
+        for k in sorted(set(saved) | set(wanted), key=str):
+            p = f"{path}.{k}" if path else str(k)
+            if k not in saved:
+                out.append(f"{p}: absent in the directory, present now")
+            elif k not in wanted:
+                out.append(f"{p}: present in the directory, absent now")
+            else:
+                out += spec_differences(saved[k], wanted[k], p)
+        return out
+    return [] if saved == wanted else [f"{path}: {saved!r} in the directory vs {wanted!r} now"]
+
+
+def prepare_out(plan: Plan, resume: bool) -> None:
+    """Create ``OUT`` and write ``experiment.json``, or check that a resumed ``OUT`` holds this
+    experiment. Refuses: a fresh run into a directory that holds anything; ``resume`` with
+    nothing to resume; a resume whose spec differs (naming every differing field)."""
+    out, spec = plan.out, plan.spec()
+    path = out / SPEC_FILE
+    if path.exists():
+        if not resume:
+            raise ValueError(f"{out} already holds an experiment ({SPEC_FILE}); pass --resume to continue it "
+                             f"or choose another --out")
+        try:
+            saved = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); choose another --out") from None
+        diffs = spec_differences(saved, spec)
+        if diffs:
+            shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+            raise ValueError(f"cannot resume {out}: it was made by a different experiment spec ({shown})")
+        return
+    if resume:
+        raise ValueError(f"--resume: {out} holds no experiment to resume (no {SPEC_FILE})")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} is not empty and holds no {SPEC_FILE}; choose an empty or new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(spec, indent=1))
+
+
+def trained_step(unit: Unit) -> int | None:
+    """Step of the run's latest checkpoint (``None``: no checkpoint)."""
+    ckpt = latest_checkpoint(unit.run.dir)
+    return None if ckpt is None else int(read_state(ckpt)["step"])
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class _Clock:
+    """Elapsed time and an ETA from the mean duration of the units of each kind run so far."""
+
+    def __init__(self, units: tuple):
+        self.t0 = time.perf_counter()
+        self.spent: dict[str, list[float]] = {"train": [], "eval": []}
+        self.units = units
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.spent[kind].append(seconds)
+
+    def status(self, index: int, todo: list[bool]) -> str:
+        """``index``: 0-based unit about to run; ``todo[i]``: unit ``i`` still has work."""
+        left = {k: sum(1 for u, t in zip(self.units[index:], todo[index:]) if t and u.kind == k) for k in self.spent}
+        known = {k: sum(v) / len(v) for k, v in self.spent.items() if v}
+        eta = sum(known[k] * n for k, n in left.items() if k in known)
+        unknown = [k for k, n in left.items() if n and k not in known]
+        elapsed = f"elapsed {_duration(time.perf_counter() - self.t0)}"
+        if not known:
+            return elapsed
+        return f"{elapsed}, ETA {_duration(eta)}" + (f" + the {' and '.join(unknown)} units" if unknown else "")
+
+
+def run_experiment(plan: Plan, *, resume: bool = False, log=print) -> dict:
+    """Run every unit of ``plan`` not already complete in ``plan.out`` and write the results
+    (``results.json``, ``results.md``, ``results.png``; see :mod:`ovqflex.experiments.report`).
+    ``resume``: continue the experiment already in ``plan.out`` (same spec). ``log`` gets one
+    line per unit (with elapsed time and ETA) and per evaluated length. Returns the results."""
+    prepare_out(plan, resume)
+    units = plan.units
+    n = len(units)
+    todo = []
+    for u in units:
+        if u.kind == "train":
+            step = trained_step(u)
+            todo.append(step is None or step < u.run.train.steps)
+        else:
+            todo.append(read_eval(plan, u.run, u.variant) is None)
+    skipped = n - sum(todo)
+    log(f"experiment {plan.experiment.name}, scale {plan.scale_name}: {n} units into {plan.out}"
+        + (f" ({skipped} already complete)" if skipped else ""))
+    clock = _Clock(units)
+    results = None
+    for i, unit in enumerate(units):
+        head = f"[{i + 1}/{n}] {unit.describe()}"
+        if not todo[i]:
+            log(f"{head}: complete, skipped")
+            continue
+        t0 = time.perf_counter()
+        if unit.kind == "train":
+            _train_unit(unit, head, clock.status(i, todo), log)
+        else:
+            _eval_unit(plan, unit, head, clock.status(i, todo), log)
+        clock.add(unit.kind, time.perf_counter() - t0)
+        todo[i] = False
+        if unit.kind == "eval":
+            results = write_results(plan)
+    if results is None:  # nothing evaluated now: (re)write from the reports on disk
+        results = write_results(plan)
+    log(f"done in {_duration(time.perf_counter() - clock.t0)}")
+    return results
+
+
+def _train_unit(unit: Unit, head: str, status: str, log) -> None:
+    cfg = unit.run.train
+    step = trained_step(unit)
+    if step is None and unit.run.dir.exists():
+        shutil.rmtree(unit.run.dir)  # died before its first checkpoint: nothing worth keeping
+    how = "from scratch" if step is None else f"resuming from step {step:,}"
+    log(f"{head}: {cfg.steps:,} steps x {cfg.batch_size} x {cfg.seq_len} tokens, {how} -> {unit.run.dir} "
+        f"({status})")
+    t0 = time.perf_counter()
+    result = train(cfg, resume=step is not None)
+    what = "" if result.loss is None else \
+        f": loss {result.loss:.4f}, target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s"
+    log(f"{head}: trained in {_duration(time.perf_counter() - t0)}{what}")
+
+
+def _eval_unit(plan: Plan, unit: Unit, head: str, status: str, log) -> None:
+    overrides = plan.eval_overrides(unit.variant)
+    shown = ", ".join(f"{k}={v}" for k, v in overrides.items()) or "no overrides"
+    log(f"{head}: {plan.scale.eval_examples} examples at {', '.join(map(str, plan.lengths))} tokens, {shown} "
+        f"({status})")
+
+    def show(row):
+        log(f"    length {row.length:>7}: accuracy {row.accuracy:.4f} ({row.seconds:.1f} s)")
+
+    evaluate(unit.run.dir, plan.lengths, n_examples=plan.scale.eval_examples,
+             batch_size=plan.scale.eval_batch_size, overrides=overrides, device=unit.run.train.device,
+             progress=show, name=unit.eval_file.stem)

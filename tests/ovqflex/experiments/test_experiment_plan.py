@@ -1,0 +1,76 @@
+"""Planning: the units, run directories and configs of an experiment, and the checks that
+fail before any training (lengths the task cannot generate, bad mixer options, overrides)."""
+import json
+
+import pytest
+
+from ovqflex.experiments import EvalSweep, Experiment, ModelSpec, Scale, get_experiment, plan
+from ovqflex.training.setup import TASK_SCALES
+
+
+def test_icr_cpu_plan(tmp_path):
+    p = plan(get_experiment("icr"), "cpu", tmp_path / "out")
+    assert len(p.runs) == 10 and len(p.units) == 10 + 14
+    first = [(u.kind, u.run.model.label, u.run.seed, u.variant and u.variant.name) for u in p.units[:5]]
+    assert first == [("train", "sw-ovq", 0, None), ("eval", "sw-ovq", 0, "base"),
+                     ("eval", "sw-ovq", 0, "max_centroids-x2"), ("eval", "sw-ovq", 0, "max_centroids-x4"),
+                     ("train", "sw-nope", 0, None)]
+    assert p.units[-1].describe() == "eval sw-kvm seed 1" and p.units[3].describe() == "eval sw-ovq seed 0 (N×4)"
+    ovq = p.runs[0]
+    assert ovq.dir == tmp_path / "out" / "sw-ovq-s0" and ovq.train.out == str(ovq.dir) and ovq.train.seed == 0
+    assert [v.overrides for v in ovq.variants] == [{}, {"max_centroids": 4096}, {"max_centroids": 8192}]
+    assert [v.label for v in ovq.variants] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4"]
+    # the full task options are passed, so the preset's TASK_SCALES cannot change the experiment's task
+    assert ovq.train.task_options == p.task.options() and ovq.train.task_options["key_len"] == 2
+    assert set(TASK_SCALES["tiny"]["icr"]) <= set(ovq.train.task_options)
+    kvm = p.runs[4]
+    assert kvm.model.label == "sw-kvm" and kvm.config.mixer_options["kvm"]["budget"] == "power_law"
+    assert (kvm.train.steps, kvm.train.batch_size, kvm.train.seq_len, kvm.train.ckpt_every) == (1200, 32, 64, 200)
+    assert p.runs[5].seed == 1 and p.runs[5].dir.name == "sw-ovq-s1"
+    text = p.describe()
+    assert "2,457,600 training tokens" in text and "units: 10 train + 14 eval = 24" in text
+    assert "[24/24] eval sw-kvm seed 1" in text and str(tmp_path / "out" / "sw-kvm-s1" / "eval-base.json") in text
+    assert not (tmp_path / "out").exists()  # planning writes nothing
+
+
+def test_plan_subset_and_spec(tmp_path):
+    p = plan(get_experiment("icl"), "smoke", tmp_path, seeds=[3], models=["sw-nope", "sw-ovq"])
+    assert [(u.kind, u.run.model.label, u.run.seed) for u in p.units][:2] == [("train", "sw-nope", 3),
+                                                                            ("eval", "sw-nope", 3)]
+    spec = p.spec()
+    assert json.loads(json.dumps(spec)) == spec
+    assert spec["seeds"] == [3] and list(spec["models"]) == ["sw-nope", "sw-ovq"]
+    assert spec["train"]["steps"] == 20 and "out" not in spec["train"] and "seed" not in spec["train"]
+    assert spec["eval"]["lengths"] == [64, 128] and spec["task_options"]["n_functions"] == 4
+    assert spec["models"]["sw-ovq"]["config"]["max_centroids"] == 2048
+
+
+def _exp(scale: Scale, *models: ModelSpec, sweeps=()) -> Experiment:
+    return Experiment("t", "test", "icr", models or (ModelSpec("m", "swa,ovq"),), {"s": scale}, sweeps=sweeps)
+
+
+BASE = dict(preset="tiny", seq_len=64, steps=2, batch_size=2, eval_lengths=(64, 1024))
+
+
+def test_a_length_without_enough_distinct_keys_fails_at_plan_time(tmp_path):
+    """The tiny main job's task (1-token keys and values, vocab 64) cannot fill 1,024 tokens."""
+    exp = _exp(Scale(**BASE, task_options=dict(vocab_size=64, key_len=1, value_len=1)))
+    with pytest.raises(ValueError, match="eval length 1024 cannot be generated: cannot draw 250 distinct keys"):
+        plan(exp, "s", tmp_path)
+    ok = _exp(Scale(**BASE, task_options=dict(vocab_size=256, key_len=2, value_len=1)))
+    assert plan(ok, "s", tmp_path).task.n_pairs(1024) == 199
+    short = _exp(Scale(**{**BASE, "eval_lengths": (16, 64)}, task_options=dict(vocab_size=256, key_len=2, value_len=1)))
+    with pytest.raises(ValueError, match="eval length 16 is too short for task 'icr'"):
+        plan(short, "s", tmp_path)
+
+
+def test_bad_mixer_options_and_overrides_fail_at_plan_time(tmp_path):
+    scale = Scale(**BASE, task_options=dict(vocab_size=256, key_len=2, value_len=1))
+    bad = ModelSpec("k", "swa,kvm", {"mixer_options": {"kvm": {"bogus": 1}}})
+    with pytest.raises(ValueError, match="model 'k': .*'bogus'"):
+        plan(_exp(scale, bad), "s", tmp_path)
+    with pytest.raises(ValueError, match="model 'm': .*override nonexistent=1"):
+        plan(_exp(Scale(**BASE, task_options=scale.task_options, eval_overrides={"nonexistent": 1})), "s", tmp_path)
+    nope = ModelSpec("n", "swa,nope")
+    with pytest.raises(ValueError, match="no mixer of pattern 'swa,nope' has a test-time 'max_centroids'"):
+        plan(_exp(scale, nope, sweeps=(EvalSweep("max_centroids", (1, 2), ("n",)),)), "s", tmp_path)

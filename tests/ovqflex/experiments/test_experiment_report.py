@@ -1,0 +1,70 @@
+"""Aggregation of evaluation reports over seeds (mean, min, max), the table, JSON and plot,
+from synthetic ``eval-<variant>.json`` files."""
+import json
+
+import pytest
+
+from ovqflex.experiments import EvalSweep, Experiment, ModelSpec, Scale, collect, plan, table, write_results
+
+SCALE = Scale(preset="tiny", seq_len=64, steps=10, batch_size=2, eval_lengths=(64, 128, 256), eval_examples=4,
+              task_options=dict(vocab_size=256, key_len=2, value_len=1))
+EXP = Experiment("t", "test", "icr", (ModelSpec("a", "swa,ovq"), ModelSpec("b", "swa,linear")), {"s": SCALE},
+                 sweeps=(EvalSweep("max_centroids", (1, 2), ("a",), symbol="N"),))
+
+
+def fake_eval(p, label, seed, variant, accs, *, lengths=None, step=None):
+    run = next(r for r in p.runs if r.model.label == label and r.seed == seed)
+    v = next(v for v in run.variants if v.name == variant)
+    run.dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"length": n, "accuracy": a, "loss": 1.0, "targets": 24, "examples": 4, "seconds": 0.1}
+            for n, a in zip(lengths or p.lengths, accs)]
+    doc = {"task": "icr", "step": step or run.train.steps, "overrides": p.eval_overrides(v), "rows": rows}
+    (run.dir / f"eval-{variant}.json").write_text(json.dumps(doc))
+
+
+def test_mean_min_max_over_seeds(tmp_path):
+    p = plan(EXP, "s", tmp_path, seeds=[0, 1])
+    fake_eval(p, "a", 0, "base", [1.0, 0.5, 0.25])
+    fake_eval(p, "a", 1, "base", [0.5, 0.5, 0.75])
+    fake_eval(p, "a", 0, "max_centroids-x2", [1.0, 0.75, 0.5])
+    fake_eval(p, "a", 1, "max_centroids-x2", [0.9, 0.9, 0.9], lengths=[64, 128, 512])  # other lengths: ignored
+    fake_eval(p, "b", 0, "base", [0.2, 0.1, 0.0], step=5)                                # not the final step: ignored
+    fake_eval(p, "b", 1, "base", [0.4, 0.2, 0.1])
+    res = collect(p)
+    lines = {line["label"]: line for line in res["lines"]}
+    assert list(lines) == ["a", "a N×2", "b"]
+    a = lines["a"]["points"]
+    assert [pt["mean"] for pt in a] == [0.75, 0.5, 0.5]
+    assert [(pt["min"], pt["max"], pt["n"]) for pt in a] == [(0.5, 1.0, 2), (0.5, 0.5, 2), (0.25, 0.75, 2)]
+    assert a[0]["seeds"] == {"0": 1.0, "1": 0.5}
+    assert lines["a N×2"]["seeds"] == 1 and [pt["mean"] for pt in lines["a N×2"]["points"]] == [1.0, 0.75, 0.5]
+    assert lines["a N×2"]["overrides"] == {"max_centroids": 4096}
+    assert lines["b"]["seeds"] == 1 and lines["b"]["points"][0]["seeds"] == {"1": 0.4}
+    text = table(res)
+    assert "0.750 (0.50–1.00)" in text and "2/2" in text and "1/2" in text
+    assert text.splitlines()[0].split() == ["model", "seeds", "64", "128", "256"]
+
+
+def test_missing_reports_leave_empty_cells(tmp_path):
+    p = plan(EXP, "s", tmp_path, seeds=[0])
+    fake_eval(p, "a", 0, "base", [1.0, 1.0, 1.0])
+    res = collect(p)
+    assert res["lines"][2]["points"][0] == {"length": 64, "mean": None, "min": None, "max": None, "n": 0, "seeds": {}}
+    row_b = [line for line in table(res).splitlines() if line.startswith("b ")][0]
+    assert row_b.split() == ["b", "0/1", "-", "-", "-"]
+
+
+def test_write_results_files(tmp_path):
+    p = plan(EXP, "s", tmp_path, seeds=[0, 1])
+    for seed, acc in ((0, 0.5), (1, 1.0)):
+        for label, variant in (("a", "base"), ("a", "max_centroids-x2"), ("b", "base")):
+            fake_eval(p, label, seed, variant, [acc, acc / 2, acc / 4])
+    res = write_results(p)
+    assert json.loads((tmp_path / "results.json").read_text()) == {k: v for k, v in res.items()
+                                                                   if k not in ("table", "files")}
+    md = (tmp_path / "results.md").read_text()
+    assert "| model " in md and "| a N×2 " in md and "0.750 (0.50–1.00)" in md
+    png = tmp_path / "results.png"
+    assert res["files"][-1] == str(png) and png.stat().st_size > 5000
+    assert res["train_seq_len"] == 64 and res["lengths"] == [64, 128, 256]
+    assert [pt["mean"] for pt in res["lines"][0]["points"]] == pytest.approx([0.75, 0.375, 0.1875])

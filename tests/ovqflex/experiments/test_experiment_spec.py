@@ -1,0 +1,92 @@
+"""Experiment specs and the registry: validation names what is wrong; the registered
+experiments keep the sizes the issue asks for (16x extrapolation, >= 2 seeds, a GPU scale)."""
+import pytest
+
+from ovqflex.experiments import EXPERIMENTS, EvalSweep, Experiment, ModelSpec, Scale, get_experiment, plan
+from ovqflex.experiments.registry import register_experiment
+from ovqflex.tasks import make_task
+
+
+def scale(**kw) -> Scale:
+    return Scale(**{**dict(preset="tiny", seq_len=64, steps=2, batch_size=2, eval_lengths=(64, 128)), **kw})
+
+
+def test_unknown_experiment_is_refused_with_the_known_names():
+    with pytest.raises(ValueError, match="unknown experiment 'nope'; known experiments: icl, icr"):
+        get_experiment("nope")
+
+
+def test_unknown_model_and_scale_are_refused_by_name(tmp_path):
+    exp = get_experiment("icr")
+    with pytest.raises(ValueError, match="no model 'sw-foo'; its models: sw-ovq, sw-nope, sw-vq, sw-linear, sw-kvm"):
+        plan(exp, "cpu", tmp_path, models=["sw-ovq", "sw-foo"])
+    with pytest.raises(ValueError, match="no scale 'tpu'; its scales: cpu, gpu, smoke"):
+        plan(exp, "tpu", tmp_path)
+    with pytest.raises(ValueError, match="seeds must be distinct ints >= 0"):
+        plan(exp, "cpu", tmp_path, seeds=[0, 0])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(label="a/b", pattern="swa"), "ModelSpec.label must be a name"),
+    (dict(label="m", pattern="swa,ovqq"), r"unknown mixer\(s\) \['ovqq'\]"),
+    (dict(label="m", pattern="swa", model_options={"pattern": "ovq"}), "must not set pattern"),
+], ids=["label", "mixer", "pattern-option"])
+def test_model_spec_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSpec(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(preset="huge"), "Scale.preset must be one of"),
+    (dict(eval_lengths=(128, 64)), "distinct increasing"),
+    (dict(eval_lengths=()), "non-empty tuple"),
+    (dict(train_options={"steps": 5}), r"must not set \['steps'\]"),
+    (dict(train_options={"seed": 5}), r"must not set \['seed'\]"),
+    (dict(train_options={"stepz": 5}), r"unknown TrainConfig field\(s\) \['stepz'\]"),
+    (dict(train_options={"grad_clip": -1.0}), "grad_clip must be a number >= 0"),
+    (dict(eval_examples=0), "eval_examples must be an int >= 1"),
+    (dict(steps=0), "steps must be >= 1"),
+], ids=["preset", "order", "empty", "steps", "seed", "unknown", "grad-clip", "examples", "zero-steps"])
+def test_scale_validation(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        scale(**kwargs)
+
+
+def test_experiment_validation():
+    m = ModelSpec("a", "swa,ovq")
+    with pytest.raises(ValueError, match="model labels must be distinct"):
+        Experiment("x", "d", "icr", (m, m), {"s": scale()})
+    with pytest.raises(ValueError, match="task must be one of"):
+        Experiment("x", "d", "icrr", (m,), {"s": scale()})
+    with pytest.raises(ValueError, match=r"sweep of max_centroids names unknown model\(s\) \['b'\]"):
+        Experiment("x", "d", "icr", (m,), {"s": scale()}, sweeps=(EvalSweep("max_centroids", (1, 2), ("b",)),))
+    with pytest.raises(ValueError, match="EvalSweep.option must be a HybridConfig field"):
+        EvalSweep("centroids", (1, 2), ("a",))
+    with pytest.raises(ValueError, match="seeds must hold ints >= 0"):
+        Experiment("x", "d", "icr", (m,), {"s": scale()}, seeds=(-1,))
+    with pytest.raises(ValueError, match="'icr' is already registered"):
+        register_experiment(Experiment("icr", "d", "icr", (m,), {"s": scale()}))
+
+
+@pytest.mark.parametrize("name", ["icr", "icl"])
+def test_registered_experiments_have_the_asked_for_sizes(name):
+    exp = EXPERIMENTS[name]
+    assert exp.labels == ["sw-ovq", "sw-nope", "sw-vq", "sw-linear", "sw-kvm"]
+    assert len(exp.seeds) >= 2 and set(exp.scales) == {"cpu", "gpu", "smoke"}
+    cpu, gpu = exp.scale("cpu"), exp.scale("gpu")
+    assert cpu.preset == "tiny" and cpu.max_ratio >= 16 and cpu.eval_lengths[0] == cpu.seq_len
+    assert gpu.seq_len >= 2048 and gpu.eval_lengths[-1] >= 32768 and gpu.max_ratio >= 16
+    assert 2_000_000 <= cpu.train_tokens <= 3_000_000  # the CPU budget: ~2-3M tokens per run
+    sweep, = exp.sweeps
+    assert (sweep.option, sweep.factors, sweep.models) == ("max_centroids", (1, 2, 4), ("sw-ovq",))
+
+
+def test_icr_scales_do_not_run_out_of_distinct_keys_or_values():
+    """The longest evaluation context still has distinct keys and values (here by the arithmetic;
+    planning also generates one sequence at every length)."""
+    for name, sc in EXPERIMENTS["icr"].scales.items():
+        task = make_task("icr", **sc.task_options)
+        pairs = task.n_pairs(sc.eval_lengths[-1])
+        content = task.vocab_size - 4
+        assert task.key_len >= 2, name  # multi-token keys
+        assert pairs <= content ** task.key_len and pairs <= content ** task.value_len, (name, pairs)
