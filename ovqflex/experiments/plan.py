@@ -20,6 +20,7 @@ import torch
 from ..models import HybridConfig, HybridLM
 from ..tasks import Task, make_task
 from ..training.config import TrainConfig
+from ..training.evaluate import check_lengths
 from ..training.setup import model_config
 from .spec import Experiment, ModelSpec, Scale
 
@@ -152,15 +153,11 @@ class Plan:
 
 def _check_lengths(task: Task, exp: Experiment, scale_name: str, scale: Scale) -> None:
     """Every length the plan uses must hold a target and be generable (distinct keys, values)."""
-    gen = torch.Generator()
-    for what, length in [("training length", scale.seq_len)] + [("eval length", n) for n in scale.eval_lengths]:
-        where = f"experiment {exp.name!r}, scale {scale_name!r}: {what} {length}"
-        if length < task.min_len():
-            raise ValueError(f"{where} is too short for task {task.name!r}: it needs >= {task.min_len()}")
-        try:
-            task.example(length, gen.manual_seed(0))
-        except ValueError as e:
-            raise ValueError(f"{where} cannot be generated: {e}") from None
+    try:
+        check_lengths(task, [scale.seq_len], what="training length")
+        check_lengths(task, list(scale.eval_lengths))
+    except ValueError as e:
+        raise ValueError(f"experiment {exp.name!r}, scale {scale_name!r}: {e}") from None
 
 
 def _variants(exp: Experiment, model: ModelSpec, config: HybridConfig, net: HybridLM) -> tuple:

@@ -53,17 +53,17 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
     return cfg, task, model, ckpt.step
 
 
-def check_lengths(task, lengths: list[int]) -> None:
-    """Refuse, before any model work, an eval length the task cannot generate: below its
+def check_lengths(task, lengths: list[int], what: str = "eval length") -> None:
+    """Refuse, before any model work, a length the task cannot generate: below its
     ``min_len()``, or too long for its vocabulary (e.g. more distinct keys than exist)."""
     for length in lengths:
         if length < task.min_len():
-            raise ValueError(f"eval length {length} is too short for task {task.name!r} (needs >= {task.min_len()})")
+            raise ValueError(f"{what} {length} is too short for task {task.name!r} (needs >= {task.min_len()})")
         try:
             task.example(length, torch.Generator().manual_seed(0))
         except ValueError as e:
-            raise ValueError(f"eval length {length} is too long for task {task.name!r} ({task.describe()}): {e}; "
-                             f"evaluate shorter lengths or train with a larger vocab_size") from None
+            raise ValueError(f"{what} {length} is too long for task {task.name!r} ({task.describe()}): {e}; "
+                             f"use shorter lengths or a larger vocab_size") from None
 
 
 @torch.no_grad()

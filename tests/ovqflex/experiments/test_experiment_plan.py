@@ -55,7 +55,7 @@ BASE = dict(preset="tiny", seq_len=64, steps=2, batch_size=2, eval_lengths=(64, 
 def test_a_length_without_enough_distinct_keys_fails_at_plan_time(tmp_path):
     """The tiny main job's task (1-token keys and values, vocab 64) cannot fill 1,024 tokens."""
     exp = _exp(Scale(**BASE, task_options=dict(vocab_size=64, key_len=1, value_len=1)))
-    with pytest.raises(ValueError, match="eval length 1024 cannot be generated: cannot draw 250 distinct keys"):
+    with pytest.raises(ValueError, match="eval length 1024 is too long for task .icr.*cannot draw 250 distinct keys"):
         plan(exp, "s", tmp_path)
     ok = _exp(Scale(**BASE, task_options=dict(vocab_size=256, key_len=2, value_len=1)))
     assert plan(ok, "s", tmp_path).task.n_pairs(1024) == 199
