@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.kvm import KVMBudget, memory_keys
+from recurrences.precision import to_compute_dtype
 
 from ..cache.base import check_cache, positions
 from ..cache.kvm import KVMCache, KVMDecodeOptions, kvm_decode, kvm_prefill
@@ -73,6 +74,8 @@ class KVMAttention(MultiHeadProjection):
             q = apply_rope(self.q_norm(q), pos, self.rope_dims, self.rope_base, interleaved=True)
             k = apply_rope(self.k_norm(k), pos, self.rope_dims, self.rope_base, interleaved=True)
             gate = None if self.gate_proj is None else (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)  # [B, H, T]
+            # one compute dtype here already, so the cache paths see the tensors the op sees
+            q, k, v, gate = to_compute_dtype(q, k, v, gate)
         options = dict(gate=gate, ln_s_weight=self.ln_s.weight, ln_s_bias=self.ln_s.bias, tau_state=self.tau_state,
                        tau_bswa=self.tau_bswa, chunk_size=self.chunk_size, n_bswa_chunks=self.n_bswa_chunks,
                        sink_len=self.sink_len, rope_dims=self.rope_dims, budget=self.budget,
