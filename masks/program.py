@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrences.checks import check_chunk, check_qkv
+from recurrences.checks import check_block_size, check_qkv
 from recurrences.precision import compute_dtype, to_dtype
 
 from .blocks import BlockLayout, build_block_layout
@@ -90,14 +90,14 @@ def build_program(
     q, k, v: ``[B, H, T, D]`` (v: ``[B, H, T, Dv]``); state_k/state_v: ``[B, H, S, D]``
     rows placed before the tokens (S padded up to ``block_size``, padded rows get
     ``-inf`` bias); state_bias: ``[B, H, S]`` fp32 bias of the state rows.
-    Sequence lengths are padded up to ``block_size``; padding
+    Sequence lengths are padded up to ``block_size`` (a power of two >= 16); padding
     never reaches a real query because every token region is causal.
 
     q, k, v are cast to their compute dtype (:mod:`recurrences.precision`), the state
     rows to the same dtype; the program runs in it.
     """
     check_qkv(q, k, v)
-    check_chunk("block_size", block_size)
+    check_block_size("block_size", block_size)
     dtype = compute_dtype(q, k, v)
     q, k, v, state_k, state_v = to_dtype(dtype, q, k, v, state_k, state_v)
     regions = tuple(regions)

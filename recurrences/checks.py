@@ -53,6 +53,15 @@ def check_chunk(name: str, value: object) -> int:
     return value
 
 
+def check_block_size(name: str, value: object) -> int:
+    """An attention block size every backend serves: a power of two >= 16. FlexAttention's
+    Triton kernels tile a block with power-of-two tiles that must divide it (the BlockMask's
+    block sizes are checked against ``BLOCK_M``/``BLOCK_N`` in torch's flex lowering)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (16, 32, 64, 128, ...), got {value!r}")
+    return value
+
+
 def check_choice(name: str, value: object, choices) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
