@@ -68,6 +68,33 @@ class AttentionProgram:
     def block_mask(self, *, with_q_side: bool = False):
         return self.layout.block_mask(self.mask_mod, with_q_side=with_q_side)
 
+    def on_blocks(self, block: int) -> "AttentionProgram":
+        """The same program on blocks of ``block`` rows, a multiple of its block size (what the
+        flex backend runs on CUDA: ``ovqflex.attention.flex_block_size``).
+
+        q is padded to a multiple of ``block``; k, v and the bias get token rows at the end, so
+        that every padded query still sees at least itself; the block lists are rebuilt
+        analytically. State rows keep their place, so a block may hold state and token rows
+        (it is then listed partial and the ``mask_mod`` decides). Outputs of the real queries
+        and their gradients are those of the original program.
+        """
+        g = self.geom
+        if block == g.block_q:
+            return self
+        if block % g.block_q:
+            raise ValueError(f"block must be a multiple of the program's block size {g.block_q}, got {block}")
+        q_pad = _round_up(g.q_pad, block)
+        kv_len = _round_up(g.n_state + q_pad, block)
+        geom = Geometry(q_len=g.q_len, q_pad=q_pad, n_state=g.n_state, kv_tokens=kv_len - g.n_state,
+                        block_q=block, block_kv=block)
+        extra = kv_len - g.kv_len
+        q = F.pad(self.q, (0, 0, 0, q_pad - g.q_pad))
+        k, v = F.pad(self.k, (0, 0, 0, extra)), F.pad(self.v, (0, 0, 0, extra))
+        bias = None if self.bias is None else F.pad(self.bias, (0, extra))  # token rows: bias 0
+        params = tuple(r.params(geom, q.device) for r in self.regions)
+        return AttentionProgram(q=q, k=k, v=v, regions=self.regions, params=params,
+                                layout=build_block_layout(self.regions, params, geom), scale=self.scale, bias=bias)
+
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
