@@ -81,8 +81,7 @@ def _grads_close(out, ref, leaves, seed):
         assert_close(a, b, GRAD_TOL[bf16], f"grad of leaf {i}", floor=0.1)
 
 
-@pytest.mark.parametrize("layout", ["snapshot", "versioned"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("layout, seed", [("snapshot", 0), ("versioned", 1)])
 def test_ovq_bf16_routes_like_its_reference(layout, seed):
     t = _inputs(seed)
     leaves = _leaves(t, ("q", "k", "v", "beta"))
