@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from recurrences.checks import check_block_size
-from recurrences.kvm import KVMBudget, memory_keys
+from recurrences.kvm import KVMBudget, routing_memory_keys
 from recurrences.precision import to_compute_dtype
 
 from ..cache.base import check_cache, positions
@@ -110,8 +110,7 @@ class KVMAttention(MultiHeadProjection):
         else:
             gate = options["gate"]
             gate = torch.ones(q.shape[:3], dtype=q.dtype, device=q.device) if gate is None else gate
-            kbar32 = memory_keys(k.float(), self.rope_dims, self.ln_s.weight.float(), self.ln_s.bias.float(),
-                                 self.ln_s.eps)
+            kbar32 = routing_memory_keys(k, self.rope_dims, self.ln_s.weight, self.ln_s.bias, self.ln_s.eps)
             if cache is None:
                 o, state = kvm_attention(q, k, v, backend=self.backend, return_state=True, **options)
                 new_cache = kvm_prefill(k, v, kbar32, gate, state.routes, state.founder, self._decode_options(), tail)

@@ -16,7 +16,7 @@ from masks.regions import BlockWindow, StateBank
 from masks.versioned import versioned_regions
 from recurrences.checks import check_chunk, check_companion, check_int, check_qkv, check_tensor
 from recurrences.kvm import (KVMBudget, build_kvm_snapshots, build_kvm_versioned, kvm_state_sizes, memory_keys,
-                             route_kvm)
+                             route_kvm, routing_memory_keys)
 from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
 
@@ -99,9 +99,7 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     rows = max(sizes, default=0)
     with stage("routing"):
         kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
-        # routing reads fp32 memory keys whatever the compute dtype (recurrences.precision)
-        kbar32 = kbar if kbar.dtype == torch.float32 else memory_keys(k.float(), rope_dims, ln_s_weight.float(),
-                                                                      ln_s_bias.float(), ln_eps)
+        kbar32 = routing_memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)  # fp32, whatever the dtype
         routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk=chunk_size,
                                     n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=sink_len, ln_eps=ln_eps)
     state = KVMState(routes, founder, sizes)
