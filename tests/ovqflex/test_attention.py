@@ -197,3 +197,24 @@ def test_realize_passes_gradients_through():
     x = torch.randn(5, requires_grad=True)
     (g,) = torch.autograd.grad((_realize(x) * torch.arange(5.0)).sum(), x)
     assert torch.equal(g, torch.arange(5.0))
+
+
+def test_the_cuda_flex_path_compiles_and_runs_on_cpu_flex(monkeypatch):
+    """What flex runs on CUDA, traced in one graph (program moved to 128-row blocks, captures
+    through the extern identity) and run by CPU flex: an OVQ op with 32-row blocks, whose state
+    rows end inside a 128-row block, equals the blocked backend."""
+    import ovqflex.attention as attention
+
+    monkeypatch.setattr(attention, "flex_block_size", lambda device_type, block: max(block, 128))
+    q, k, v = make_qkv(1, 2, 32, 100, seed=5)
+    beta = torch.full((2,), 5.0)
+    kw = dict(chunk_size=16, max_centroids=24, block_size=32)
+    from ovqflex.ops.ovq import ovq_program
+
+    assert ovq_program(q, k, v, beta, **kw)[0].geom.n_state % 128, "the state must end inside a 128-row block"
+    compiled = torch.compile(lambda q, k, v: ovqflex.ovq_attention(q, k, v, beta, backend="flex", **kw),
+                             fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        out = compiled(q, k, v)
+        ref = ovqflex.ovq_attention(q, k, v, beta, backend="blocked", **kw)
+    assert_close(out, ref, FWD_TOL[torch.float32], "compiled flex on 128-row blocks")
