@@ -23,9 +23,11 @@ blocks of at least :data:`FLEX_TRITON_MIN_BLOCK` = 128 rows (:func:`flex_block_s
   (H100: fp32 d64 ``(128, 32)``, bf16 d64 ``(128, 128)``; ``template_heuristics/triton.py``);
 - the backward kernel drops every config whose ``BLOCK_M1/N1/M2/N2`` do not divide them,
   *before* user ``kernel_options`` apply, so no kernel option can rescue a small block
-  (H100 bf16, 64 <= d <= 128: ``(64, 128, 128, 64)``; pytorch/pytorch#176025, open);
+  (H100 bf16, 64 <= d <= 128: ``(64, 128, 128, 64)``; pytorch/pytorch#176025 is open, its fix
+  #184797 was closed);
 - queries shorter than 128 go to the decoding kernel, whose ``BLOCK_M =
-  max(next_pow2(Q_LEN * Hq / Hkv), 16)`` must divide the query block (pytorch/pytorch#185349).
+  max(next_pow2(Q_LEN * Hq / Hkv), 16)`` must divide the query block (``flex_decoding.py``;
+  see pytorch/pytorch#185349).
 
 Every default tile divides 128, and a program padded to 128-row blocks has at least 128
 queries, so no ``kernel_options`` are needed. Block sizes are powers of two (checked where
