@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recurrences.checks import check_chunk, check_qkv
+from recurrences.checks import check_block_size, check_qkv
+from recurrences.precision import compute_dtype, to_dtype
 
 from .blocks import BlockLayout, build_block_layout
 from .regions import Geometry, Region
@@ -67,6 +68,33 @@ class AttentionProgram:
     def block_mask(self, *, with_q_side: bool = False):
         return self.layout.block_mask(self.mask_mod, with_q_side=with_q_side)
 
+    def on_blocks(self, block: int) -> "AttentionProgram":
+        """The same program on blocks of ``block`` rows, a multiple of its block size (what the
+        flex backend runs on CUDA: ``ovqflex.attention.flex_block_size``).
+
+        q is padded to a multiple of ``block``; k, v and the bias get token rows at the end, so
+        that every padded query still sees at least itself; the block lists are rebuilt
+        analytically. State rows keep their place, so a block may hold state and token rows
+        (it is then listed partial and the ``mask_mod`` decides). Outputs of the real queries
+        and their gradients are those of the original program.
+        """
+        g = self.geom
+        if block == g.block_q:
+            return self
+        if block % g.block_q:
+            raise ValueError(f"block must be a multiple of the program's block size {g.block_q}, got {block}")
+        q_pad = _round_up(g.q_pad, block)
+        kv_len = _round_up(g.n_state + q_pad, block)
+        geom = Geometry(q_len=g.q_len, q_pad=q_pad, n_state=g.n_state, kv_tokens=kv_len - g.n_state,
+                        block_q=block, block_kv=block)
+        extra = kv_len - g.kv_len
+        q = F.pad(self.q, (0, 0, 0, q_pad - g.q_pad))
+        k, v = F.pad(self.k, (0, 0, 0, extra)), F.pad(self.v, (0, 0, 0, extra))
+        bias = None if self.bias is None else F.pad(self.bias, (0, extra))  # token rows: bias 0
+        params = tuple(r.params(geom, q.device) for r in self.regions)
+        return AttentionProgram(q=q, k=k, v=v, regions=self.regions, params=params,
+                                layout=build_block_layout(self.regions, params, geom), scale=self.scale, bias=bias)
+
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
@@ -89,11 +117,16 @@ def build_program(
     q, k, v: ``[B, H, T, D]`` (v: ``[B, H, T, Dv]``); state_k/state_v: ``[B, H, S, D]``
     rows placed before the tokens (S padded up to ``block_size``, padded rows get
     ``-inf`` bias); state_bias: ``[B, H, S]`` fp32 bias of the state rows.
-    Sequence lengths are padded up to ``block_size``; padding never reaches a
-    real query because every token region is causal.
+    Sequence lengths are padded up to ``block_size`` (a power of two >= 16); padding
+    never reaches a real query because every token region is causal.
+
+    q, k, v are cast to their compute dtype (:mod:`recurrences.precision`), the state
+    rows to the same dtype; the program runs in it.
     """
     check_qkv(q, k, v)
-    check_chunk("block_size", block_size)
+    check_block_size("block_size", block_size)
+    dtype = compute_dtype(q, k, v)
+    q, k, v, state_k, state_v = to_dtype(dtype, q, k, v, state_k, state_v)
     regions = tuple(regions)
     B, H, T, _ = q.shape
     q_pad = _round_up(max(T, 1), block_size)

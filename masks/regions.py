@@ -33,8 +33,9 @@ class Geometry:
     """Static (Python int) shape facts of one program.
 
     ``q_len``: real queries T. ``q_pad``: queries padded to ``block_q``.
-    ``n_state``: state rows S, a multiple of ``block_kv`` (token rows start at S).
-    ``kv_tokens``: token rows, a multiple of ``block_kv``.
+    ``n_state``: state rows S (token rows start at S). ``kv_tokens``: token rows.
+    ``build_program`` makes S and ``kv_tokens`` multiples of ``block_kv``; a program moved to
+    larger blocks (``AttentionProgram.on_blocks``) keeps S, so only ``kv_len`` is a multiple there.
     """
 
     q_len: int

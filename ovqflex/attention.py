@@ -11,6 +11,28 @@
   analytic block mask. Small shapes only.
 
 ``attend(program, backend="auto")`` returns ``[B, H, q_len, Dv]``.
+
+Flex on CUDA (and every other device that runs flex's Triton kernels) runs a program on
+blocks of at least :data:`FLEX_TRITON_MIN_BLOCK` = 128 rows (:func:`flex_block_size`,
+``AttentionProgram.on_blocks``). The reasons are in torch's flex lowering
+(``torch/_inductor/kernel/flex/``, torch 2.11-2.13):
+
+- the forward kernel skips (or, with one config, refuses: "Q and KV block size must be
+  divisible by BLOCK_M and BLOCK_N") every tile config whose ``BLOCK_M``/``BLOCK_N`` does not
+  divide the BlockMask's block sizes (``flex_attention.py``); the default tiles reach 128
+  (H100: fp32 d64 ``(128, 32)``, bf16 d64 ``(128, 128)``; ``template_heuristics/triton.py``);
+- the backward kernel drops every config whose ``BLOCK_M1/N1/M2/N2`` do not divide them,
+  *before* user ``kernel_options`` apply, so no kernel option can rescue a small block
+  (H100 bf16, 64 <= d <= 128: ``(64, 128, 128, 64)``; pytorch/pytorch#176025 is open, its fix
+  #184797 was closed);
+- queries shorter than 128 go to the decoding kernel, whose ``BLOCK_M =
+  max(next_pow2(Q_LEN * Hq / Hkv), 16)`` must divide the query block (``flex_decoding.py``;
+  see pytorch/pytorch#185349).
+
+Every default tile divides 128, and a program padded to 128-row blocks has at least 128
+queries, so no ``kernel_options`` are needed. Block sizes are powers of two (checked where
+programs are built), so 128 is a multiple of any smaller one. On CPU flex runs the program's
+own blocks.
 """
 from __future__ import annotations
 
@@ -31,6 +53,15 @@ BACKENDS = ("auto", "flex", "blocked", "dense")
 
 
 FLEX_RECOMPILE_LIMIT = 64
+
+#: Smallest BlockMask block flex's Triton kernels get (see the module doc).
+FLEX_TRITON_MIN_BLOCK = 128
+
+
+def flex_block_size(device_type: str, block_size: int) -> int:
+    """The BlockMask block size flex runs a program of ``block_size`` blocks with on
+    ``device_type``: the program's own on CPU, at least :data:`FLEX_TRITON_MIN_BLOCK` elsewhere."""
+    return block_size if device_type == "cpu" else max(block_size, FLEX_TRITON_MIN_BLOCK)
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,11 +127,15 @@ def _(x):
     return torch.empty_like(x)
 
 
+_realize.register_autograd(lambda ctx, grad: grad)  # identity: a captured bias keeps its gradient
+
+
 def _realized_captures(p: AttentionProgram) -> AttentionProgram:
-    """Inductor's CPU flex template only accepts captured tensors that are real buffers
-    (graph inputs or extern outputs); a tensor computed in-graph by pointwise ops makes
-    it reject the kernel ("No choices to select"). Route every captured tensor of the
-    mask_mod/score_mod through an extern identity when tracing for CPU."""
+    """Route every captured tensor of the mask_mod/score_mod through an extern identity, so
+    inductor sees real buffers (graph inputs or extern outputs), never tensors computed
+    in-graph by pointwise ops. On CPU the flex template otherwise rejects the kernel ("No
+    choices to select"); on CUDA the lowering fails with "'function' object has no attribute
+    'graph'" (a compiled KVM layer's training step; a whole op compiled under no_grad)."""
     params = tuple(tuple(_realize(t) for t in ps) for ps in p.params)
     bias = None if p.bias is None else _realize(p.bias)
     return dataclasses.replace(p, params=params, bias=bias, _mask_mod=None)
@@ -112,8 +147,9 @@ def _flex(p: AttentionProgram) -> Tensor:
         raise NotImplementedError(
             f"flex attention has no backward on {dev.type} in this torch; use backend='blocked' (or 'auto')"
         )
+    p = p.on_blocks(flex_block_size(dev.type, p.geom.block_q))
     compiling = torch.compiler.is_compiling()
-    if compiling and dev.type == "cpu":
+    if compiling:
         p = _realized_captures(p)
     bm = p.block_mask(with_q_side=_needs_grad(p))
     fn = flex_attention if compiling else _compiled_flex()

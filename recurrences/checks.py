@@ -19,7 +19,8 @@ def check_tensor(name: str, x: object, ndim: int | None = None) -> Tensor:
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, same_len: bool = True) -> None:
-    """q, k: ``[B, H, T, D]``, v: ``[B, H, T, Dv]``; one dtype (floating) and device."""
+    """q, k: ``[B, H, T, D]``, v: ``[B, H, T, Dv]``, floating, on one device. Their dtypes may
+    differ: the op brings them to one compute dtype (:mod:`recurrences.precision`)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, 4)
         if not x.is_floating_point():
@@ -34,8 +35,6 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, same_len: bool = True) -> None
         raise ValueError(f"k and v must have the same length; got k T={k.shape[2]}, v T={v.shape[2]}")
     if same_len and q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have the same length T; got q T={q.shape[2]}, k T={k.shape[2]}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
@@ -51,6 +50,15 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
 def check_chunk(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16:
         raise ValueError(f"{name} must be a positive multiple of 16, got {value!r}")
+    return value
+
+
+def check_block_size(name: str, value: object) -> int:
+    """An attention block size every backend serves: a power of two >= 16. FlexAttention's
+    Triton kernels tile a block with power-of-two tiles that must divide it (the BlockMask's
+    block sizes are checked against ``BLOCK_M``/``BLOCK_N`` in torch's flex lowering)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (16, 32, 64, 128, ...), got {value!r}")
     return value
 
 
@@ -75,16 +83,15 @@ def check_number(name: str, value: object, *, minimum: float = 0.0, strict: bool
     return float(value)
 
 
-def check_companion(name: str, x: object, shape: tuple, like: Tensor, *, same_dtype: bool = True) -> Tensor:
+def check_companion(name: str, x: object, shape: tuple, like: Tensor) -> Tensor:
     """A per-token input that travels with ``like`` (e.g. a gate ``[B, H, T]`` next to q):
-    a floating tensor of exactly ``shape`` with ``like``'s device and (``same_dtype``) dtype."""
+    a floating tensor of exactly ``shape`` on ``like``'s device (any floating dtype: the op
+    casts it with q, k, v, :mod:`recurrences.precision`)."""
     check_tensor(name, x, len(shape))
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if same_dtype and x.dtype != like.dtype:
-        raise TypeError(f"{name} must have dtype {like.dtype} (as q), got {x.dtype}")
     if x.device != like.device:
         raise ValueError(f"{name} must be on device {like.device} (as q), got {x.device}")
     return x

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.kvm import KVMBudget, memory_keys
+from recurrences.checks import check_block_size
+from recurrences.kvm import KVMBudget, routing_memory_keys
+from recurrences.precision import to_compute_dtype
 
 from ..cache.base import check_cache, positions
 from ..cache.kvm import KVMCache, KVMDecodeOptions, kvm_decode, kvm_prefill
@@ -55,7 +57,8 @@ class KVMAttention(MultiHeadProjection):
         self.growth_factor, self.growth_exponent = growth_factor, growth_exponent
         self.round_down, self.saturation_n = round_down, saturation_n
         self.chunk_size, self.n_bswa_chunks, self.sink_len = chunk_size, n_bswa_chunks, sink_len
-        self.rope_dims, self.rope_base, self.use_vlens, self.block_size = rope_dims, rope_base, use_vlens, block_size
+        self.rope_dims, self.rope_base, self.use_vlens = rope_dims, rope_base, use_vlens
+        self.block_size = check_block_size("block_size", block_size)
         self.q_norm, self.k_norm, self.ln_s = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
         self.gate_proj = nn.Linear(hidden_size, num_heads, bias=False) if use_gate else None
         if use_temperatures:
@@ -73,6 +76,8 @@ class KVMAttention(MultiHeadProjection):
             q = apply_rope(self.q_norm(q), pos, self.rope_dims, self.rope_base, interleaved=True)
             k = apply_rope(self.k_norm(k), pos, self.rope_dims, self.rope_base, interleaved=True)
             gate = None if self.gate_proj is None else (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)  # [B, H, T]
+            # one compute dtype here already, so the cache paths see the tensors the op sees
+            q, k, v, gate = to_compute_dtype(q, k, v, gate)
         options = dict(gate=gate, ln_s_weight=self.ln_s.weight, ln_s_bias=self.ln_s.bias, tau_state=self.tau_state,
                        tau_bswa=self.tau_bswa, chunk_size=self.chunk_size, n_bswa_chunks=self.n_bswa_chunks,
                        sink_len=self.sink_len, rope_dims=self.rope_dims, budget=self.budget,
@@ -105,8 +110,7 @@ class KVMAttention(MultiHeadProjection):
         else:
             gate = options["gate"]
             gate = torch.ones(q.shape[:3], dtype=q.dtype, device=q.device) if gate is None else gate
-            kbar32 = memory_keys(k.float(), self.rope_dims, self.ln_s.weight.float(), self.ln_s.bias.float(),
-                                 self.ln_s.eps)
+            kbar32 = routing_memory_keys(k, self.rope_dims, self.ln_s.weight, self.ln_s.bias, self.ln_s.eps)
             if cache is None:
                 o, state = kvm_attention(q, k, v, backend=self.backend, return_state=True, **options)
                 new_cache = kvm_prefill(k, v, kbar32, gate, state.routes, state.founder, self._decode_options(), tail)

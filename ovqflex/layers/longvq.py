@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_choice, check_chunk, check_int, check_number, check_tensor
+from recurrences.checks import check_block_size, check_choice, check_chunk, check_int, check_number, check_tensor
 from recurrences.ema import damped_ema
 
 from ..attention import BACKENDS
@@ -63,8 +63,8 @@ class LongVQBlock(nn.Module):
         H, Dv = num_heads, hidden_size // num_heads
         Dk = Dv if head_dim is None else check_int("head_dim", head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.head_dim_v = hidden_size, H, Dk, Dv
-        self.chunk_size, self.commitment_weight, self.backend, self.block_size = (chunk_size, commitment_weight,
-                                                                                  backend, block_size)
+        self.chunk_size, self.commitment_weight, self.backend = chunk_size, commitment_weight, backend
+        self.block_size = check_block_size("block_size", block_size)
         # damped EMA parameters (MEGA's initialisation)
         self.ema_delta = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.2)
         self.ema_alpha = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.2)

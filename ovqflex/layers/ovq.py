@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_choice, check_chunk, check_int
+from recurrences.checks import check_block_size, check_choice, check_chunk, check_int
 from recurrences.ovq import GROWTHS, SEEDINGS
+from recurrences.precision import routing_keys, to_compute_dtype
 from recurrences.versioned import check_state_layout
 
 from ..cache.base import check_cache
@@ -46,7 +47,7 @@ class OVQAttention(MultiHeadProjection):
         check_choice("seeding", seeding, SEEDINGS)
         self.chunk_size, self.max_centroids, self.growth, self.growth_horizon = chunk_size, max_centroids, growth, growth_horizon
         self.seeding, self.seed, self.normalize_centroids = seeding, seed, normalize_centroids
-        self.block_size = block_size
+        self.block_size = check_block_size("block_size", block_size)
         self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
 
     def _options(self, max_centroids: int | None) -> dict:
@@ -76,12 +77,14 @@ class OVQAttention(MultiHeadProjection):
             new_cache = None
         else:
             opts = OVQDecodeOptions(**{f: options[f] for f in OVQDecodeOptions.__dataclass_fields__})
-            qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            q, k, v = to_compute_dtype(q, k, v)
+            kr = routing_keys(k)  # the cache routes and attends on the fp32 unit keys the op routes on
             if cache is None:
                 o, state = ovq_attention(q, k, v, self.beta, backend=self.backend, return_state=True, **options)
-                new_cache = ovq_prefill(kn, v, state.routes, opts, tail)
+                new_cache = ovq_prefill(kr, v, state.routes, opts, tail)
             else:
-                o, new_cache = ovq_decode(cache, qn * self.beta.to(qn.dtype).view(1, -1, 1, 1), kn, v, opts, tail)
+                qn = F.normalize(q, dim=-1)
+                o, new_cache = ovq_decode(cache, qn * self.beta.to(qn.dtype).view(1, -1, 1, 1), kr, v, opts, tail)
         with stage("proj"):
             y = self.merge(o)
         return y if new_cache is None else (y, new_cache)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
+from recurrences.checks import check_block_size
 
 from ..attention import attend
 from ..cache.base import check_cache, positions
@@ -33,7 +34,8 @@ class _PlainAttention(MultiHeadProjection):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         if self.head_dim % 2 and rope:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        self.rope, self.rope_base, self.block_size, self.regions = rope, rope_base, block_size, regions
+        self.rope, self.rope_base, self.regions = rope, rope_base, regions
+        self.block_size = check_block_size("block_size", block_size)
         self.qk_norm = qk_norm
         if qk_norm:
             self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from recurrences.checks import check_chunk, check_int
+from recurrences.checks import check_block_size, check_chunk, check_int
 
 
 @dataclass
@@ -42,7 +42,7 @@ class HybridConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "window", "bswa_chunks", "max_centroids"):
             check_int(name, getattr(self, name))
         check_chunk("chunk_size", self.chunk_size)
-        check_chunk("block_size", self.block_size)
+        check_block_size("block_size", self.block_size)
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
                              f"(or give head_dim)")

@@ -14,9 +14,10 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import BlockWindow, StateBank
 from masks.versioned import versioned_regions
-from recurrences.checks import check_chunk, check_int, check_qkv, check_tensor
+from recurrences.checks import check_chunk, check_companion, check_int, check_qkv, check_tensor
 from recurrences.kvm import (KVMBudget, build_kvm_snapshots, build_kvm_versioned, kvm_state_sizes, memory_keys,
-                             route_kvm)
+                             route_kvm, routing_memory_keys)
+from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
 
 from ..attention import attend
@@ -65,9 +66,7 @@ def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, 
     check_qkv(q, k, v)
     B, H, T, D = q.shape
     if gate is not None:
-        check_tensor("gate", gate, 3)
-        if tuple(gate.shape) != (B, H, T):
-            raise ValueError(f"gate must have shape [B, H, T]={(B, H, T)}, got {tuple(gate.shape)}")
+        check_companion("gate", gate, (B, H, T), q)
     _check_vector("ln_s_weight", ln_s_weight, D, q)
     _check_vector("ln_s_bias", ln_s_bias, D, q)
     for name, tau in (("tau_state", tau_state), ("tau_bswa", tau_bswa)):
@@ -90,6 +89,7 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     """
     rope_dims = _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size,
                                 n_bswa_chunks, sink_len, rope_dims, state_layout, checkpoint_every)
+    q, k, v, gate = to_compute_dtype(q, k, v, gate)
     B, H, T, D = q.shape
     spec = KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n,
                      max_state_chunks)
@@ -99,9 +99,7 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     rows = max(sizes, default=0)
     with stage("routing"):
         kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
-        # routing reads fp32 memory keys whatever the input dtype (SPEC §2: bf16 routes like fp32)
-        kbar32 = kbar if kbar.dtype == torch.float32 else memory_keys(k.float(), rope_dims, ln_s_weight.float(),
-                                                                      ln_s_bias.float(), ln_eps)
+        kbar32 = routing_memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)  # fp32, whatever the dtype
         routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk=chunk_size,
                                     n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=sink_len, ln_eps=ln_eps)
     state = KVMState(routes, founder, sizes)
@@ -135,7 +133,8 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *
                   return_state: bool = False, **options):
     """KVM attention. q, k ``[B, H, T, D]`` already normalized and rotated, v ``[B, H, T, Dv]``,
     gate ``[B, H, T]`` merge gates ``1 + elu(x W_g)`` (None: no gate, all 1) -> ``[B, H, T, Dv]``
-    (and a :class:`KVMState` with ``return_state=True``).
+    (and a :class:`KVMState` with ``return_state=True``). q, k, v and gate are cast to one
+    compute dtype; routing reads fp32 memory keys (:mod:`recurrences.precision`).
 
     Keyword options (:func:`kvm_program`): ``ln_s_weight``, ``ln_s_bias`` ``[D]`` (the state
     LayerNorm, required), ``tau_state``, ``tau_bswa`` ``[H]`` (None: 1), ``chunk_size=128``,

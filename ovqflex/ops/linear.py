@@ -1,9 +1,10 @@
 """Non-softmax recurrent attention ops (SPEC §4.6): linear attention, the delta rule, VLA.
 
-All causal; ``[B, H, T, D]`` in, ``[B, H, T, Dv]`` out. They validate their inputs and
-call the chunked forms of ``recurrences/`` (linear.py, delta.py, vla.py), which compute in
-float32 (float64 for float64 inputs) whatever the autocast state; the token-by-token
-references the tests compare them with are in ``recurrences/reference/``.
+All causal; ``[B, H, T, D]`` in, ``[B, H, T, Dv]`` out. They validate their inputs, cast q,
+k, v and the per-token companions (``beta``, ``u``) to one compute dtype (the output's;
+:mod:`recurrences.precision`) and call the chunked forms of ``recurrences/`` (linear.py,
+delta.py, vla.py), which work in float32 (float64 for float64 inputs) whatever the autocast
+state; the token-by-token references the tests compare them with are in ``recurrences/reference/``.
 
 Each op continues from an ``initial_state`` (None: a sequence start) and returns the state
 after its last token with ``output_final_state=True`` — what the layers' decode caches
@@ -16,25 +17,22 @@ from torch import Tensor
 from recurrences.checks import check_companion, check_int, check_number, check_qkv
 from recurrences.delta import delta_rule_chunked
 from recurrences.linear import LinearState, linear_attention_chunked
+from recurrences.precision import to_compute_dtype
 from recurrences.vla import VLAOptions, VLAState, vla_chunked
 
 
-def _check_state(name: str, x: object, shape: tuple, like: Tensor) -> None:
-    """A carried state: a floating tensor of exactly ``shape`` on ``like``'s device (any
-    floating dtype: caches keep fp32 states for bf16 layers)."""
-    check_companion(name, x, shape, like, same_dtype=False)
-
-
 def _check_initial_state(state, kind: type, q: Tensor, v: Tensor) -> None:
+    """A carried state: floating tensors of the state's shapes on q's device (any floating
+    dtype: caches keep fp32 states for bf16 layers)."""
     if state is None:
         return
     if not isinstance(state, kind):
         raise TypeError(f"initial_state must be a {kind.__name__}, got {type(state).__name__}")
     B, H, _, Dk = q.shape
-    _check_state("initial_state.S", state.S, (B, H, v.shape[-1], Dk), q)
-    _check_state("initial_state.z", state.z, (B, H, Dk), q)
+    check_companion("initial_state.S", state.S, (B, H, v.shape[-1], Dk), q)
+    check_companion("initial_state.z", state.z, (B, H, Dk), q)
     if kind is VLAState:
-        _check_state("initial_state.A", state.A, (B, H, Dk, Dk), q)
+        check_companion("initial_state.A", state.A, (B, H, Dk, Dk), q)
         check_int("initial_state.position", state.position, minimum=0)
 
 
@@ -55,6 +53,7 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = 64, e
     check_int("chunk_size", chunk_size)
     check_number("eps", eps)
     _check_initial_state(initial_state, LinearState, q, v)
+    q, k, v = to_compute_dtype(q, k, v)
     return linear_attention_chunked(q, k, v, chunk_size=chunk_size, eps=eps, return_state=return_state,
                                     initial_state=initial_state, output_final_state=output_final_state)
 
@@ -76,7 +75,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int
     check_companion("beta", beta, q.shape[:3], q)
     check_int("chunk_size", chunk_size)
     if initial_state is not None:
-        _check_state("initial_state", initial_state, (*q.shape[:2], v.shape[-1], q.shape[-1]), q)
+        check_companion("initial_state", initial_state, (*q.shape[:2], v.shape[-1], q.shape[-1]), q)
+    q, k, v, beta = to_compute_dtype(q, k, v, beta)
     return delta_rule_chunked(q, k, v, beta, chunk_size=chunk_size, return_state=return_state,
                               initial_state=initial_state, output_final_state=output_final_state)
 
@@ -106,5 +106,6 @@ def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float 
     opts = VLAOptions(lambda0=lambda0, refresh_every=refresh_every, refresh_eps=refresh_eps, eps=eps,
                       chunk_size=chunk_size)
     _check_initial_state(initial_state, VLAState, q, v)
+    q, k, v, u = to_compute_dtype(q, k, v, u)
     return vla_chunked(q, k, v, u, opts, return_state=return_state, initial_state=initial_state,
                        output_final_state=output_final_state)

@@ -16,6 +16,7 @@ from masks.regions import OwnChunk, StateBank
 from masks.versioned import versioned_regions
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor
 from recurrences.ovq import GROWTHS, SEEDINGS, build_ovq_snapshots, build_ovq_versioned, dictionary_sizes, route_ovq
+from recurrences.precision import routing_keys, to_compute_dtype
 from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
 
 from ..attention import attend
@@ -56,11 +57,13 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: in
     """The OVQ attention program, without running it (what the visualizer draws).
 
     q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, beta ``[H]`` -> ``(program, routes [B, H, T], sizes)``.
+    q, k, v are cast to one compute dtype; routing reads fp32 unit keys (:mod:`recurrences.precision`).
     Stages are labelled ``ovqflex.proj`` (normalization), ``ovqflex.routing``,
     ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
     """
     _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon, state_layout,
                     checkpoint_every)
+    q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
     n_chunks = max(1, -(-T // chunk_size))
     sizes = dictionary_sizes(n_chunks, chunk_size, max_centroids, growth, growth_horizon)
@@ -68,7 +71,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: in
         qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
     with stage("routing"):
-        routes = route_ovq(kn, chunk=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
+        routes = route_ovq(routing_keys(k), chunk=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
                            normalize_centroids=normalize_centroids)
     rows = max(sizes[:n_chunks])
     if rows == 0:  # no chunk reads a dictionary: attention inside each chunk only

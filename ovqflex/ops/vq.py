@@ -23,6 +23,7 @@ from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import BlockWindow, StateBank
 from masks.versioned import versioned_regions
 from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor
+from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
 from recurrences.vq import (ESTIMATORS, LAG, assign_codes, build_vq_snapshots, build_vq_versioned, codebook_metrics,
                             commitment_loss, quantize, vq_state_sizes)
@@ -64,9 +65,12 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     """The VQ attention program, without running it -> ``(program, aux)``.
 
     ``aux``: ``codes [B, H, T]``, ``k_hat`` (quantized unit keys), ``k_unit`` (normalized keys).
+    q, k, v are cast to one compute dtype; codes are assigned on fp32 unit keys and codebook
+    rows (:mod:`recurrences.precision`).
     """
     _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout,
                    checkpoint_every)
+    q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
     N = codebook.shape[1]
     with stage("proj"):
@@ -74,7 +78,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
         cb = F.normalize(codebook, dim=-1)
         q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
     with stage("routing"):
-        codes = assign_codes(kn, cb, code_bias)
+        codes = assign_codes(k, codebook, code_bias)  # fp32 unit keys and codes (recurrences.precision)
     aux = {"codes": codes, "k_unit": kn}
     with stage("state_build"):
         k_hat = quantize(kn, cb, codes, estimator)

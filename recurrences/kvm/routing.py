@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..precision import no_autocast
+
 
 def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk: int, n_bswa_chunks: int,
               sizes: list[int], sink_len: int, ln_eps: float = 1e-5) -> tuple[Tensor, Tensor]:
@@ -53,6 +55,11 @@ def kvm_route_chunk(state: Tensor, m: int, n_app: int, ok: Tensor, og: Tensor, l
     ``m`` live rows): ``ok [B, H, C, D]`` fp32 memory keys, ``og [B, H, C]`` gates; ``n_app``
     tokens found rows ``m..m+n_app-1``. Returns ``target [B, H, C]`` and ``appended [B, H, C]``
     bool. Reads the state only; :func:`kvm_absorb` writes the chunk in."""
+    with no_autocast(ok):
+        return _route_chunk(state, m, n_app, ok, og, ln_weight, ln_bias, sink_len, ln_eps)
+
+
+def _route_chunk(state, m, n_app, ok, og, ln_weight, ln_bias, sink_len, ln_eps):
     B, H, C, D = ok.shape
     appended = torch.zeros(B, H, C, dtype=torch.bool, device=ok.device)
     rows = F.layer_norm(state[:, :, :m], (D,), ln_weight, ln_bias, ln_eps)

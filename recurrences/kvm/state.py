@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..precision import no_autocast
 from ..segments import segment_snapshot_sums
 from ..versioned import VersionPlan, versioned_sums
 
@@ -24,6 +25,15 @@ def memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, l
     D = k.shape[-1]
     keep = (torch.arange(D, device=k.device) >= rope_dims).to(k.dtype)
     return F.layer_norm(k * keep, (D,), ln_weight.to(k.dtype), ln_bias.to(k.dtype), ln_eps)
+
+
+def routing_memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor,
+                        ln_eps: float = 1e-5) -> Tensor:
+    """The fp32 memory keys KVM routing reads (:mod:`recurrences.precision`): :func:`memory_keys`
+    of ``k.float()`` with fp32 ``LN_s`` parameters, autocast off, detached. ``[B, H, T, D]``."""
+    with no_autocast(k):
+        return memory_keys(k.detach().float(), rope_dims, ln_weight.detach().float(), ln_bias.detach().float(),
+                           ln_eps)
 
 
 @dataclass

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..precision import no_autocast
+
 GROWTHS = ("plateau", "linear", "full")
 SEEDINGS = ("spread", "random")
 
@@ -76,6 +78,11 @@ def ovq_route_chunk(kc: Tensor, sums: Tensor, counts: Tensor, n_old: int, n_new:
     routing dictionary (fp32 ``sums [B, H, S, D]``, ``counts [B, H, S]``, ``n_old`` live rows);
     ``n_new`` tokens found new slots ``n_old..``; ``u [B, H, L]``: random seeding keys (None: spread).
     Reads the dictionary only; :func:`ovq_absorb` writes the chunk in."""
+    with no_autocast(kc):
+        return _route_chunk(kc, sums, counts, n_old, n_new, u, normalize_centroids)
+
+
+def _route_chunk(kc, sums, counts, n_old, n_new, u, normalize_centroids):
     B, H, L, D = kc.shape
     if n_old == 0 and n_new == 0:
         return torch.full((B, H, L), -1, dtype=torch.long, device=kc.device)

@@ -26,15 +26,18 @@ def vq_attention_reference(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, be
                            code_bias: Tensor | None = None, codes: Tensor | None = None) -> VQReferenceResult:
     """q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, codebook ``[H, N, D]``, beta ``[H]``.
 
-    ``codes`` ``[B, H, T]`` forces the assignments (SPEC §9: compare routes first, then
-    outputs under identical routes); otherwise each key takes its most similar code (fp32).
+    ``codes`` ``[B, H, T]`` forces the assignments (compare routes first, then outputs under
+    identical routes); otherwise each key takes its most similar code, on fp32 copies of the
+    keys and the codebook normalized in fp32 (whatever the input dtype, as the fused op).
     """
     B, H, T, D = q.shape
     qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     cb = F.normalize(codebook, dim=-1).to(kn.dtype)
     if codes is None:
         with torch.no_grad():
-            sim = kn.detach().float() @ cb.detach().float().transpose(-1, -2).unsqueeze(0)  # [B, H, T, N]
+            k32 = F.normalize(k.detach().float(), dim=-1)
+            cb32 = F.normalize(codebook.detach().float(), dim=-1)
+            sim = k32 @ cb32.transpose(-1, -2).unsqueeze(0)  # [B, H, T, N]
             if code_bias is not None:
                 sim = sim + code_bias.float()[None, :, None, :]
             codes = sim.argmax(-1)

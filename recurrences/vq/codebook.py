@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..precision import no_autocast, routing_keys
+
 ESTIMATORS = ("ste", "diveq")
 
 
@@ -36,8 +38,8 @@ def assign_codes(k: Tensor, codebook: Tensor, code_bias: Tensor | None = None) -
     ``code_bias`` ``[H, N]``: added to the cosine similarities before the argmax (the
     OVQ paper's "no-use penalty" that lets idle codes win). fp32, no grad.
     """
-    with torch.no_grad():
-        kn = F.normalize(k.detach().float(), dim=-1)
+    with torch.no_grad(), no_autocast(k):
+        kn = routing_keys(k)
         cb = F.normalize(codebook.detach().float(), dim=-1)
         sim = torch.einsum("bhtd,hnd->bhtn", kn, cb)
         if code_bias is not None:

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ovqflex
 from ovqflex.models import PRESETS, HybridConfig, HybridLM, available_mixers, preset
 
 SMALL = dict(vocab_size=64, d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=16, block_size=16,
@@ -42,6 +43,24 @@ def test_bad_config_values():
         preset("huge")
     with pytest.raises(ValueError, match="unknown HybridConfig fields \\['colour'\\]"):
         HybridConfig.from_dict({"colour": "red"})
+
+
+@pytest.mark.parametrize("block", [48, 8, 100], ids=["48", "8", "100"])
+def test_a_block_size_flex_cannot_tile_is_refused_by_name(block):
+    """Flex tiles a block with powers of two that must divide it: 48 or 100 cannot be served."""
+    match = f"block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got {block}"
+    with pytest.raises(ValueError, match=match):
+        HybridConfig(block_size=block)
+    for make in (lambda: ovqflex.SlidingWindowAttention(32, 2, window=8, block_size=block),
+                 lambda: ovqflex.OVQAttention(32, 2, chunk_size=16, block_size=block),
+                 lambda: ovqflex.KVMAttention(32, 2, chunk_size=16, block_size=block),
+                 lambda: ovqflex.VQAttention(32, 2, chunk_size=16, block_size=block),
+                 lambda: ovqflex.LongVQBlock(32, 2, chunk_size=16, block_size=block)):
+        with pytest.raises(ValueError, match=match):
+            make()
+    q = torch.randn(1, 1, 20, 16)
+    with pytest.raises(ValueError, match=match):
+        ovqflex.sliding_window_attention(q, q, q, window=4, block_size=block)
 
 
 def test_presets_build_and_roundtrip():

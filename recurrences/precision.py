@@ -1,0 +1,69 @@
+"""The dtype rule at the boundary of every op (``ovqflex.ops``, ``masks.program.build_program``).
+
+1. **One compute dtype.** q, k, v and the per-token inputs that travel with them (KVM's
+   ``gate``, DeltaNet's ``beta``, VLA's ``u``) may arrive in different floating dtypes: under
+   CUDA autocast ``F.normalize`` and ``layer_norm`` return fp32 while the projections return
+   bf16. The op casts them all to one compute dtype (:func:`compute_dtype`):
+
+   - autocast enabled for their device type: the autocast dtype (``torch.get_autocast_dtype``),
+     as autocast runs ``scaled_dot_product_attention`` — unless one of them is float64, which
+     autocast never touches (then float64);
+   - otherwise their promoted dtype (``torch.promote_types``: fp32 with bf16 gives fp32).
+
+   The output is in the compute dtype. Per-head parameters (OVQ/VQ ``beta``, KVM temperatures
+   and ``LN_s``, the VQ codebook) are cast where they are used.
+
+2. **Routing in fp32.** The discrete decisions (OVQ slots, KVM state rows, VQ codes) read fp32
+   copies of the compute-dtype keys — OVQ and VQ the unit keys ``F.normalize(k.float())``
+   (:func:`routing_keys`), KVM ``LN_s`` of ``k.float()`` with fp32 ``LN_s`` parameters — with fp32
+   similarities, sums and counts, autocast switched off (:func:`no_autocast`: autocast would run
+   the similarity matmuls in bf16, even inside the routing custom ops). The fused ops, the decode caches and the sequential
+   references (``recurrences/reference``) all follow this, so on the same inputs, in any dtype,
+   the fused op routes like its reference (up to near-ties, a similarity gap below 1e-6).
+   A bf16 run and an fp32 run of the same model route differently: rounding the keys to bf16
+   moves them across near-ties. That is a difference of inputs, not of the op.
+
+3. The attention itself runs in the compute dtype (flex accumulates in fp32; the ``blocked`` and
+   ``dense`` backends take the softmax in fp32); the linear recurrences work in fp32 (fp64 for
+   fp64 inputs) and return the compute dtype.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def compute_dtype(*xs: Tensor | None) -> torch.dtype:
+    """The compute dtype of an op's floating inputs ``xs`` (None entries ignored; at least one
+    tensor; all on one device type): the autocast dtype when autocast is on for their device
+    type and none is float64, else their promoted dtype."""
+    tensors = [x for x in xs if x is not None]
+    promoted = functools.reduce(torch.promote_types, (x.dtype for x in tensors))
+    device_type = tensors[0].device.type
+    if promoted != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return promoted
+
+
+def to_dtype(dtype: torch.dtype, *xs: Tensor | None) -> tuple[Tensor | None, ...]:
+    """``xs`` cast to ``dtype`` (None stays None; a tensor already in ``dtype`` is returned as is)."""
+    return tuple(None if x is None else x.to(dtype) for x in xs)
+
+
+def to_compute_dtype(*xs: Tensor | None) -> tuple[Tensor | None, ...]:
+    """``xs`` cast to their :func:`compute_dtype` (None stays None)."""
+    return to_dtype(compute_dtype(*xs), *xs)
+
+
+def no_autocast(x: Tensor):
+    """A context with autocast off for ``x``'s device type (routing computes in fp32)."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def routing_keys(k: Tensor) -> Tensor:
+    """The fp32 unit keys OVQ and VQ routing read: k ``[B, H, T, D]`` (compute dtype) ->
+    ``F.normalize(k.float())`` ``[B, H, T, D]`` fp32, detached."""
+    return F.normalize(k.detach().float(), dim=-1)

@@ -1,0 +1,69 @@
+"""cuda tier: every mixer layer, as the ``tiny`` preset builds it (block size 32, chunks of 16,
+q/k convolution), trains inside ``torch.compile(fullgraph=True)`` (flex on CUDA) with the outputs
+and gradients of the eager ``blocked`` layer, in fp32 and under bf16 autocast, and runs compiled
+under no_grad; no graph break."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ovqflex.models import mixers, preset
+from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, GRAD_TOL_CUDA, TRAIN_BACKEND
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+
+pytestmark = CUDA_TIER
+
+MIXERS = ["full", "nope", "swa", "bswa", "ovq", "kvm", "vq", "longvq", "linear", "deltanet", "vla"]
+WIDTH = preset("tiny").d_model
+OPTIONS = {"vq": {"codebook_size": 64, "local_bias": True}, "longvq": {"codebook_size": 64}}
+
+
+def _pair(name: str):
+    """The layer with the tier's training backend and an eager ``blocked`` copy with its weights."""
+    cfg = dict(pattern=name, mixer_options={name: OPTIONS.get(name, {})})
+    torch.manual_seed(0)
+    layer = mixers.build_mixer(name, preset("tiny", backend=TRAIN_BACKEND, **cfg)).to(DEVICE)
+    ref = mixers.build_mixer(name, preset("tiny", backend="blocked", **cfg)).to(DEVICE)
+    ref.load_state_dict(layer.state_dict())
+    return layer, ref
+
+
+def _y(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _step(module, x, amp):
+    with torch.autocast(DEVICE.type, dtype=amp, enabled=amp is not None):
+        y = _y(module(x))
+    y.float().square().mean().backward()
+    return y
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", MIXERS)
+def test_layer_trains_compiled_like_eager_blocked(name, dtype):
+    torch._dynamo.reset()
+    counters.clear()
+    amp = torch.bfloat16 if dtype == "bf16" else None
+    layer, ref = _pair(name)
+    x = torch.randn(4, 100, WIDTH, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    y = _step(torch.compile(layer, fullgraph=True), x, amp)
+    y_ref = _step(ref, x, amp)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    fwd_tol, grad_tol = (FWD_TOL_CUDA, GRAD_TOL_CUDA) if amp is None else (FWD_TOL[amp], GRAD_TOL[amp])
+    assert_close(y.float().cpu(), y_ref.float().cpu(), fwd_tol, f"{name} {dtype} forward")
+    for (pname, p), p_ref in zip(layer.named_parameters(), ref.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), f"{pname} has no finite gradient"
+        assert_close(p.grad.cpu(), p_ref.grad.cpu(), grad_tol, f"{name} {dtype} d{pname}", floor=0.1)
+
+
+@pytest.mark.parametrize("name", MIXERS)
+def test_layer_compiled_no_grad_forward(name):
+    layer, ref = _pair(name)
+    layer.eval()
+    ref.eval()
+    x = torch.randn(2, 300, WIDTH, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        y = _y(torch.compile(layer, fullgraph=True)(x))
+        y_ref = _y(ref(x))
+    assert_close(y.cpu(), y_ref.cpu(), FWD_TOL_CUDA, f"{name} compiled no-grad forward")
+

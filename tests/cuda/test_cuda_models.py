@@ -1,0 +1,86 @@
+"""cuda tier: ``torch.compile(HybridLM)`` trains every mixer pattern of the ``tiny`` preset for 20
+steps in fp32 and under bf16 autocast and its loss falls; the compiled model's no-grad forward
+equals the eager one; prefill + decode == full forward with flex on CUDA."""
+import pytest
+import torch
+
+from ovqflex.models import HybridLM, preset
+from ovqflex.training.trainer import forward_loss
+from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, TRAIN_BACKEND, loss_falls, seeded
+from tests.helpers import FWD_TOL, assert_close
+from tests.ovqflex.cache.test_streaming import HIDDEN, LAYERS, _perturbed, _stream, _y
+
+pytestmark = CUDA_TIER
+
+# one pattern per mixer; the README main job's sw-ovq runs in the default suite, the others with -m cuda
+PATTERNS = ["swa,ovq"] + [pytest.param(p, marks=pytest.mark.slow) for p in
+                          ("full", "nope", "swa", "bswa", "ovq", "kvm", "vq", "longvq", "linear", "deltanet", "vla")]
+VOCAB, STEPS = 64, 20
+
+
+def _model(pattern: str, **kw) -> HybridLM:
+    torch.manual_seed(0)
+    options = {"vq": {"codebook_size": 64}, "longvq": {"codebook_size": 64}}
+    return HybridLM(preset("tiny", pattern=pattern, vocab_size=VOCAB, backend=TRAIN_BACKEND, mixer_options=options,
+                           **kw)).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_compiled_hybrid_lm_training_loss_falls(pattern, dtype):
+    """20 AdamW steps on one batch (memorisation: the loop and every gradient path must work)."""
+    amp = torch.bfloat16 if dtype == "bf16" else None
+    model = _model(pattern)
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randint(0, VOCAB, (8, 65), generator=seeded(0)).to(DEVICE)
+    x, y = x[:, :-1], x[:, 1:]
+    losses = []
+    for _ in range(STEPS):
+        _, ce, aux = forward_loss(compiled, x, y, amp, with_aux=True)
+        loss = ce / y.numel() + aux
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert torch.isfinite(loss), f"{pattern} {dtype}: loss {loss.item()}"
+        losses.append(loss.item())
+    assert loss_falls(losses), f"{pattern} {dtype}: losses {losses}"
+
+
+def test_compiled_hybrid_lm_no_grad_forward_equals_eager():
+    model = _model("swa,ovq").eval()
+    x = torch.randint(0, VOCAB, (2, 300), generator=seeded(1)).to(DEVICE)
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)(x)
+        eager = model(x)
+    assert_close(compiled.cpu(), eager.cpu(), FWD_TOL_CUDA, "compiled no-grad logits")
+
+
+STREAMED = ["full-rope-conv", "swa-20-sinks", "bswa-2x16", "ovq-plateau", "kvm-fixed", "vq", "longvq", "linear",
+            "deltanet", "vla"]
+
+
+@pytest.mark.parametrize("name", STREAMED)
+def test_prefill_then_decode_equals_full_forward(name):
+    """The full forward runs flex on CUDA; the cache path runs a prefill and per-chunk decode."""
+    torch.manual_seed(3)
+    layer = _perturbed(LAYERS[name]())
+    if getattr(layer, "backend", None) is not None:
+        layer.backend = "flex"
+    layer = layer.to(DEVICE)
+    x = torch.randn(2, 110, HIDDEN, generator=seeded(3)).to(DEVICE)
+    with torch.no_grad():
+        full = _y(layer(x))
+        streamed, cache = _stream(layer, x, 70, [1, 5, 17])
+    assert cache.position == 110
+    assert_close(streamed.cpu(), full.cpu(), FWD_TOL[torch.float32] * 10, f"{name} prefill 70 + decode 40")
+
+
+def test_hybrid_lm_prefill_then_decode_equals_full_forward():
+    model = _model("swa,ovq").eval()
+    tokens = torch.randint(0, VOCAB, (2, 110), generator=seeded(4)).to(DEVICE)
+    with torch.no_grad():
+        full = model(tokens)
+        streamed, cache = _stream(model, tokens, 70, [1, 5, 17])
+    assert cache.position == 110
+    assert_close(streamed.cpu(), full.cpu(), FWD_TOL[torch.float32] * 10, "HybridLM prefill 70 + decode 40")

@@ -1,0 +1,209 @@
+"""cuda tier: every op through flex on CUDA, forward and backward, against its sequential
+reference (run on the same device and inputs, fp32) in both state layouts, with identical routes;
+in bf16 likewise, within bf16 tolerances; whole ops compiled under no_grad."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ovqflex
+from recurrences.reference import (delta_rule_reference, kvm_attention_reference, linear_attention_reference,
+                                   ovq_attention_reference, vla_reference, vq_attention_reference)
+from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, GRAD_TOL_CUDA, TRAIN_BACKEND, seeded
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+
+pytestmark = CUDA_TIER
+
+B, H, T, D = 2, 2, 300, 32
+
+
+def _inputs(seed: int) -> dict:
+    g = seeded(seed)
+    q, k, v, u = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    return dict(q=q, k=k, v=v, u=u, gate=1 + F.elu(torch.randn(B, H, T, generator=g)),
+                beta_t=torch.rand(B, H, T, generator=g), beta=D**0.5 * (0.5 + torch.rand(H, generator=g)),
+                codebook=torch.randn(H, 24, D, generator=g), ln_s_weight=1 + 0.2 * torch.randn(D, generator=g),
+                ln_s_bias=0.2 * torch.randn(D, generator=g), tau_state=0.5 + torch.rand(H, generator=g),
+                tau_bswa=0.5 + torch.rand(H, generator=g))
+
+
+def _on(t: dict, names, dtype=torch.float32, grad=()) -> dict:
+    return {n: t[n].to(device=DEVICE, dtype=dtype).requires_grad_(n in grad) for n in names}
+
+
+def compare(fused, reference, t: dict, names, grad, seed):
+    """``fused(inputs) -> (out, decisions)`` and ``reference(inputs) -> (out, decisions)`` on the
+    same fp32 inputs on DEVICE: the discrete decisions (routes, codes; None: none) are equal, the
+    forward and every gradient within the bounds the GPU measurements met."""
+    x = _on(t, names, grad=grad)
+    out, decided = fused(x)
+    ref, ref_decided = reference(x)
+    if decided is not None:
+        assert torch.equal(decided, ref_decided), "the fused op's discrete decisions differ from the reference's"
+    w = torch.randn(ref.shape, generator=seeded(seed + 1)).to(DEVICE)
+    leaves = [x[n] for n in grad]
+    grads = torch.autograd.grad((out * w).sum(), leaves, retain_graph=True)
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+    assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, "forward")
+    for n, a, b in zip(grad, grads, ref_grads):
+        assert_close(a.cpu(), b.cpu(), GRAD_TOL_CUDA, f"d{n}", floor=0.1)
+
+
+LAYOUTS = ["snapshot", "versioned"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("growth", ["plateau", "full"])
+def test_ovq_flex_equals_reference(layout, growth):
+    kw = dict(chunk_size=64, max_centroids=96, growth=growth)
+
+    def fused(x):
+        out, state = ovqflex.ovq_attention(x["q"], x["k"], x["v"], x["beta"], backend=TRAIN_BACKEND,
+                                           state_layout=layout, checkpoint_every=2, return_state=True, **kw)
+        return out, state.routes
+
+    def reference(r):
+        ref = ovq_attention_reference(r["q"], r["k"], r["v"], r["beta"], **kw)
+        return ref.out, ref.routes
+
+    compare(fused, reference, _inputs(1), "q k v beta".split(), ("q", "k", "v", "beta"), seed=1)
+
+
+KVM_NAMES = "q k v gate ln_s_weight ln_s_bias tau_state tau_bswa".split()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("budget", ["fixed-capped", "power_law"])
+def test_kvm_flex_equals_reference(layout, budget):
+    kw = dict(chunk_size=32, n_bswa_chunks=2, sink_len=1, **(
+        dict(budget="fixed", max_state_chunks=2) if budget == "fixed-capped" else
+        dict(budget="power_law", growth_factor=4.0, max_state_chunks=None)))
+
+    def fused(x):
+        params = {n: x[n] for n in KVM_NAMES[3:]}
+        out, state = ovqflex.kvm_attention(x["q"], x["k"], x["v"], backend=TRAIN_BACKEND, state_layout=layout,
+                                           return_state=True, checkpoint_every=2, **params, **kw)
+        return out, state.routes
+
+    def reference(r):
+        ref = kvm_attention_reference(r["q"], r["k"], r["v"], **{n: r[n] for n in KVM_NAMES[3:]}, **kw)
+        return ref.out, ref.routes
+
+    t = _inputs(2)
+    t["q"], t["k"] = F.layer_norm(t["q"], (D,)), F.layer_norm(t["k"], (D,))  # the op takes normalized q, k
+    compare(fused, reference, t, KVM_NAMES, tuple(KVM_NAMES), seed=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vq_flex_equals_reference(layout):
+    def fused(x):
+        out, aux = ovqflex.vq_attention(x["q"], x["k"], x["v"], x["codebook"], x["beta"], chunk_size=32,
+                                        backend=TRAIN_BACKEND, state_layout=layout, checkpoint_every=2)
+        return out, aux["codes"]
+
+    def reference(r):
+        ref = vq_attention_reference(r["q"], r["k"], r["v"], r["codebook"], r["beta"], chunk_size=32)
+        return ref.out, ref.codes
+
+    # keys: a state-read token gets its code's mean key gradient (ovqflex.ops.vq), not the quadratic form's
+    compare(fused, reference, _inputs(3), "q k v codebook beta".split(), ("q", "v", "beta"), seed=3)
+
+
+def _dense(r, **kw):
+    return ovqflex.sliding_window_attention(r["q"], r["k"], r["v"], backend="dense", **kw), None
+
+
+@pytest.mark.parametrize("kw", [dict(window=50, n_sinks=4), dict(block_window=2, chunk_size=64), dict()],
+                         ids=["swa-sinks", "bswa", "causal"])
+def test_plain_flex_equals_dense(kw):
+    compare(lambda x: (ovqflex.sliding_window_attention(x["q"], x["k"], x["v"], backend=TRAIN_BACKEND, **kw), None),
+            lambda r: _dense(r, **kw), _inputs(4), "q k v".split(), ("q", "k", "v"), seed=4)
+
+
+@pytest.mark.parametrize("name", ["linear", "delta", "vla"])
+def test_linear_recurrences_equal_reference(name):
+    t = _inputs(5)
+    t["k_unit"] = F.normalize(t["k"], dim=-1)
+    ops = {"linear": (lambda x: ovqflex.linear_attention(x["q"], x["k"], x["v"]),
+                      lambda r: linear_attention_reference(r["q"], r["k"], r["v"]).out, "q k v"),
+           "delta": (lambda x: ovqflex.delta_rule(x["q"], x["k_unit"], x["v"], x["beta_t"]),
+                     lambda r: delta_rule_reference(r["q"], r["k_unit"], r["v"], r["beta_t"]).out, "q k_unit v beta_t"),
+           "vla": (lambda x: ovqflex.vla_attention(x["q"], x["k"], x["v"], x["u"]),
+                   lambda r: vla_reference(r["q"], r["k"], r["v"], r["u"]).out, "q k v u")}
+    op, ref, names = ops[name]
+    names = names.split()
+    compare(lambda x: (op(x), None), lambda r: (ref(r), None), t, names, tuple(names), seed=5)
+
+
+def _bf16_close(out, ref, leaves, seed):
+    w = torch.randn(out.shape, generator=seeded(seed)).to(out)
+    grads = torch.autograd.grad((out * w).float().sum(), leaves, retain_graph=True)
+    ref_grads = torch.autograd.grad((ref * w).float().sum(), leaves)
+    assert_close(out.float().cpu(), ref.float().cpu(), FWD_TOL[torch.bfloat16], "bf16 forward")
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+        assert_close(a.cpu(), b.cpu(), GRAD_TOL[torch.bfloat16], f"bf16 grad of leaf {i}", floor=0.1)
+
+
+@pytest.mark.parametrize("method", ["ovq", "kvm", "vq"])
+def test_bf16_fused_routes_exactly_like_the_reference(method):
+    """The dtype rule: in bf16, on the same inputs, the fused op (flex on CUDA) takes the same
+    discrete decisions as the reference loop, and its outputs and gradients are within bf16
+    tolerances of it (the reference computes in fp32 from the bf16 inputs)."""
+    t = _inputs(6)
+    x = {n: v.to(DEVICE) for n, v in t.items()}
+    leaves = [x[n].requires_grad_() for n in ("q", "k", "v")]
+    q, k, v = (a.bfloat16() for a in leaves)
+    if method == "ovq":
+        kw = dict(chunk_size=64, max_centroids=96)
+        out, state = ovqflex.ovq_attention(q, k, v, x["beta"], backend=TRAIN_BACKEND, return_state=True, **kw)
+        ref = ovq_attention_reference(q, k, v, x["beta"], **kw)
+        assert torch.equal(state.routes, ref.routes)
+    elif method == "kvm":
+        q, k = F.layer_norm(q, (D,)), F.layer_norm(k, (D,))
+        params = {n: x[n] for n in KVM_NAMES[4:]} | {"gate": x["gate"].bfloat16()}
+        kw = dict(chunk_size=32, budget="power_law", growth_factor=4.0, max_state_chunks=None)
+        out, state = ovqflex.kvm_attention(q, k, v, backend=TRAIN_BACKEND, return_state=True, **params, **kw)
+        ref = kvm_attention_reference(q, k, v, **params, **kw)
+        assert torch.equal(state.routes, ref.routes) and torch.equal(state.founder, ref.founder)
+    else:
+        out, aux = ovqflex.vq_attention(q, k, v, x["codebook"], x["beta"], chunk_size=32, backend=TRAIN_BACKEND)
+        ref = vq_attention_reference(q, k, v, x["codebook"], x["beta"], chunk_size=32)
+        assert torch.equal(aux["codes"], ref.codes)
+        leaves = [leaves[0], leaves[2]]  # keys: the code's mean gradient by design (see above)
+    assert out.dtype == torch.bfloat16
+    _bf16_close(out, ref.out, leaves, seed=6)
+
+
+NO_GRAD_T = 4096
+
+
+@pytest.mark.parametrize("method", ["ovq", "kvm", "vq", "swa"])
+def test_whole_op_compiled_under_no_grad(method):
+    """``torch.compile(lambda t: op(**t, backend="flex"), fullgraph=True, dynamic=False)`` under
+    no_grad at T = 4k (the failing call of the CUDA issue) equals the eager blocked op."""
+    g = seeded(7)
+    t = {n: torch.randn(1, 2, NO_GRAD_T, 64, generator=g).to(DEVICE) for n in "qkv"}
+    if method == "ovq":
+        t["beta"] = torch.full((2,), 8.0, device=DEVICE)
+
+        def op(backend, t):
+            return ovqflex.ovq_attention(**t, backend=backend, chunk_size=128, max_centroids=2048)
+    elif method == "kvm":
+        t["q"], t["k"] = F.layer_norm(t["q"], (64,)), F.layer_norm(t["k"], (64,))
+        t.update(ln_s_weight=torch.ones(64, device=DEVICE), ln_s_bias=torch.zeros(64, device=DEVICE))
+
+        def op(backend, t):
+            return ovqflex.kvm_attention(**t, backend=backend, chunk_size=128, budget="power_law",
+                                         max_state_chunks=None)
+    elif method == "vq":
+        t.update(codebook=torch.randn(2, 256, 64, generator=g).to(DEVICE), beta=torch.full((2,), 8.0, device=DEVICE))
+
+        def op(backend, t):
+            return ovqflex.vq_attention(**t, backend=backend, chunk_size=128)[0]
+    else:
+        def op(backend, t):
+            return ovqflex.sliding_window_attention(**t, backend=backend, window=512, n_sinks=4)
+    compiled = torch.compile(lambda t: op("flex", t), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        out = compiled(t)
+        ref = op("blocked", t)
+    assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, f"compiled {method} at T={NO_GRAD_T}")

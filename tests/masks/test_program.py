@@ -1,0 +1,103 @@
+"""``AttentionProgram.on_blocks``: the same program on larger blocks (what flex runs on CUDA)
+gives the same outputs and gradients, and its analytic block lists match the dense truth even
+where a block holds both state and token rows."""
+import pytest
+import torch
+
+import ovqflex
+from masks.program import build_program
+from ovqflex.ops.kvm import kvm_program
+from ovqflex.ops.ovq import ovq_program
+from ovqflex.ops.plain import plain_regions
+from ovqflex.ops.vq import vq_program
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.masks.test_blocks import listed
+
+
+def _leaves(T, seed, H=2, D=16):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, H, T, D, generator=g).requires_grad_() for _ in range(3))
+    return q, k, v, g
+
+
+def _plain(T, block):
+    q, k, v, _ = _leaves(T, 1)
+    regions = plain_regions(window=23, n_sinks=3)
+    return build_program(q, k, v, regions, scale=0.25, block_size=block), (q, k, v)
+
+
+def _ovq(layout):
+    def make(T, block):
+        q, k, v, g = _leaves(T, 2)
+        beta = (3 + torch.rand(2, generator=g)).requires_grad_()
+        p, _, _ = ovq_program(q, k, v, beta, chunk_size=16, max_centroids=20, state_layout=layout,
+                              checkpoint_every=2, block_size=block)
+        return p, (q, k, v, beta)
+    return make
+
+
+def _kvm(T, block):
+    q, k, v, g = _leaves(T, 3)
+    w, b = (1 + 0.1 * torch.randn(16, generator=g)).requires_grad_(), (0.1 * torch.randn(16, generator=g))
+    p, _ = kvm_program(q, k, v, ln_s_weight=w, ln_s_bias=b, chunk_size=16, budget="power_law", growth_factor=3.0,
+                       max_state_chunks=None, block_size=block)
+    return p, (q, k, v, w)
+
+
+def _vq_local_bias(T, block):
+    q, k, v, g = _leaves(T, 4)
+    beta, local = (3 + torch.rand(2, generator=g)).requires_grad_(), torch.randn(2, generator=g).requires_grad_()
+    p, _ = vq_program(q, k, v, torch.randn(2, 10, 16, generator=g), beta, chunk_size=16, local_bias=local,
+                      block_size=block)
+    return p, (q, v, beta, local)  # the bias carries local_bias's gradient
+
+
+PROGRAMS = {"swa-sinks": _plain, "ovq-snapshot": _ovq("snapshot"), "ovq-versioned": _ovq("versioned"),
+            "kvm-powerlaw": _kvm, "vq-local-bias": _vq_local_bias}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_on_blocks_keeps_outputs_and_gradients(name):
+    T = 70
+    p, leaves = PROGRAMS[name](T, 16)
+    big = p.on_blocks(128)
+    g = big.geom
+    assert (g.block_q, g.block_kv, g.n_state, g.q_len) == (128, 128, p.geom.n_state, T)
+    assert g.q_pad % 128 == 0 and g.kv_len % 128 == 0 and g.kv_tokens >= g.q_pad
+    w = torch.randn(p.q.shape[0], p.q.shape[1], T, p.v.shape[-1], generator=torch.Generator().manual_seed(T))
+    ref = ovqflex.attend(p, "dense")
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves, retain_graph=True)
+    for backend in ("blocked", "dense"):
+        out = ovqflex.attend(big, backend)
+        grads = torch.autograd.grad((out * w).sum(), leaves, retain_graph=True)
+        assert_close(out, ref, FWD_TOL[torch.float32], f"{backend} forward")
+        for i, (a, b) in enumerate(zip(grads, ref_grads)):
+            assert_close(a, b, GRAD_TOL[torch.float32], f"{backend} grad of leaf {i}", floor=0.1)
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_on_blocks_lists_match_the_dense_mask(name):
+    """Every visible 128-block is listed, and a block listed full is fully visible: also the
+    blocks that straddle the state/token boundary (the state keeps its 16-row padding)."""
+    p, _ = PROGRAMS[name](150, 16)
+    big = p.on_blocks(128)
+    g, lay = big.geom, big.layout
+    if name != "swa-sinks":
+        assert g.n_state % 128, "the case must have a block holding state and token rows"
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(2).view(1, 2, 1, 1)
+    q = torch.arange(g.q_pad).view(1, 1, -1, 1)
+    kv = torch.arange(g.kv_len).view(1, 1, 1, -1)
+    m = big.mask_mod(b, h, q, kv).expand(2, 2, g.q_pad, g.kv_len)
+    t = m.reshape(2, 2, g.n_q_blocks, 128, g.n_kv_blocks, 128)
+    any_visible, all_visible = t.any(-1).any(-2).any(0).any(0), t.all(-1).all(-2).all(0).all(0)
+    partial, full = listed(lay.kv_num, lay.kv_idx, g), listed(lay.full_num, lay.full_idx, g)
+    assert not (partial & full).any()
+    assert ((partial | full) >= any_visible).all(), "a visible block is not listed"
+    assert (full <= all_visible).all(), "a block listed full is not fully visible"
+
+
+def test_on_blocks_is_the_identity_at_the_own_block_and_refuses_a_non_multiple():
+    p, _ = _plain(40, 32)
+    assert p.on_blocks(32) is p
+    with pytest.raises(ValueError, match="multiple of the program's block size 32"):
+        p.on_blocks(48)

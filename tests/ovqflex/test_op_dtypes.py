@@ -1,0 +1,166 @@
+"""The dtype rule at the op boundary (``recurrences.precision``) on every op, and bf16 layers under
+CPU autocast: mixed input dtypes are cast to one compute dtype (== the explicitly cast call), and
+in bf16 the fused ops route exactly like their sequential references on the same inputs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ovqflex
+from recurrences.reference import kvm_attention_reference, ovq_attention_reference, vq_attention_reference
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+
+f32, bf16 = torch.float32, torch.bfloat16
+B, H, T, D = 2, 2, 150, 16
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, u = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    return dict(q=q, k=k, v=v, u=u, k_unit=F.normalize(k, dim=-1), gate=1 + F.elu(torch.randn(B, H, T, generator=g)),
+                beta_t=torch.rand(B, H, T, generator=g), beta=D**0.5 * (0.5 + torch.rand(H, generator=g)),
+                codebook=torch.randn(H, 12, D, generator=g), ln_w=1 + 0.2 * torch.randn(D, generator=g),
+                ln_b=0.2 * torch.randn(D, generator=g), tau=0.5 + torch.rand(H, generator=g))
+
+
+# name -> (op on a dict of inputs, the per-token inputs it casts with q, k, v)
+OPS = {
+    "swa-sinks": (lambda t: ovqflex.sliding_window_attention(t["q"], t["k"], t["v"], window=24, n_sinks=2,
+                                                             backend="blocked", block_size=16), ()),
+    "ovq": (lambda t: ovqflex.ovq_attention(t["q"], t["k"], t["v"], t["beta"], chunk_size=16, max_centroids=12,
+                                            backend="blocked", block_size=16), ()),
+    "kvm": (lambda t: ovqflex.kvm_attention(t["q"], t["k"], t["v"], t["gate"], ln_s_weight=t["ln_w"],
+                                            ln_s_bias=t["ln_b"], tau_state=t["tau"], tau_bswa=t["tau"],
+                                            chunk_size=16, budget="power_law", growth_factor=4.0,
+                                            max_state_chunks=None, backend="blocked", block_size=16), ("gate",)),
+    "vq": (lambda t: ovqflex.vq_attention(t["q"], t["k"], t["v"], t["codebook"], t["beta"], chunk_size=16,
+                                          backend="blocked", block_size=16)[0], ()),
+    "linear": (lambda t: ovqflex.linear_attention(t["q"], t["k"], t["v"], chunk_size=16), ()),
+    "delta": (lambda t: ovqflex.delta_rule(t["q"], t["k_unit"], t["v"], t["beta_t"], chunk_size=16), ("beta_t",)),
+    "vla": (lambda t: ovqflex.vla_attention(t["q"], t["k"], t["v"], t["u"], chunk_size=10), ("u",)),
+}
+
+
+def _cast(t: dict, dtypes: dict) -> dict:
+    return {n: x.to(dtypes[n]) if n in dtypes else x for n, x in t.items()}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_mixed_dtypes_equal_the_explicitly_cast_call(name):
+    """q, k fp32 and v bf16 (what CUDA autocast hands the ops) run as the fp32 call; a bf16
+    companion (gate, beta, u) too."""
+    op, companions = OPS[name]
+    t = _cast(_inputs(), {"v": bf16} | {c: bf16 for c in companions})
+    mixed = op(t)
+    cast = op(_cast(t, {n: f32 for n in ("q", "k", "k_unit", "v", *companions)}))
+    assert mixed.dtype == f32
+    assert torch.equal(mixed, cast)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_under_autocast_the_op_runs_in_the_autocast_dtype(name):
+    """Under autocast q, k, v (and companions) go to the autocast dtype, whatever they came in."""
+    op, companions = OPS[name]
+    t = _cast(_inputs(), {"v": bf16})
+    with torch.autocast("cpu", dtype=bf16):
+        mixed = op(t)
+        cast = op(_cast(t, {n: bf16 for n in ("q", "k", "k_unit", "v", *companions)}))
+    assert mixed.dtype == bf16
+    assert torch.equal(mixed, cast)
+
+
+def _leaves(t: dict, names) -> list:
+    return [t[n].requires_grad_() for n in names]
+
+
+def _grads_close(out, ref, leaves, seed):
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    grads = torch.autograd.grad((out * w).float().sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * w).float().sum(), leaves)
+    assert_close(out.float(), ref.float(), FWD_TOL[bf16], "forward")
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+        assert_close(a, b, GRAD_TOL[bf16], f"grad of leaf {i}", floor=0.1)
+
+
+@pytest.mark.parametrize("layout, seed", [("snapshot", 0), ("versioned", 1)])
+def test_ovq_bf16_routes_like_its_reference(layout, seed):
+    t = _inputs(seed)
+    leaves = _leaves(t, ("q", "k", "v", "beta"))
+    q, k, v = (t[n].bfloat16() for n in "qkv")
+    kw = dict(chunk_size=16, max_centroids=24)
+    out, state = ovqflex.ovq_attention(q, k, v, t["beta"], backend="blocked", state_layout=layout,
+                                       return_state=True, block_size=16, **kw)
+    ref = ovq_attention_reference(q, k, v, t["beta"], **kw)
+    assert out.dtype == bf16 and torch.equal(state.routes, ref.routes)
+    _grads_close(out, ref.out, leaves, seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kvm_bf16_routes_like_its_reference(seed):
+    t = _inputs(seed)
+    leaves = _leaves(t, ("q", "k", "v", "gate"))
+    q, k, v, gate = (t[n].bfloat16() for n in ("q", "k", "v", "gate"))
+    kw = dict(ln_s_weight=t["ln_w"], ln_s_bias=t["ln_b"], tau_state=t["tau"], tau_bswa=t["tau"], chunk_size=16,
+              budget="power_law", growth_factor=4.0, max_state_chunks=None)
+    out, state = ovqflex.kvm_attention(q, k, v, gate, backend="blocked", return_state=True, block_size=16, **kw)
+    ref = kvm_attention_reference(q, k, v, gate, **kw)
+    assert out.dtype == bf16
+    assert torch.equal(state.routes, ref.routes) and torch.equal(state.founder, ref.founder)
+    _grads_close(out, ref.out, leaves, seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_vq_bf16_codes_like_its_reference(seed):
+    t = _inputs(seed)
+    leaves = _leaves(t, ("q", "v", "beta"))
+    q, k, v = (t[n].bfloat16() for n in "qkv")
+    out, aux = ovqflex.vq_attention(q, k, v, t["codebook"], t["beta"], chunk_size=16, backend="blocked",
+                                    block_size=16)
+    ref = vq_attention_reference(q, k, v, t["codebook"], t["beta"], chunk_size=16)
+    assert out.dtype == bf16 and torch.equal(aux["codes"], ref.codes)
+    _grads_close(out, ref.out, leaves, seed)
+
+
+def test_ovq_layer_under_cpu_autocast_routes_like_the_reference_and_decodes():
+    torch.manual_seed(0)
+    layer = ovqflex.OVQAttention(32, 2, chunk_size=16, max_centroids=24, backend="blocked", block_size=16)
+    x = torch.randn(2, 100, 32)
+    with torch.autocast("cpu", dtype=bf16):
+        y = layer(x)
+        q, k, v = layer.split_heads(x)
+        _, state = ovqflex.ovq_attention(q, k, v, layer.beta, chunk_size=16, max_centroids=24, backend="blocked",
+                                         return_state=True, block_size=16)
+    ref = ovq_attention_reference(q, k, v, layer.beta, chunk_size=16, max_centroids=24)
+    assert y.dtype == bf16 and q.dtype == bf16
+    assert torch.equal(state.routes, ref.routes)
+    with torch.autocast("cpu", dtype=bf16):
+        y_ref = layer.merge(ref.out)
+    assert_close(y.float(), y_ref.float(), FWD_TOL[bf16], "layer vs reference")
+    with torch.no_grad(), torch.autocast("cpu", dtype=bf16):  # the decode cache routes on the same fp32 keys
+        full = layer(x)
+        y1, cache = layer(x[:, :37], use_cache=True)
+        outs = [y1]
+        for i in range(37, 100):
+            y1, cache = layer(x[:, i:i + 1], cache=cache)
+            outs.append(y1)
+    assert_close(torch.cat(outs, 1).float(), full.float(), FWD_TOL[bf16], "prefill + decode in bf16")
+
+
+KVM_OPTIONS = ("gate", "ln_s_weight", "ln_s_bias", "tau_state", "tau_bswa", "chunk_size", "n_bswa_chunks", "sink_len",
+               "rope_dims", "budget", "growth_factor", "max_state_chunks")
+
+
+def test_kvm_layer_under_cpu_autocast_routes_like_the_reference():
+    torch.manual_seed(0)
+    layer = ovqflex.KVMAttention(32, 2, chunk_size=16, budget="power_law", growth_factor=4.0, max_state_chunks=None,
+                                 backend="blocked", block_size=16)
+    x = torch.randn(2, 100, 32)
+    with torch.autocast("cpu", dtype=bf16):
+        y = layer(x)
+        q, k, v, options, _ = layer._prepare(x)
+        _, state = ovqflex.kvm_attention(q, k, v, backend="blocked", return_state=True, **options)
+    assert y.dtype == bf16 and q.dtype == k.dtype == v.dtype == options["gate"].dtype == bf16
+    ref = kvm_attention_reference(q, k, v, **{n: options[n] for n in KVM_OPTIONS})
+    assert torch.equal(state.routes, ref.routes)
+    with torch.autocast("cpu", dtype=bf16):
+        y_ref = layer.merge(ref.out)
+    assert_close(y.float(), y_ref.float(), FWD_TOL[bf16], "layer vs reference")

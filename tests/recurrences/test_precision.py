@@ -1,0 +1,60 @@
+"""The dtype rule at op boundaries (``recurrences.precision``): compute dtype with and without
+autocast, casting, fp32 routing keys."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recurrences.precision import compute_dtype, routing_keys, to_compute_dtype
+
+f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
+
+
+def _t(dtype):
+    return torch.randn(2, 3, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtypes, plain, autocast", [
+    ((f32, f32, f32), f32, bf16),
+    ((bf16, bf16, bf16), bf16, bf16),
+    ((f32, f32, bf16), f32, bf16),     # CUDA autocast: normalized q, k in fp32, projected v in bf16
+    ((bf16, f32, None), f32, bf16),    # None (an absent gate) takes no part
+    ((f32, f64, f32), f64, f64),       # autocast never touches float64
+], ids=["fp32", "bf16", "qk-fp32-v-bf16", "with-none", "fp64"])
+def test_compute_dtype(dtypes, plain, autocast):
+    xs = [None if d is None else _t(d) for d in dtypes]
+    assert compute_dtype(*xs) == plain
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compute_dtype(*xs) == autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert compute_dtype(*xs) == plain
+
+
+def test_to_compute_dtype_casts_all_and_keeps_none_and_same_objects():
+    q, k, v = _t(f32), _t(f32), _t(bf16)
+    out = to_compute_dtype(q, k, v, None)
+    assert [x.dtype for x in out[:3]] == [f32] * 3 and out[3] is None
+    assert out[0] is q and torch.equal(out[2], v.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = to_compute_dtype(q, k, v)
+    assert [x.dtype for x in out] == [bf16] * 3 and out[2] is v
+
+
+def test_compute_dtype_traces_under_compile_with_autocast():
+    def f(a, b):
+        a, b = to_compute_dtype(a, b)
+        return a + b
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    a, b = _t(f32), _t(bf16)
+    assert compiled(a, b).dtype == f32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compiled(a, b).dtype == bf16
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16, f64], ids=["fp32", "bf16", "fp64"])
+def test_routing_keys_are_fp32_unit_copies(dtype):
+    k = torch.randn(2, 3, 5, 8, dtype=dtype, requires_grad=True)
+    r = routing_keys(k)
+    assert r.dtype == f32 and not r.requires_grad
+    assert torch.equal(r, F.normalize(k.detach().float(), dim=-1))
+    assert torch.allclose(r.norm(dim=-1), torch.ones(2, 3, 5))
