@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_choice, check_int
+from .checks import check_choice, check_chunk, check_int
 from .segments import segment_snapshot_sums
 
 STATE_LAYOUTS = ("snapshot", "versioned", "auto")
@@ -102,11 +102,13 @@ def plan_versioned(n_chunks: int, chunk: int, rows: int, lag: int, every: int | 
     return VersionPlan(n_chunks, chunk, rows_pad, every, lag)
 
 
-def check_state_layout(state_layout: str, checkpoint_every: int | None) -> None:
-    """The ``state_layout`` / ``checkpoint_every`` options of an op or layer (ValueError naming them)."""
+def check_state_layout(state_layout: str, checkpoint_every: int | None, block_size: int) -> None:
+    """The ``state_layout`` / ``checkpoint_every`` / ``block_size`` options of an op or layer
+    (ValueError naming them; ``block_size`` aligns the checkpoint rows)."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if checkpoint_every is not None:
         check_int("checkpoint_every", checkpoint_every)
+    check_chunk("block_size", block_size)
 
 
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan) -> str:

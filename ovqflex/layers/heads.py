@@ -27,7 +27,11 @@ class MultiHeadProjection(nn.Module):
         super().__init__()
         check_int("hidden_size", hidden_size)
         check_int("num_heads", num_heads)
-        head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads} "
+                                 f"(or give head_dim)")
+            head_dim = hidden_size // num_heads
         check_int("head_dim", head_dim)
         if backend is not None:  # None: a layer that runs no attention program (linear recurrences)
             check_choice("backend", backend, BACKENDS)

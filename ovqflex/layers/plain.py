@@ -8,11 +8,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
+from recurrences.checks import check_chunk
 
 from ..attention import attend
 from ..cache.base import check_cache, positions
 from ..cache.plain import PlainCache, plain_decode, plain_prefill
-from ..ops.plain import plain_regions
+from ..ops.plain import plain_regions, window_regions
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .rope import apply_rope
@@ -31,6 +32,7 @@ class _PlainAttention(MultiHeadProjection):
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
                  qk_norm: bool, backend: str, block_size: int, regions, qk_conv: int = 0):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
+        check_chunk("block_size", block_size)
         if self.head_dim % 2 and rope:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         self.rope, self.rope_base, self.block_size, self.regions = rope, rope_base, block_size, regions
@@ -110,7 +112,8 @@ class SlidingWindowAttention(_PlainAttention):
                  qk_norm: bool = False, qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
         if block_window is not None:
             window = None
-        regions = plain_regions(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
+        regions = window_regions("SlidingWindowAttention", "CausalAttention", window=window, block_window=block_window,
+                                 chunk_size=chunk_size, n_sinks=n_sinks)
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
                          qk_norm=qk_norm, backend=backend, block_size=block_size, regions=regions,
                          qk_conv=qk_conv)

@@ -31,8 +31,8 @@ from ..attention import attend
 from ..profiling import stage
 
 
-def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout="auto",
-                   checkpoint_every=None):
+def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout,
+                   checkpoint_every, block_size):
     check_qkv(q, k, v)
     H, D = q.shape[1], q.shape[-1]
     check_tensor("codebook", codebook, 3)
@@ -45,7 +45,7 @@ def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, c
         raise ValueError(f"beta must have shape [H]=[{H}], got {tuple(beta.shape)}")
     check_chunk("chunk_size", chunk_size)
     check_choice("estimator", estimator, ESTIMATORS)
-    check_state_layout(state_layout, checkpoint_every)
+    check_state_layout(state_layout, checkpoint_every, block_size)
     if local_bias is not None:
         check_tensor("local_bias", local_bias, 1)
         if local_bias.shape[0] != H:
@@ -66,7 +66,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     ``aux``: ``codes [B, H, T]``, ``k_hat`` (quantized unit keys), ``k_unit`` (normalized keys).
     """
     _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout,
-                   checkpoint_every)
+                   checkpoint_every, block_size)
     B, H, T, _ = q.shape
     N = codebook.shape[1]
     with stage("proj"):

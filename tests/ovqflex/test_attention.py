@@ -138,8 +138,12 @@ def test_bad_inputs_raise(args, match):
     "kw, match",
     [({"window": 0}, "window"), ({"window": -1}, "window"), ({"block_window": 2, "chunk_size": 20}, "chunk_size"),
      ({"block_window": 2, "chunk_size": 0}, "chunk_size"), ({"window": 4, "block_window": 2}, "not both"),
-     ({"n_sinks": -1}, "n_sinks"), ({"backend": "cuda"}, "backend"), ({"block_size": 100}, "block_size")],
-    ids=["window-0", "window-neg", "chunk-20", "chunk-0", "both", "sinks-neg", "backend", "block-100"],
+     ({"window": 4, "n_sinks": -1}, "n_sinks"), ({"window": 4, "backend": "cuda"}, "backend"),
+     ({"window": 4, "block_size": 100}, "block_size"),
+     ({}, "needs window=N .* or block_window=N .*got neither; for full causal attention use causal_attention"),
+     ({"n_sinks": 2}, "needs window=N")],
+    ids=["window-0", "window-neg", "chunk-20", "chunk-0", "both", "sinks-neg", "backend", "block-100", "neither",
+         "sinks-only"],
 )
 def test_bad_options_raise(kw, match):
     q, k, v = make_qkv(1, 1, 16, 20, seed=0)

@@ -114,7 +114,8 @@ def test_layer_beta_init_and_max_centroids_override():
 @pytest.mark.parametrize("kw, match", [
     (dict(beta=torch.ones(3)), "beta"), (dict(chunk_size=20), "chunk_size"), (dict(max_centroids=0), "max_centroids"),
     (dict(growth="exp"), "growth"), (dict(seeding="kmeans++"), "seeding"), (dict(growth_horizon=0), "growth_horizon"),
-], ids=["beta", "chunk", "N0", "growth", "seeding", "horizon"])
+    (dict(block_size=0), "block_size must be a positive multiple of 16, got 0"),
+], ids=["beta", "chunk", "N0", "growth", "seeding", "horizon", "block-0"])
 def test_bad_arguments(kw, match):
     q, k, v, beta = inputs(1, 2, 16, 40, seed=0, requires_grad=False)
     args = dict(max_centroids=8) | kw

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import ovqflex
 from ovqflex.layers import OVQAttention, SlidingWindowAttention
 from ovqflex.layers.heads import MultiHeadProjection
 
@@ -14,6 +15,15 @@ def test_split_heads_shapes_and_size_check():
         m.split_heads(torch.randn(2, 7, 16))
     with pytest.raises(ValueError, match="qk_conv must be >= 0"):
         MultiHeadProjection(32, 4, None, "blocked", qk_conv=-1)
+
+
+@pytest.mark.parametrize("layer", ["OVQAttention", "KVMAttention", "VQAttention", "CausalAttention",
+                                   "LinearAttention"])
+def test_hidden_size_must_divide_into_heads(layer):
+    """head_dim None: the heads must cover the hidden size exactly (30 = 4 x 7 + 2 would drop 2 dims)."""
+    with pytest.raises(ValueError, match="hidden_size=30 must be divisible by num_heads=4"):
+        getattr(ovqflex, layer)(30, 4)
+    assert getattr(ovqflex, layer)(30, 4, head_dim=8).head_dim == 8  # an explicit head_dim may differ
 
 
 def test_qk_conv_starts_as_identity():
