@@ -40,6 +40,21 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, same_len: bool = True) -> None
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
+def check_layer_input(x: object, hidden_size: int, dtype: torch.dtype) -> Tensor:
+    """A layer's input ``x [B, T, hidden_size]`` in the dtype of the layer's parameters
+    (``dtype``), or any floating dtype under ``torch.autocast`` on x's device."""
+    check_tensor("x", x, 3)
+    if x.shape[-1] != hidden_size:
+        raise ValueError(f"x must have last dim hidden_size={hidden_size}, got shape {tuple(x.shape)}")
+    if torch.is_autocast_enabled(x.device.type):
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating tensor, got dtype {x.dtype}")
+    elif x.dtype != dtype:
+        raise TypeError(f"x must have dtype {dtype} (the layer's parameters), got {x.dtype}: cast the input "
+                        f"(x.to({dtype})) or the layer (layer.to({x.dtype})), or run under torch.autocast")
+    return x
+
+
 def check_int(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")

@@ -69,3 +69,32 @@ def test_layers_with_qk_conv_stay_causal(make):
     layer(x)[0, 20].sum().backward()
     assert x.grad[0, 21:].abs().max() == 0 and x.grad[0, :21].abs().max() > 0
     assert layer.qk_conv_weight.grad.abs().max() > 0
+
+
+DTYPE_LAYERS = {
+    "ovq": lambda: ovqflex.OVQAttention(32, 2, chunk_size=16, max_centroids=8, backend="dense"),
+    "kvm": lambda: ovqflex.KVMAttention(32, 2, chunk_size=16, backend="dense"),
+    "causal": lambda: ovqflex.CausalAttention(32, 2, backend="dense"),
+    "linear": lambda: ovqflex.LinearAttention(32, 2),
+    "longvq": lambda: ovqflex.LongVQBlock(32, 2, chunk_size=16, codebook_size=4, backend="dense"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int64], ids=["fp16", "int64"])
+@pytest.mark.parametrize("name", list(DTYPE_LAYERS))
+def test_input_dtype_must_match_the_parameters(name, dtype):
+    """A layer names the dtype it expects (not torch's 'expected m1 and m2 to have the same dtype')."""
+    layer = DTYPE_LAYERS[name]()
+    with pytest.raises(TypeError, match=f"x must have dtype torch.float32 .*got {dtype}"):
+        layer(torch.zeros(1, 16, 32).to(dtype))
+
+
+@pytest.mark.parametrize("name", list(DTYPE_LAYERS))
+def test_autocast_takes_any_floating_input_but_not_ints(name):
+    layer = DTYPE_LAYERS[name]()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.randn(1, 16, 32).to(torch.bfloat16))
+        with pytest.raises(TypeError, match="x must be a floating tensor, got dtype torch.int64"):
+            layer(torch.zeros(1, 16, 32, dtype=torch.int64))
+    y = y[0] if isinstance(y, tuple) else y
+    assert y.shape == (1, 16, 32) and torch.isfinite(y.float()).all()
