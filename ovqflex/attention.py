@@ -11,6 +11,18 @@
   analytic block mask. Small shapes only.
 
 ``attend(program, backend="auto")`` returns ``[B, H, q_len, Dv]``.
+
+Non-finite inputs (the rule the tests check): with ``dense`` and ``blocked`` an output depends
+only on the kv rows its query sees. A query that sees a row whose value has a NaN or inf gets
+NaN in every output dim; a query that does not see it is unchanged, bit for bit, whatever that
+row holds (masked entries get zero weight, and ``0 * nan`` must not leak, so value rows are
+split into their finite part and a per-row "non-finite" flag). A NaN or inf key reaches exactly
+the queries that see it through their score. So a NaN at position ``t`` never changes an output
+before ``t`` (nor, in a window, past the window). ``flex`` skips kv blocks a query block does
+not list but, inside a partially visible block, still multiplies masked values by zero weight:
+there a non-finite value reaches every query of each query block that lists its kv block (the
+earlier queries of its own block, queries past a window in later blocks), never a query of an
+earlier query block.
 """
 from __future__ import annotations
 
@@ -120,14 +132,26 @@ def _flex(p: AttentionProgram) -> Tensor:
     return fn(p.q, p.k, p.v, score_mod=p.score_mod, block_mask=bm, scale=p.scale)
 
 
-def _safe_softmax_av(s: Tensor, v: Tensor) -> Tensor:
-    """softmax(s) @ v with fully masked rows giving 0 (no NaN in forward or backward)."""
+def _split_nonfinite(v: Tensor) -> tuple[Tensor, Tensor]:
+    """Value rows ``v [..., S, Dv]`` -> (v with its non-finite entries zeroed, ``[..., S]`` bool:
+    the row holds a NaN or inf). See the module docstring for why."""
+    finite = torch.isfinite(v)
+    return torch.where(finite, v, torch.zeros_like(v)), ~finite.all(dim=-1)
+
+
+def _safe_softmax_av(s: Tensor, v: Tensor, bad: Tensor) -> Tensor:
+    """softmax(s) @ v with fully masked rows giving 0 (no NaN in forward or backward).
+
+    s ``[..., Q, S]`` (``-inf``: not visible), v ``[..., S, Dv]`` finite and ``bad [..., S]`` from
+    :func:`_split_nonfinite`: a query that sees a bad row gets NaN, one that does not is untouched."""
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
     out = torch.matmul(e.to(v.dtype), v)
-    return out / torch.where(denom > 0, denom, torch.ones_like(denom)).to(v.dtype)
+    out = out / torch.where(denom > 0, denom, torch.ones_like(denom)).to(v.dtype)
+    sees_bad = ((s != float("-inf")) & bad.unsqueeze(-2)).any(dim=-1, keepdim=True)
+    return torch.where(sees_bad, torch.full_like(out, float("nan")), out)
 
 
 def _index_grid(B: int, H: int, dev) -> tuple[Tensor, Tensor]:
@@ -149,7 +173,8 @@ def _blocked(p: AttentionProgram) -> Tensor:
     row_valid = valid[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     row_full = full[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     kg = p.k[:, :, rows]  # [B, H, nqb, W*bk, D]
-    vg = p.v[:, :, rows]
+    v, bad = _split_nonfinite(p.v)  # before the gather: once per kv row, not per query block
+    vg, bad = v[:, :, rows], bad[:, :, rows]
     qb = p.q.view(B, H, nqb, bq, D)
     s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk]
     q_idx = torch.arange(Qp, device=dev).view(1, 1, nqb, bq, 1)
@@ -159,7 +184,7 @@ def _blocked(p: AttentionProgram) -> Tensor:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     visible = row_valid[:, None, :] & (row_full[:, None, :] | p.mask_mod(b, h, q_idx, kv_idx))
     s = torch.where(visible, s, float("-inf"))
-    out = _safe_softmax_av(s.float(), vg.float())  # [B, H, nqb, bq, Dv]
+    out = _safe_softmax_av(s.float(), vg.float(), bad)  # [B, H, nqb, bq, Dv]
     return out.reshape(B, H, Qp, Dv).to(p.q.dtype)
 
 
@@ -175,7 +200,7 @@ def _dense(p: AttentionProgram) -> Tensor:
     if p.score_mod is not None:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     s = torch.where(p.mask_mod(b, h, q_idx, kv_idx), s, float("-inf"))
-    return _safe_softmax_av(s, p.v.float()).to(p.q.dtype)
+    return _safe_softmax_av(s, *_split_nonfinite(p.v.float())).to(p.q.dtype)
 
 
 def attend_rows(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: float,
@@ -190,4 +215,4 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: floa
     if bias is not None:
         s = s + bias[:, :, None, :].float()
     s = torch.where(visible, s, float("-inf"))
-    return _safe_softmax_av(s, v.float()).to(q.dtype)
+    return _safe_softmax_av(s, *_split_nonfinite(v.float())).to(q.dtype)
