@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from recurrences.checks import check_int, from_dict
 
+from ..models.config import check_preset
+
 DTYPES = ("auto", "fp32", "bf16")
 
 
@@ -39,6 +41,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        check_preset(self.preset)  # first: an unknown preset, not the task sizes it would have set
         for name in ("steps", "seq_len", "batch_size", "log_every"):
             check_int(name, getattr(self, name))
         for name in ("warmup", "ckpt_every", "keep_checkpoints", "seed"):
