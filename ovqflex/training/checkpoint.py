@@ -42,7 +42,8 @@ from safetensors.torch import load_file, save_file
 
 FORMAT = "ovqflex-checkpoint"
 VERSION = 2
-_MODEL, _OPTIM, _STATE, _MANIFEST = "model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
+STATE_FILE, MANIFEST_FILE = "state.json", "manifest.json"
 FAULT_ENV = "OVQFLEX_FAULT_CHECKPOINT"
 
 
@@ -149,16 +150,16 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         shutil.rmtree(tmp)
     tmp.mkdir()
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, str(tmp / _MODEL))
+    save_file(weights, str(tmp / MODEL_FILE))
     opt_tensors, opt_meta = _optimizer_split(optimizer.state_dict())
-    save_file(opt_tensors, str(tmp / _OPTIM))
-    _write_json(tmp / _STATE, {"format": FORMAT, "version": VERSION, "step": step, "optimizer": opt_meta,
+    save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
+    _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": VERSION, "step": step, "optimizer": opt_meta,
                                "rng": rng_state(), **state})
     files = {}
-    for name in (_MODEL, _OPTIM, _STATE):
+    for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
         _fsync(tmp / name)
         files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-    _write_json(tmp / _MANIFEST, {"format": FORMAT, "version": VERSION, "files": files})
+    _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": VERSION, "files": files})
     _fsync(tmp)
     _fault_point(step)
     if final.exists():  # re-saving a step (resumed from an older one): move the old one aside first
@@ -178,10 +179,11 @@ def _discard(path: Path) -> None:
 
 
 def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
-    """Remove what killed writers left under ``run_dir/checkpoints`` (dot-named temp and
-    discarded directories). Only for the run's single writer (it holds the run lock)."""
+    """Remove what killed writers left: dot-named temp and discarded directories under
+    ``run_dir/checkpoints`` and dot-named ``*.tmp-<pid>`` files in ``run_dir``. Only for the run's
+    single writer (it holds the run lock)."""
     root = checkpoint_dir(run_dir)
-    gone = sorted(root.glob(".*")) if root.is_dir() else []
+    gone = (sorted(root.glob(".*")) if root.is_dir() else []) + sorted(Path(run_dir).glob(".*.tmp-*"))
     for p in gone:
         if p.is_dir():
             shutil.rmtree(p)
@@ -219,18 +221,18 @@ def _read_json(path: Path, what: str) -> dict:
 def read_state(path: str | os.PathLike) -> dict:
     """``state.json`` of checkpoint ``path``, after every file was checked against the manifest."""
     path = Path(path)
-    manifest = path / _MANIFEST
+    manifest = path / MANIFEST_FILE
     if not manifest.exists():
         try:
-            old = json.loads((path / _STATE).read_text()).get("version") == 1
+            old = json.loads((path / STATE_FILE).read_text()).get("version") == 1
         except (OSError, ValueError, AttributeError):
             old = False
-        raise CheckpointError(f"checkpoint {path} has no {_MANIFEST}: " + (
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST_FILE}: " + (
             "written by an older ovqflex (checkpoint format 1, whose state.json is not checksummed); "
             "evaluate or resume it with that version" if old else "incomplete or not a checkpoint"))
     files = _read_json(manifest, "manifest").get("files")
-    if not isinstance(files, dict) or set(files) != {_MODEL, _OPTIM, _STATE}:
-        raise CheckpointError(f"{manifest} must list {_MODEL}, {_OPTIM} and {_STATE}, got {files!r}")
+    if not isinstance(files, dict) or set(files) != {MODEL_FILE, OPTIMIZER_FILE, STATE_FILE}:
+        raise CheckpointError(f"{manifest} must list {MODEL_FILE}, {OPTIMIZER_FILE} and {STATE_FILE}, got {files!r}")
     for name, meta in files.items():
         f = path / name
         if not f.exists():
@@ -238,11 +240,11 @@ def read_state(path: str | os.PathLike) -> dict:
         size = f.stat().st_size
         if size != meta["bytes"]:
             raise CheckpointError(f"checkpoint file {f} is truncated or changed: {size} bytes, "
-                                  f"expected {meta['bytes']} ({_MANIFEST})")
+                                  f"expected {meta['bytes']} ({MANIFEST_FILE})")
         if _sha256(f) != meta["sha256"]:
             raise CheckpointError(f"checkpoint file {f} is corrupted or was edited: SHA-256 does not match "
-                                  f"{_MANIFEST}")
-    return _read_json(path / _STATE, "state file")
+                                  f"{MANIFEST_FILE}")
+    return _read_json(path / STATE_FILE, "state file")
 
 
 def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> Checkpoint:
@@ -250,8 +252,8 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     path = Path(path)
     doc = read_state(path)
     try:
-        model = load_file(str(path / _MODEL), device=str(map_location))
-        opt_tensors = load_file(str(path / _OPTIM), device=str(map_location))
+        model = load_file(str(path / MODEL_FILE), device=str(map_location))
+        opt_tensors = load_file(str(path / OPTIMIZER_FILE), device=str(map_location))
     except Exception as e:  # safetensors raises its own error types on bad headers
         raise CheckpointError(f"checkpoint {path} could not be read: {e}") from e
     optimizer = _optimizer_join(opt_tensors, doc.pop("optimizer"))
@@ -270,3 +272,12 @@ def load_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise CheckpointError(f"checkpoint file {path} does not fit the model: {'; '.join(problems[:5])}{more}")
     module.load_state_dict(tensors)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> None:
+    """``optimizer.load_state_dict`` of checkpoint ``ckpt``'s optimizer state, a misfit refused
+    with the file named."""
+    try:
+        optimizer.load_state_dict(ckpt.optimizer)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint file {ckpt.path / OPTIMIZER_FILE} does not fit the optimizer: {e}") from None

@@ -8,7 +8,7 @@ import torch
 
 from ..models import HybridConfig, HybridLM, preset
 from ..tasks import Task, make_task
-from .checkpoint import Checkpoint, CheckpointError, load_tensors
+from .checkpoint import MODEL_FILE, STATE_FILE, Checkpoint, CheckpointError, load_tensors
 from .config import TrainConfig
 
 #: Task sizes per model preset, under the user's ``task_options``. ``tiny`` shrinks the
@@ -84,14 +84,14 @@ def train_config_of(ckpt: Checkpoint) -> TrainConfig:
     try:
         return TrainConfig.from_dict(ckpt.state.get("train_config"), "train_config")
     except (ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint file {ckpt.path / 'state.json'}: invalid train_config ({e})") from None
+        raise CheckpointError(f"checkpoint file {ckpt.path / STATE_FILE}: invalid train_config ({e})") from None
 
 
 def model_from_checkpoint(ckpt: Checkpoint, cfg: TrainConfig, task: Task) -> HybridLM:
     """The model of checkpoint ``ckpt``: rebuilt from its saved ``model_config``, which must equal
     the config ``cfg`` builds now for ``task`` (an edited file, or a preset or default that changed
     since, is named field by field), with its tensors loaded (shapes checked, file named)."""
-    state_file = ckpt.path / "state.json"
+    state_file = ckpt.path / STATE_FILE
     try:
         saved = HybridConfig.from_dict(ckpt.state.get("model_config"), "model_config")
     except (ValueError, TypeError) as e:
@@ -103,7 +103,7 @@ def model_from_checkpoint(ckpt: Checkpoint, cfg: TrainConfig, task: Task) -> Hyb
         raise CheckpointError(f"checkpoint file {state_file}: model_config differs from the model its train_config "
                               f"builds ({'; '.join(diffs)}); edited, or a preset changed since it was saved?")
     model = HybridLM(saved)
-    load_tensors(model, ckpt.model, ckpt.path / "model.safetensors")
+    load_tensors(model, ckpt.model, ckpt.path / MODEL_FILE)
     return model
 
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ..tasks import IGNORE, make_batch
-from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
-                         set_rng_state)
+from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_optimizer, remove_leftovers,
+                         save_checkpoint, set_rng_state)
 from .config import TrainConfig
 from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, shutdown
 from .lock import RunLock
@@ -122,7 +122,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathL
     finally:
         lock.release()
         if info.is_main and created and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # refused before writing anything: leave no empty run directory behind
+            try:  # refused before writing anything: leave no empty run directory behind
+                out.rmdir()
+            except OSError:  # another process just began to use it
+                pass
         shutdown(info)
 
 
@@ -165,15 +168,9 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> Train
     optimizer = build_optimizer(model, cfg)
     start = 0
     if ckpt is not None:
-        try:
-            optimizer.load_state_dict(ckpt.optimizer)
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint file {ckpt_path / 'optimizer.safetensors'} does not fit the "
-                                  f"optimizer: {e}") from None
+        load_optimizer(optimizer, ckpt)
         set_rng_state(ckpt.state["rng"])
         start = ckpt.step
-        if info.is_main:
-            print(f"resuming {out} from {ckpt_path} (step {start})", file=sys.stderr, flush=True)
     if info.is_main:
         remove_leftovers(out)  # of writers that were killed (we hold the run lock)
         _truncate_metrics(out / METRICS_FILE, start)
@@ -182,6 +179,8 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> Train
         tmp = out / f".{CONFIG_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, out / CONFIG_FILE)
+        print(f"training {out} from step {start}" + (f", resumed from {ckpt_path}" if ckpt else ""),
+              file=sys.stderr, flush=True)
     barrier(info)
 
     fwd = torch.compile(model) if cfg.compile else model

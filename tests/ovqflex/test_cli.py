@@ -70,7 +70,8 @@ def test_readme_generate_flags_exist():
     (["train", "--task-opt", "keylen"], "--task-opt: override must look like NAME=VALUE"),
     (["train", "--task-opt", "colour=3"], "colour"),
     (["eval", "/no/such/run"], "does not exist"),
-    (["train", "--preset", "huge", "--seq-len", "64"], "preset must be one of \\['paper-icr', 'small', 'tiny'\\], got 'huge'"),
+    (["train", "--preset", "huge", "--seq-len", "64"],
+     "preset must be one of \\['paper-icr', 'small', 'tiny'\\], got 'huge'"),
     (["train", "--model-opt", "n_head=4"], "unknown key 'n_head' \\(did you mean 'n_heads'\\?\\)"),
 ], ids=["task", "seq-len", "too-short", "text-no-data", "text-missing", "pattern", "opt-form", "opt-name", "eval",
         "preset", "model-opt-name"])

@@ -226,7 +226,8 @@ def test_layer_compiles_without_graph_break_or_recompile():
     (dict(chunk_size=20), "chunk_size"), (dict(n_bswa_chunks=0), "n_bswa_chunks"), (dict(sink_len=16), "sink_len"),
     (dict(rope_dims=3), "rope_dims"), (dict(budget="exp"), "budget"), (dict(max_state_chunks=0), "max_state_chunks"),
     (dict(ln_s_weight=torch.ones(3)), "ln_s_weight"), (dict(tau_state=torch.ones(5)), "tau_state"),
-    (dict(gate=torch.ones(1, 2, 7)), "gate"), (dict(block_size=0), "block_size must be a positive multiple of 16, got 0"),
+    (dict(gate=torch.ones(1, 2, 7)), "gate"),
+    (dict(block_size=0), "block_size must be a positive multiple of 16, got 0"),
 ], ids=["chunk", "nb", "sinks", "rope", "budget", "cap", "ln", "tau", "gate", "block-0"])
 def test_bad_arguments(change, match):
     q, k, v, params, _ = inputs(1, 2, 16, 40, seed=0, requires_grad=False)

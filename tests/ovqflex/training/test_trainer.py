@@ -233,3 +233,22 @@ def test_a_hand_edited_state_json_is_refused_by_eval(tmp_path, capsys):
     assert main(["eval", c.out, "--lengths", "64", "--examples", "1"]) == 2
     assert re.search("state.json is truncated or changed: .* bytes, expected .* \\(manifest.json\\)",
                      capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_two_cli_trains_on_one_directory_do_not_mix(tmp_path):
+    """The issue's probe: two `ovqflex train --seed 0/1` on one --out at once. One trains; the other
+    is refused (the run lock, or, if it starts after the first finished, the used directory) and
+    writes nothing: config.json, metrics and checkpoints are all the winner's."""
+    run = tmp_path / "conc"
+    common = ["train", "--out", str(run), "--steps", "20", "--seq-len", "64", "--batch-size", "4", "--ckpt-every",
+              "5", "--no-compile", "--no-progress", "--log-every", "1", *CLI_MODEL]
+    procs = [subprocess.Popen([sys.executable, "-m", "ovqflex.cli", *common, "--seed", str(s)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for s in (0, 1)]
+    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    winner = next(s for s, (rc, _) in enumerate(results) if rc == 0)
+    assert re.search("in use by another writer: pid [0-9]+ on host|already holds a run", results[1 - winner][1])
+    assert json.loads((run / "config.json").read_text())["train_config"]["seed"] == winner
+    assert load_checkpoint(latest_checkpoint(run)).state["train_config"]["seed"] == winner
+    assert [r["step"] for r in metrics(run)] == list(range(1, 21))
