@@ -51,13 +51,25 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
     return cfg, task, model, ckpt.step
 
 
-@torch.no_grad()
-def evaluate_model(model, task, lengths: list[int], *, n_examples: int, batch_size: int, seed: int,
-                   device: torch.device, progress=None) -> list[EvalRow]:
-    rows = []
+def check_lengths(task, lengths: list[int]) -> None:
+    """Refuse, before any model work, an eval length the task cannot generate: below its
+    ``min_len()``, or too long for its vocabulary (e.g. more distinct keys than exist)."""
     for length in lengths:
         if length < task.min_len():
             raise ValueError(f"eval length {length} is too short for task {task.name!r} (needs >= {task.min_len()})")
+        try:
+            task.example(length, torch.Generator().manual_seed(0))
+        except ValueError as e:
+            raise ValueError(f"eval length {length} is too long for task {task.name!r} ({task.describe()}): {e}; "
+                             f"evaluate shorter lengths or train with a larger vocab_size") from None
+
+
+@torch.no_grad()
+def evaluate_model(model, task, lengths: list[int], *, n_examples: int, batch_size: int, seed: int,
+                   device: torch.device, progress=None) -> list[EvalRow]:
+    check_lengths(task, lengths)
+    rows = []
+    for length in lengths:
         correct = total = 0
         loss_sum = 0.0
         t0 = time.perf_counter()

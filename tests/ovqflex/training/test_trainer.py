@@ -252,3 +252,17 @@ def test_two_cli_trains_on_one_directory_do_not_mix(tmp_path):
     assert json.loads((run / "config.json").read_text())["train_config"]["seed"] == winner
     assert load_checkpoint(latest_checkpoint(run)).state["train_config"]["seed"] == winner
     assert [r["step"] for r in metrics(run)] == list(range(1, 21))
+
+
+@pytest.mark.parametrize("lengths, message", [
+    pytest.param([64, 512], "eval length 512 is too long for task 'icr'", id="more-keys-than-vocab"),
+    pytest.param([8, 64], "eval length 8 is too short for task 'icr'", id="below-min-len"),
+])
+def test_eval_lengths_are_checked_before_any_evaluation(lengths, message):
+    from ovqflex.tasks import make_task
+    from ovqflex.training.evaluate import check_lengths
+
+    task = make_task("icr", vocab_size=64, key_len=1, value_len=1)  # 60 content tokens: <= 60 distinct keys
+    check_lengths(task, [64, 128, 256])
+    with pytest.raises(ValueError, match=message):
+        check_lengths(task, lengths)
