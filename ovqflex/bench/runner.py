@@ -32,12 +32,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .fit import fit_rows, plot_loglog
-from .measure import matmul_gflops
 from recurrences.checks import check_keys
 
+from .fit import fit_rows, plot_loglog
+from .measure import matmul_gflops
 from .scenarios import KINDS, parse_scenario
-
 
 PROFILE_KEYS = ("name", "description", "scenario")
 

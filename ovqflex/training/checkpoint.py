@@ -154,7 +154,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     opt_tensors, opt_meta = _optimizer_split(optimizer.state_dict())
     save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
     _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": VERSION, "step": step, "optimizer": opt_meta,
-                               "rng": rng_state(), **state})
+                                   "rng": rng_state(), **state})
     files = {}
     for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
         _fsync(tmp / name)
@@ -231,8 +231,10 @@ def read_state(path: str | os.PathLike) -> dict:
             "written by an older ovqflex (checkpoint format 1, whose state.json is not checksummed); "
             "evaluate or resume it with that version" if old else "incomplete or not a checkpoint"))
     files = _read_json(manifest, "manifest").get("files")
-    if not isinstance(files, dict) or set(files) != {MODEL_FILE, OPTIMIZER_FILE, STATE_FILE}:
-        raise CheckpointError(f"{manifest} must list {MODEL_FILE}, {OPTIMIZER_FILE} and {STATE_FILE}, got {files!r}")
+    if (not isinstance(files, dict) or set(files) != {MODEL_FILE, OPTIMIZER_FILE, STATE_FILE}
+            or not all(isinstance(m, dict) and {"bytes", "sha256"} <= set(m) for m in files.values())):
+        raise CheckpointError(f"{manifest} must give bytes and sha256 of {MODEL_FILE}, {OPTIMIZER_FILE} and "
+                              f"{STATE_FILE}, got {files!r}")
     for name, meta in files.items():
         f = path / name
         if not f.exists():
@@ -280,4 +282,5 @@ def load_optimizer(optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> None:
     try:
         optimizer.load_state_dict(ckpt.optimizer)
     except (ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint file {ckpt.path / OPTIMIZER_FILE} does not fit the optimizer: {e}") from None
+        raise CheckpointError(f"checkpoint file {ckpt.path / OPTIMIZER_FILE} does not fit the optimizer: "
+                              f"{e}") from None
