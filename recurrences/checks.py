@@ -51,10 +51,9 @@ def check_layer_input(x: object, hidden_size: int, dtype: torch.dtype) -> Tensor
     check_tensor("x", x, 3)
     if x.shape[-1] != hidden_size:
         raise ValueError(f"x must have last dim hidden_size={hidden_size}, got shape {tuple(x.shape)}")
-    if torch.is_autocast_enabled(x.device.type):
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating tensor, got dtype {x.dtype}")
-    elif x.dtype != dtype:
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating tensor of dtype {dtype} (the layer's parameters), got {x.dtype}")
+    if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(f"x must have dtype {dtype} (the layer's parameters), got {x.dtype}: cast the input "
                         f"(x.to({dtype})) or the layer (layer.to({x.dtype})), or run under torch.autocast")
     return x
