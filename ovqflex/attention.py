@@ -33,6 +33,19 @@ Every default tile divides 128, and a program padded to 128-row blocks has at le
 queries, so no ``kernel_options`` are needed. Block sizes are powers of two (checked where
 programs are built), so 128 is a multiple of any smaller one. On CPU flex runs the program's
 own blocks.
+
+Non-finite inputs (the rule the tests check): with ``dense`` and ``blocked`` an output depends
+only on the kv rows its query sees. A query that gives weight to a row whose value has a NaN or
+inf gets NaN in every output dim (a visible row's weight is > 0 unless ``exp`` underflows, more
+than ~87 below the query's top score); a query that does not see it is unchanged, bit for bit,
+whatever that row holds (masked entries get zero weight, and ``0 * nan`` must not leak, so value
+rows are split into their finite part and a "non-finite" flag column, :func:`_flag_nonfinite`).
+A NaN or inf key reaches exactly the queries that see it through their score. So a NaN at position ``t`` never changes an output
+before ``t`` (nor, in a window, past the window). ``flex`` skips kv blocks a query block does
+not list but, inside a partially visible block, still multiplies masked values by zero weight:
+there a non-finite value reaches every query of each query block that lists its kv block (the
+earlier queries of its own block, queries past a window in later blocks), never a query of an
+earlier query block.
 """
 from __future__ import annotations
 
@@ -156,14 +169,29 @@ def _flex(p: AttentionProgram) -> Tensor:
     return fn(p.q, p.k, p.v, score_mod=p.score_mod, block_mask=bm, scale=p.scale)
 
 
-def _safe_softmax_av(s: Tensor, v: Tensor) -> Tensor:
-    """softmax(s) @ v with fully masked rows giving 0 (no NaN in forward or backward)."""
+def _flag_nonfinite(v: Tensor) -> Tensor:
+    """Value rows ``v [..., S, Dv]`` -> ``[..., S, Dv + 1]``: v with its non-finite entries zeroed,
+    then a column that is 1 where the row held a NaN or inf (see the module docstring for why).
+    The product with the weights then carries, in its last column, the weight a query gives to
+    non-finite rows — one more column of the same matmul, no extra pass over the scores."""
+    finite = torch.isfinite(v)
+    flag = (~finite.all(dim=-1, keepdim=True)).to(v.dtype)
+    return torch.cat([torch.where(finite, v, torch.zeros_like(v)), flag], dim=-1)
+
+
+def _safe_softmax_av(s: Tensor, v_flagged: Tensor) -> Tensor:
+    """softmax(s) @ v with fully masked rows giving 0 (no NaN in forward or backward).
+
+    s ``[..., Q, S]`` (``-inf``: not visible), ``v_flagged`` from :func:`_flag_nonfinite`: a query
+    that gives a non-finite row weight gets NaN, one that does not is untouched."""
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
-    out = torch.matmul(e.to(v.dtype), v)
-    return out / torch.where(denom > 0, denom, torch.ones_like(denom)).to(v.dtype)
+    out = torch.matmul(e.to(v_flagged.dtype), v_flagged)
+    out, bad_weight = out[..., :-1], out[..., -1:]
+    out = out / torch.where(denom > 0, denom, torch.ones_like(denom)).to(out.dtype)
+    return torch.where(bad_weight > 0, torch.full_like(out, float("nan")), out)
 
 
 def _index_grid(B: int, H: int, dev) -> tuple[Tensor, Tensor]:
@@ -185,7 +213,7 @@ def _blocked(p: AttentionProgram) -> Tensor:
     row_valid = valid[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     row_full = full[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     kg = p.k[:, :, rows]  # [B, H, nqb, W*bk, D]
-    vg = p.v[:, :, rows]
+    vg = _flag_nonfinite(p.v)[:, :, rows]  # flagged before the gather: once per kv row
     qb = p.q.view(B, H, nqb, bq, D)
     s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk]
     q_idx = torch.arange(Qp, device=dev).view(1, 1, nqb, bq, 1)
@@ -211,7 +239,7 @@ def _dense(p: AttentionProgram) -> Tensor:
     if p.score_mod is not None:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     s = torch.where(p.mask_mod(b, h, q_idx, kv_idx), s, float("-inf"))
-    return _safe_softmax_av(s, p.v.float()).to(p.q.dtype)
+    return _safe_softmax_av(s, _flag_nonfinite(p.v.float())).to(p.q.dtype)
 
 
 def attend_rows(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: float,
@@ -226,4 +254,4 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: floa
     if bias is not None:
         s = s + bias[:, :, None, :].float()
     s = torch.where(visible, s, float("-inf"))
-    return _safe_softmax_av(s, v.float()).to(q.dtype)
+    return _safe_softmax_av(s, _flag_nonfinite(v.float())).to(q.dtype)

@@ -6,6 +6,11 @@ the project (plain torch), so ``recurrences``, ``masks`` and ``ovqflex`` all use
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import types
+import typing
+
 import torch
 from torch import Tensor
 
@@ -37,6 +42,20 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, same_len: bool = True) -> None
         raise ValueError(f"q and k must have the same length T; got q T={q.shape[2]}, k T={k.shape[2]}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def check_layer_input(x: object, hidden_size: int, dtype: torch.dtype) -> Tensor:
+    """A layer's input ``x [B, T, hidden_size]`` in the dtype of the layer's parameters
+    (``dtype``), or any floating dtype under ``torch.autocast`` on x's device."""
+    check_tensor("x", x, 3)
+    if x.shape[-1] != hidden_size:
+        raise ValueError(f"x must have last dim hidden_size={hidden_size}, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating tensor of dtype {dtype} (the layer's parameters), got {x.dtype}")
+    if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"x must have dtype {dtype} (the layer's parameters), got {x.dtype}: cast the input "
+                        f"(x.to({dtype})) or the layer (layer.to({x.dtype})), or run under torch.autocast")
+    return x
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
@@ -95,3 +114,61 @@ def check_companion(name: str, x: object, shape: tuple, like: Tensor) -> Tensor:
     if x.device != like.device:
         raise ValueError(f"{name} must be on device {like.device} (as q), got {x.device}")
     return x
+
+
+def check_keys(what: str, keys, known) -> None:
+    """Refuse the ``keys`` (e.g. of a config dict) that are not in ``known``: a ValueError naming
+    each unknown key with the nearest known one (``difflib``) and listing the known keys."""
+    known = sorted(map(str, known))
+    unknown = [str(k) for k in keys if str(k) not in known]
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, known, n=1)
+        named.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    raise ValueError(f"{what}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(named)}; "
+                     f"known keys: {', '.join(known)}")
+
+
+def _matches(value: object, hint) -> bool:
+    """Whether ``value`` (from JSON/TOML) fits the type ``hint`` of a dataclass field (``int``,
+    ``float`` (ints too), ``bool``, ``str``, ``dict``, ``list[X]``, ``X | None``)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (typing.Any,)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if hint is typing.Any:
+        return True
+    return isinstance(value, origin or hint)
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
+
+
+def from_dict(cls: type, d: dict, what: str):
+    """``cls(**d)`` for a dataclass ``cls``, with clear errors: unknown keys are refused with the
+    nearest valid key suggested (:func:`check_keys`), missing required keys and values of the
+    wrong type are named. ``what`` says where the dict comes from (a file, a table)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{what} must be a table/dict, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    check_keys(what, d, fields)
+    missing = [n for n, f in fields.items() if n not in d and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{what}: missing key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}")
+    hints = typing.get_type_hints(cls)
+    for key, value in d.items():
+        if not _matches(value, hints[key]):
+            raise TypeError(f"{what}: {key} must be {_type_name(hints[key])}, got {type(value).__name__} {value!r}")
+    return cls(**d)

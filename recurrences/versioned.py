@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_choice, check_int
+from .checks import check_block_size, check_choice, check_int
 from .segments import segment_snapshot_sums
 
 STATE_LAYOUTS = ("snapshot", "versioned", "auto")
@@ -102,11 +102,13 @@ def plan_versioned(n_chunks: int, chunk: int, rows: int, lag: int, every: int | 
     return VersionPlan(n_chunks, chunk, rows_pad, every, lag)
 
 
-def check_state_layout(state_layout: str, checkpoint_every: int | None) -> None:
-    """The ``state_layout`` / ``checkpoint_every`` options of an op or layer (ValueError naming them)."""
+def check_state_layout(state_layout: str, checkpoint_every: int | None, block_size: int) -> None:
+    """The ``state_layout`` / ``checkpoint_every`` / ``block_size`` options of an op or layer
+    (ValueError naming them; ``block_size`` aligns the checkpoint rows)."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if checkpoint_every is not None:
         check_int("checkpoint_every", checkpoint_every)
+    check_block_size("block_size", block_size)
 
 
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan) -> str:
@@ -191,9 +193,17 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
     for x in xs:
         D = x.shape[-1]
         xs_ = x.gather(2, order[..., None].expand(B, H, Tp, D)).double()
+        # the cumsum runs across slots: a non-finite token would reach every later slot's rows (also
+        # rows of earlier tokens), so it is summed as 0 and marks the rows of its own slot from it on
+        finite = torch.isfinite(xs_)
+        xs_ = torch.where(finite, xs_, torch.zeros_like(xs_))
         cs = xs_.cumsum(2)
         before = (cs - xs_).gather(2, seg_start[..., None].expand(B, H, Tp, D))  # running sum before the slot
-        ver.append((cs - before).to(x.dtype).gather(2, inv[..., None].expand(B, H, Tp, D)))
+        bad = (~finite.all(-1)).long()
+        bad_cs = bad.cumsum(2)
+        bad_so_far = bad_cs - (bad_cs - bad).gather(2, seg_start)  # non-finite tokens of the slot up to here
+        sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(cs, float("nan")), cs - before)
+        ver.append(sums.to(x.dtype).gather(2, inv[..., None].expand(B, H, Tp, D)))
     return VersionedSums(ckpt, ckpt_counts, ver, ver_counts, slot, born, dies)
 
 

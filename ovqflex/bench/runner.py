@@ -12,6 +12,10 @@ JSON) and plots them (``<name>.png``). A profile::
     kind = "blockmask"      # a key of ovqflex.bench.scenarios.KINDS
     seq_len = 65536
     ...
+
+Each scenario table is checked against its kind's schema (``ovqflex.bench.scenarios``) when the
+profile loads: unknown keys (with the nearest valid one), missing keys and wrong types are
+refused by name before anything runs.
 """
 from __future__ import annotations
 
@@ -28,12 +32,17 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from recurrences.checks import check_keys
+
 from .fit import fit_rows, plot_loglog
 from .measure import matmul_gflops
-from .scenarios import KINDS
+from .scenarios import KINDS, parse_scenario
+
+PROFILE_KEYS = ("name", "description", "scenario")
 
 
 def load_profile(path: str | Path) -> dict:
+    """The profile at ``path`` with its ``scenario`` tables parsed into their kinds' schemas."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"profile {str(path)!r} does not exist")
@@ -41,12 +50,12 @@ def load_profile(path: str | Path) -> dict:
         prof = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"profile {str(path)!r} is not valid TOML: {e}") from e
+    check_keys(f"profile {str(path)!r}", prof, PROFILE_KEYS)
     scenarios = prof.get("scenario")
     if not isinstance(scenarios, list) or not scenarios:
         raise ValueError(f"profile {str(path)!r} has no [[scenario]] tables")
-    for i, sc in enumerate(scenarios):
-        if sc.get("kind") not in KINDS:
-            raise ValueError(f"scenario {i} of {str(path)!r}: kind must be one of {sorted(KINDS)}, got {sc.get('kind')!r}")
+    prof["scenario"] = [parse_scenario(sc, f"scenario {i} ({sc.get('name', sc.get('kind'))!r}) of {str(path)!r}")
+                        for i, sc in enumerate(scenarios)]
     prof.setdefault("name", path.stem)
     return prof
 
@@ -58,11 +67,11 @@ def run_profile(path: str | Path, *, device: str | None = None, out_dir: str | P
     rows: list[dict] = []
     gflops = matmul_gflops(device)
     for sc in prof["scenario"]:
-        name = str(sc.get("name", sc["kind"]))
+        name = sc.name or sc.kind
         if only and only not in name:
             continue
-        series = {"series": str(sc["series"])} if "series" in sc else {}
-        rows += [{"scenario": name, **series, **r} for r in KINDS[sc["kind"]](sc, device)]
+        series = {"series": sc.series} if sc.series is not None else {}
+        rows += [{"scenario": name, **series, **r} for r in KINDS[sc.kind][1](sc, device)]
     print(f"profile {prof['name']}: {prof.get('description', '')}".rstrip(": "))
     print(f"torch {torch.__version__}, device {device}, {os.cpu_count()} cpu threads={torch.get_num_threads()}, "
           f"measured fp32 matmul {gflops:.1f} GFLOP/s")

@@ -1,24 +1,68 @@
-"""Benchmark scenarios: each ``kind`` of a profile's ``[[scenario]]`` maps to a function
-returning a list of result rows (dicts) measured in this process."""
+"""Benchmark scenarios: each ``kind`` of a profile's ``[[scenario]]`` maps to a schema (a
+dataclass: the keys its table may hold, their types and defaults) and a function taking the
+parsed scenario and returning a list of result rows (dicts) measured in this process.
+
+:func:`parse_scenario` turns a TOML table into its kind's schema: an unknown key is refused
+by name with the nearest valid key suggested (``seq_len`` for ``seq_lens``), a missing
+required key or a value of the wrong type is named too, all before anything runs.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from masks.blocks import build_block_layout
 from masks.regions import Geometry, OwnChunk, StateBank
+from recurrences.checks import check_keys, from_dict
 
 from .measure import measure
 
 
-def blockmask(sc: dict, device: str) -> list[dict]:
-    """Build the analytic block mask of a per-chunk state bank program (SPEC §3.2).
+@dataclass(kw_only=True)
+class Scenario:
+    """Keys every scenario table has: ``kind``, ``name`` (default: the kind) and ``series``
+    (scenarios sharing it are fitted as one series)."""
 
-    Keys: ``seq_len``, ``chunk_size``, ``state_rows`` (rows of each chunk's bank),
-    ``block_size`` (128), ``with_q_side`` (also the backward's transposed lists).
-    """
-    T, C, N = int(sc["seq_len"]), int(sc["chunk_size"]), int(sc["state_rows"])
-    blk = int(sc.get("block_size", 128))
-    with_q = bool(sc.get("with_q_side", False))
+    kind: str
+    name: str | None = None
+    series: str | None = None
+
+
+#: kind -> (schema, function); filled by :func:`register`
+KINDS: dict[str, tuple[type[Scenario], Callable[[Scenario, str], list[dict]]]] = {}
+
+
+def register(kind: str, schema: type[Scenario]):
+    def add(fn):
+        KINDS[kind] = (schema, fn)
+        return fn
+    return add
+
+
+def parse_scenario(table: dict, where: str) -> Scenario:
+    """A profile's ``[[scenario]]`` table -> its kind's schema (clear errors, see the module docstring)."""
+    kind = table.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"{where}: kind must be one of {sorted(KINDS)}, got {kind!r}")
+    return from_dict(KINDS[kind][0], table, f"{where} (kind {kind!r})")
+
+
+@dataclass(kw_only=True)
+class BlockmaskScenario(Scenario):
+    seq_len: int
+    chunk_size: int
+    state_rows: int           # rows of each chunk's bank
+    block_size: int = 128
+    with_q_side: bool = False  # also the backward's transposed lists
+    repeats: int = 3
+
+
+@register("blockmask", BlockmaskScenario)
+def blockmask(sc: BlockmaskScenario, device: str) -> list[dict]:
+    """Build the analytic block mask of a per-chunk state bank program (SPEC §3.2)."""
+    T, C, N, blk, with_q = sc.seq_len, sc.chunk_size, sc.state_rows, sc.block_size, sc.with_q_side
     dev = torch.device(device)
     n_chunks = -(-T // C)
     live = torch.clamp(torch.arange(n_chunks, device=dev) * C * N // (torch.arange(n_chunks, device=dev) * C + N), max=N)
@@ -31,12 +75,12 @@ def blockmask(sc: dict, device: str) -> list[dict]:
         bm = lay.block_mask(lambda b, h, q, kv: q >= 0, with_q_side=with_q)
         return lay, bm
 
-    m = measure(build, device=dev, repeats=int(sc.get("repeats", 3)))
+    m = measure(build, device=dev, repeats=sc.repeats)
     lay, bm = build()
     visible = int(lay.visible_blocks())
     total = geom.n_q_blocks * geom.n_kv_blocks
     return [{
-        "scenario": sc.get("name", "blockmask"),
+        "scenario": sc.name or sc.kind,
         "T": T,
         "kv_rows": geom.kv_len,
         "q_side": with_q,
@@ -46,9 +90,6 @@ def blockmask(sc: dict, device: str) -> list[dict]:
         "peak_mb": m.peak_mb,
         "dense_mask_would_be_gb": T * geom.kv_len / 2**30,
     }]
-
-
-KINDS = {"blockmask": blockmask}
 
 
 def _ovq_flops(T: int, H: int, D: int, L: int, sizes: list[int], B: int = 1) -> float:
@@ -86,7 +127,19 @@ def _compare(T: int, cases: list, dev: torch.device, repeats: int, peak_gflops: 
     return rows
 
 
-def _op_scenario(sc: dict, device: str, *, op, reference, extra, options: dict, flops) -> list[dict]:
+@dataclass(kw_only=True)
+class OpScenario(Scenario):
+    """Keys of every per-method op scenario (:func:`_op_scenario`)."""
+
+    seq_lens: list[int]
+    heads: int = 4
+    head_dim: int = 64
+    chunk_size: int = 128
+    max_backward_len: int = 1 << 30  # the blocked fwd+bwd case runs up to this length
+    repeats: int = 3
+
+
+def _op_scenario(sc: OpScenario, device: str, *, op, reference, extra, options: dict, flops) -> list[dict]:
     """Shared driver of the per-method op scenarios, at each ``seq_len`` of ``seq_lens``:
     the fused op (flex forward, compiled and eager; blocked forward+backward up to
     ``max_backward_len``) vs the method's sequential ``reference`` loop vs causal SDPA.
@@ -100,10 +153,10 @@ def _op_scenario(sc: dict, device: str, *, op, reference, extra, options: dict, 
     from .measure import matmul_gflops
 
     dev = torch.device(device)
-    H, D = int(sc.get("heads", 4)), int(sc.get("head_dim", 64))
-    repeats, peak = int(sc.get("repeats", 3)), matmul_gflops(dev)
+    H, D = sc.heads, sc.head_dim
+    repeats, peak = sc.repeats, matmul_gflops(dev)
     rows = []
-    for T in sc["seq_lens"]:
+    for T in sc.seq_lens:
         g = torch.Generator().manual_seed(0)
         t = dict(zip("qkv", (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))))
         t.update(extra(T, H, D, g, dev))
@@ -126,22 +179,27 @@ def _op_scenario(sc: dict, device: str, *, op, reference, extra, options: dict, 
                  ("sdpa causal fwd", no_grad(lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"],
                                                                                     is_causal=True)),
                   4.0 * H * D * T * (T + 1) / 2)]
-        if T <= int(sc.get("max_backward_len", 1 << 30)):
+        if T <= sc.max_backward_len:
             cases.append(("fused blocked fwd+bwd",
                           lambda: op(**grad_t, backend="blocked", **options).sum().backward(), 3 * fl))
         rows += _compare(T, cases, dev, repeats, peak)
     return rows
 
 
-def ovq(sc: dict, device: str) -> list[dict]:
-    """OVQ op (SPEC §4.2) through :func:`_op_scenario`. Keys: ``max_centroids``, ``heads``,
-    ``head_dim``, ``chunk_size``, ``max_backward_len``, ``repeats``."""
+@dataclass(kw_only=True)
+class OVQScenario(OpScenario):
+    max_centroids: int
+
+
+@register("ovq", OVQScenario)
+def ovq(sc: OVQScenario, device: str) -> list[dict]:
+    """OVQ op (SPEC §4.2) through :func:`_op_scenario`."""
     from recurrences.ovq import dictionary_sizes
     from recurrences.reference import ovq_attention_reference
 
     from ..ops.ovq import ovq_attention
 
-    L, N = int(sc.get("chunk_size", 128)), int(sc["max_centroids"])
+    L, N = sc.chunk_size, sc.max_centroids
     return _op_scenario(
         sc, device, op=ovq_attention, reference=lambda **a: ovq_attention_reference(**a).out,
         extra=lambda T, H, D, g, dev: {"beta": torch.full((H,), D**0.5, device=dev)},
@@ -149,19 +207,25 @@ def ovq(sc: dict, device: str) -> list[dict]:
         flops=lambda T, H, D: _ovq_flops(T, H, D, L, dictionary_sizes(-(-T // L), L, N)))
 
 
-KINDS["ovq"] = ovq
+@dataclass(kw_only=True)
+class TrainScenario(Scenario):
+    patterns: list[str]          # the first is the baseline of x_vs_baseline
+    seq_len: int
+    preset: str = "tiny"
+    batch_size: int = 8
+    task: str = "icr"
+    task_options: dict = field(default_factory=dict)
+    model_options: dict = field(default_factory=dict)
+    steps: int = 10              # timed steps
+    warmup_steps: int = 3        # untimed, include compile
+    compile: bool = True
 
 
-def train(sc: dict, device: str) -> list[dict]:
+@register("train", TrainScenario)
+def train(sc: TrainScenario, device: str) -> list[dict]:
     """Training throughput of whole models: ``torch.compile(model)`` AdamW steps on a task's
-    batches, for each mixer ``patterns`` entry (the first is the baseline of ``x_vs_baseline``).
-
-    Keys: ``patterns``, ``preset`` (tiny), ``seq_len``, ``batch_size``, ``task`` (icr), ``task_options``,
-    ``model_options``,
-    ``steps`` (timed steps), ``warmup_steps`` (untimed, include compile), ``compile`` (true).
-    """
+    batches, for each mixer ``patterns`` entry."""
     import time
-
 
     from ..tasks import make_batch
     from ..training import TrainConfig
@@ -169,13 +233,12 @@ def train(sc: dict, device: str) -> list[dict]:
     from ..training.trainer import forward_loss
 
     dev = torch.device(device)
-    steps, warm = int(sc.get("steps", 10)), int(sc.get("warmup_steps", 3))
+    steps, warm = sc.steps, sc.warmup_steps
     rows = []
-    for pattern in sc["patterns"]:
-        cfg = TrainConfig(task=sc.get("task", "icr"), preset=sc.get("preset", "tiny"), pattern=pattern,
-                          seq_len=int(sc["seq_len"]), batch_size=int(sc.get("batch_size", 8)),
-                          compile=bool(sc.get("compile", True)), model_options=dict(sc.get("model_options", {})),
-                          task_options=dict(sc.get("task_options", {})))
+    for pattern in sc.patterns:
+        cfg = TrainConfig(task=sc.task, preset=sc.preset, pattern=pattern, seq_len=sc.seq_len,
+                          batch_size=sc.batch_size, compile=sc.compile, model_options=dict(sc.model_options),
+                          task_options=dict(sc.task_options))
         torch.manual_seed(0)
         task = build_task(cfg)
         model = build_model(cfg, task).to(dev)
@@ -206,9 +269,6 @@ def train(sc: dict, device: str) -> list[dict]:
     return rows
 
 
-KINDS["train"] = train
-
-
 def _kvm_flops(T: int, H: int, D: int, C: int, Nb: int, sizes: list[int], B: int = 1) -> float:
     """Model FLOPs of KVM attention: the causal front, then per query chunk its state rows,
     the ``Nb - 1`` whole window chunks before it and the causal half of its own chunk."""
@@ -220,13 +280,25 @@ def _kvm_flops(T: int, H: int, D: int, C: int, Nb: int, sizes: list[int], B: int
     return 4.0 * B * H * D * total
 
 
-def kvm(sc: dict, device: str) -> list[dict]:
-    """KVM op (SPEC §4.3) through :func:`_op_scenario`.
+@dataclass(kw_only=True)
+class KVMScenario(OpScenario):
+    """The budget keys are :func:`ovqflex.kvm_attention`'s options, with its defaults (TOML has
+    no null: ``state_min_len = 0`` is the default one chunk, ``max_state_chunks = 0`` uncapped)."""
 
-    Keys: ``heads``, ``head_dim``, ``chunk_size``, ``n_bswa_chunks``, ``sink_len`` and the
-    budget options of :func:`ovqflex.kvm_attention` (``budget``, ``growth_factor``, ...;
-    ``max_state_chunks = 0`` means uncapped), ``max_backward_len``, ``repeats``.
-    """
+    n_bswa_chunks: int = 2
+    sink_len: int = 1
+    budget: str = "fixed"
+    state_min_len: int = 0
+    growth_factor: float = 16.0
+    growth_exponent: float = 0.5
+    round_down: int = 1
+    saturation_n: int = 1024
+    max_state_chunks: int = 1
+
+
+@register("kvm", KVMScenario)
+def kvm(sc: KVMScenario, device: str) -> list[dict]:
+    """KVM op (SPEC §4.3) through :func:`_op_scenario`."""
     import functools
 
     import torch.nn.functional as F
@@ -236,11 +308,10 @@ def kvm(sc: dict, device: str) -> list[dict]:
 
     from ..ops.kvm import kvm_attention
 
-    C, Nb = int(sc.get("chunk_size", 128)), int(sc.get("n_bswa_chunks", 2))
-    budget = {k: sc[k] for k in ("budget", "state_min_len", "growth_factor", "growth_exponent", "round_down",
-                                 "saturation_n", "max_state_chunks") if k in sc}
-    if budget.get("max_state_chunks") == 0:  # TOML has no null
-        budget["max_state_chunks"] = None
+    C, Nb = sc.chunk_size, sc.n_bswa_chunks
+    budget = dict(budget=sc.budget, state_min_len=sc.state_min_len or None, growth_factor=sc.growth_factor,
+                  growth_exponent=sc.growth_exponent, round_down=sc.round_down, saturation_n=sc.saturation_n,
+                  max_state_chunks=sc.max_state_chunks or None)
 
     def extra(T, H, D, g, dev):
         return dict(gate=(1 + F.elu(torch.randn(1, H, T, generator=g))).to(dev),
@@ -254,14 +325,11 @@ def kvm(sc: dict, device: str) -> list[dict]:
         return _kvm_flops(T, H, D, C, Nb, sizes(T))
 
     rows = _op_scenario(sc, device, op=kvm_attention, reference=lambda **a: kvm_attention_reference(**a).out,
-                        extra=extra, options=dict(chunk_size=C, n_bswa_chunks=Nb,
-                                                  sink_len=int(sc.get("sink_len", 1)), **budget), flops=flops)
+                        extra=extra, options=dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=sc.sink_len, **budget),
+                        flops=flops)
     for row in rows:
         row["state_rows_last_chunk"] = (sizes(row["T"]) or [0])[-1]
     return rows
-
-
-KINDS["kvm"] = kvm
 
 
 def _vq_flops(T: int, H: int, D: int, C: int, N: int, B: int = 1) -> float:
@@ -274,17 +342,20 @@ def _vq_flops(T: int, H: int, D: int, C: int, N: int, B: int = 1) -> float:
     return 4.0 * B * H * D * total
 
 
-def vq(sc: dict, device: str) -> list[dict]:
-    """VQ-attention op (SPEC §4.4) through :func:`_op_scenario`; its "reference loop" is the
-    quadratic form ``softmax(q K̂ᵀ + causal) V`` (dense, O(T²) memory: keep T moderate).
+@dataclass(kw_only=True)
+class VQScenario(OpScenario):
+    codebook_size: int = 512
 
-    Keys: ``codebook_size``, ``heads``, ``head_dim``, ``chunk_size``, ``max_backward_len``, ``repeats``.
-    """
+
+@register("vq", VQScenario)
+def vq(sc: VQScenario, device: str) -> list[dict]:
+    """VQ-attention op (SPEC §4.4) through :func:`_op_scenario`; its "reference loop" is the
+    quadratic form ``softmax(q K̂ᵀ + causal) V`` (dense, O(T²) memory: keep T moderate)."""
     from recurrences.reference import vq_attention_reference
 
     from ..ops.vq import vq_attention
 
-    C, N = int(sc.get("chunk_size", 128)), int(sc.get("codebook_size", 512))
+    C, N = sc.chunk_size, sc.codebook_size
 
     def extra(T, H, D, g, dev):
         return {"codebook": torch.randn(H, N, D, generator=g).to(dev), "beta": torch.full((H,), D**0.5, device=dev)}
@@ -294,50 +365,64 @@ def vq(sc: dict, device: str) -> list[dict]:
                         options=dict(chunk_size=C), flops=lambda T, H, D: _vq_flops(T, H, D, C, N))
 
 
-KINDS["vq"] = vq
+@dataclass(kw_only=True)
+class VizScenario(Scenario):
+    method: str                # a key of ovqflex.viz.VIZ_METHODS
+    seq_lens: list[int]
+    heads: int = 1
+    head_dim: int = 16
+    options: dict = field(default_factory=dict)  # layer options
+    views: list[str] = field(default_factory=lambda: ["block"])
+    repeats: int = 1
 
 
-def viz(sc: dict, device: str) -> list[dict]:
+@register("viz", VizScenario)
+def viz(sc: VizScenario, device: str) -> list[dict]:
     """The visualizer at scale: build a method's program (random input), then its block view
-    (grid, statistics, PNG) — timed and memory-measured separately, for each ``seq_len``.
-
-    Keys: ``method`` (a key of ``ovqflex.viz.VIZ_METHODS``), ``seq_lens``, ``heads`` (1),
-    ``head_dim`` (16), ``options`` (layer options), ``views`` (["block"]), ``repeats`` (1).
-    """
+    (grid, statistics, PNG) — timed and memory-measured separately, for each ``seq_len``."""
     import tempfile
 
     from masks.viz import VizOptions, render
 
     from ..viz import VizShape, method_program
 
-    method, repeats = sc["method"], int(sc.get("repeats", 1))
-    opts = VizOptions(views=tuple(sc.get("views", ["block"])), formats=("png",))
+    method, repeats = sc.method, sc.repeats
+    opts = VizOptions(views=tuple(sc.views), formats=("png",))
     rows = []
-    for T in sc["seq_lens"]:
-        shape = VizShape(seq_len=int(T), heads=int(sc.get("heads", 1)), head_dim=int(sc.get("head_dim", 16)))
-        build = lambda: method_program(method, shape, dict(sc.get("options", {})))[0]  # noqa: E731
+    for T in sc.seq_lens:
+        shape = VizShape(seq_len=T, heads=sc.heads, head_dim=sc.head_dim)
+        build = lambda: method_program(method, shape, dict(sc.options))[0]  # noqa: E731
         m_prog = measure(build, device=device, repeats=repeats, warmup=1)
         program = build()
         with tempfile.TemporaryDirectory() as tmp:
             m_view = measure(lambda: render(program, opts, tmp), device=device, repeats=repeats, warmup=0)
         g = program.geom
         for case, m in (("program (op, random input)", m_prog), (f"{'+'.join(opts.views)} view + PNG", m_view)):
-            rows.append({"T": int(T), "case": case, "kv_rows": g.kv_len,
+            rows.append({"T": T, "case": case, "kv_rows": g.kv_len,
                          "blocks": f"{g.n_q_blocks}x{g.n_kv_blocks}", "time_s": m.seconds, "peak_mb": m.peak_mb})
     return rows
 
 
-KINDS["viz"] = viz
+@dataclass(kw_only=True)
+class RecurrentScenario(Scenario):
+    seq_lens: list[int]
+    heads: int = 4
+    head_dim: int = 64
+    batch: int = 1
+    chunk_size: int = 64          # linear, DeltaNet
+    vla_chunk: int = 20           # the refresh period
+    max_centroids: int = 2048     # OVQ
+    ovq_chunk: int = 128
+    ovq_backend: str = "blocked"
+    max_reference_len: int = 1024
+    repeats: int = 3
 
 
-def recurrent(sc: dict, device: str) -> list[dict]:
+@register("recurrent", RecurrentScenario)
+def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
     """Non-softmax recurrences (linear attention, DeltaNet, VLA; SPEC §4.6): chunked op forward
     and forward+backward, their token-by-token reference loops (up to ``max_reference_len``),
     OVQ (``ovq_backend``, forward) and full causal SDPA, at each ``seq_len`` of ``seq_lens``.
-
-    Keys: ``seq_lens``, ``heads`` (4), ``head_dim`` (64), ``batch`` (1), ``chunk_size`` (64:
-    linear, DeltaNet), ``vla_chunk`` (20 = the refresh period), ``max_centroids`` (OVQ, 2048),
-    ``ovq_chunk`` (128), ``ovq_backend`` (blocked), ``max_reference_len`` (1024), ``repeats`` (3).
     The runner fits the log-log slope of time and memory vs T of each case.
     """
     import torch.nn.functional as F
@@ -348,12 +433,12 @@ def recurrent(sc: dict, device: str) -> list[dict]:
     from ..ops.ovq import ovq_attention
 
     dev = torch.device(device)
-    B, H, D = int(sc.get("batch", 1)), int(sc.get("heads", 4)), int(sc.get("head_dim", 64))
-    C, Cv = int(sc.get("chunk_size", 64)), int(sc.get("vla_chunk", 20))
-    N, Lo, ovq_backend = int(sc.get("max_centroids", 2048)), int(sc.get("ovq_chunk", 128)), sc.get("ovq_backend", "blocked")
-    repeats, max_ref = int(sc.get("repeats", 3)), int(sc.get("max_reference_len", 1024))
+    B, H, D = sc.batch, sc.heads, sc.head_dim
+    C, Cv = sc.chunk_size, sc.vla_chunk
+    N, Lo, ovq_backend = sc.max_centroids, sc.ovq_chunk, sc.ovq_backend
+    repeats, max_ref = sc.repeats, sc.max_reference_len
     rows: list[dict] = []
-    for T in sc["seq_lens"]:
+    for T in sc.seq_lens:
         g = torch.Generator().manual_seed(0)
         q, k, v, u = (torch.randn(B, H, T, D, generator=g).to(dev) for _ in range(4))
         kn, beta = F.normalize(k, dim=-1), torch.rand(B, H, T, generator=g).to(dev)
@@ -401,34 +486,43 @@ def recurrent(sc: dict, device: str) -> list[dict]:
     return rows
 
 
-KINDS["recurrent"] = recurrent
+@dataclass(kw_only=True)
+class StateLayoutScenario(Scenario):
+    seq_lens: list[int]
+    max_centroids: int = 2048
+    heads: int = 2
+    head_dim: int = 64
+    chunk_size: int = 128
+    growth: str = "plateau"
+    layouts: list[str] = field(default_factory=lambda: ["snapshot", "versioned"])
+    checkpoint_every: int = 0     # 0: the default
+    backend: str = "blocked"
+    backward: bool = True
+    repeats: int = 2
 
 
-def state_layout(sc: dict, device: str) -> list[dict]:
+@register("state_layout", StateLayoutScenario)
+def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
     """OVQ op under each state layout (SPEC §5): state rows, forward and forward+backward time and
     peak memory at each ``seq_len`` of ``seq_lens``; the runner fits the log-log slope of each case.
-
-    Keys: ``seq_lens``, ``max_centroids`` (2048), ``heads`` (2), ``head_dim`` (64), ``chunk_size`` (128),
-    ``growth`` (plateau), ``layouts`` (["snapshot", "versioned"]), ``checkpoint_every`` (0: the default),
-    ``backend`` (blocked), ``backward`` (true), ``repeats`` (2). ``x_time_vs_snapshot`` is the
-    time ratio to the snapshot layout's same case (> 1: slower).
+    ``x_time_vs_snapshot`` is the time ratio to the snapshot layout's same case (> 1: slower).
     """
     from ..ops.ovq import ovq_attention, ovq_program
 
     dev = torch.device(device)
-    H, D = int(sc.get("heads", 2)), int(sc.get("head_dim", 64))
-    L, N = int(sc.get("chunk_size", 128)), int(sc.get("max_centroids", 2048))
-    every = int(sc.get("checkpoint_every", 0)) or None
-    backend, repeats = sc.get("backend", "blocked"), int(sc.get("repeats", 2))
-    options = dict(chunk_size=L, max_centroids=N, growth=sc.get("growth", "plateau"), checkpoint_every=every)
+    H, D = sc.heads, sc.head_dim
+    L, N = sc.chunk_size, sc.max_centroids
+    every = sc.checkpoint_every or None
+    backend, repeats = sc.backend, sc.repeats
+    options = dict(chunk_size=L, max_centroids=N, growth=sc.growth, checkpoint_every=every)
     rows: list[dict] = []
-    for T in sc["seq_lens"]:
+    for T in sc.seq_lens:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))
         beta = torch.full((H,), D**0.5, device=dev)
         leaves = [x.clone().requires_grad_() for x in (q, k, v, beta)]
         base: dict[str, float] = {}
-        for layout in sc.get("layouts", ["snapshot", "versioned"]):
+        for layout in sc.layouts:
             with torch.no_grad():
                 n_state = ovq_program(q, k, v, beta, state_layout=layout, **options)[0].geom.n_state
 
@@ -441,7 +535,7 @@ def state_layout(sc: dict, device: str) -> list[dict]:
                 for x in leaves:
                     x.grad = None
 
-            cases = [("fwd", fwd)] + ([("fwd+bwd", fwd_bwd)] if sc.get("backward", True) else [])
+            cases = [("fwd", fwd)] + ([("fwd+bwd", fwd_bwd)] if sc.backward else [])
             for what, fn in cases:
                 m = measure(fn, device=dev, repeats=repeats)
                 base.setdefault(what, m.seconds) if layout == "snapshot" else None
@@ -451,44 +545,64 @@ def state_layout(sc: dict, device: str) -> list[dict]:
     return rows
 
 
-KINDS["state_layout"] = state_layout
+#: decode case kind -> (layer class name in ovqflex.layers, the options the scenario fixes)
+_DECODE_LAYERS = {"ovq": ("OVQAttention", {}), "kvm": ("KVMAttention", {}),
+                  "full": ("CausalAttention", {"rope": True}), "swa": ("SlidingWindowAttention", {})}
 
 
-def _decode_layer(case: dict, hidden: int, heads: int):
-    from ..layers import CausalAttention, KVMAttention, OVQAttention, SlidingWindowAttention
+def _decode_layer_class(case: dict, where: str):
+    """The layer class of a decode ``case`` table (``name``, ``kind`` and the layer's options),
+    whose keys are checked against the layer's constructor; returns (class, options)."""
+    import inspect
 
-    kind = case["kind"]
-    opts = {k: v for k, v in case.items() if k not in ("kind", "name")}
-    if kind == "ovq":
-        return OVQAttention(hidden, heads, backend="flex", **opts)
-    if kind == "kvm":
-        return KVMAttention(hidden, heads, backend="flex", **opts)
-    if kind == "full":
-        return CausalAttention(hidden, heads, rope=True, backend="flex", **opts)
-    if kind == "swa":
-        return SlidingWindowAttention(hidden, heads, backend="flex", **opts)
-    raise ValueError(f"decode case kind must be ovq, kvm, full or swa, got {kind!r}")
+    from .. import layers
+
+    if not isinstance(case, dict) or not isinstance(case.get("name"), str):
+        raise ValueError(f"{where}: must be a table with a string name, got {case!r}")
+    if case.get("kind") not in _DECODE_LAYERS:
+        raise ValueError(f"{where}: kind must be one of {sorted(_DECODE_LAYERS)}, got {case.get('kind')!r}")
+    cls_name, fixed = _DECODE_LAYERS[case["kind"]]
+    cls = getattr(layers, cls_name)
+    options = set(inspect.signature(cls).parameters) - {"hidden_size", "num_heads", "backend", *fixed}
+    check_keys(f"{where} (a {cls_name})", case, options | {"name", "kind"})
+    return cls, {**fixed, **{k: v for k, v in case.items() if k not in ("kind", "name")}}
 
 
-def decode(sc: dict, device: str) -> list[dict]:
+@dataclass(kw_only=True)
+class DecodeScenario(Scenario):
+    seq_lens: list[int]
+    cases: list[dict]             # tables: name, kind (ovq, kvm, full, swa) and the layer's options
+    hidden: int = 256
+    heads: int = 4
+    decode_tokens: int = 64
+    repeats: int = 2
+
+    def __post_init__(self):
+        if not self.cases:
+            raise ValueError(f"scenario {self.name!r}: cases must list at least one [[scenario.cases]] table")
+        for i, case in enumerate(self.cases):
+            _decode_layer_class(case, f"scenario {self.name!r}, case {i}")
+
+
+@register("decode", DecodeScenario)
+def decode(sc: DecodeScenario, device: str) -> list[dict]:
     """Streaming decode at long contexts: each layer ``case`` prefills ``T`` tokens (the
     fused forward, flex, no grad) and then decodes ``decode_tokens`` tokens one per call
     through its cache. Rows: decode tokens/s, seconds per token (``time_s``, whose slope vs
     T is ~0 for a bounded cache and ~1 for a growing KV cache), the cache's own bytes
-    (``cache_mb``) and the RSS growth while decoding (``peak_mb``).
-
-    Keys: ``seq_lens``, ``hidden``, ``heads``, ``decode_tokens``, ``repeats``, ``cases``: a list
-    of tables with ``name``, ``kind`` (ovq, kvm, full, swa) and the layer's options.
+    (``cache_mb``) and the RSS growth while decoding (``peak_mb``). The last case is the
+    baseline of ``x_vs_<name>``.
     """
     import time
 
     dev = torch.device(device)
-    hidden, heads, n_dec = int(sc.get("hidden", 256)), int(sc.get("heads", 4)), int(sc.get("decode_tokens", 64))
+    hidden, heads, n_dec = sc.hidden, sc.heads, sc.decode_tokens
     rows = []
-    for case in sc["cases"]:
+    for i, case in enumerate(sc.cases):
         torch.manual_seed(0)
-        layer = _decode_layer(case, hidden, heads).to(dev).eval()
-        for T in sc["seq_lens"]:
+        cls, options = _decode_layer_class(case, f"scenario {sc.name!r}, case {i}")
+        layer = cls(hidden, heads, backend="flex", **options).to(dev).eval()
+        for T in sc.seq_lens:
             x = torch.randn(1, T + n_dec, hidden, device=dev)
             with torch.no_grad():
                 t0 = time.perf_counter()
@@ -501,7 +615,7 @@ def decode(sc: dict, device: str) -> list[dict]:
                         _, c = layer(x[:, T + i:T + i + 1], cache=c)
                     return c
 
-                m = measure(run, device=dev, repeats=int(sc.get("repeats", 2)), warmup=1)
+                m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
                 end = run()
             rows.append({"case": case["name"], "T": T, "prefill_s": prefill, "tokens_per_s": n_dec / m.seconds,
                          "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
@@ -509,7 +623,7 @@ def decode(sc: dict, device: str) -> list[dict]:
     by_t = {}
     for r in rows:
         by_t.setdefault(r["T"], []).append(r)
-    base = sc["cases"][-1]["name"]  # the last case is the baseline (full attention's KV cache)
+    base = sc.cases[-1]["name"]  # the last case is the baseline (full attention's KV cache)
     for rs in by_t.values():
         ref = next((r for r in rs if r["case"] == base), None)
         for r in rs:
@@ -518,15 +632,22 @@ def decode(sc: dict, device: str) -> list[dict]:
     return rows
 
 
-KINDS["decode"] = decode
+@dataclass(kw_only=True)
+class QuantizedScenario(Scenario):
+    preset: str = "tiny"
+    pattern: str = "swa,ovq"
+    vocab_size: int = 256
+    model_options: dict = field(default_factory=dict)
+    prompt_len: int = 1024
+    decode_tokens: int = 64
+    repeats: int = 2
 
 
-def quantized(sc: dict, device: str) -> list[dict]:
+@register("quantized", QuantizedScenario)
+def quantized(sc: QuantizedScenario, device: str) -> list[dict]:
     """A model's decode throughput and output agreement, fp32 vs torchao int8 weight-only.
-
-    Keys: ``preset``, ``pattern``, ``vocab_size``, ``model_options``, ``prompt_len``,
-    ``decode_tokens``, ``repeats``. Rows: tokens/s, ``x_vs_fp32`` and ``rel_err_logits`` of the
-    prompt's logits against the fp32 model (the stated tolerance is 2e-2).
+    Rows: tokens/s, ``x_vs_fp32`` and ``rel_err_logits`` of the prompt's logits against the
+    fp32 model (the stated tolerance is 2e-2).
     """
     import copy
 
@@ -535,19 +656,18 @@ def quantized(sc: dict, device: str) -> list[dict]:
     from ..quantize import quantize_model
 
     dev = torch.device(device)
-    cfg = preset(sc.get("preset", "tiny"), pattern=sc.get("pattern", "swa,ovq"),
-                 vocab_size=int(sc.get("vocab_size", 256)), backend="flex", **dict(sc.get("model_options", {})))
+    cfg = preset(sc.preset, pattern=sc.pattern, vocab_size=sc.vocab_size, backend="flex", **sc.model_options)
     torch.manual_seed(0)
     fp32 = HybridLM(cfg).to(dev).eval()
-    prompt = torch.randint(0, cfg.vocab_size, (1, int(sc.get("prompt_len", 1024))), device=dev)
-    n_dec = int(sc.get("decode_tokens", 64))
+    prompt = torch.randint(0, cfg.vocab_size, (1, sc.prompt_len), device=dev)
+    n_dec = sc.decode_tokens
     rows, ref_logits = [], None
     for mode in ("none", "int8"):
         model = quantize_model(copy.deepcopy(fp32), mode)
         with torch.no_grad():
             logits = model(prompt)
             m = measure(lambda: model.generate(prompt, n_dec, temperature=0), device=dev,
-                        repeats=int(sc.get("repeats", 2)), warmup=1)
+                        repeats=sc.repeats, warmup=1)
         ref_logits = logits if ref_logits is None else ref_logits
         err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
         rows.append({"case": "fp32" if mode == "none" else mode, "pattern": cfg.pattern,
@@ -557,5 +677,3 @@ def quantized(sc: dict, device: str) -> list[dict]:
         r["x_vs_fp32"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
 
-
-KINDS["quantized"] = quantized

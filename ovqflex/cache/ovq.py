@@ -7,8 +7,10 @@ incomplete chunk. A query of chunk ``c`` reads the ``N_c`` dictionary rows (mean
 ``log(count)`` bias) and its chunk's tokens causally; when a chunk completes it is
 routed and absorbed, and the raw tokens are dropped.
 
-Bound: ``B*H*(N+1)*(D+Dv+1)`` fp32 for the dictionary (allocated once, ``N`` =
-``max_centroids``) plus fewer than ``chunk_size`` raw tokens, whatever the context.
+Bound: ``B*H*(N+1)*(D+Dv+1)`` fp32 for the dictionary (``N`` = ``max_centroids``) plus fewer
+than ``chunk_size`` raw tokens, whatever the context. The dictionary is allocated for the rows
+the next chunk can fill (``N_{c+1}``, never more than the tokens seen) and grows by doubling,
+capped at ``N``: a huge ``max_centroids`` costs only what is used.
 """
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ from .base import LayerCache, chunk_segments, positions
 
 @dataclass
 class OVQCache(LayerCache):
-    """key_sums ``[B, H, N+1, D]``, value_sums ``[B, H, N+1, Dv]``, counts ``[B, H, N+1]`` fp32
-    (row ``N`` a spare that collects nothing); buf_k ``[B, H, b, D]`` unit keys and buf_v
-    ``[B, H, b, Dv]`` of the ``b < chunk_size`` tokens of the current chunk; rng: the random
-    seeding generator's state (``seeding="random"``), else None."""
+    """key_sums ``[B, H, S+1, D]``, value_sums ``[B, H, S+1, Dv]``, counts ``[B, H, S+1]`` fp32
+    (``S <= max_centroids`` rows allocated so far; row ``S`` a spare that collects nothing);
+    buf_k ``[B, H, b, D]`` unit keys and buf_v ``[B, H, b, Dv]`` of the ``b < chunk_size`` tokens
+    of the current chunk; rng: the random seeding generator's state (``seeding="random"``), else
+    None; max_centroids: the dictionary cap ``N`` the cache was made for."""
 
     key_sums: Tensor
     value_sums: Tensor
@@ -38,10 +41,25 @@ class OVQCache(LayerCache):
     buf_k: Tensor
     buf_v: Tensor
     rng: Tensor | None
+    max_centroids: int
 
     @property
-    def max_centroids(self) -> int:
+    def rows(self) -> int:
+        """Dictionary rows allocated (the spare excluded)."""
         return self.key_sums.shape[2] - 1
+
+
+def _grown(tensors: tuple[Tensor, ...], need: int, cap: int) -> tuple[Tensor, ...]:
+    """The dictionary tensors (``[B, H, S+1, ...]``, spare last) with room for ``need`` rows:
+    ``max(need, 2 S)`` rows, at most ``cap``; the spare row starts empty again."""
+    rows = tensors[0].shape[2] - 1
+    new_rows = min(cap, max(need, 2 * rows))
+    out = []
+    for t in tensors:
+        g = t.new_zeros(*t.shape[:2], new_rows + 1, *t.shape[3:])
+        g[:, :, :rows] = t[:, :, :rows]
+        out.append(g)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -74,19 +92,20 @@ def ovq_prefill(kn: Tensor, v: Tensor, routes: Tensor, opts: OVQDecodeOptions, c
     """The cache after a full forward: kn ``[B, H, T, D]`` unit keys, v, routes ``[B, H, T]``
     (the op's, -1 for the incomplete last chunk) replayed chunk by chunk."""
     B, H, T, D = kn.shape
-    C, N = opts.chunk_size, opts.max_centroids
+    C = opts.chunk_size
     kf, vf = kn.detach().float(), v.detach().float()
-    sums, vsums = kf.new_zeros(B, H, N + 1, D), kf.new_zeros(B, H, N + 1, v.shape[-1])
-    counts = kf.new_zeros(B, H, N + 1)
-    gen = _generator(opts, None)
     n_full = T // C
+    rows = opts.size(n_full)  # the routes of the complete chunks stay below it
+    sums, vsums = kf.new_zeros(B, H, rows + 1, D), kf.new_zeros(B, H, rows + 1, v.shape[-1])
+    counts = kf.new_zeros(B, H, rows + 1)
+    gen = _generator(opts, None)
     for c in range(n_full):
         seeding_draw(gen, B, H, C, kn.device)  # keep the generator where routing left it
         sl = slice(c * C, (c + 1) * C)
         ovq_absorb(sums, counts, kf[:, :, sl], routes[:, :, sl], vsums, vf[:, :, sl])
     return OVQCache(position=T, conv=conv, key_sums=sums, value_sums=vsums, counts=counts,
                     buf_k=kn.detach()[:, :, n_full * C:], buf_v=v.detach()[:, :, n_full * C:],
-                    rng=None if gen is None else gen.get_state())
+                    rng=None if gen is None else gen.get_state(), max_centroids=opts.max_centroids)
 
 
 def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: OVQDecodeOptions,
@@ -124,11 +143,15 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
         if pos % C == 0:  # the chunk is complete: route it, absorb it, drop its raw tokens
             u = seeding_draw(gen, B, H, C, kn.device)
             kc = buf_k.float()
+            need = opts.size(c + 1)
+            if need > sums.shape[2] - 1:  # a new tensor: also the copy of copy on write
+                sums, vsums, counts = _grown((sums, vsums, counts), need, opts.max_centroids)
+                copied = True
             if not copied:  # the given cache stays valid (copy on write, once per call)
                 sums, vsums, counts, copied = sums.clone(), vsums.clone(), counts.clone(), True
-            route = ovq_route_chunk(kc, sums, counts, n, opts.size(c + 1) - n, u, opts.normalize_centroids)
+            route = ovq_route_chunk(kc, sums, counts, n, need - n, u, opts.normalize_centroids)
             ovq_absorb(sums, counts, kc, route, vsums, buf_v.float())
             buf_k, buf_v = buf_k[:, :, :0], buf_v[:, :, :0]
     new = OVQCache(position=pos, conv=conv, key_sums=sums, value_sums=vsums, counts=counts, buf_k=buf_k,
-                   buf_v=buf_v, rng=None if gen is None else gen.get_state())
+                   buf_v=buf_v, rng=None if gen is None else gen.get_state(), max_centroids=opts.max_centroids)
     return torch.cat(outs, dim=2).to(v.dtype), new

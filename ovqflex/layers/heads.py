@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_choice, check_int, check_tensor
+from recurrences.checks import check_choice, check_int, check_layer_input
 
 from ..attention import BACKENDS
 
@@ -27,7 +27,11 @@ class MultiHeadProjection(nn.Module):
         super().__init__()
         check_int("hidden_size", hidden_size)
         check_int("num_heads", num_heads)
-        head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads} "
+                                 f"(or give head_dim)")
+            head_dim = hidden_size // num_heads
         check_int("head_dim", head_dim)
         if backend is not None:  # None: a layer that runs no attention program (linear recurrences)
             check_choice("backend", backend, BACKENDS)
@@ -41,6 +45,10 @@ class MultiHeadProjection(nn.Module):
             weight[:, 0, -1] = 1.0
             self.qk_conv_weight = nn.Parameter(weight)  # [2*H*D, 1, K] depthwise taps, oldest first
 
+    def check_input(self, x: Tensor) -> None:
+        """x ``[B, T, hidden]`` in the projections' dtype (any floating dtype under autocast)."""
+        check_layer_input(x, self.hidden_size, self.qkv_proj.weight.dtype)
+
     def split_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]``."""
         return self.split_heads_cached(x, None)[:3]
@@ -50,9 +58,7 @@ class MultiHeadProjection(nn.Module):
         ``[B, 2*H*D, qk_conv-1]`` holds the raw q/k projections of the ``qk_conv-1`` tokens
         before ``x`` (None: none, zero padding as at the sequence start). Returns q, k, v and
         the tail after ``x`` (None without ``qk_conv``)."""
-        check_tensor("x", x, 3)
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        self.check_input(x)
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)  # [B, T, 3*H*D]
         tail = None

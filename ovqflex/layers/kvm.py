@@ -49,7 +49,7 @@ class KVMAttention(MultiHeadProjection):
                  state_layout: str = "auto", checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         rope_dims = check_kvm_options(self.head_dim, chunk_size, n_bswa_chunks, sink_len, rope_dims, state_layout,
-                                      checkpoint_every)
+                                      checkpoint_every, block_size)
         self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         D = self.head_dim
         KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n, max_state_chunks)

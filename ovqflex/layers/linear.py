@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_int, check_number, check_tensor
+from recurrences.checks import check_int, check_number
 from recurrences.vla import VLAOptions
 
 from ..cache.base import check_cache
@@ -65,9 +65,7 @@ class _Recurrent(MultiHeadProjection):
     def _empty_step(self, x: Tensor, cache):
         """A decode call with no tokens (x ``[B, 0, hidden]``): an empty ``[B, 0, hidden]`` output and
         the cache unchanged (a new object)."""
-        check_tensor("x", x, 3)
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        self.check_input(x)
         return x.new_zeros(x.shape[0], 0, self.hidden_size), dataclasses.replace(cache)
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_block_size, check_choice, check_chunk, check_int, check_number, check_tensor
+from recurrences.checks import check_block_size, check_choice, check_chunk, check_int, check_layer_input, check_number
 from recurrences.ema import damped_ema
 
 from ..attention import BACKENDS
@@ -55,6 +55,7 @@ class LongVQBlock(nn.Module):
         check_int("num_heads", num_heads)
         check_int("ema_dim", ema_dim)
         check_chunk("chunk_size", chunk_size)
+        check_chunk("block_size", block_size)
         check_choice("backend", backend, BACKENDS)
         check_number("ffn_ratio", ffn_ratio)
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
@@ -87,9 +88,7 @@ class LongVQBlock(nn.Module):
         """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, the gates, and (``want_state``) the EMA
         state after x, continuing from ``ema_state`` ``[B, hidden, ema_dim]`` (None: a sequence
         start); else None."""
-        check_tensor("x", x, 3)
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        check_layer_input(x, self.hidden_size, self.z_proj.weight.dtype)
         B, T, _ = x.shape
         H, Dk, Dv = self.num_heads, self.head_dim, self.head_dim_v
         z = damped_ema(x, self.ema_delta, self.ema_alpha, self.ema_beta, self.ema_gamma, self.ema_omega,

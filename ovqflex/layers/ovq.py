@@ -40,7 +40,7 @@ class OVQAttention(MultiHeadProjection):
                  checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         check_chunk("chunk_size", chunk_size)
-        check_state_layout(state_layout, checkpoint_every)
+        check_state_layout(state_layout, checkpoint_every, block_size)
         self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         check_int("max_centroids", max_centroids)
         check_choice("growth", growth, GROWTHS)

@@ -13,7 +13,7 @@ from recurrences.checks import check_block_size
 from ..attention import attend
 from ..cache.base import check_cache, positions
 from ..cache.plain import PlainCache, plain_decode, plain_prefill
-from ..ops.plain import plain_regions
+from ..ops.plain import plain_regions, window_regions
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .rope import apply_rope
@@ -112,7 +112,8 @@ class SlidingWindowAttention(_PlainAttention):
                  qk_norm: bool = False, qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
         if block_window is not None:
             window = None
-        regions = plain_regions(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
+        regions = window_regions("SlidingWindowAttention", "CausalAttention", window=window, block_window=block_window,
+                                 chunk_size=chunk_size, n_sinks=n_sinks)
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
                          qk_norm=qk_norm, backend=backend, block_size=block_size, regions=regions,
                          qk_conv=qk_conv)

@@ -146,7 +146,7 @@ class VQAttention(MultiHeadProjection):
                  checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         check_chunk("chunk_size", chunk_size)
-        check_state_layout(state_layout, checkpoint_every)
+        check_state_layout(state_layout, checkpoint_every, block_size)
         self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
         self.chunk_size, self.commitment_weight = chunk_size, commitment_weight

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from recurrences.checks import check_block_size, check_chunk, check_int
+from recurrences.checks import check_block_size, check_chunk, check_int, from_dict
 
 
 @dataclass
@@ -61,12 +61,10 @@ class HybridConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HybridConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown HybridConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**d)
+    def from_dict(cls, d: dict, what: str = "model config") -> "HybridConfig":
+        """The config of ``d``; unknown keys (with the nearest valid one), missing keys and wrong
+        types are refused by name (``what`` says where ``d`` comes from)."""
+        return from_dict(cls, d, what)
 
 
 #: Named presets: overrides of the defaults. ``tiny`` learns basic ICR on a 2-core CPU in
@@ -95,6 +93,11 @@ PRESETS: dict[str, dict] = {
 
 def preset(name: str, **overrides) -> HybridConfig:
     """``HybridConfig`` of preset ``name`` with ``overrides`` applied (e.g. ``pattern``, ``vocab_size``)."""
+    check_preset(name)
+    return HybridConfig.from_dict({**PRESETS[name], **overrides}, f"model config (preset {name!r})")
+
+
+def check_preset(name: str) -> str:
     if name not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
-    return HybridConfig(**{**PRESETS[name], **overrides})
+    return name

@@ -43,11 +43,11 @@ def _check_vector(name: str, x, n: int, like: Tensor) -> None:
         raise ValueError(f"{name} must be on {like.device}, got {x.device}")
 
 
-def check_kvm_options(head_dim: int, chunk_size, n_bswa_chunks, sink_len, rope_dims, state_layout="auto",
-                      checkpoint_every=None) -> int:
+def check_kvm_options(head_dim: int, chunk_size, n_bswa_chunks, sink_len, rope_dims, state_layout, checkpoint_every,
+                      block_size) -> int:
     """Validate the shape options shared by :func:`kvm_program` and ``KVMAttention``;
     returns ``rope_dims`` resolved (None: ``head_dim // 2``)."""
-    check_state_layout(state_layout, checkpoint_every)
+    check_state_layout(state_layout, checkpoint_every, block_size)
     check_chunk("chunk_size", chunk_size)
     check_int("n_bswa_chunks", n_bswa_chunks)
     check_int("sink_len", sink_len, minimum=0)
@@ -61,7 +61,7 @@ def check_kvm_options(head_dim: int, chunk_size, n_bswa_chunks, sink_len, rope_d
 
 
 def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size, n_bswa_chunks,
-                    sink_len, rope_dims, state_layout, checkpoint_every) -> int:
+                    sink_len, rope_dims, state_layout, checkpoint_every, block_size) -> int:
     """Validate the op's inputs; returns the resolved ``rope_dims``."""
     check_qkv(q, k, v)
     B, H, T, D = q.shape
@@ -72,7 +72,8 @@ def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, 
     for name, tau in (("tau_state", tau_state), ("tau_bswa", tau_bswa)):
         if tau is not None:
             _check_vector(name, tau, H, q)
-    return check_kvm_options(D, chunk_size, n_bswa_chunks, sink_len, rope_dims, state_layout, checkpoint_every)
+    return check_kvm_options(D, chunk_size, n_bswa_chunks, sink_len, rope_dims, state_layout, checkpoint_every,
+                             block_size)
 
 
 def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, ln_s_weight: Tensor,
@@ -88,7 +89,7 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     ``ovqflex.routing``, ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
     """
     rope_dims = _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, chunk_size,
-                                n_bswa_chunks, sink_len, rope_dims, state_layout, checkpoint_every)
+                                n_bswa_chunks, sink_len, rope_dims, state_layout, checkpoint_every, block_size)
     q, k, v, gate = to_compute_dtype(q, k, v, gate)
     B, H, T, D = q.shape
     spec = KVMBudget(budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n,

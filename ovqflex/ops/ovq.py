@@ -35,7 +35,7 @@ class OVQState:
 
 
 def _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon, state_layout,
-                    checkpoint_every):
+                    checkpoint_every, block_size):
     check_qkv(q, k, v)
     check_tensor("beta", beta, 1)
     if beta.shape[0] != q.shape[1]:
@@ -46,7 +46,7 @@ def _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, g
     check_choice("seeding", seeding, SEEDINGS)
     if growth_horizon is not None:
         check_int("growth_horizon", growth_horizon)
-    check_state_layout(state_layout, checkpoint_every)
+    check_state_layout(state_layout, checkpoint_every, block_size)
 
 
 def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 128, max_centroids: int,
@@ -62,7 +62,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: in
     ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
     """
     _check_ovq_args(q, k, v, beta, chunk_size, max_centroids, growth, seeding, growth_horizon, state_layout,
-                    checkpoint_every)
+                    checkpoint_every, block_size)
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
     n_chunks = max(1, -(-T // chunk_size))

@@ -34,12 +34,32 @@ def plain_regions(
     return ((Sinks(n_sinks),) if n_sinks else ()) + regions
 
 
+def window_regions(what: str, causal: str, *, window: int | None, block_window: int | None, chunk_size: int,
+                   n_sinks: int) -> tuple[Region, ...]:
+    """:func:`plain_regions` of a sliding window, which must be given: a window op or layer
+    (``what``) never falls back to full causal attention (``causal``) silently."""
+    regions = plain_regions(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
+    if window is None and block_window is None:
+        raise ValueError(f"{what} needs window=N (tokens) or block_window=N (chunks of chunk_size), got "
+                         f"neither; for full causal attention use {causal}")
+    return regions
+
+
+def _plain_attention(q: Tensor, k: Tensor, v: Tensor, regions: tuple[Region, ...], scale: float | None,
+                     backend: str, block_size: int) -> Tensor:
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    with stage("block_mask"):
+        program = build_program(q, k, v, regions, scale=scale, block_size=block_size)
+    with stage("attention"):
+        return attend(program, backend)
+
+
 def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, backend: str = "auto",
     block_size: int = DEFAULT_BLOCK,
 ) -> Tensor:
     """Full causal softmax attention. q, k: ``[B, H, T, D]``, v: ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``."""
-    return sliding_window_attention(q, k, v, scale=scale, backend=backend, block_size=block_size)
+    return _plain_attention(q, k, v, plain_regions(), scale, backend, block_size)
 
 
 def sliding_window_attention(
@@ -47,13 +67,11 @@ def sliding_window_attention(
     chunk_size: int = 128, n_sinks: int = 0, scale: float | None = None, backend: str = "auto",
     block_size: int = DEFAULT_BLOCK,
 ) -> Tensor:
-    """Causal attention restricted to a token window, a block window and/or sinks.
+    """Causal attention restricted to a token ``window`` or a ``block_window`` (exactly one),
+    plus ``n_sinks`` sinks; full causal attention is :func:`causal_attention`.
 
     q, k: ``[B, H, T, D]``, v: ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``.
     """
-    regions = plain_regions(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    with stage("block_mask"):
-        program = build_program(q, k, v, regions, scale=scale, block_size=block_size)
-    with stage("attention"):
-        return attend(program, backend)
+    regions = window_regions("sliding_window_attention", "causal_attention", window=window, block_window=block_window,
+                             chunk_size=chunk_size, n_sinks=n_sinks)
+    return _plain_attention(q, k, v, regions, scale, backend, block_size)

@@ -32,8 +32,8 @@ from ..attention import attend
 from ..profiling import stage
 
 
-def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout="auto",
-                   checkpoint_every=None):
+def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout,
+                   checkpoint_every, block_size):
     check_qkv(q, k, v)
     H, D = q.shape[1], q.shape[-1]
     check_tensor("codebook", codebook, 3)
@@ -46,7 +46,7 @@ def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, c
         raise ValueError(f"beta must have shape [H]=[{H}], got {tuple(beta.shape)}")
     check_chunk("chunk_size", chunk_size)
     check_choice("estimator", estimator, ESTIMATORS)
-    check_state_layout(state_layout, checkpoint_every)
+    check_state_layout(state_layout, checkpoint_every, block_size)
     if local_bias is not None:
         check_tensor("local_bias", local_bias, 1)
         if local_bias.shape[0] != H:
@@ -69,7 +69,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     rows (:mod:`recurrences.precision`).
     """
     _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout,
-                   checkpoint_every)
+                   checkpoint_every, block_size)
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
     N = codebook.shape[1]

@@ -4,14 +4,25 @@ Layout of a run directory ``DIR``::
 
     DIR/checkpoints/step_00000100/model.safetensors      model weights
     DIR/checkpoints/step_00000100/optimizer.safetensors  optimizer tensors ("<param index>.<name>")
-    DIR/checkpoints/step_00000100/state.json             step, configs, optimizer groups, RNG, file hashes
-    DIR/checkpoints/latest                               name of the newest complete checkpoint
+    DIR/checkpoints/step_00000100/state.json             step, configs, optimizer groups, RNG
+    DIR/checkpoints/step_00000100/manifest.json          size and SHA-256 of each of the three files above
 
-A checkpoint is written into a temporary directory, fsynced, and renamed into place;
-only then is ``latest`` replaced (temp file + ``os.replace``). A crash at any point
-leaves the previous checkpoint and ``latest`` untouched. On load every file's size and
-SHA-256 are checked against ``state.json``, so a truncated or corrupted checkpoint is
-refused with an error that names the file.
+A checkpoint is written into a temporary directory (``.tmp-step_...``): the tensor files and
+``state.json``, then, last, ``manifest.json`` with the size and SHA-256 of every other file;
+everything is fsynced and the directory renamed into place. A ``step_*`` directory therefore
+only ever exists complete, and the newest one is the run's latest checkpoint: a crash at any
+point (even between the write and the rename) leaves the checkpoints before it as they were,
+plus a dot-named leftover that the next run of the directory removes. Old checkpoints are
+pruned by renaming them to a dot name first, so a crash never leaves half a ``step_*``.
+
+On load every file is checked against the manifest (state.json included), so a truncated,
+corrupted or edited checkpoint is refused with an error that names the file. Checkpoints of
+format version 1 (no manifest; state.json unchecked) are refused with that reason.
+
+Fault injection for the crash tests (``tests/ovqflex/training/test_fault_injection.py``): the
+environment variable ``OVQFLEX_FAULT_CHECKPOINT`` set to ``pause=SECONDS`` makes the writer
+sleep between the write of a checkpoint and its rename (so a kill from outside can land
+there), ``kill=STEP`` makes it SIGKILL itself at that point of checkpoint ``STEP``.
 """
 from __future__ import annotations
 
@@ -21,6 +32,8 @@ import json
 import os
 import random
 import shutil
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +41,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FORMAT = "ovqflex-checkpoint"
-VERSION = 1
-_MODEL, _OPTIM, _STATE, _LATEST = "model.safetensors", "optimizer.safetensors", "state.json", "latest"
+VERSION = 2
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
+STATE_FILE, MANIFEST_FILE = "state.json", "manifest.json"
+FAULT_ENV = "OVQFLEX_FAULT_CHECKPOINT"
 
 
 class CheckpointError(ValueError):
@@ -65,14 +80,25 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+def _write_json(path: Path, doc: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
+
+
+def _fault_point(step: int) -> None:
+    """Between the write of checkpoint ``step`` and its rename: the test hook (module docstring)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    what, _, value = spec.partition("=")
+    if what == "pause":
+        time.sleep(float(value))
+    elif what == "kill" and int(value) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif what not in ("pause", "kill"):
+        raise ValueError(f"{FAULT_ENV} must be pause=SECONDS or kill=STEP, got {spec!r}")
 
 
 def rng_state() -> dict:
@@ -124,36 +150,50 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         shutil.rmtree(tmp)
     tmp.mkdir()
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, str(tmp / _MODEL))
+    save_file(weights, str(tmp / MODEL_FILE))
     opt_tensors, opt_meta = _optimizer_split(optimizer.state_dict())
-    save_file(opt_tensors, str(tmp / _OPTIM))
+    save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
+    _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": VERSION, "step": step, "optimizer": opt_meta,
+                                   "rng": rng_state(), **state})
     files = {}
-    for name in (_MODEL, _OPTIM):
+    for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
         _fsync(tmp / name)
         files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-    doc = {"format": FORMAT, "version": VERSION, "step": step, "files": files, "optimizer": opt_meta,
-           "rng": rng_state(), **state}
-    with open(tmp / _STATE, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": VERSION, "files": files})
     _fsync(tmp)
-    if final.exists():  # re-saving a step (after a resume): move the old one aside first
-        old = root / f".old-{final.name}-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
+    _fault_point(step)
+    if final.exists():  # re-saving a step (resumed from an older one): move the old one aside first
+        _discard(final)
+    os.rename(tmp, final)
     _fsync(root)
-    _write_text_atomic(root / _LATEST, final.name + "\n")
     for stale in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(stale, ignore_errors=True)
+        _discard(stale)
     return final
 
 
+def _discard(path: Path) -> None:
+    """Remove a checkpoint directory: renamed to a dot name first, so it is never half a ``step_*``."""
+    aside = path.with_name(f".del-{path.name}-{os.getpid()}")
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove what killed writers left: dot-named temp and discarded directories under
+    ``run_dir/checkpoints`` and dot-named ``*.tmp-<pid>`` files in ``run_dir``. Only for the run's
+    single writer (it holds the run lock)."""
+    root = checkpoint_dir(run_dir)
+    gone = (sorted(root.glob(".*")) if root.is_dir() else []) + sorted(Path(run_dir).glob(".*.tmp-*"))
+    for p in gone:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    return gone
+
+
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete-looking checkpoint directories, oldest first (temp directories excluded)."""
+    """The run's checkpoint directories, oldest first (all complete: see the module docstring)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
@@ -161,43 +201,52 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names, or ``None`` when the run has none."""
-    root = checkpoint_dir(run_dir)
-    pointer = root / _LATEST
-    if not pointer.exists():
-        return None
-    name = pointer.read_text().strip()
-    path = root / name
-    if not name.startswith("step_") or not path.is_dir():
-        raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory under {root}")
-    return path
+    """The newest checkpoint of the run, or ``None`` when it has none."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupted: not valid JSON ({e})") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an {FORMAT} {what}")
+    if doc.get("version") != VERSION:
+        raise CheckpointError(f"{path} has format version {doc.get('version')}, this ovqflex reads {VERSION}")
+    return doc
 
 
 def read_state(path: str | os.PathLike) -> dict:
-    """``state.json`` of checkpoint ``path``, validated (format, version, file sizes and hashes)."""
+    """``state.json`` of checkpoint ``path``, after every file was checked against the manifest."""
     path = Path(path)
-    state_file = path / _STATE
-    if not state_file.exists():
-        raise CheckpointError(f"checkpoint {path} has no {_STATE} (incomplete or not a checkpoint)")
-    try:
-        doc = json.loads(state_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {state_file} is corrupted: not valid JSON ({e})") from e
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CheckpointError(f"{state_file} is not an {FORMAT} state file")
-    if doc.get("version") != VERSION:
-        raise CheckpointError(f"{state_file} has version {doc.get('version')}, this ovqflex reads {VERSION}")
-    for name, meta in doc["files"].items():
+    manifest = path / MANIFEST_FILE
+    if not manifest.exists():
+        try:
+            old = json.loads((path / STATE_FILE).read_text()).get("version") == 1
+        except (OSError, ValueError, AttributeError):
+            old = False
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST_FILE}: " + (
+            "written by an older ovqflex (checkpoint format 1, whose state.json is not checksummed); "
+            "evaluate or resume it with that version" if old else "incomplete or not a checkpoint"))
+    files = _read_json(manifest, "manifest").get("files")
+    if (not isinstance(files, dict) or set(files) != {MODEL_FILE, OPTIMIZER_FILE, STATE_FILE}
+            or not all(isinstance(m, dict) and {"bytes", "sha256"} <= set(m) for m in files.values())):
+        raise CheckpointError(f"{manifest} must give bytes and sha256 of {MODEL_FILE}, {OPTIMIZER_FILE} and "
+                              f"{STATE_FILE}, got {files!r}")
+    for name, meta in files.items():
         f = path / name
         if not f.exists():
             raise CheckpointError(f"checkpoint file {f} is missing")
         size = f.stat().st_size
         if size != meta["bytes"]:
             raise CheckpointError(f"checkpoint file {f} is truncated or changed: {size} bytes, "
-                                  f"expected {meta['bytes']}")
+                                  f"expected {meta['bytes']} ({MANIFEST_FILE})")
         if _sha256(f) != meta["sha256"]:
-            raise CheckpointError(f"checkpoint file {f} is corrupted: SHA-256 does not match {_STATE}")
-    return doc
+            raise CheckpointError(f"checkpoint file {f} is corrupted or was edited: SHA-256 does not match "
+                                  f"{MANIFEST_FILE}")
+    return _read_json(path / STATE_FILE, "state file")
 
 
 def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> Checkpoint:
@@ -205,9 +254,33 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     path = Path(path)
     doc = read_state(path)
     try:
-        model = load_file(str(path / _MODEL), device=str(map_location))
-        opt_tensors = load_file(str(path / _OPTIM), device=str(map_location))
+        model = load_file(str(path / MODEL_FILE), device=str(map_location))
+        opt_tensors = load_file(str(path / OPTIMIZER_FILE), device=str(map_location))
     except Exception as e:  # safetensors raises its own error types on bad headers
         raise CheckpointError(f"checkpoint {path} could not be read: {e}") from e
     optimizer = _optimizer_join(opt_tensors, doc.pop("optimizer"))
     return Checkpoint(path=path, step=int(doc["step"]), model=model, optimizer=optimizer, state=doc)
+
+
+def load_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """``module.load_state_dict(tensors)``, refusing (naming the file ``path`` and the tensors) a
+    missing, unexpected or differently shaped tensor instead of torch's traceback."""
+    expected = module.state_dict()
+    problems = [f"{k}: missing" for k in expected if k not in tensors]
+    problems += [f"{k}: not in the model" for k in tensors if k not in expected]
+    problems += [f"{k}: shape {list(tensors[k].shape)}, the model has {list(v.shape)}"
+                 for k, v in expected.items() if k in tensors and tensors[k].shape != v.shape]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(f"checkpoint file {path} does not fit the model: {'; '.join(problems[:5])}{more}")
+    module.load_state_dict(tensors)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> None:
+    """``optimizer.load_state_dict`` of checkpoint ``ckpt``'s optimizer state, a misfit refused
+    with the file named."""
+    try:
+        optimizer.load_state_dict(ckpt.optimizer)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint file {ckpt.path / OPTIMIZER_FILE} does not fit the optimizer: "
+                              f"{e}") from None

@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from recurrences.checks import check_int
+from recurrences.checks import check_int, from_dict
+
+from ..models.config import check_preset
 
 DTYPES = ("auto", "fp32", "bf16")
 
@@ -39,6 +41,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        check_preset(self.preset)  # first: an unknown preset, not the task sizes it would have set
         for name in ("steps", "seq_len", "batch_size", "log_every"):
             check_int(name, getattr(self, name))
         for name in ("warmup", "ckpt_every", "keep_checkpoints", "seed"):
@@ -56,6 +59,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+    def from_dict(cls, d: dict, what: str = "train config") -> "TrainConfig":
+        """The config of ``d`` (e.g. a checkpoint's ``train_config``); unknown keys, missing keys and
+        wrong types are refused by name (``what`` says where ``d`` comes from)."""
+        return from_dict(cls, d, what)

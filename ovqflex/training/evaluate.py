@@ -18,8 +18,7 @@ import torch
 
 from ..tasks import IGNORE, make_batch
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from .config import TrainConfig
-from .setup import build_model, build_task, resolve_device
+from .setup import build_task, model_from_checkpoint, resolve_device, train_config_of
 from .trainer import forward_loss
 
 EVAL_SEED_OFFSET = 1_000_003  # eval examples: seed + offset, so never a training example
@@ -36,7 +35,8 @@ class EvalRow:
 
 
 def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None, device: str = "auto"):
-    """(TrainConfig, task, model in eval mode, checkpoint step) of a trained run."""
+    """(TrainConfig, task, model in eval mode, checkpoint step) of a trained run; the model is
+    rebuilt from the checkpoint's model_config, checked against its train_config."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
@@ -45,10 +45,9 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
         raise CheckpointError(f"{run_dir} has no checkpoint (train it first: ovqflex train --out {run_dir})")
     dev = resolve_device(device)
     ckpt = load_checkpoint(path, map_location=dev)
-    cfg = TrainConfig.from_dict(ckpt.state["train_config"])
+    cfg = train_config_of(ckpt)
     task = build_task(cfg)
-    model = build_model(cfg, task).to(dev)
-    model.load_state_dict(ckpt.model)
+    model = model_from_checkpoint(ckpt, cfg, task).to(dev)
     model.eval()
     return cfg, task, model, ckpt.step
 

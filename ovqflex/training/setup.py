@@ -1,10 +1,14 @@
-"""Build what a run needs from its :class:`TrainConfig`: device, task, model, optimizer."""
+"""Build what a run needs from its :class:`TrainConfig`: device, task, model, optimizer; and
+rebuild them from a checkpoint, checked against each other."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..models import HybridConfig, HybridLM, preset
 from ..tasks import Task, make_task
+from .checkpoint import MODEL_FILE, STATE_FILE, Checkpoint, CheckpointError, load_tensors
 from .config import TrainConfig
 
 #: Task sizes per model preset, under the user's ``task_options``. ``tiny`` shrinks the
@@ -73,6 +77,34 @@ def model_config(cfg: TrainConfig, task: Task) -> HybridConfig:
 
 def build_model(cfg: TrainConfig, task: Task) -> HybridLM:
     return HybridLM(model_config(cfg, task))
+
+
+def train_config_of(ckpt: Checkpoint) -> TrainConfig:
+    """The :class:`TrainConfig` saved in checkpoint ``ckpt`` (refused by name when invalid)."""
+    try:
+        return TrainConfig.from_dict(ckpt.state.get("train_config"), "train_config")
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint file {ckpt.path / STATE_FILE}: invalid train_config ({e})") from None
+
+
+def model_from_checkpoint(ckpt: Checkpoint, cfg: TrainConfig, task: Task) -> HybridLM:
+    """The model of checkpoint ``ckpt``: rebuilt from its saved ``model_config``, which must equal
+    the config ``cfg`` builds now for ``task`` (an edited file, or a preset or default that changed
+    since, is named field by field), with its tensors loaded (shapes checked, file named)."""
+    state_file = ckpt.path / STATE_FILE
+    try:
+        saved = HybridConfig.from_dict(ckpt.state.get("model_config"), "model_config")
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint file {state_file}: invalid model_config ({e})") from None
+    expected = model_config(cfg, task)
+    diffs = [f"{f.name}: {getattr(saved, f.name)!r} saved, {getattr(expected, f.name)!r} from train_config"
+             for f in dataclasses.fields(HybridConfig) if getattr(saved, f.name) != getattr(expected, f.name)]
+    if diffs:
+        raise CheckpointError(f"checkpoint file {state_file}: model_config differs from the model its train_config "
+                              f"builds ({'; '.join(diffs)}); edited, or a preset changed since it was saved?")
+    model = HybridLM(saved)
+    load_tensors(model, ckpt.model, ckpt.path / MODEL_FILE)
+    return model
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

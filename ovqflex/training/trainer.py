@@ -5,6 +5,10 @@ compiled model forward (bf16 autocast where supported) ─▶ cross-entropy summ
 target tokens / global target count ─▶ backward ─▶ gradient all-reduce (torchrun) ─▶
 clip ─▶ AdamW at the scheduled lr. Metrics go to ``DIR/metrics.jsonl`` every
 ``log_every`` steps; checkpoints every ``ckpt_every`` steps and at the end.
+
+The run directory has one writer: rank 0 holds ``DIR/run.lock`` (:mod:`.lock`) from before it
+reads the directory until it returns; a second ``train`` on the same directory is refused
+with the holder named.
 """
 from __future__ import annotations
 
@@ -20,11 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from ..tasks import IGNORE, make_batch
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_optimizer, remove_leftovers,
+                         save_checkpoint, set_rng_state)
 from .config import TrainConfig
 from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, shutdown
+from .lock import RunLock
 from .schedule import lr_at
-from .setup import autocast_dtype, build_model, build_optimizer, build_task, resolve_device
+from .setup import (autocast_dtype, build_model, build_optimizer, build_task, model_from_checkpoint, resolve_device,
+                    train_config_of)
 
 CONFIG_FILE, METRICS_FILE = "config.json", "metrics.jsonl"
 # fault injection for the resume tests: SIGKILL this process right after that step
@@ -75,7 +82,8 @@ def _check_resumable(cfg: TrainConfig, saved: dict, path: Path) -> None:
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop metric lines past the resumed checkpoint (written by the run that died)."""
+    """Drop metric lines past the checkpoint the run starts from (``0``: a fresh start), written
+    by a run that died."""
     if not path.exists():
         return
     keep = []
@@ -101,12 +109,41 @@ def _progress(cfg: TrainConfig, info: DistInfo, start: int):
 def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathLike | None = None) -> TrainResult:
     """Train per ``cfg`` into ``cfg.out``. ``resume``: continue from the run's latest checkpoint;
     ``resume_from``: from that checkpoint directory. A fresh run refuses a directory that
-    already holds checkpoints (nothing is overwritten)."""
+    already holds checkpoints (nothing is overwritten), and any run a directory another
+    ``train`` is writing (the run lock)."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file, not a run directory: choose another --out")
     info = init_distributed("cuda" if resolve_device(cfg.device).type == "cuda" else "cpu")
+    lock, created = RunLock(out), not out.exists()
     try:
+        _lock_on_rank0(lock, out, info, resolve_device(cfg.device, info.local_rank))
         return _train(cfg, info, resume, resume_from)
     finally:
+        lock.release()
+        if info.is_main and created and out.is_dir() and not any(out.iterdir()):
+            try:  # refused before writing anything: leave no empty run directory behind
+                out.rmdir()
+            except OSError:  # another process just began to use it
+                pass
         shutdown(info)
+
+
+def _lock_on_rank0(lock: RunLock, out: Path, info: DistInfo, device: torch.device) -> None:
+    """Rank 0 (the writer) takes the run lock; every rank learns whether it did, so all stop together."""
+    error = None
+    if info.is_main:
+        try:
+            lock.acquire()
+        except ValueError as e:
+            error = e
+    if info.enabled:
+        failed = torch.tensor([float(error is not None)], device=device)
+        all_reduce_sum_([failed], info)
+        if failed.item() and error is None:
+            raise ValueError(f"rank 0 could not lock the run directory {out}")
+    if error is not None:
+        raise error
 
 
 def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> TrainResult:
@@ -117,32 +154,33 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> Train
     local_bs = cfg.batch_size // info.world_size
     _set_determinism(cfg, device)
     task = build_task(cfg)
-    model = build_model(cfg, task).to(device)
-    optimizer = build_optimizer(model, cfg)
 
     ckpt_path = Path(resume_from) if resume_from else (latest_checkpoint(out) if resume else None)
     if resume and ckpt_path is None:
         raise CheckpointError(f"--resume: {out} has no checkpoint to resume from")
     if ckpt_path is None and latest_checkpoint(out) is not None:
-        raise ValueError(f"{out} already holds a run (checkpoints/latest); pass --resume to continue it "
+        raise ValueError(f"{out} already holds a run ({latest_checkpoint(out)}); pass --resume to continue it "
                          f"or choose another --out")
+    ckpt = None if ckpt_path is None else load_checkpoint(ckpt_path, map_location=device)
+    if ckpt is not None:
+        _check_resumable(cfg, {**train_config_of(ckpt).to_dict(), "_step": ckpt.step}, ckpt_path)
+    model = (build_model(cfg, task) if ckpt is None else model_from_checkpoint(ckpt, cfg, task)).to(device)
+    optimizer = build_optimizer(model, cfg)
     start = 0
-    if ckpt_path is not None:
-        ckpt = load_checkpoint(ckpt_path, map_location=device)
-        _check_resumable(cfg, {**ckpt.state["train_config"], "_step": ckpt.step}, ckpt_path)
-        model.load_state_dict(ckpt.model)
-        optimizer.load_state_dict(ckpt.optimizer)
+    if ckpt is not None:
+        load_optimizer(optimizer, ckpt)
         set_rng_state(ckpt.state["rng"])
         start = ckpt.step
-        if info.is_main:
-            _truncate_metrics(out / METRICS_FILE, start)
     if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out)  # of writers that were killed (we hold the run lock)
+        _truncate_metrics(out / METRICS_FILE, start)
         doc = {"train_config": cfg.to_dict(), "model_config": model.config.to_dict(),
                "task": task.describe(), "parameters": model.num_parameters()}
         tmp = out / f".{CONFIG_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, out / CONFIG_FILE)
+        print(f"training {out} from step {start}" + (f", resumed from {ckpt_path}" if ckpt else ""),
+              file=sys.stderr, flush=True)
     barrier(info)
 
     fwd = torch.compile(model) if cfg.compile else model

@@ -78,12 +78,23 @@ def test_readme_generate_flags_exist():
     (["train", "--task-opt", "keylen"], "--task-opt: override must look like NAME=VALUE"),
     (["train", "--task-opt", "colour=3"], "colour"),
     (["eval", "/no/such/run"], "does not exist"),
-], ids=["task", "seq-len", "too-short", "text-no-data", "text-missing", "pattern", "opt-form", "opt-name", "eval"])
+    (["train", "--preset", "huge", "--seq-len", "64"],
+     "preset must be one of \\['paper-icr', 'small', 'tiny'\\], got 'huge'"),
+    (["train", "--model-opt", "n_head=4"], "unknown key 'n_head' \\(did you mean 'n_heads'\\?\\)"),
+], ids=["task", "seq-len", "too-short", "text-no-data", "text-missing", "pattern", "opt-form", "opt-name", "eval",
+        "preset", "model-opt-name"])
 def test_bad_train_and_eval_arguments(tmp_path, capsys, argv, match):
     if argv[0] == "train":
         argv = [*argv, "--out", str(tmp_path / "run"), "--no-progress"]
     assert main(argv) == 2
     assert re.search(re.escape(match) if "/" in match else match, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()  # a refused run leaves no directory behind
+
+
+def test_train_out_must_not_be_a_file(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["train", "--out", str(tmp_path / "file"), "--no-progress"]) == 2
+    assert f"out='{tmp_path / 'file'}' is a file, not a run directory" in capsys.readouterr().err
 
 
 def test_bad_lengths_are_an_argparse_error(capsys):

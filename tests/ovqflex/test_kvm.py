@@ -227,7 +227,8 @@ def test_layer_compiles_without_graph_break_or_recompile():
     (dict(rope_dims=3), "rope_dims"), (dict(budget="exp"), "budget"), (dict(max_state_chunks=0), "max_state_chunks"),
     (dict(ln_s_weight=torch.ones(3)), "ln_s_weight"), (dict(tau_state=torch.ones(5)), "tau_state"),
     (dict(gate=torch.ones(1, 2, 7)), "gate"),
-], ids=["chunk", "nb", "sinks", "rope", "budget", "cap", "ln", "tau", "gate"])
+    (dict(block_size=0), "block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got 0"),
+], ids=["chunk", "nb", "sinks", "rope", "budget", "cap", "ln", "tau", "gate", "block-0"])
 def test_bad_arguments(change, match):
     q, k, v, params, _ = inputs(1, 2, 16, 40, seed=0, requires_grad=False)
     args = dict(chunk_size=16) | params | change

@@ -114,10 +114,35 @@ def test_layer_beta_init_and_max_centroids_override():
 @pytest.mark.parametrize("kw, match", [
     (dict(beta=torch.ones(3)), "beta"), (dict(chunk_size=20), "chunk_size"), (dict(max_centroids=0), "max_centroids"),
     (dict(growth="exp"), "growth"), (dict(seeding="kmeans++"), "seeding"), (dict(growth_horizon=0), "growth_horizon"),
-], ids=["beta", "chunk", "N0", "growth", "seeding", "horizon"])
+    (dict(block_size=0), "block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got 0"),
+], ids=["beta", "chunk", "N0", "growth", "seeding", "horizon", "block-0"])
 def test_bad_arguments(kw, match):
     q, k, v, beta = inputs(1, 2, 16, 40, seed=0, requires_grad=False)
     args = dict(max_centroids=8) | kw
     beta = args.pop("beta", beta)
     with pytest.raises((ValueError, TypeError), match=match):
         ovqflex.ovq_attention(q, k, v, beta, **args)
+
+
+@pytest.mark.parametrize("which", ["v", "k"])
+@pytest.mark.parametrize("layout", ["snapshot", "versioned"])
+@pytest.mark.parametrize("backend", ["dense", "blocked"])
+def test_a_nan_token_leaves_every_earlier_output_unchanged(backend, layout, which):
+    """The non-finite rule of ``ovqflex.attention`` through OVQ's state: a NaN in v (or k) at
+    t=200 (mid chunk 6) enters only its own slot from chunk 7 on, so every output before t is
+    bit-identical to the clean run's; with a NaN value every query from t on reads it (its chunk
+    causally, later chunks through the slot) and is NaN. Versioned with a checkpoint every 4
+    chunks: chunks 5 and 6 read version rows of chunk 4 and 5 tokens, whose sums share one
+    cumulative sum (across slots) with the NaN token."""
+    T, t = 256, 200
+    q, k, v, beta = inputs(1, 2, 16, T, seed=5, requires_grad=False)
+    kw = dict(chunk_size=32, max_centroids=16, backend=backend, state_layout=layout, block_size=32,
+              checkpoint_every=4)
+    bad = {"k": k.clone(), "v": v.clone()}
+    bad[which][:, :, t] = float("nan")
+    clean = ovqflex.ovq_attention(q, k, v, beta, **kw)
+    out = ovqflex.ovq_attention(q, bad["k"], bad["v"], beta, **kw)
+    assert torch.equal(out[:, :, :t], clean[:, :, :t])
+    assert out[:, :, t].isnan().all()
+    if which == "v":
+        assert out[:, :, t:].isnan().all()

@@ -205,7 +205,8 @@ def test_hybrid_model_adds_vq_aux_loss():
     (dict(codebook=torch.randn(3, 4, 16)), "codebook"), (dict(codebook=torch.randn(2, 4, 8)), "codebook"),
     (dict(beta=torch.ones(3)), "beta"), (dict(chunk_size=20), "chunk_size"), (dict(estimator="gumbel"), "estimator"),
     (dict(local_bias=torch.ones(1)), "local_bias"), (dict(code_bias=torch.ones(2, 3)), "code_bias"),
-], ids=["codebook-H", "codebook-D", "beta", "chunk", "estimator", "local_bias", "code_bias"])
+    (dict(block_size=0), "block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got 0"),
+], ids=["codebook-H", "codebook-D", "beta", "chunk", "estimator", "local_bias", "code_bias", "block-0"])
 def test_bad_arguments(kw, match):
     q, k, v, cb, beta, _ = inputs(1, 2, 16, 40, 4, seed=0, requires_grad=False)
     args = dict(codebook=cb, beta=beta) | kw

@@ -33,6 +33,8 @@ LAYERS = {
         qk_conv=2, backend="dense"),
     "ovq-linear": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=30, growth="linear",
                                                growth_horizon=64, backend="dense"),
+    # a cap far above any context: the decode cache grows with the dictionary (see the test below)
+    "ovq-huge-cap": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=10**9, backend="dense"),
     "kvm-fixed": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, backend="dense"),
     "kvm-powerlaw-uncapped-conv": lambda: ovqflex.KVMAttention(
         HIDDEN, HEADS, chunk_size=16, budget="power_law", growth_factor=4.0, max_state_chunks=None, qk_conv=3,
@@ -169,8 +171,23 @@ def test_generate_restores_training_mode():
     assert model.training
 
 
+def test_ovq_cache_with_a_huge_cap_allocates_what_the_tokens_can_fill():
+    """max_centroids 10**9 (128 GB if allocated at the cap): the dictionary holds at most one row
+    per token seen, so the cache allocates by need (doubling) and stays small."""
+    layer = LAYERS["ovq-huge-cap"]().eval()
+    x = torch.randn(1, 200, HIDDEN)
+    with torch.no_grad():
+        _, cache = layer(x[:, :40], use_cache=True)
+        assert cache.max_centroids == 10**9 and cache.rows <= 40
+        for i in range(40, 200):
+            _, cache = layer(x[:, i:i + 1], cache=cache)
+            assert cache.rows <= 2 * (i + 1), f"{cache.rows} rows allocated after {i + 1} tokens"
+    n_rows = int((cache.counts > 0).sum(-1).max())
+    assert 150 <= n_rows <= cache.rows <= 2 * 200 and cache.nbytes() < 200_000
+
+
 def test_ovq_cache_stops_growing_over_20000_decoded_tokens():
-    """max_centroids 256: the dictionary is allocated once at its bound; the raw-token
+    """max_centroids 256: the dictionary grows to its bound and no further; the raw-token
     buffer never reaches a chunk. The bound is computed here from the documented formula."""
     B, H, D, C, N = 1, 1, 16, 32, 256
     layer = ovqflex.OVQAttention(H * D, H, chunk_size=C, max_centroids=N, backend="dense").eval()

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import ovqflex
 from ovqflex.layers import OVQAttention, SlidingWindowAttention
 from ovqflex.layers.heads import MultiHeadProjection
 
@@ -14,6 +15,15 @@ def test_split_heads_shapes_and_size_check():
         m.split_heads(torch.randn(2, 7, 16))
     with pytest.raises(ValueError, match="qk_conv must be >= 0"):
         MultiHeadProjection(32, 4, None, "blocked", qk_conv=-1)
+
+
+@pytest.mark.parametrize("layer", ["OVQAttention", "KVMAttention", "VQAttention", "CausalAttention",
+                                   "LinearAttention"])
+def test_hidden_size_must_divide_into_heads(layer):
+    """head_dim None: the heads must cover the hidden size exactly (30 = 4 x 7 + 2 would drop 2 dims)."""
+    with pytest.raises(ValueError, match="hidden_size=30 must be divisible by num_heads=4"):
+        getattr(ovqflex, layer)(30, 4)
+    assert getattr(ovqflex, layer)(30, 4, head_dim=8).head_dim == 8  # an explicit head_dim may differ
 
 
 def test_qk_conv_starts_as_identity():
@@ -59,3 +69,35 @@ def test_layers_with_qk_conv_stay_causal(make):
     layer(x)[0, 20].sum().backward()
     assert x.grad[0, 21:].abs().max() == 0 and x.grad[0, :21].abs().max() > 0
     assert layer.qk_conv_weight.grad.abs().max() > 0
+
+
+DTYPE_LAYERS = {
+    "ovq": lambda: ovqflex.OVQAttention(32, 2, chunk_size=16, max_centroids=8, backend="dense"),
+    "kvm": lambda: ovqflex.KVMAttention(32, 2, chunk_size=16, backend="dense"),
+    "causal": lambda: ovqflex.CausalAttention(32, 2, backend="dense"),
+    "linear": lambda: ovqflex.LinearAttention(32, 2),
+    "longvq": lambda: ovqflex.LongVQBlock(32, 2, chunk_size=16, codebook_size=4, backend="dense"),
+}
+
+
+@pytest.mark.parametrize("dtype, match", [
+    (torch.float16, "x must have dtype torch.float32 \\(the layer's parameters\\), got torch.float16"),
+    (torch.int64, "x must be a floating tensor of dtype torch.float32 \\(the layer's parameters\\), got torch.int64"),
+], ids=["fp16", "int64"])
+@pytest.mark.parametrize("name", list(DTYPE_LAYERS))
+def test_input_dtype_must_match_the_parameters(name, dtype, match):
+    """A layer names the dtype it expects (not torch's 'expected m1 and m2 to have the same dtype')."""
+    layer = DTYPE_LAYERS[name]()
+    with pytest.raises(TypeError, match=match):
+        layer(torch.zeros(1, 16, 32).to(dtype))
+
+
+@pytest.mark.parametrize("name", list(DTYPE_LAYERS))
+def test_autocast_takes_any_floating_input_but_not_ints(name):
+    layer = DTYPE_LAYERS[name]()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.randn(1, 16, 32).to(torch.bfloat16))
+        with pytest.raises(TypeError, match="x must be a floating tensor of dtype torch.float32"):
+            layer(torch.zeros(1, 16, 32, dtype=torch.int64))
+    y = y[0] if isinstance(y, tuple) else y
+    assert y.shape == (1, 16, 32) and torch.isfinite(y.float()).all()

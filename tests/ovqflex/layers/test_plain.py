@@ -86,8 +86,10 @@ def test_compiled_training_step_blocked():
         (lambda: ovqflex.CausalAttention(32, 0), "num_heads"),
         (lambda: ovqflex.CausalAttention(32, 2, backend="fast"), "backend"),
         (lambda: ovqflex.CausalAttention(30, 2, head_dim=15, rope=True), "even"),
+        (lambda: ovqflex.SlidingWindowAttention(32, 2, window=None), "needs window=N .*use CausalAttention"),
+        (lambda: ovqflex.CausalAttention(32, 2, block_size=0), "block_size must be a power of two >= 16"),
     ],
-    ids=["window-0", "chunk-100", "heads-0", "backend", "odd-rope"],
+    ids=["window-0", "chunk-100", "heads-0", "backend", "odd-rope", "no-window", "block-0"],
 )
 def test_bad_layer_arguments(make, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -41,7 +41,7 @@ def test_bad_config_values():
         HybridConfig(chunk_size=24)
     with pytest.raises(ValueError, match="preset must be one of"):
         preset("huge")
-    with pytest.raises(ValueError, match="unknown HybridConfig fields \\['colour'\\]"):
+    with pytest.raises(ValueError, match="model config: unknown key 'colour'; known keys: backend, "):
         HybridConfig.from_dict({"colour": "red"})
 
 
@@ -61,6 +61,18 @@ def test_a_block_size_flex_cannot_tile_is_refused_by_name(block):
     q = torch.randn(1, 1, 20, 16)
     with pytest.raises(ValueError, match=match):
         ovqflex.sliding_window_attention(q, q, q, window=4, block_size=block)
+
+
+@pytest.mark.parametrize("d, error, match", [
+    ({"n_head": 4}, ValueError, "model config: unknown key 'n_head' \\(did you mean 'n_heads'\\?\\)"),
+    ({"d_model": "128"}, TypeError, "model config: d_model must be int, got str '128'"),
+    ({"head_dim": 1.5}, TypeError, "head_dim must be int \\| None, got float"),
+], ids=["misspelt", "type", "optional"])
+def test_config_dicts_are_checked_by_name(d, error, match):
+    with pytest.raises(error, match=match):
+        HybridConfig.from_dict(d)
+    with pytest.raises(error, match=match.replace("model config", "model config \\(preset 'tiny'\\)")):
+        preset("tiny", **d)
 
 
 def test_presets_build_and_roundtrip():

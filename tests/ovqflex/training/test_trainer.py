@@ -1,14 +1,18 @@
 """Training loop: metrics and checkpoints, exact resume after a kill, refusals, eval report."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ovqflex.training import CheckpointError, TrainConfig, evaluate, latest_checkpoint, load_checkpoint, train
+from ovqflex.training import (CheckpointError, TrainConfig, evaluate, latest_checkpoint, load_checkpoint,
+                              save_checkpoint, train)
+from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
 from ovqflex.training.trainer import FAULT_KILL_ENV
 
 # a model small enough that a step takes milliseconds: the loop is under test, not learning
@@ -94,7 +98,7 @@ def test_killed_run_resumes_to_the_same_final_loss(tmp_path):
 def test_fresh_run_refuses_a_used_directory_and_resume_needs_a_checkpoint(tmp_path):
     c = cfg(tmp_path, steps=2)
     train(c)
-    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+    with pytest.raises(ValueError, match="already holds a run .*step_00000002.*--resume"):
         train(c)
     with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
         train(cfg(tmp_path / "empty"), resume=True)
@@ -160,6 +164,99 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), (ra, rb)
+
+
+def test_a_second_writer_is_refused_and_the_lock_released(tmp_path):
+    """Two trains on one --out: the second is refused with the holder named (here: this process,
+    through another open of the lock file), nothing of it is written; the lock goes with its run."""
+    c = cfg(tmp_path, steps=2)
+    with RunLock(c.out):
+        with pytest.raises(RunLockError, match=f"in use by another writer: pid {os.getpid()} on host"):
+            train(c)
+        assert not (Path(c.out) / "metrics.jsonl").exists() and latest_checkpoint(c.out) is None
+    train(c)
+    assert not (Path(c.out) / LOCK_FILE).exists()
+
+
+def test_a_fresh_start_after_a_crash_before_any_checkpoint_replaces_its_metrics(tmp_path):
+    """A run killed before its first checkpoint left metric lines and no checkpoint (and a stale lock
+    file): the next fresh run takes the lock over and its metrics are its own, not appended."""
+    c = cfg(tmp_path, steps=3)
+    run = Path(c.out)
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')
+    (run / LOCK_FILE).write_text('{"pid": 999999, "host": "gone", "started": "earlier"}')
+    train(c)
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3] and metrics(run)[0]["loss"] != 9.0
+
+
+def _resave(c: TrainConfig, edit) -> Path:
+    """Rewrite the run's latest checkpoint through save_checkpoint (so its manifest is valid) after
+    ``edit(state, tensors)``: what a bug, or a changed preset, not a damaged file, would give."""
+    ckpt = load_checkpoint(latest_checkpoint(c.out))
+    tensors = dict(ckpt.model)
+    edit(ckpt.state, tensors)
+    as_saved = SimpleNamespace(state_dict=lambda: tensors), SimpleNamespace(state_dict=lambda: ckpt.optimizer)
+    return save_checkpoint(c.out, ckpt.step, *as_saved, ckpt.state)
+
+
+def _set(section, key, value):
+    return lambda state, tensors: state[section].__setitem__(key, value)
+
+
+def _widen(state, tensors):
+    tensors["embed.weight"] = torch.zeros(tensors["embed.weight"].shape[0], 48)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_set("model_config", "n_heads", -3), "state.json: invalid model_config \\(n_heads must be >= 1, got -3\\)"),
+    (_set("model_config", "d_model", 48), "state.json: model_config differs from the model its train_config builds "
+                                          "\\(d_model: 48 saved, 32 from train_config\\)"),
+    (_set("model_config", "colour", 1), "state.json: invalid model_config \\(model_config: unknown key 'colour'"),
+    (_set("train_config", "seq_lenn", 64), "state.json: invalid train_config \\(train_config: unknown key "
+                                           "'seq_lenn' \\(did you mean 'seq_len'\\?\\)"),
+    (_widen, "model.safetensors does not fit the model: embed.weight: shape \\[64, 48\\], the model has \\[64, 32\\]"),
+], ids=["n_heads", "d_model", "unknown-key", "train-key", "tensor-shape"])
+def test_eval_and_resume_refuse_a_checkpoint_that_does_not_fit_its_configs(tmp_path, edit, match):
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    _resave(c, edit)
+    with pytest.raises(CheckpointError, match=match):
+        evaluate(c.out, [64], n_examples=1)
+    with pytest.raises(CheckpointError, match=match):
+        train(TrainConfig(**{**c.to_dict(), "steps": 4}), resume=True)
+
+
+def test_a_hand_edited_state_json_is_refused_by_eval(tmp_path, capsys):
+    """state.json is under the manifest's checksum: an edited model_config is not silently ignored."""
+    from ovqflex.cli import main
+
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    state = latest_checkpoint(c.out) / "state.json"
+    state.write_text(state.read_text().replace('"n_heads": 2', '"n_heads": -3'))
+    assert main(["eval", c.out, "--lengths", "64", "--examples", "1"]) == 2
+    assert re.search("state.json is truncated or changed: .* bytes, expected .* \\(manifest.json\\)",
+                     capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_two_cli_trains_on_one_directory_do_not_mix(tmp_path):
+    """The issue's probe: two `ovqflex train --seed 0/1` on one --out at once. One trains; the other
+    is refused (the run lock, or, if it starts after the first finished, the used directory) and
+    writes nothing: config.json, metrics and checkpoints are all the winner's."""
+    run = tmp_path / "conc"
+    common = ["train", "--out", str(run), "--steps", "20", "--seq-len", "64", "--batch-size", "4", "--ckpt-every",
+              "5", "--no-compile", "--no-progress", "--log-every", "1", *CLI_MODEL]
+    procs = [subprocess.Popen([sys.executable, "-m", "ovqflex.cli", *common, "--seed", str(s)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for s in (0, 1)]
+    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    winner = next(s for s, (rc, _) in enumerate(results) if rc == 0)
+    assert re.search("in use by another writer: pid [0-9]+ on host|already holds a run", results[1 - winner][1])
+    assert json.loads((run / "config.json").read_text())["train_config"]["seed"] == winner
+    assert load_checkpoint(latest_checkpoint(run)).state["train_config"]["seed"] == winner
+    assert [r["step"] for r in metrics(run)] == list(range(1, 21))
 
 
 @pytest.mark.parametrize("lengths, message", [

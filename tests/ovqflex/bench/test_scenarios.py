@@ -1,0 +1,55 @@
+"""Bench profiles: every scenario table is checked against its kind's schema before anything runs."""
+import re
+from pathlib import Path
+
+import pytest
+
+from ovqflex.bench.runner import load_profile
+from ovqflex.bench.scenarios import KINDS, Scenario
+from ovqflex.cli import main
+
+PROFILES = sorted((Path(__file__).parents[3] / "profiles").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=[p.stem for p in PROFILES])
+def test_shipped_profiles_parse(path):
+    prof = load_profile(path)
+    assert all(isinstance(sc, KINDS[sc.kind][0]) for sc in prof["scenario"])
+
+
+def test_every_kind_has_a_schema():
+    assert {"blockmask", "ovq", "kvm", "vq", "train", "viz", "recurrent", "state_layout", "decode",
+            "quantized"} <= set(KINDS)
+    assert all(issubclass(schema, Scenario) and callable(fn) for schema, fn in KINDS.values())
+
+
+OVQ = 'name = "p"\n[[scenario]]\nname = "s"\nkind = "ovq"\n'
+DECODE = ('[[scenario]]\nname = "d"\nkind = "decode"\nseq_lens = [64]\n'
+          '[[scenario.cases]]\nname = "ovq"\nkind = "ovq"\nchunk_size = 16\n')
+
+
+@pytest.mark.parametrize("text, match", [
+    (OVQ + "seq_len = [64]\nmax_centroids = 8\n",
+     r"scenario 0 \('s'\) of '.*' \(kind 'ovq'\): unknown key 'seq_len' \(did you mean 'seq_lens'\?\)"),
+    (OVQ + "seq_lens = [64]\nmax_centriods = 8\n", r"unknown key 'max_centriods' \(did you mean 'max_centroids'\?\)"),
+    (OVQ + "seq_lens = [64]\nmax_centroids = 8\ncolour = 1\n", r"unknown key 'colour'; known keys: chunk_size, "),
+    (OVQ + "seq_lens = [64]\n", r"\(kind 'ovq'\): missing key 'max_centroids'"),
+    (OVQ + "seq_lens = 64\nmax_centroids = 8\n", r"seq_lens must be list\[int\], got int 64"),
+    (OVQ + "seq_lens = [64]\nmax_centroids = 8.5\n", r"max_centroids must be int, got float 8.5"),
+    ('descripton = "x"\n' + OVQ + "seq_lens = [64]\nmax_centroids = 8\n",
+     r"unknown key 'descripton' \(did you mean 'description'\?\)"),
+    (DECODE + "max_centriods = 8\n", r"case 0 \(a OVQAttention\): unknown key 'max_centriods' "
+                                     r"\(did you mean 'max_centroids'\?\)"),
+    (DECODE.replace('kind = "ovq"\nchunk', 'kind = "lstm"\nchunk'), r"case 0: kind must be one of"),
+    ('[[scenario]]\nkind = "kvm"\nseq_lens = [64]\nbudget = "power_law"\ngrowth_factr = 4.0\n',
+     r"unknown key 'growth_factr' \(did you mean 'growth_factor'\?\)"),
+], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
+        "decode-kind", "kvm-budget"])
+def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
+    prof = tmp_path / "bad.toml"
+    prof.write_text(text)
+    with pytest.raises((ValueError, TypeError), match=match):
+        load_profile(prof)
+    assert main(["bench", str(prof), "--out", str(tmp_path / "out")]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()  # refused before anything ran
