@@ -1,4 +1,4 @@
-"""Analytic block-sparse structure of a program (SPEC §3.2).
+"""Analytic block-sparse structure of a program (docs/design.md §3.2).
 
 The block lists are derived from the regions' interval bounds evaluated at the
 first and last query of each query block — never from a dense evaluation of the

@@ -1,4 +1,4 @@
-"""The ``AttentionProgram``: everything one attention call needs (SPEC §3).
+"""The ``AttentionProgram``: everything one attention call needs (docs/design.md §3).
 
 A program bundles the padded queries ``q [B, H, Qp, D]``, the kv sequence
 ``k, v [B, H, S + Tp, D]`` laid out as ``[state rows ; token rows]``, the regions

@@ -7,11 +7,11 @@ Every region is an *interval* of kv rows per query: query ``i`` sees the kv rows
 some query sees lie in ``[lo(qs), hi(qe-1))`` and the rows every query sees are
 ``[lo(qe-1), hi(qs))``.
 
-The kv sequence of a program is ``[S state rows ; token rows]`` (SPEC §3.1);
+The kv sequence of a program is ``[S state rows ; token rows]`` (docs/design.md §3.1);
 token ``j`` lives at kv row ``S + j``. Regions keep their Python parameters (for
 the static block structure) and receive them again as small int32 tensors at
 trace time (``bounds(p, q_idx)``), so a new window size or state size does not
-recompile a FlexAttention graph (SPEC §3.3: Python ints in closures are guards).
+recompile a FlexAttention graph (docs/design.md §3.3: Python ints in closures are guards).
 
 All ``bounds`` functions use tensor ops only; they work on the scalar index
 tensors FlexAttention passes to a ``mask_mod`` and on the broadcast index
@@ -197,7 +197,7 @@ class Sinks(Region):
 
 @dataclass(frozen=True, eq=False)
 class StateBank(Region):
-    """Snapshot state layout (SPEC §5): chunk ``c`` reads state rows
+    """Snapshot state layout (docs/design.md §5): chunk ``c`` reads state rows
     ``[c * rows_per_chunk, c * rows_per_chunk + live[c])``.
 
     ``live``: ``[n_banks]`` int tensor, the live row count of each chunk's

@@ -1,4 +1,4 @@
-"""Score parts (``score_mod``s) of an attention program (SPEC §3.3).
+"""Score parts (``score_mod``s) of an attention program (docs/design.md §3.3).
 
 The only additive score part a program carries is a per-kv-row bias: fp32, no
 gradient, ``log(count)`` for count-weighted state rows, ``-inf`` for empty rows

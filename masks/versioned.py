@@ -1,4 +1,4 @@
-"""Regions of the versioned state layout (SPEC §5 "Versioned"; rows from :mod:`recurrences.versioned`).
+"""Regions of the versioned state layout (docs/design.md §5 "Versioned"; rows from :mod:`recurrences.versioned`).
 
 State rows are ``[checkpoints: n_ckpt x rows ; version rows: one per token position]``.
 Query chunk ``c`` (checkpoint ``k = c // R``) reads

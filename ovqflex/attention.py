@@ -1,4 +1,4 @@
-"""Attention backends: one program, three interchangeable executions (SPEC §3.4).
+"""Attention backends: one program, three interchangeable executions (docs/design.md §3.4).
 
 - ``flex``: ``torch.compile(flex_attention, dynamic=False)``, the product path.
   Trains on CUDA; forward-only on CPU in torch 2.13.

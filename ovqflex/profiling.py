@@ -1,4 +1,4 @@
-"""Stage labels for ``torch.profiler`` (SPEC §8).
+"""Stage labels for ``torch.profiler`` (docs/design.md §8).
 
 ``with stage("routing"): ...`` opens ``torch.profiler.record_function("ovqflex.routing")``.
 Outside a profiler it costs one cheap Python object. Under ``torch.compile`` dynamo
@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import torch
 from torch.profiler import record_function
 
-#: The stages a layer forward is divided into, in data-flow order (SPEC §1).
+#: The stages a layer forward is divided into, in data-flow order (docs/design.md §1).
 STAGES = ("proj", "routing", "state_build", "block_mask", "attention")
 PREFIX = "ovqflex."
 #: What ``ovqflex profile`` runs: forward without grad, and forward + backward.

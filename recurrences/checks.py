@@ -1,4 +1,4 @@
-"""Input validation shared by every package (SPEC §2).
+"""Input validation shared by every package (docs/design.md §2).
 
 Bad input is refused early with a ``ValueError``/``TypeError`` that names the
 argument, its value and what was expected. This module is the lowest layer of

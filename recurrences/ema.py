@@ -1,4 +1,4 @@
-"""Multi-head damped EMA (MEGA, Ma et al. 2022), the SSM of the LongVQ block (SPEC §4.5).
+"""Multi-head damped EMA (MEGA, Ma et al. 2022), the SSM of the LongVQ block (docs/design.md §4.5).
 
 Every channel ``d`` of ``x [B, T, D]`` runs ``n`` damped EMAs ("heads") and mixes them:
 

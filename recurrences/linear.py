@@ -1,6 +1,6 @@
 """Causal linear attention (ELU+1 feature map, normalised read-out), chunk-parallel.
 
-Token form (seed 002 eq. 3; the reference loop is ``recurrences/reference/linear.py``)::
+Token form (VLA paper, arXiv 2605.11196, eq. 3; the reference loop is ``recurrences/reference/linear.py``)::
 
     S_t = S_{t-1} + φ(k_t) v_t^T,   z_t = z_{t-1} + φ(k_t),   o_t = φ(q_t)^T S_t / max(φ(q_t)·z_t, eps)
 
@@ -8,7 +8,7 @@ Chunked form, with no Python loop: split ``T`` into chunks of ``C`` (zero-padded
 end — a zero feature row adds nothing, and padding only follows the real tokens); the
 state each chunk starts from is an exclusive cumulative sum over chunks of ``φ(K_c)^T V_c``,
 and inside a chunk ``tril(φ(Q_c) φ(K_c)^T)`` is the causal part. Memory
-``O(T/C · Dk · Dv)`` per head. An initial state ``(S_0, z_0)`` (a decode cache's, SPEC §6)
+``O(T/C · Dk · Dv)`` per head. An initial state ``(S_0, z_0)`` (a decode cache's, docs/design.md §6)
 is added to every chunk's starting state, so a continuation equals one pass over the
 concatenated sequence. Also the helpers the other recurrences share.
 """

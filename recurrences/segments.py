@@ -1,4 +1,4 @@
-"""The shared differentiable state build: per-chunk snapshot sums by slot (SPEC §1, §5).
+"""The shared differentiable state build: per-chunk snapshot sums by slot (docs/design.md §1, §5).
 
 Every stateful method (OVQ, KVM, VQ) reduces to the same step once its routes are
 known: the state a query chunk reads is a sum, over the tokens routed before it,

@@ -1,4 +1,4 @@
-"""The versioned (memory-linear) state layout (SPEC §5 "Versioned"), generic over methods.
+"""The versioned (memory-linear) state layout (docs/design.md §5 "Versioned"), generic over methods.
 
 Snapshots hold one ``rows``-row state per query chunk: ``n_chunks * rows`` rows. A slot
 only changes in the chunks where tokens enter it, so the versioned layout keeps

@@ -1,4 +1,4 @@
-"""Variational Linear Attention (seed 002), chunked: Woodbury for ``A``, WY for ``S``.
+"""Variational Linear Attention (VLA paper, arXiv 2605.11196), chunked: Woodbury for ``A``, WY for ``S``.
 
 Token form (reference loop: ``recurrences/reference/vla.py``), state ``X = S^T`` ``[Dk, Dv]``::
 
@@ -18,7 +18,7 @@ multiple of the chunk). **S:** with ``α̂`` known, ``X`` is a delta rule that w
 ``α̂`` and erases along ``k̂`` with ``β = 1``: one batched triangular solve for all chunks
 (:func:`recurrences.delta.chunk_wy`), then a loop over chunks of 3 matmuls.
 
-**Continuing** (a decode cache, SPEC §6) from a :class:`VLAState` at absolute position ``p``:
+**Continuing** (a decode cache, docs/design.md §6) from a :class:`VLAState` at absolute position ``p``:
 chunks stay on absolute boundaries, so the refreshes still fall on chunk ends — the new
 tokens get ``p mod C`` zero rows in front (after the unit-normalisation and the feature
 map). A zero row is an exact no-op: ``û = k̂ = 0`` gives ``w = 0`` and ``α̂ = 0``, so neither
@@ -41,7 +41,7 @@ from .linear import feature_map, from_chunks, to_chunks, work_dtype
 
 @dataclass(frozen=True)
 class VLAOptions:
-    """VLA hyper-parameters (seed 002 §5.3 defaults).
+    """VLA hyper-parameters (VLA paper, arXiv 2605.11196, §5.4 and Table 3 defaults).
 
     ``lambda0``: initial regulariser (``A_0 = I / lambda0``); ``refresh_every``: tokens between
     identity refreshes (0: none); ``refresh_eps``: their size; ``eps``: floor of every norm

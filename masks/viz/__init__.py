@@ -1,4 +1,4 @@
-"""Mask visualizer (SPEC §8): draw an :class:`~masks.program.AttentionProgram`.
+"""Mask visualizer (docs/design.md §8): draw an :class:`~masks.program.AttentionProgram`.
 
 One stage per file: ``labels`` (which region a cell belongs to), ``token_view``
 (small T, one cell per query x kv row), ``block_view`` (any T, one cell per block,

@@ -61,7 +61,7 @@ class BlockmaskScenario(Scenario):
 
 @register("blockmask", BlockmaskScenario)
 def blockmask(sc: BlockmaskScenario, device: str) -> list[dict]:
-    """Build the analytic block mask of a per-chunk state bank program (SPEC §3.2)."""
+    """Build the analytic block mask of a per-chunk state bank program (docs/design.md §3.2)."""
     T, C, N, blk, with_q = sc.seq_len, sc.chunk_size, sc.state_rows, sc.block_size, sc.with_q_side
     dev = torch.device(device)
     n_chunks = -(-T // C)
@@ -162,7 +162,7 @@ def _op_scenario(sc: OpScenario, device: str, *, op, reference, extra, options: 
         t.update(extra(T, H, D, g, dev))
         grad_t = {n: x.clone().requires_grad_() for n, x in t.items()}
         # dynamic=False: a second length would otherwise trace dynamic shapes, which CPU flex
-        # codegen rejects (SPEC §11)
+        # codegen rejects (docs/design.md §11)
         compiled = torch.compile(lambda inputs: op(**inputs, backend="flex", **options), fullgraph=True,
                                  dynamic=False)
 
@@ -193,7 +193,7 @@ class OVQScenario(OpScenario):
 
 @register("ovq", OVQScenario)
 def ovq(sc: OVQScenario, device: str) -> list[dict]:
-    """OVQ op (SPEC §4.2) through :func:`_op_scenario`."""
+    """OVQ op (docs/design.md §4.2) through :func:`_op_scenario`."""
     from recurrences.ovq import dictionary_sizes
     from recurrences.reference import ovq_attention_reference
 
@@ -298,7 +298,7 @@ class KVMScenario(OpScenario):
 
 @register("kvm", KVMScenario)
 def kvm(sc: KVMScenario, device: str) -> list[dict]:
-    """KVM op (SPEC §4.3) through :func:`_op_scenario`."""
+    """KVM op (docs/design.md §4.3) through :func:`_op_scenario`."""
     import functools
 
     import torch.nn.functional as F
@@ -349,7 +349,7 @@ class VQScenario(OpScenario):
 
 @register("vq", VQScenario)
 def vq(sc: VQScenario, device: str) -> list[dict]:
-    """VQ-attention op (SPEC §4.4) through :func:`_op_scenario`; its "reference loop" is the
+    """VQ-attention op (docs/design.md §4.4) through :func:`_op_scenario`; its "reference loop" is the
     quadratic form ``softmax(q K̂ᵀ + causal) V`` (dense, O(T²) memory: keep T moderate)."""
     from recurrences.reference import vq_attention_reference
 
@@ -420,7 +420,7 @@ class RecurrentScenario(Scenario):
 
 @register("recurrent", RecurrentScenario)
 def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
-    """Non-softmax recurrences (linear attention, DeltaNet, VLA; SPEC §4.6): chunked op forward
+    """Non-softmax recurrences (linear attention, DeltaNet, VLA; docs/design.md §4.6): chunked op forward
     and forward+backward, their token-by-token reference loops (up to ``max_reference_len``),
     OVQ (``ovq_backend``, forward) and full causal SDPA, at each ``seq_len`` of ``seq_lens``.
     The runner fits the log-log slope of time and memory vs T of each case.
@@ -503,7 +503,7 @@ class StateLayoutScenario(Scenario):
 
 @register("state_layout", StateLayoutScenario)
 def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
-    """OVQ op under each state layout (SPEC §5): state rows, forward and forward+backward time and
+    """OVQ op under each state layout (docs/design.md §5): state rows, forward and forward+backward time and
     peak memory at each ``seq_len`` of ``seq_lens``; the runner fits the log-log slope of each case.
     ``x_time_vs_snapshot`` is the time ratio to the snapshot layout's same case (> 1: slower).
     """

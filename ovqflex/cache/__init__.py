@@ -1,4 +1,4 @@
-"""Decode caches (SPEC §6): bounded state a layer carries from one call to the next.
+"""Decode caches (docs/design.md §6): bounded state a layer carries from one call to the next.
 
 ``layer(x, use_cache=True) -> (y, cache)`` after a prefill of any length;
 ``layer(x, cache=cache) -> (y, cache)`` continues with one or more tokens. Each cache

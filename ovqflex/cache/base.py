@@ -1,4 +1,4 @@
-"""What every decode cache shares (SPEC §6).
+"""What every decode cache shares (docs/design.md §6).
 
 A cache is a small typed object a layer returns from ``forward(x, use_cache=True)``
 and takes back with ``forward(x, cache=cache)``: the tokens seen so far

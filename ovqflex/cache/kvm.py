@@ -1,4 +1,4 @@
-"""Decode cache of KVM (SPEC §4.3, §6).
+"""Decode cache of KVM (docs/design.md §4.3, §6).
 
 Holds the routing state (fp32 row sums of the gated memory keys — what routing
 keeps, rebuilt after a prefill by replaying the routes through the same write,

@@ -1,4 +1,4 @@
-"""Decode cache of OVQ-attention (SPEC §4.2, §6).
+"""Decode cache of OVQ-attention (docs/design.md §4.2, §6).
 
 Holds the routing dictionary as fp32 running sums and counts — exactly what routing
 keeps, rebuilt after a prefill by replaying the routes through the same write

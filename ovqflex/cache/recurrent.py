@@ -1,4 +1,4 @@
-"""Decode caches of the non-softmax recurrent layers (SPEC §4.6, §6).
+"""Decode caches of the non-softmax recurrent layers (docs/design.md §4.6, §6).
 
 A recurrence's past is entirely in its state, so the cache is that state (detached,
 in the recurrence's work dtype: fp32, fp64 for fp64 layers) plus the q/k conv tail:

@@ -1,4 +1,4 @@
-"""Decode cache of VQ-attention (SPEC §4.4, §6), shared by ``VQAttention`` and ``LongVQBlock``.
+"""Decode cache of VQ-attention (docs/design.md §4.4, §6), shared by ``VQAttention`` and ``LongVQBlock``.
 
 Query chunk ``c`` reads the codebook as state rows — ``log(count)`` of the codes used by
 the tokens of chunks ``< c−1`` and the running mean of their values — and the quantized

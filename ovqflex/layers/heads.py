@@ -4,7 +4,7 @@ Owns the fused ``qkv_proj`` (``[B, T, hidden] -> 3 x [B, H, T, head_dim]``) and
 ``o_proj`` (``[B, H, T, head_dim] -> [B, T, hidden]``), and validates the sizes.
 
 ``qk_conv=K > 0`` adds a depthwise causal convolution of width ``K`` over time on the
-q and k projections (the OVQ paper's appendix-C tweak, seed 000 §9: "applying
+q and k projections (the OVQ paper's appendix-C tweak, arXiv 2602.03922 §9: "applying
 convolutions to query and keys"), initialised to the identity (last tap 1), so a
 layer with it starts out equal to one without. Each q/k channel at ``t`` then mixes
 the projections of tokens ``t-K+1 .. t``: a key can name the tokens before it without

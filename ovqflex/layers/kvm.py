@@ -1,11 +1,11 @@
-"""``KVMAttention``: the Key-Value Means layer (SPEC §4.3, seed 004 appendix B weight preparation).
+"""``KVMAttention``: the Key-Value Means layer (docs/design.md §4.3, KVM paper, arXiv 2605.09877, appendix B weight preparation).
 
 q, k: LayerNorm over ``head_dim`` (affine, one module each, shared by heads), then RoPE on
 the first ``rope_dims`` channels as interleaved pairs; v plain. Merge gate
 ``g = 1 + elu(x W_g)`` (one scalar per token and head), state LayerNorm ``LN_s``,
 temperatures ``tau_state, tau_bswa [H]`` initialised to 1.
 
-Ablations (seed 004 §5): ``use_gate=False`` (g = 1), ``sink_len=0`` (no protected sinks),
+Ablations (KVM paper, arXiv 2605.09877, §6): ``use_gate=False`` (g = 1), ``sink_len=0`` (no protected sinks),
 ``use_vlens=False`` (state values ``s_v / count``), ``use_temperatures=False`` (tau = 1).
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ class KVMAttention(MultiHeadProjection):
     :func:`ovqflex.kvm_attention`; none is a parameter, so they may be changed at test time
     (``layer.max_state_chunks = None``, or ``HybridLM.set_overrides(max_state_chunks=...)``).
     ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the state is
-    laid out as kv rows (SPEC §5); same outputs.
+    laid out as kv rows (docs/design.md §5); same outputs.
     """
 
-    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  n_bswa_chunks: int = 2, sink_len: int = 1, rope_dims: int | None = None,

@@ -1,6 +1,6 @@
-"""Non-softmax recurrent layers (SPEC §4.6): ``forward(x [B, T, hidden]) -> [B, T, hidden]``.
+"""Non-softmax recurrent layers (docs/design.md §4.6): ``forward(x [B, T, hidden]) -> [B, T, hidden]``.
 
-Like every attention layer they decode from a cache (SPEC §6): ``forward(x, use_cache=True)``
+Like every attention layer they decode from a cache (docs/design.md §6): ``forward(x, use_cache=True)``
 returns ``(y, cache)`` after a prefill of any length and ``forward(x, cache=cache)`` continues;
 the caches (``ovqflex.cache.recurrent``) hold the recurrence's state, constant in size.
 
@@ -12,7 +12,7 @@ before the output projection, as flash-linear-attention's layers do:
 - :class:`LinearAttention`: ELU+1 linear attention (``linear_attention``).
 - :class:`DeltaNetAttention`: unit q/k, ``β = sigmoid(x W_β)`` per token and head (``delta_rule``).
 - :class:`VLAAttention`: penalty directions ``u = f_θ(k)`` from a learned ``[head_dim, head_dim]``
-  map of the raw key shared by the heads (seed 002 eq. 8), then ``vla_attention``.
+  map of the raw key shared by the heads (VLA paper, arXiv 2605.11196, eq. 8), then ``vla_attention``.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from .heads import MultiHeadProjection
 
 
 class _Recurrent(MultiHeadProjection):
-    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, qk_conv: int, out_norm: bool):
         super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
@@ -119,7 +119,7 @@ class DeltaNetAttention(_Recurrent):
 
 
 class VLAAttention(_Recurrent):
-    """Multi-head Variational Linear Attention (seed 002).
+    """Multi-head Variational Linear Attention (VLA paper, arXiv 2605.11196).
 
     x ``[B, T, hidden]`` -> ``[B, T, hidden]``. ``u = f_θ(k)`` ``[B, H, T, head_dim]`` with
     ``f_θ`` (``penalty_proj``) a bias-free ``head_dim -> head_dim`` linear map shared by the

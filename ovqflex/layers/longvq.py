@@ -1,8 +1,8 @@
-"""``LongVQBlock``: the LongVQ block (seed 003 §4.2–4.3; SPEC §4.5).
+"""``LongVQBlock``: the LongVQ block (LongVQ paper, §4.2–4.3; docs/design.md §4.5).
 
     Z   = silu(EMA(X))                  multi-head damped EMA as a causal convolution
     G_a = silu(Z W_g),  Q = Z W_q,  K = Z W_k,  V = silu(X W_v)
-    O_a = (G_a ⊙ VQAttn(Q, K̂, V)) W_h   softmax VQ-attention (SPEC §4.4) with a learned
+    O_a = (G_a ⊙ VQAttn(Q, K̂, V)) W_h   softmax VQ-attention (docs/design.md §4.4) with a learned
                                         per-head local bias on the window region
     G_o = sigmoid(X W_o),  O = G_o ⊙ O_a + (1 − G_o) ⊙ X
     Y   = Norm(O),  Y' = Norm(Y + FFN(Y))
@@ -43,7 +43,7 @@ from .vq import VQCodebook, vq_layer_attention
 
 class LongVQBlock(nn.Module):
     standalone_block = True
-    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
 
     def __init__(self, hidden_size: int, num_heads: int = 1, *, head_dim: int | None = None, ema_dim: int = 16,
                  chunk_size: int = 128, codebook_size: int = 512, estimator: str = "ste",

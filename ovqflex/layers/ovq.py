@@ -1,4 +1,4 @@
-"""``OVQAttention``: the OVQ-attention layer (SPEC §4.2). NoPE; per-head learned ``beta``."""
+"""``OVQAttention``: the OVQ-attention layer (docs/design.md §4.2). NoPE; per-head learned ``beta``."""
 from __future__ import annotations
 
 import math
@@ -28,10 +28,10 @@ class OVQAttention(MultiHeadProjection):
     passing ``forward(x, max_centroids=...)`` — no parameter depends on it.
 
     ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the
-    dictionaries are laid out as kv rows (:func:`ovqflex.ovq_attention`, SPEC §5); same outputs.
+    dictionaries are laid out as kv rows (:func:`ovqflex.ovq_attention`, docs/design.md §5); same outputs.
     """
 
-    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  max_centroids: int = 2048, growth: str = "plateau", growth_horizon: int | None = None,

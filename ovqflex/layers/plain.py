@@ -22,12 +22,12 @@ from .rope import apply_rope
 class _PlainAttention(MultiHeadProjection):
     """Shared body: fused qkv projection, optional RoPE, one program, output projection.
 
-    ``qk_norm=True`` is the OVQ paper's baseline form (seed 000 §8.2): q and k are
+    ``qk_norm=True`` is the OVQ paper's baseline form (arXiv 2602.03922, §8.2): q and k are
     L2-normalized per head and scored as ``beta[h] * <q̂, k̂>`` with a learned ``beta``
     ``[H]`` initialised to ``sqrt(head_dim)``; otherwise scores are ``<q, k> / sqrt(head_dim)``.
     """
 
-    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
                  qk_norm: bool, backend: str, block_size: int, regions, qk_conv: int = 0):

@@ -1,4 +1,4 @@
-"""``VQAttention``: the VQ-attention layer (Transformer-VQ; the OVQ paper's sw-vq; SPEC §4.4),
+"""``VQAttention``: the VQ-attention layer (Transformer-VQ; the OVQ paper's sw-vq; docs/design.md §4.4),
 and ``VQCodebook``, the codebook module it shares with :class:`~ovqflex.layers.LongVQBlock`.
 
 Codebook training. With ``estimator="ste"`` (default) the codebook is a *buffer* learned by
@@ -135,9 +135,9 @@ class VQAttention(MultiHeadProjection):
     (init ``sqrt(head_dim)``); keys quantized by a ``codebook_size``-code codebook per head;
     ``local_bias=True`` adds a learned per-head bias (init 0) to the window rows' scores.
     ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the codebook
-    state is laid out as kv rows (:func:`ovqflex.vq_attention`, SPEC §5); same outputs."""
+    state is laid out as kv rows (:func:`ovqflex.vq_attention`, docs/design.md §5); same outputs."""
 
-    supports_cache = True  # forward(x, cache=None, use_cache=False): SPEC §6
+    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
                  codebook_size: int = 512, estimator: str = "ste", commitment_weight: float = 1e-4,

@@ -25,7 +25,7 @@ class HybridConfig:
     mlp_ratio: float = 4.0
     norm_eps: float = 1e-5
     qk_norm: bool = True
-    qk_conv: int = 0                  # >0: causal depthwise conv of this width on q, k (seed 000 appendix C)
+    qk_conv: int = 0                  # >0: causal depthwise conv of this width on q, k (OVQ paper, arXiv 2602.03922, appendix C)
     rope_base: float = 10000.0
     window: int = 128                 # swa: token window
     chunk_size: int = 128             # ovq / bswa / kvm / vq chunk L
@@ -80,7 +80,7 @@ class HybridConfig:
 #: 1.00 / 0.56 / 0.34 at 64 / 128 / 256 tokens, with the window-visible targets at 256 all
 #: right and the others 0.26 (scaling the OVQ layer's beta by 3 only lifts them to 0.34).
 #: With window 8 (6% of the targets) the OVQ layer does the recall: 1.00 / 1.00 / 0.995.
-#: ``paper-icr`` is the OVQ paper's synthetic-task model (seed 000 §4.1, §8.2:
+#: ``paper-icr`` is the OVQ paper's synthetic-task model (arXiv 2602.03922, §4.1, §8.2:
 #: 8 layers, width 768, head dim 128, window 128, chunk 128, N = 2k, vocab 10k).
 PRESETS: dict[str, dict] = {
     "tiny": dict(d_model=128, n_layers=2, n_heads=2, window=8, chunk_size=16, block_size=32, max_centroids=2048,

@@ -1,4 +1,4 @@
-"""``kvm_attention``: Key-Value Means as one attention program (SPEC §4.3).
+"""``kvm_attention``: Key-Value Means as one attention program (docs/design.md §4.3).
 
 k ─LN_s(rope dims zeroed)─▶ memory keys ─routes (no grad)─▶ snapshots (differentiable
 gated segment sums, LN_s / radius readout) ─▶ program [per-chunk state bank x tau_state ;
@@ -146,7 +146,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *
     ``use_vlens=True`` (False: state values ``s_v / count`` instead of the founder's radius),
     ``ln_eps``, ``state_layout="auto"`` (``"snapshot"``: one state per query chunk;
     ``"versioned"``: checkpoints every ``checkpoint_every`` chunks plus one version row per token,
-    memory-linear; ``"auto"``: fewer rows; SPEC §5), ``checkpoint_every``, ``block_size``.
+    memory-linear; ``"auto"``: fewer rows; docs/design.md §5), ``checkpoint_every``, ``block_size``.
 
     The first ``Nb * C`` tokens attend causally; query chunk ``c`` after that sees the state
     built from tokens ``[0, (c - Nb + 1) C)`` and its ``Nb``-chunk block window.

@@ -1,4 +1,4 @@
-"""Non-softmax recurrent attention ops (SPEC §4.6): linear attention, the delta rule, VLA.
+"""Non-softmax recurrent attention ops (docs/design.md §4.6): linear attention, the delta rule, VLA.
 
 All causal; ``[B, H, T, D]`` in, ``[B, H, T, Dv]`` out. They validate their inputs, cast q,
 k, v and the per-token companions (``beta``, ``u``) to one compute dtype (the output's;
@@ -85,7 +85,7 @@ def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float 
                   refresh_eps: float = 1e-3, eps: float = 1e-4, chunk_size: int | None = None,
                   return_state: bool = False, initial_state: VLAState | None = None,
                   output_final_state: bool = False):
-    """Variational Linear Attention (seed 002): a residual update written along the unit
+    """Variational Linear Attention (VLA paper, arXiv 2605.11196): a residual update written along the unit
     direction ``α̂_t = A_t k̂_t / ||A_t k̂_t||`` of a Sherman-Morrison penalty inverse ``A_t``.
 
     q, k, u ``[B, H, T, Dk]`` (``u``: penalty directions, the layer's ``f_θ(k)``), v

@@ -1,4 +1,4 @@
-"""``ovq_attention``: OVQ-attention as one attention program (SPEC §4.2).
+"""``ovq_attention``: OVQ-attention as one attention program (docs/design.md §4.2).
 
 q, k ─normalize─▶ routes (no grad) ─▶ snapshots (differentiable segment means)
 ─▶ program [per-chunk state bank (log-count bias) ; own chunk causal] ─▶ backend.
@@ -112,7 +112,7 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: 
     on dictionary rows. Chunk ``c`` reads the dictionary of the chunks before it and its
     own tokens causally.
 
-    ``state_layout`` (SPEC §5): ``"snapshot"`` lays out one dictionary per chunk
+    ``state_layout`` (docs/design.md §5): ``"snapshot"`` lays out one dictionary per chunk
     (``n_chunks * N`` state rows); ``"versioned"`` checkpoints every ``checkpoint_every``
     chunks (None: ``ceil(N / 2L)``) plus one version row per token (about ``2T`` rows,
     memory-linear); ``"auto"`` picks the one with fewer rows. Outputs and gradients are the same.

@@ -1,4 +1,4 @@
-"""Plain (stateless) attention ops: full causal, token / block sliding window, sinks (SPEC §4.1)."""
+"""Plain (stateless) attention ops: full causal, token / block sliding window, sinks (docs/design.md §4.1)."""
 from __future__ import annotations
 
 from torch import Tensor

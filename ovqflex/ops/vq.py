@@ -1,5 +1,5 @@
 """``vq_attention``: VQ-attention (Transformer-VQ; the OVQ paper's sw-vq) as one attention
-program (SPEC §4.4).
+program (docs/design.md §4.4).
 
 q, k, codebook ─normalize─▶ codes (nearest code, no grad, fp32) ─▶ quantized keys k̂
 (straight-through or DiVeQ) ─▶ snapshots (differentiable segment means, lag 2) ─▶ program
@@ -126,7 +126,7 @@ def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor
     ``estimator``: ``"ste"`` (straight-through; the codebook gets no gradient) or ``"diveq"``.
     ``local_bias`` ``[H]``: added to the scores of the window rows (LongVQ's local bias).
     ``code_bias`` ``[H, N]``: added to the assignment similarities only (no-use penalty).
-    ``state_layout`` (SPEC §5): ``"snapshot"`` (one codebook state per chunk, ``n_chunks * N``
+    ``state_layout`` (docs/design.md §5): ``"snapshot"`` (one codebook state per chunk, ``n_chunks * N``
     rows), ``"versioned"`` (checkpoints every ``checkpoint_every`` chunks plus one version row per
     token: memory-linear) or ``"auto"`` (fewer rows); same outputs and gradients.
 

@@ -1,7 +1,7 @@
-"""Token-sequence tasks generated on the fly from a seed (SPEC §7).
+"""Token-sequence tasks generated on the fly from a seed (docs/design.md §7).
 
 Synthetic long-context tasks of the papers — basic / positional in-context recall
-and long ICL linear regression (seed 000 §8.4–8.5), MQAR and copy (seed 002 §5.2),
+and long ICL linear regression (OVQ paper, arXiv 2602.03922, §8.4–8.5), MQAR and copy (VLA paper, arXiv 2605.11196, §5.2),
 needle in a haystack — and language modelling on a byte or uint16 token file::
 
     task = make_task("icr", vocab_size=512, key_len=2, value_len=2)

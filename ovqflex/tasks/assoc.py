@@ -1,4 +1,4 @@
-"""MQAR and copy (seed 002 §5.2; MQAR after Arora et al., Zoology). Vocab 128 as in the paper.
+"""MQAR and copy (VLA paper, arXiv 2605.11196, §5.2; MQAR after Arora et al., Zoology). Vocab 128 as in the paper.
 
 Special tokens: ``pad=0, sep=1``; content tokens ``[2, vocab_size)``.
 """
@@ -18,11 +18,11 @@ N_SPECIAL = 2
 
 @dataclass
 class MQAR(Task):
-    """Multi-query associative recall (seed 002 §5.2, Figure 1).
+    """Multi-query associative recall (VLA paper, arXiv 2605.11196, §5.2, Figure 1).
 
     The context holds ``n`` single-token key/value pairs (keys distinct, values iid
     uniform), a separator, then all ``n`` keys again in a random order; the model
-    must output each key's value. Default layout (seed 002, ``T = 3n + 1``), the
+    must output each key's value. Default layout (the VLA paper's, arXiv 2605.11196: ``T = 3n + 1``), the
     label of each query key is its value — which is *not* in the input, so this
     layout has ``next_token_labels = False``::
 
@@ -82,7 +82,7 @@ class MQAR(Task):
 
     def describe(self) -> str:
         n = "as many pairs as fit" if self.n_pairs is None else f"{self.n_pairs} pairs"
-        lay = "Zoology layout (answers in input)" if self.answers_in_input else "seed 002 layout (T = 3n+1)"
+        lay = "Zoology layout (answers in input)" if self.answers_in_input else "VLA-paper layout (T = 3n+1)"
         return (f"MQAR: {n} of single-token key→value, all keys queried in shuffled order, {lay}, "
                 f"vocab {self.vocab_size}")
 
@@ -114,7 +114,7 @@ class MQAR(Task):
 
 @dataclass
 class Copy(Task):
-    """Copy task (seed 002 §5.2): reproduce the first half after a separator.
+    """Copy task (VLA paper, arXiv 2605.11196, §5.2): reproduce the first half after a separator.
 
     ``x1 … xm`` are iid uniform content tokens::
 

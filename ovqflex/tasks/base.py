@@ -1,6 +1,6 @@
 """Task base class, seeding, batching and the small tensor helpers every task shares.
 
-Conventions of every task (SPEC §7):
+Conventions of every task (docs/design.md §7):
 
 - ``example(seq_len, gen) -> (inputs, labels)``, both ``[seq_len]`` int64.
   ``labels[t]`` is what the model must predict at position ``t`` (for a next-token
@@ -95,7 +95,7 @@ class Task:
 
     name: ClassVar[str] = ""
     #: True when every non-IGNORE label equals the next input token (``labels[t] == inputs[t+1]``).
-    #: False only for layouts whose answers are not part of the input (seed 002's MQAR).
+    #: False only for layouts whose answers are not part of the input (the VLA paper's MQAR, arXiv 2605.11196).
     next_token_labels: ClassVar[bool] = True
     vocab_size: int
 

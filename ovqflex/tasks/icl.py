@@ -1,4 +1,4 @@
-"""Long in-context learning of linear functions (seed 000 §4.1, §8.5)."""
+"""Long in-context learning of linear functions (OVQ paper, arXiv 2602.03922, §4.1, §8.5)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +15,7 @@ FN0 = 2  # function-id tokens are FN0 .. FN0 + n_function_tokens - 1
 
 @dataclass
 class ICL(Task):
-    """Long ICL linear regression (seed 000 §8.5).
+    """Long ICL linear regression (OVQ paper, arXiv 2602.03922, §8.5).
 
     Each sequence draws ``n_functions`` distinct function ids out of the
     ``n_function_tokens`` id tokens (paper: 128), each with its own

@@ -1,4 +1,4 @@
-"""In-context recall tasks: basic ICR and positional ICR (seed 000 §4.1, §8.4), needle in a haystack.
+"""In-context recall tasks: basic ICR and positional ICR (OVQ paper, arXiv 2602.03922, §4.1, §8.4), needle in a haystack.
 
 Special tokens (all three tasks): ``pad=0, assign=1 (→), next=2 (|), query=3 (Q)``;
 content tokens are ``[4, vocab_size)``. Keys and values are runs of ``key_len`` /
@@ -65,7 +65,7 @@ class _KVTask(Task):
 
 @dataclass
 class ICR(_KVTask):
-    """Basic in-context recall (seed 000 §8.4).
+    """Basic in-context recall (OVQ paper, arXiv 2602.03922, §8.4).
 
     The context is filled with key→value pairs, then a query token starts the query
     section, which repeats ``n_queries`` pairs sampled (without replacement, random
@@ -112,7 +112,7 @@ class ICR(_KVTask):
 
 @dataclass
 class PICR(_KVTask):
-    """Positional in-context recall (seed 000 §8.4).
+    """Positional in-context recall (OVQ paper, arXiv 2602.03922, §8.4).
 
     Each of the ``n`` context keys appears ``copies`` times, at random places, each
     copy with its own distinct value. The query section presents the ``copies``

@@ -1,4 +1,4 @@
-"""Key-Value Means (seed 004): state budgets, no-grad routing, snapshot state build."""
+"""Key-Value Means (KVM paper, arXiv 2605.09877): state budgets, no-grad routing, snapshot state build."""
 from .budget import BUDGETS, KVMBudget, kvm_state_sizes
 from .routing import kvm_absorb, kvm_route_chunk, route_kvm
 from .state import (KVMSnapshots, KVMVersioned, build_kvm_snapshots, build_kvm_versioned, memory_keys,

@@ -1,4 +1,4 @@
-"""KVM state budgets (SPEC §4.3): how many state rows each query chunk reads.
+"""KVM state budgets (docs/design.md §4.3): how many state rows each query chunk reads.
 
 The state length never depends on the data, only on the chunk index, so the
 whole schedule is a list of Python ints computed before routing. Query chunk

@@ -1,4 +1,4 @@
-"""KVM routing (SPEC §4.3): which state row each overflow token founds or joins. No grad.
+"""KVM routing (docs/design.md §4.3): which state row each overflow token founds or joins. No grad.
 
 Loops over overflow chunks only; each is vectorized over batch, heads and its
 tokens. The routing state is kept as fp32 sums of the memory keys, exactly the

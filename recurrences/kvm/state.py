@@ -1,4 +1,4 @@
-"""Differentiable KVM state: snapshots and the versioned layout (SPEC §4.3, §5).
+"""Differentiable KVM state: snapshots and the versioned layout (docs/design.md §4.3, §5).
 
 Given the routes, the state query chunk ``c`` reads is, per row, a sum over the
 tokens absorbed before it (tokens of chunks ``< c - Nb + 1``): the founder with
@@ -77,7 +77,7 @@ def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
 
 @dataclass
 class KVMVersioned:
-    """The versioned layout (SPEC §5) of the same states: ``S = plan.state_rows`` rows,
+    """The versioned layout (docs/design.md §5) of the same states: ``S = plan.state_rows`` rows,
     checkpoints then one version row per token (:mod:`recurrences.versioned`, ``lag = Nb``).
 
     keys ``[B, H, S, D]`` (``LN_s`` of the key sums, before ``tau_state``), values

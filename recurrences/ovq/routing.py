@@ -1,4 +1,4 @@
-"""OVQ routing (SPEC §4.2): which dictionary slot each token joins. Discrete, no grad.
+"""OVQ routing (docs/design.md §4.2): which dictionary slot each token joins. Discrete, no grad.
 
 Loops over chunks only; every chunk is vectorized over batch, heads and its
 tokens. The routing dictionary is kept as fp32 running sums and counts, so its

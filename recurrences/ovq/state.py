@@ -1,4 +1,4 @@
-"""Differentiable OVQ state: snapshots and the versioned layout (SPEC §4.2, §5).
+"""Differentiable OVQ state: snapshots and the versioned layout (docs/design.md §4.2, §5).
 
 Given the routes, the dictionary chunk ``c`` reads is the mean of every key and
 value routed before chunk ``c``: the shared segment sums of
@@ -50,7 +50,7 @@ def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk: int, siz
     return OVQSnapshots(keys, values, counts, live)
 
 
-OVQVersioned = VersionedMeans  # the versioned layout of the same dictionaries (SPEC §5)
+OVQVersioned = VersionedMeans  # the versioned layout of the same dictionaries (docs/design.md §5)
 
 
 def build_ovq_versioned(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan,

@@ -1,4 +1,4 @@
-"""Sequential reference of Key-Value Means attention (seed 004 §4 and appendix A).
+"""Sequential reference of Key-Value Means attention (KVM paper, arXiv 2605.09877, §4 and appendix A).
 
 The test oracle for the fused program: the paper's chunk loop, written plainly
 and independently of :mod:`recurrences.kvm` (its own budget arithmetic, one-hot

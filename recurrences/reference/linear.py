@@ -1,4 +1,4 @@
-"""Token-by-token reference of causal linear attention (Katharopoulos et al.; seed 002 eq. 3).
+"""Token-by-token reference of causal linear attention (Katharopoulos et al.; VLA paper, arXiv 2605.11196, eq. 3).
 
 The paper's loop, in the paper's orientation: a state ``S`` ``[Dv, Dk]`` and a key sum
 ``z`` ``[Dk]``, updated one token at a time::

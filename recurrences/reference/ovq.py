@@ -1,4 +1,4 @@
-"""Sequential reference of OVQ-attention (seed 000, section 3.2 and appendix 8.3).
+"""Sequential reference of OVQ-attention (OVQ paper, arXiv 2602.03922, section 3.2 and appendix 8.3).
 
 This is the test oracle for the fused implementation: the paper's chunk loop,
 written plainly. One Python iteration per chunk; inside a chunk everything is

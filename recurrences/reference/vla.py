@@ -1,4 +1,4 @@
-"""Token-by-token reference of Variational Linear Attention (seed 002, eqs. 8-11, §5.3).
+"""Token-by-token reference of Variational Linear Attention (VLA paper, arXiv 2605.11196, eqs. 8-11, §5.4).
 
 The paper's loop, in its orientation (``S`` ``[Dv, Dk]``, ``A`` ``[Dk, Dk]``), per token::
 
@@ -8,7 +8,7 @@ The paper's loop, in its orientation (``S`` ``[Dv, Dk]``, ``A`` ``[Dk, Dk]``), p
     o_t = S_t φ(q_t) / max(φ(q_t)·Σ_{s<=t} φ(k_s), eps)             (eq. 11, φ = elu + 1)
 
 with ``A_0 = I / lambda0`` and, after every ``refresh_every``-th token (``t = refresh_every,
-2 refresh_every, ...``, 1-based), the identity refresh ``A_t += refresh_eps I`` (§5.3:
+2 refresh_every, ...``, 1-based), the identity refresh ``A_t += refresh_eps I`` (§5.4:
 every 20 steps, 1e-3). Norms are floored at ``eps``. Computed in float32 (float64 for
 float64 inputs). Test oracle for :func:`recurrences.vla.vla_chunked`.
 """

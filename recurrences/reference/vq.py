@@ -1,4 +1,4 @@
-"""Quadratic-form reference of VQ-attention (SPEC §4.4, §9.5): the test oracle.
+"""Quadratic-form reference of VQ-attention (docs/design.md §4.4, §9.5): the test oracle.
 
 Written independently of the linear form: materialize the quantized keys ``K̂`` of every
 token and run dense causal softmax attention, ``softmax(beta · q̂ K̂ᵀ + B + causal) V``,

@@ -1,4 +1,4 @@
-"""VQ-attention (Transformer-VQ; the OVQ paper's sw-vq, seed 000 §2.2 / appendix 8.1):
+"""VQ-attention (Transformer-VQ; the OVQ paper's sw-vq, OVQ paper, arXiv 2602.03922, §2.2 / appendix 8.1):
 codebook quantizer (nearest code, straight-through or DiVeQ estimator, commitment loss,
 EMA k-means updates with dead-code revival, metrics) and the snapshot state build."""
 from .codebook import (ESTIMATORS, assign_codes, code_histogram, codebook_metrics, commitment_loss, ema_update_,

@@ -1,4 +1,4 @@
-"""The VQ codebook quantizer (SPEC §4.4; seed 000 appendix 8.1, seed 003 §3).
+"""The VQ codebook quantizer (docs/design.md §4.4; OVQ paper, arXiv 2602.03922, appendix 8.1, LongVQ paper, §3).
 
 Per head ``h`` a codebook ``C[h] ∈ R^{N×d}`` of unit rows. Keys are L2-normalized and
 each is assigned its nearest code (largest cosine; for unit vectors the same as the

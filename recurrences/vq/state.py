@@ -1,4 +1,4 @@
-"""Differentiable VQ-attention state (SPEC §4.4, §5 "Snapshots").
+"""Differentiable VQ-attention state (docs/design.md §4.4, §5 "Snapshots").
 
 Query chunk ``c`` reads, for every code ``n``, the tokens of chunks ``< c−1`` assigned to
 it: key row = mean of their quantized keys (forward value: the code itself), value row =
@@ -49,6 +49,6 @@ def vq_state_sizes(n_chunks: int, n_codes: int) -> list[int]:
 
 
 def build_vq_versioned(k_hat: Tensor, v: Tensor, codes: Tensor, plan: VersionPlan) -> VersionedMeans:
-    """The versioned layout (SPEC §5; ``plan.lag = LAG``) of the same per-code means and counts as
+    """The versioned layout (docs/design.md §5; ``plan.lag = LAG``) of the same per-code means and counts as
     :func:`build_vq_snapshots`: checkpoints plus one version row per token."""
     return versioned_means(k_hat, v, codes, plan)

@@ -1,4 +1,4 @@
-"""Analytic block lists against the dense truth on tiny shapes (SPEC §3.2)."""
+"""Analytic block lists against the dense truth on tiny shapes (docs/design.md §3.2)."""
 import torch
 from hypothesis import given
 from hypothesis import strategies as st

@@ -1,4 +1,4 @@
-"""Region bounds against their plain definitions (SPEC §3.1)."""
+"""Region bounds against their plain definitions (docs/design.md §3.1)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""flex == blocked == dense on plain programs (SPEC §3.4, §9.2)."""
+"""flex == blocked == dense on plain programs (docs/design.md §3.4, §9.2)."""
 import pytest
 import torch
 from hypothesis import given
@@ -67,7 +67,7 @@ def test_blocked_gradients_equal_dense(case):
 
 
 def explicit_mask(T, window=None, block_window=None, chunk_size=128, n_sinks=0):
-    """Plain-Python bool mask [T, T] from the definitions of SPEC §4.1."""
+    """Plain-Python bool mask [T, T] from the definitions of docs/design.md §4.1."""
     m = torch.zeros(T, T, dtype=torch.bool)
     for i in range(T):
         for j in range(i + 1):

@@ -1,4 +1,4 @@
-"""KVM attention: fused program == the paper's chunk loop (SPEC §4.3, §9)."""
+"""KVM attention: fused program == the paper's chunk loop (docs/design.md §4.3, §9)."""
 import math
 
 import pytest
@@ -62,7 +62,7 @@ def test_fused_equals_reference(case):
     q, k, v, params, leaves = inputs(B, H, D, T, seed, gated)
     out, state = ovqflex.kvm_attention(q, k, v, backend="blocked", return_state=True, **params, **kw)
     ref = kvm_attention_reference(q, k, v, **params, **kw)
-    # discrete decisions first (SPEC §9): the same state sizes, rows and founders as the loop
+    # discrete decisions first (docs/design.md §9): the same state sizes, rows and founders as the loop
     assert state.sizes == ref.sizes
     assert torch.equal(state.routes, ref.routes), "routes differ from the reference loop"
     assert torch.equal(state.founder, ref.founder)

@@ -1,5 +1,5 @@
 """Non-softmax recurrent ops (``ovqflex.linear_attention``, ``delta_rule``, ``vla_attention``):
-input validation (SPEC §2), causality and batch independence (§9.3-4)."""
+input validation (docs/design.md §2), causality and batch independence (§9.3-4)."""
 import pytest
 import torch
 import torch.nn.functional as F

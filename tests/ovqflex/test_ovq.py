@@ -1,4 +1,4 @@
-"""OVQ-attention: fused program == the paper's sequential loop (SPEC §4.2, §9)."""
+"""OVQ-attention: fused program == the paper's sequential loop (docs/design.md §4.2, §9)."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -39,7 +39,7 @@ def test_fused_equals_reference(case):
     q, k, v, beta = inputs(B, H, D, T, seed)
     out, state = ovqflex.ovq_attention(q, k, v, beta, backend="blocked", return_state=True, **kw)
     ref = ovq_attention_reference(q, k, v, beta, **kw)
-    # routes first (SPEC §9): the independent loop must take the same discrete decisions
+    # routes first (docs/design.md §9): the independent loop must take the same discrete decisions
     assert state.sizes[: len(ref.sizes) - 1] == ref.sizes[:-1]
     assert torch.equal(state.routes, ref.routes), "routes differ from the reference loop"
     assert torch.equal(state.counts, ref.counts[..., : state.counts.shape[-1]])

@@ -1,4 +1,4 @@
-"""Snapshot layout == versioned layout (SPEC §5, §9.5): outputs and gradients, every method (OVQ, KVM,
+"""Snapshot layout == versioned layout (docs/design.md §5, §9.5): outputs and gradients, every method (OVQ, KVM,
 VQ) and schedule, on the blocked and dense backends (flex: forward)."""
 import pytest
 import torch

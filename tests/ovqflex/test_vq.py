@@ -1,4 +1,4 @@
-"""VQ-attention: linear form (one attention program) == quadratic form (SPEC §4.4, §9.5)."""
+"""VQ-attention: linear form (one attention program) == quadratic form (docs/design.md §4.4, §9.5)."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""Delta rule (DeltaNet): chunked WY form == the token loop (SPEC §4.6)."""
+"""Delta rule (DeltaNet): chunked WY form == the token loop (docs/design.md §4.6)."""
 import torch
 import torch.nn.functional as F
 from hypothesis import given

@@ -1,4 +1,4 @@
-"""KVM state budgets (SPEC §4.3): the state length each query chunk reads."""
+"""KVM state budgets (docs/design.md §4.3): the state length each query chunk reads."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""Linear attention (ELU+1): chunked form == the token loop; its state norm grows (SPEC §4.6)."""
+"""Linear attention (ELU+1): chunked form == the token loop; its state norm grows (docs/design.md §4.6)."""
 import pytest
 import torch
 from hypothesis import given

@@ -1,4 +1,4 @@
-"""Continuing a non-softmax recurrence from a carried state (SPEC §4.6, §6).
+"""Continuing a non-softmax recurrence from a carried state (docs/design.md §4.6, §6).
 
 The chunked forms run segment by segment — each from the state the previous one
 returned (``initial_state`` / ``output_final_state``) — must give the token loop's

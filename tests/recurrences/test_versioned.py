@@ -1,4 +1,4 @@
-"""The versioned state build (SPEC §5): every query chunk sees exactly its snapshot."""
+"""The versioned state build (docs/design.md §5): every query chunk sees exactly its snapshot."""
 import pytest
 import torch
 from hypothesis import given

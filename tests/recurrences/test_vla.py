@@ -1,4 +1,4 @@
-"""VLA (seed 002): chunked == the token loop, and the paper's properties (SPEC §4.6).
+"""VLA (VLA paper, arXiv 2605.11196): chunked == the token loop, and the paper's properties (docs/design.md §4.6).
 
 - the chunked form (Woodbury/Cholesky for A, WY for S) equals the Sherman-Morrison loop;
 - A_T is the inverse of the penalty matrix λ0 I + Σ û ûᵀ (no refresh): Sherman-Morrison is exact;
@@ -75,7 +75,7 @@ def test_zero_penalty_directions_reduce_to_the_unit_key_delta_rule():
 
 
 def test_state_norm_bounded_while_linear_attention_grows():
-    """Random inputs, d_head = 32, T = 1,000 (seed 002 §6.3, Figure 4: linear attention
+    """Random inputs, d_head = 32, T = 1,000 (VLA paper, arXiv 2605.11196, §6.2, Figure 4: linear attention
     ~1,600 vs VLA < 15). Here both run on the same N(0, 1) q, k, v (u too)."""
     torch.manual_seed(0)
     q, k, v, u = (torch.randn(1, 4, 1000, 32) for _ in range(4))

@@ -1,4 +1,4 @@
-"""VQ codebook quantizer: assignment, estimators, EMA k-means, dead codes, metrics (SPEC §4.4)."""
+"""VQ codebook quantizer: assignment, estimators, EMA k-means, dead codes, metrics (docs/design.md §4.4)."""
 import pytest
 import torch
 import torch.nn.functional as F

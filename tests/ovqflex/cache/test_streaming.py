@@ -1,4 +1,4 @@
-"""Prefill + decode == full forward (SPEC §6, §9.6) for every cached layer and HybridLM.
+"""Prefill + decode == full forward (docs/design.md §6, §9.6) for every cached layer and HybridLM.
 
 The full forward runs the fused program; the cache path runs a prefill (fused, plus a
 route replay) and then per-chunk decode over explicit rows. They share only the

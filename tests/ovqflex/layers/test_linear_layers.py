@@ -1,5 +1,5 @@
 """Recurrent layers (linear, DeltaNet, VLA): the layer is its projections around the op, every
-parameter learns, HybridLM patterns, ``torch.compile(fullgraph=True)`` (SPEC §4.6, §9.7)."""
+parameter learns, HybridLM patterns, ``torch.compile(fullgraph=True)`` (docs/design.md §4.6, §9.7)."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""LongVQ block (seed 003; SPEC §4.5): causality, local bias, compile, the copy task (slow)."""
+"""LongVQ block (LongVQ paper; docs/design.md §4.5): causality, local bias, compile, the copy task (slow)."""
 import time
 
 import pytest

@@ -1,4 +1,4 @@
-"""Plain layers: equal SDPA with an explicit mask; compile with fullgraph (SPEC §4.1, §9.7)."""
+"""Plain layers: equal SDPA with an explicit mask; compile with fullgraph (docs/design.md §4.1, §9.7)."""
 import pytest
 import torch
 from torch._dynamo.utils import counters

@@ -1,4 +1,4 @@
-"""Seed 002's MQAR capacity setting at CPU scale: VLA beats linear attention at n_pairs < d_head (slow)."""
+"""The VLA paper's (arXiv 2605.11196) MQAR capacity setting at CPU scale: VLA beats linear attention at n_pairs < d_head (slow)."""
 import math
 import time
 
@@ -10,7 +10,7 @@ from ovqflex.models import HybridConfig, HybridLM
 from ovqflex.tasks import IGNORE, make_batch, make_task
 from tests.recurrences.recurrent_cases import one_thread  # noqa: F401  (eager small ops: minutes instead of hours)
 
-# seed 002 §5 / Fig. 6: vocab 128, 2 layers, head dim 32, n = 8 pairs (T = 3n + 1 = 25), batch 64, AdamW,
+# VLA paper, arXiv 2605.11196, §5 / Fig. 6: vocab 128, 2 layers, head dim 32, n = 8 pairs (T = 3n + 1 = 25), batch 64, AdamW,
 # 10% warmup + cosine, no q/k convolution; 1,000 steps at lr 1e-3 (the paper: 2-3k steps at 3e-4)
 N_PAIRS, D_HEAD, HEADS, VOCAB, STEPS, BATCH, LR = 8, 32, 4, 128, 1000, 64, 1e-3
 
@@ -43,7 +43,7 @@ def train_mqar(pattern: str, steps: int = STEPS) -> float:
 
 @pytest.mark.slow
 def test_vla_beats_linear_attention_on_mqar_within_capacity():
-    """n_pairs = 8 < d_head = 32 (chance 1/128 over values), seed 002's Fig. 6 setting. Measured:
+    """n_pairs = 8 < d_head = 32 (chance 1/128 over values), the VLA paper's (arXiv 2605.11196) Fig. 6 setting. Measured:
     VLA 0.950, linear 0.126 after 1,000 steps (1,500 steps: 0.962 vs 0.105; the paper: 1.000 vs
     ~0.14). Harder loads do not learn in 1,500 steps here: n_pairs 16, VLA ~0.1; n_pairs 24, VLA
     0.070 vs linear 0.064. With the appendix-C q/k convolution both learn n_pairs 24 alike (0.81
