@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_block_size
 from recurrences.kvm import KVMBudget, routing_memory_keys
 from recurrences.precision import to_compute_dtype
 
@@ -58,7 +57,7 @@ class KVMAttention(MultiHeadProjection):
         self.round_down, self.saturation_n = round_down, saturation_n
         self.chunk_size, self.n_bswa_chunks, self.sink_len = chunk_size, n_bswa_chunks, sink_len
         self.rope_dims, self.rope_base, self.use_vlens = rope_dims, rope_base, use_vlens
-        self.block_size = check_block_size("block_size", block_size)
+        self.block_size = block_size  # checked by check_kvm_options (check_state_layout)
         self.q_norm, self.k_norm, self.ln_s = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
         self.gate_proj = nn.Linear(hidden_size, num_heads, bias=False) if use_gate else None
         if use_temperatures:

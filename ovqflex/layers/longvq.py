@@ -55,7 +55,6 @@ class LongVQBlock(nn.Module):
         check_int("num_heads", num_heads)
         check_int("ema_dim", ema_dim)
         check_chunk("chunk_size", chunk_size)
-        check_block_size("block_size", block_size)
         check_choice("backend", backend, BACKENDS)
         check_number("ffn_ratio", ffn_ratio)
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_block_size, check_choice, check_chunk, check_int
+from recurrences.checks import check_choice, check_chunk, check_int
 from recurrences.ovq import GROWTHS, SEEDINGS
 from recurrences.precision import routing_keys, to_compute_dtype
 from recurrences.versioned import check_state_layout
@@ -47,7 +47,7 @@ class OVQAttention(MultiHeadProjection):
         check_choice("seeding", seeding, SEEDINGS)
         self.chunk_size, self.max_centroids, self.growth, self.growth_horizon = chunk_size, max_centroids, growth, growth_horizon
         self.seeding, self.seed, self.normalize_centroids = seeding, seed, normalize_centroids
-        self.block_size = check_block_size("block_size", block_size)
+        self.block_size = block_size  # checked by check_state_layout
         self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
 
     def _options(self, max_centroids: int | None) -> dict:

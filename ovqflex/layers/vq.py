@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_block_size, check_choice, check_chunk, check_int, check_number
+from recurrences.checks import check_choice, check_chunk, check_int, check_number
 from recurrences.versioned import check_state_layout
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
@@ -150,7 +150,7 @@ class VQAttention(MultiHeadProjection):
         self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
         self.chunk_size, self.commitment_weight = chunk_size, commitment_weight
-        self.block_size = check_block_size("block_size", block_size)
+        self.block_size = block_size  # checked by check_state_layout
         self.quantizer = VQCodebook(num_heads, codebook_size, self.head_dim, estimator=estimator, ema_decay=ema_decay,
                                     dead_threshold=dead_threshold, penalty_rate=penalty_rate)
         self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
