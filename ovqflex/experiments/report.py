@@ -10,11 +10,11 @@ line with fewer seeds than planned says so in its ``seeds`` column.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from tabulate import tabulate
 
+from ..files import write_atomic
 from .plan import Plan, Run, Variant
 
 
@@ -118,13 +118,6 @@ def plot(results: dict, path: Path) -> Path | None:
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_results(plan: Plan) -> dict:

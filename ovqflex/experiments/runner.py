@@ -24,7 +24,8 @@ import time
 from ..training import evaluate, latest_checkpoint, train
 from ..training.checkpoint import read_state
 from .plan import Plan, Unit
-from .report import read_eval, write_atomic, write_results
+from ..files import write_atomic
+from .report import read_eval, write_results
 
 SPEC_FILE = "experiment.json"
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from .setup import build_task, model_from_checkpoint, resolve_device, train_config_of
@@ -108,9 +109,7 @@ def parse_overrides(items: list[str]) -> dict:
 def write_report(run_dir: Path, doc: dict, name: str = "eval") -> tuple[Path, Path | None]:
     """``<name>.json`` (atomic) and, when matplotlib is installed, ``<name>.png``."""
     path = run_dir / f"{name}.json"
-    tmp = run_dir / f".{name}.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(doc, indent=1))
     try:
         import matplotlib
 

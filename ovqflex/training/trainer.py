@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_optimizer, remove_leftovers,
                          save_checkpoint, set_rng_state)
@@ -93,9 +94,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
                 keep.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a line cut by a crash
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(f"{line}\n" for line in keep))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(f"{line}\n" for line in keep))
 
 
 def _progress(cfg: TrainConfig, info: DistInfo, start: int):
@@ -176,9 +175,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> Train
         _truncate_metrics(out / METRICS_FILE, start)
         doc = {"train_config": cfg.to_dict(), "model_config": model.config.to_dict(),
                "task": task.describe(), "parameters": model.num_parameters()}
-        tmp = out / f".{CONFIG_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, out / CONFIG_FILE)
+        write_atomic(out / CONFIG_FILE, json.dumps(doc, indent=1))
         print(f"training {out} from step {start}" + (f", resumed from {ckpt_path}" if ckpt else ""),
               file=sys.stderr, flush=True)
     barrier(info)
