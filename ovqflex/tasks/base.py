@@ -22,6 +22,8 @@ from torch import Tensor
 
 IGNORE = -100
 PAD = 0
+#: dataclass field metadata key of task options that shape training batches only (:meth:`Task.evaluation`)
+TRAIN_ONLY = "train_only"
 
 _M64 = (1 << 64) - 1
 
@@ -130,6 +132,14 @@ class Task:
     def options(self) -> dict[str, Any]:
         """The task's options (its dataclass fields) as a plain dict."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    def evaluation(self) -> "Task":
+        """The task as evaluated: every option that only shapes the training distribution
+        (a field with ``metadata={TRAIN_ONLY: True}``, e.g. ICR's ``min_pairs``) back at its
+        default, so accuracy is always measured on the task itself."""
+        reset = {f.name: f.default for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                 if f.metadata.get(TRAIN_ONLY)}
+        return dataclasses.replace(self, **reset) if reset else self  # type: ignore[type-var]
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -12,13 +12,13 @@ last), ``IGNORE`` elsewhere, and ``labels[-1] = IGNORE``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from .base import PAD, Task, check_fields, distinct_rows, labels_from_targets, pad_start
+from .base import PAD, TRAIN_ONLY, Task, _check_int, check_fields, distinct_rows, labels_from_targets, pad_start
 
 ASSIGN, NEXT, QUERY = 1, 2, 3
 N_SPECIAL = 4
@@ -78,6 +78,16 @@ class ICR(_KVTask):
     before them.) Each pair with its delimiter is ``key_len + value_len + 2`` tokens;
     the context holds as many pairs as fit, ``n = (seq_len + 1) // pair - n_queries``,
     and the remainder is padded at the start.
+
+    ``min_pairs`` (training only; :meth:`Task.evaluation` drops it): each example instead
+    holds a number of context pairs drawn uniformly from ``[min(min_pairs, n), n]``, with
+    ``min(n_queries, pairs)`` queries, padded at the start. The easy examples in every batch
+    (one pair: copy its value; two: tell two keys apart) give the key-matching circuit a
+    strong gradient from the first steps; on full contexts alone a small model can sit on
+    the loss plateau for a seed-dependent 1,000-2,500 steps. Measured on the ``tiny``
+    sw-ovq (vocab 64, 1-token keys, 64 tokens, 4,000-step schedule): with ``min_pairs=1``
+    training accuracy passed 0.5 at step 460 (seed 1) and ~1,000 (seed 2), against
+    1,000-2,500 on full contexts (seed 1 still below 0.2 at step 2,350).
     """
 
     name: ClassVar[str] = "icr"
@@ -85,9 +95,12 @@ class ICR(_KVTask):
     key_len: int = 8
     value_len: int = 8
     n_queries: int = 6
+    min_pairs: int | None = field(default=None, metadata={TRAIN_ONLY: True})
 
     def __post_init__(self) -> None:
         check_fields(self, {"n_queries": 1})
+        if self.min_pairs is not None:
+            _check_int("min_pairs", self.min_pairs, 1)
         self._check_kv(self.n_queries, self.n_queries)
 
     def min_len(self) -> int:
@@ -98,11 +111,15 @@ class ICR(_KVTask):
         return (seq_len + 1) // self._pair_len() - self.n_queries
 
     def describe(self) -> str:
+        mix = "" if self.min_pairs is None else f" (training mix: >= {self.min_pairs} context pairs)"
         return (f"basic ICR: context of unique {self.key_len}-token keys → unique {self.value_len}-token values, "
-                f"{self.n_queries} queried pairs, vocab {self.vocab_size}")
+                f"{self.n_queries} queried pairs, vocab {self.vocab_size}{mix}")
 
     def _example(self, seq_len: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
         n, m = self.n_pairs(seq_len), self.n_queries
+        if self.min_pairs is not None:
+            n = int(torch.randint(min(self.min_pairs, n), n + 1, (), generator=gen))
+            m = min(m, n)
         keys = distinct_rows(n, self.key_len, N_SPECIAL, self.vocab_size, gen, "key")
         values = distinct_rows(n, self.value_len, N_SPECIAL, self.vocab_size, gen, "value")
         q = torch.randperm(n, generator=gen)[:m]

@@ -69,6 +69,9 @@ def check_lengths(task, lengths: list[int], what: str = "eval length") -> None:
 @torch.no_grad()
 def evaluate_model(model, task, lengths: list[int], *, n_examples: int, batch_size: int, seed: int,
                    device: torch.device, progress=None) -> list[EvalRow]:
+    """Per-token accuracy of ``model`` on ``task.evaluation()`` (training-only options such as
+    ICR's ``min_pairs`` dropped) at each length, on unseen examples."""
+    task = task.evaluation()
     check_lengths(task, lengths)
     rows = []
     for length in lengths:

@@ -239,6 +239,36 @@ def test_icr_distinct_under_heavy_collisions():
     assert len(ctx) == 499 and len({a for a, _ in ctx}) == 499 and len({b for _, b in ctx}) == 499
 
 
+@given(extra=st.integers(0, 200), seed=st.integers(0, 2**31), min_pairs=st.integers(1, 40))
+def test_icr_min_pairs_mixes_context_sizes(extra, seed, min_pairs):
+    k, v, m = 2, 1, 3
+    t = make_task("icr", vocab_size=64, key_len=k, value_len=v, n_queries=m, min_pairs=min_pairs)
+    T = t.min_len() + extra
+    full = t.n_pairs(T)
+    x, y = one(t, T, seed)
+    npad, ctx, qs = parse_icr(x, y, k, v)  # the same layout, padded at the start
+    assert min(min_pairs, full) <= len(ctx) <= full and len(qs) == min(m, len(ctx))
+    assert len({a for a, _ in ctx}) == len(ctx) and len({b for _, b in ctx}) == len(ctx)
+    table = dict(ctx)
+    assert len({a for a, _ in qs}) == len(qs) and all(table[a] == b for a, b in qs)
+
+
+def test_icr_min_pairs_spread_and_evaluation():
+    t = make_task("icr", vocab_size=64, key_len=1, value_len=1, min_pairs=1)
+    x, y = make_batch(t, seed=0, step=0, start=0, count=256, seq_len=64)
+    sizes = [len(parse_icr(xr, yr, 1, 1)[1]) for xr, yr in zip(x.tolist(), y.tolist())]
+    assert min(sizes) == 1 and max(sizes) == t.n_pairs(64) == 10  # uniform over 1..10: both ends drawn
+    # evaluation drops the training-only option: full contexts, as without it
+    e = t.evaluation()
+    assert e.min_pairs is None and e.options() == {**t.options(), "min_pairs": None}
+    ref = make_task("icr", vocab_size=64, key_len=1, value_len=1)
+    assert e == ref and ref.evaluation() == ref
+    assert torch.equal(make_batch(e, seed=0, step=0, start=0, count=4, seq_len=64)[0],
+                       make_batch(ref, seed=0, step=0, start=0, count=4, seq_len=64)[0])
+    with pytest.raises(ValueError, match="min_pairs must be >= 1"):
+        make_task("icr", min_pairs=0)
+
+
 def icr_oracle(x, k):
     """Causal lookup-table solver: at each query-section position predict the next value token."""
     preds = [None] * len(x)

@@ -271,3 +271,22 @@ def test_eval_lengths_are_checked_before_any_evaluation(lengths, message):
     check_lengths(task, [64, 128, 256])
     with pytest.raises(ValueError, match=message):
         check_lengths(task, lengths)
+
+
+def test_eval_measures_full_contexts_when_training_mixes_sizes():
+    """A training-only task option (ICR ``min_pairs``) does not reach evaluation: every
+    evaluated example has the full context and all ``n_queries`` targets."""
+    from ovqflex.tasks import make_task
+    from ovqflex.training.evaluate import evaluate_model
+
+    task = make_task("icr", vocab_size=64, key_len=1, value_len=1, n_queries=6, min_pairs=1)
+    vocab = task.vocab_size
+    seen = []
+
+    def model(x):  # records the context sizes it is shown; uniform logits
+        seen.extend(int((row == 1).sum()) for row in x)  # one "→" per pair, context and queries
+        return torch.zeros(*x.shape, vocab)
+
+    rows = evaluate_model(model, task, [64, 128], n_examples=16, batch_size=8, seed=0, device=torch.device("cpu"))
+    assert [r.targets for r in rows] == [16 * 6, 16 * 6]
+    assert sorted(set(seen)) == [task.n_pairs(64) + 6, task.n_pairs(128) + 6]
