@@ -7,6 +7,7 @@ from masks.program import AttentionProgram, build_program
 from .attention import attend, resolve_backend
 from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention, VQCodebook)
+from .methods import METHODS, Method, get_method, register_method
 from .ops import (KVMState, OVQState, causal_attention, delta_rule, kvm_attention, linear_attention,
                   ovq_attention, sliding_window_attention, vla_attention, vq_attention, vq_program)
 
@@ -20,6 +21,8 @@ __all__ = [
     "KVMState",
     "LinearAttention",
     "LongVQBlock",
+    "METHODS",
+    "Method",
     "OVQAttention",
     "OVQState",
     "SlidingWindowAttention",
@@ -30,9 +33,11 @@ __all__ = [
     "build_program",
     "causal_attention",
     "delta_rule",
+    "get_method",
     "kvm_attention",
     "linear_attention",
     "ovq_attention",
+    "register_method",
     "resolve_backend",
     "sliding_window_attention",
     "vla_attention",

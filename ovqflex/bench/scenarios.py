@@ -17,6 +17,7 @@ from masks.blocks import build_block_layout
 from masks.regions import Geometry, OwnChunk, StateBank
 from recurrences.checks import check_keys, from_dict
 
+from ..methods import METHODS, Method, get_method, method_names
 from .measure import measure
 
 
@@ -92,16 +93,6 @@ def blockmask(sc: BlockmaskScenario, device: str) -> list[dict]:
     }]
 
 
-def _ovq_flops(T: int, H: int, D: int, L: int, sizes: list[int], B: int = 1) -> float:
-    """Model FLOPs of OVQ attention: per chunk, QK^T and PV over its dictionary rows plus
-    the causal half of its own chunk (2 matmuls x 2 FLOPs per multiply-add)."""
-    total = 0
-    for c in range(-(-T // L)):
-        lq = min(L, T - c * L)
-        total += lq * sizes[c] + lq * (lq + 1) / 2
-    return 4.0 * B * H * D * total
-
-
 def _compare(T: int, cases: list, dev: torch.device, repeats: int, peak_gflops: float) -> list[dict]:
     """Time ``cases`` (name, fn, model FLOPs) in this process; each row carries its speed-up
     over the ``"reference loop fwd"`` and ``"sdpa causal fwd"`` cases and its FLOP efficiency
@@ -139,12 +130,12 @@ class OpScenario(Scenario):
     repeats: int = 3
 
 
-def _op_scenario(sc: OpScenario, device: str, *, op, reference, extra, options: dict, flops) -> list[dict]:
+def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, options: dict, flops) -> list[dict]:
     """Shared driver of the per-method op scenarios, at each ``seq_len`` of ``seq_lens``:
     the fused op (flex forward, compiled and eager; blocked forward+backward up to
     ``max_backward_len``) vs the method's sequential ``reference`` loop vs causal SDPA.
 
-    ``op(q=, k=, v=, **extra, backend=, **options)`` and ``reference(...)`` take the same
+    ``op(q=, k=, v=, **extra, backend=, **options)`` and ``method.reference(...)`` take the same
     keyword tensors; ``extra(T, H, D, generator, device)`` makes the method's extra inputs;
     ``flops(T, H, D)`` its model FLOPs.
     """
@@ -175,7 +166,7 @@ def _op_scenario(sc: OpScenario, device: str, *, op, reference, extra, options: 
         fl = flops(T, H, D)
         cases = [("fused flex fwd, compiled op", no_grad(lambda: compiled(t)), fl),
                  ("fused flex fwd, eager op", no_grad(lambda: op(**t, backend="flex", **options)), fl),
-                 ("reference loop fwd", no_grad(lambda: reference(**t, **options)), fl),
+                 ("reference loop fwd", no_grad(lambda: method.reference(**t, **options).out), fl),
                  ("sdpa causal fwd", no_grad(lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"],
                                                                                     is_causal=True)),
                   4.0 * H * D * T * (T + 1) / 2)]
@@ -195,16 +186,16 @@ class OVQScenario(OpScenario):
 def ovq(sc: OVQScenario, device: str) -> list[dict]:
     """OVQ op (docs/design.md §4.2) through :func:`_op_scenario`."""
     from recurrences.ovq import dictionary_sizes
-    from recurrences.reference import ovq_attention_reference
 
     from ..ops.ovq import ovq_attention
 
     L, N = sc.chunk_size, sc.max_centroids
+    method = get_method("ovq")
     return _op_scenario(
-        sc, device, op=ovq_attention, reference=lambda **a: ovq_attention_reference(**a).out,
+        sc, device, method, op=ovq_attention,
         extra=lambda T, H, D, g, dev: {"beta": torch.full((H,), D**0.5, device=dev)},
         options=dict(chunk_size=L, max_centroids=N),
-        flops=lambda T, H, D: _ovq_flops(T, H, D, L, dictionary_sizes(-(-T // L), L, N)))
+        flops=lambda T, H, D: method.flops(T, H, D, L, dictionary_sizes(-(-T // L), L, N)))
 
 
 @dataclass(kw_only=True)
@@ -269,17 +260,6 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
     return rows
 
 
-def _kvm_flops(T: int, H: int, D: int, C: int, Nb: int, sizes: list[int], B: int = 1) -> float:
-    """Model FLOPs of KVM attention: the causal front, then per query chunk its state rows,
-    the ``Nb - 1`` whole window chunks before it and the causal half of its own chunk."""
-    front = min(T, Nb * C)
-    total = front * (front + 1) / 2
-    for c in range(Nb, -(-T // C)):
-        lq = min(C, T - c * C)
-        total += lq * (sizes[c] + (Nb - 1) * C) + lq * (lq + 1) / 2
-    return 4.0 * B * H * D * total
-
-
 @dataclass(kw_only=True)
 class KVMScenario(OpScenario):
     """The budget keys are :func:`ovqflex.kvm_attention`'s options, with its defaults (TOML has
@@ -304,7 +284,6 @@ def kvm(sc: KVMScenario, device: str) -> list[dict]:
     import torch.nn.functional as F
 
     from recurrences.kvm import KVMBudget, kvm_state_sizes
-    from recurrences.reference import kvm_attention_reference
 
     from ..ops.kvm import kvm_attention
 
@@ -321,25 +300,16 @@ def kvm(sc: KVMScenario, device: str) -> list[dict]:
     spec = KVMBudget(**budget)
     sizes = functools.cache(lambda T: kvm_state_sizes(T, C, Nb, spec))  # state rows of each chunk at length T
 
-    def flops(T, H, D):
-        return _kvm_flops(T, H, D, C, Nb, sizes(T))
+    method = get_method("kvm")
 
-    rows = _op_scenario(sc, device, op=kvm_attention, reference=lambda **a: kvm_attention_reference(**a).out,
-                        extra=extra, options=dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=sc.sink_len, **budget),
-                        flops=flops)
+    def flops(T, H, D):
+        return method.flops(T, H, D, C, Nb, sizes(T))
+
+    rows = _op_scenario(sc, device, method, op=kvm_attention, extra=extra,
+                        options=dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=sc.sink_len, **budget), flops=flops)
     for row in rows:
         row["state_rows_last_chunk"] = (sizes(row["T"]) or [0])[-1]
     return rows
-
-
-def _vq_flops(T: int, H: int, D: int, C: int, N: int, B: int = 1) -> float:
-    """Model FLOPs of VQ attention in linear form: per chunk, the codebook rows (from chunk 2
-    on), the whole previous chunk and the causal half of its own chunk."""
-    total = 0
-    for c in range(-(-T // C)):
-        lq = min(C, T - c * C)
-        total += lq * (N if c >= 2 else 0) + lq * (C if c >= 1 else 0) + lq * (lq + 1) / 2
-    return 4.0 * B * H * D * total
 
 
 @dataclass(kw_only=True)
@@ -351,18 +321,16 @@ class VQScenario(OpScenario):
 def vq(sc: VQScenario, device: str) -> list[dict]:
     """VQ-attention op (docs/design.md §4.4) through :func:`_op_scenario`; its "reference loop" is the
     quadratic form ``softmax(q K̂ᵀ + causal) V`` (dense, O(T²) memory: keep T moderate)."""
-    from recurrences.reference import vq_attention_reference
-
     from ..ops.vq import vq_attention
 
     C, N = sc.chunk_size, sc.codebook_size
+    method = get_method("vq")
 
     def extra(T, H, D, g, dev):
         return {"codebook": torch.randn(H, N, D, generator=g).to(dev), "beta": torch.full((H,), D**0.5, device=dev)}
 
-    return _op_scenario(sc, device, op=lambda **a: vq_attention(**a)[0],
-                        reference=lambda **a: vq_attention_reference(**a).out, extra=extra,
-                        options=dict(chunk_size=C), flops=lambda T, H, D: _vq_flops(T, H, D, C, N))
+    return _op_scenario(sc, device, method, op=lambda **a: vq_attention(**a)[0], extra=extra,
+                        options=dict(chunk_size=C), flops=lambda T, H, D: method.flops(T, H, D, C, N))
 
 
 @dataclass(kw_only=True)
@@ -545,33 +513,27 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
     return rows
 
 
-#: decode case kind -> (layer class name in ovqflex.layers, the options the scenario fixes)
-_DECODE_LAYERS = {"ovq": ("OVQAttention", {}), "kvm": ("KVMAttention", {}),
-                  "full": ("CausalAttention", {"rope": True}), "swa": ("SlidingWindowAttention", {})}
-
-
-def _decode_layer_class(case: dict, where: str):
-    """The layer class of a decode ``case`` table (``name``, ``kind`` and the layer's options),
-    whose keys are checked against the layer's constructor; returns (class, options)."""
-    import inspect
-
-    from .. import layers
-
+def _decode_method(case: dict, where: str) -> tuple[Method, dict]:
+    """The method of a decode ``case`` table (``name``, ``kind``: a method that decodes, and the
+    options of its layer, checked by name); returns (method, layer options)."""
     if not isinstance(case, dict) or not isinstance(case.get("name"), str):
         raise ValueError(f"{where}: must be a table with a string name, got {case!r}")
-    if case.get("kind") not in _DECODE_LAYERS:
-        raise ValueError(f"{where}: kind must be one of {sorted(_DECODE_LAYERS)}, got {case.get('kind')!r}")
-    cls_name, fixed = _DECODE_LAYERS[case["kind"]]
-    cls = getattr(layers, cls_name)
-    options = set(inspect.signature(cls).parameters) - {"hidden_size", "num_heads", "backend", *fixed}
-    check_keys(f"{where} (a {cls_name})", case, options | {"name", "kind"})
-    return cls, {**fixed, **{k: v for k, v in case.items() if k not in ("kind", "name")}}
+    decoding = method_names(_decodes)
+    if case.get("kind") not in decoding:
+        raise ValueError(f"{where}: kind must be one of {decoding}, got {case.get('kind')!r}")
+    method = METHODS[case["kind"]]
+    check_keys(f"{where} (a {method.layer.__name__})", case, method.option_names() - {"backend"} | {"name", "kind"})
+    return method, {k: v for k, v in case.items() if k not in ("kind", "name")}
+
+
+def _decodes(m: Method) -> bool:
+    return m.decodes
 
 
 @dataclass(kw_only=True)
 class DecodeScenario(Scenario):
     seq_lens: list[int]
-    cases: list[dict]             # tables: name, kind (ovq, kvm, full, swa) and the layer's options
+    cases: list[dict]             # tables: name, kind (a method that decodes) and its layer's options
     hidden: int = 256
     heads: int = 4
     decode_tokens: int = 64
@@ -581,7 +543,7 @@ class DecodeScenario(Scenario):
         if not self.cases:
             raise ValueError(f"scenario {self.name!r}: cases must list at least one [[scenario.cases]] table")
         for i, case in enumerate(self.cases):
-            _decode_layer_class(case, f"scenario {self.name!r}, case {i}")
+            _decode_method(case, f"scenario {self.name!r}, case {i}")
 
 
 @register("decode", DecodeScenario)
@@ -600,8 +562,10 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     rows = []
     for i, case in enumerate(sc.cases):
         torch.manual_seed(0)
-        cls, options = _decode_layer_class(case, f"scenario {sc.name!r}, case {i}")
-        layer = cls(hidden, heads, backend="flex", **options).to(dev).eval()
+        method, options = _decode_method(case, f"scenario {sc.name!r}, case {i}")
+        if "backend" in method.option_names():
+            options["backend"] = "flex"
+        layer = method.build(hidden, heads, **options).to(dev).eval()
         for T in sc.seq_lens:
             x = torch.randn(1, T + n_dec, hidden, device=dev)
             with torch.no_grad():

@@ -155,3 +155,15 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *
     with stage("attention"):
         out = attend(program, backend)
     return (out, state) if return_state else out
+
+
+def kvm_flops(T: int, H: int, D: int, chunk_size: int, n_bswa_chunks: int, sizes: list[int], B: int = 1) -> float:
+    """Model FLOPs of KVM attention: the causal front, then per query chunk its ``sizes[c]`` state
+    rows, the ``Nb - 1`` whole window chunks before it and the causal half of its own chunk."""
+    C, Nb = chunk_size, n_bswa_chunks
+    front = min(T, Nb * C)
+    total = front * (front + 1) / 2
+    for c in range(Nb, -(-T // C)):
+        lq = min(C, T - c * C)
+        total += lq * (sizes[c] + (Nb - 1) * C) + lq * (lq + 1) / 2
+    return 4.0 * B * H * D * total

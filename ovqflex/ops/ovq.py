@@ -134,3 +134,13 @@ def _route_histogram(routes: Tensor, n_slots: int) -> Tensor:
     valid = routes >= 0
     counts = torch.zeros(*routes.shape[:2], n_slots + 1, device=routes.device)
     return counts.scatter_add(2, torch.where(valid, routes, n_slots), valid.float())[..., :n_slots]
+
+
+def ovq_flops(T: int, H: int, D: int, chunk_size: int, sizes: list[int], B: int = 1) -> float:
+    """Model FLOPs of OVQ attention: per chunk, QK^T and PV over its ``sizes[c]`` dictionary rows
+    plus the causal half of its own chunk (2 matmuls x 2 FLOPs per multiply-add)."""
+    total = 0
+    for c in range(-(-T // chunk_size)):
+        lq = min(chunk_size, T - c * chunk_size)
+        total += lq * sizes[c] + lq * (lq + 1) / 2
+    return 4.0 * B * H * D * total

@@ -144,3 +144,14 @@ def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor
     aux["commitment"] = commitment_loss(kn, cb, codes)
     aux.update(codebook_metrics(kn, cb, codes))
     return out, aux
+
+
+def vq_flops(T: int, H: int, D: int, chunk_size: int, codebook_size: int, B: int = 1) -> float:
+    """Model FLOPs of VQ attention in linear form: per chunk, the codebook rows (from chunk 2
+    on), the whole previous chunk and the causal half of its own chunk."""
+    C, N = chunk_size, codebook_size
+    total = 0
+    for c in range(-(-T // C)):
+        lq = min(C, T - c * C)
+        total += lq * (N if c >= 2 else 0) + lq * (C if c >= 1 else 0) + lq * (lq + 1) / 2
+    return 4.0 * B * H * D * total
