@@ -8,8 +8,9 @@ from .attention import attend, resolve_backend
 from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention, VQCodebook)
 from .methods import METHODS, Method, get_method, register_method
-from .ops import (KVMState, OVQState, causal_attention, delta_rule, kvm_attention, linear_attention,
-                  ovq_attention, sliding_window_attention, vla_attention, vq_attention, vq_program)
+from .ops import (KVMOptions, KVMState, OVQOptions, OVQState, causal_attention, delta_rule, kvm_attention,
+                  VQOptions, linear_attention, ovq_attention, sliding_window_attention, vla_attention, vq_attention,
+                  vq_program)
 
 __version__ = "0.1.0"
 
@@ -18,17 +19,20 @@ __all__ = [
     "CausalAttention",
     "DeltaNetAttention",
     "KVMAttention",
+    "KVMOptions",
     "KVMState",
     "LinearAttention",
     "LongVQBlock",
     "METHODS",
     "Method",
     "OVQAttention",
+    "OVQOptions",
     "OVQState",
     "SlidingWindowAttention",
     "VLAAttention",
     "VQAttention",
     "VQCodebook",
+    "VQOptions",
     "attend",
     "build_program",
     "causal_attention",

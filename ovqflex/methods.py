@@ -19,9 +19,9 @@ from recurrences.reference import kvm_attention_reference, ovq_attention_referen
 
 from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention)
-from .ops.kvm import kvm_flops
-from .ops.ovq import ovq_flops
-from .ops.vq import vq_flops
+from .ops.kvm import KVMOptions, kvm_flops
+from .ops.ovq import OVQOptions, ovq_flops
+from .ops.vq import VQOptions, vq_flops
 
 if TYPE_CHECKING:
     from .models.config import HybridConfig
@@ -175,6 +175,7 @@ register_method(Method(
     defaults=dict(window=128, n_sinks=4), test_options=dict(_SMALL, window=20, n_sinks=2)))
 register_method(Method(
     "ovq", OVQAttention, "OVQ-attention: per-chunk dictionary snapshot (log-count bias) + own chunk causal",
+    options=OVQOptions,
     from_config=lambda c: dict(chunk_size=c.chunk_size, max_centroids=c.max_centroids, growth=c.growth,
                                seeding=c.seeding, **_attention_options(c)),
     defaults=dict(chunk_size=128, max_centroids=256), temperatures=_beta_everywhere,
@@ -183,6 +184,7 @@ register_method(Method(
 register_method(Method(
     "kvm", KVMAttention,
     "KVM: sinks + growable state (16 sqrt(ctx) rows) + Nb-chunk block window, region temperatures",
+    options=KVMOptions,
     from_config=lambda c: dict(chunk_size=c.chunk_size, n_bswa_chunks=c.bswa_chunks, rope_base=c.rope_base,
                                **_attention_options(c)),
     defaults=dict(chunk_size=128, n_bswa_chunks=2, sink_len=1, budget="power_law", max_state_chunks=None),
@@ -192,12 +194,14 @@ register_method(Method(
 register_method(Method(
     "vq", VQAttention,
     "VQ-attention: codebook per chunk (log-count bias, tokens of chunks < c-1) + chunks c-1, c causal",
+    options=VQOptions,
     from_config=lambda c: dict(chunk_size=c.chunk_size, **_attention_options(c)),
     defaults=dict(chunk_size=128, codebook_size=256), temperatures=_beta_everywhere,
     test_options=dict(_SMALL, chunk_size=16, codebook_size=12),
     reference=vq_attention_reference, flops=vq_flops))
 register_method(Method(
     "longvq", LongVQBlock, "LongVQ block's VQ attention (local bias folded into the codebook rows' bias)",
+    options=VQOptions,
     from_config=lambda c: dict(chunk_size=c.chunk_size, backend=c.backend, block_size=c.block_size,
                                norm_eps=c.norm_eps, head_dim=c.head_dim),
     defaults=dict(chunk_size=128, codebook_size=256), temperatures=_beta_everywhere,

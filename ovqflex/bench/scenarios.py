@@ -185,17 +185,14 @@ class OVQScenario(OpScenario):
 @register("ovq", OVQScenario)
 def ovq(sc: OVQScenario, device: str) -> list[dict]:
     """OVQ op (docs/design.md §4.2) through :func:`_op_scenario`."""
-    from recurrences.ovq import dictionary_sizes
+    from ..ops.ovq import OVQOptions, ovq_attention
 
-    from ..ops.ovq import ovq_attention
-
-    L, N = sc.chunk_size, sc.max_centroids
+    options = dict(chunk_size=sc.chunk_size, max_centroids=sc.max_centroids)
     method = get_method("ovq")
     return _op_scenario(
         sc, device, method, op=ovq_attention,
-        extra=lambda T, H, D, g, dev: {"beta": torch.full((H,), D**0.5, device=dev)},
-        options=dict(chunk_size=L, max_centroids=N),
-        flops=lambda T, H, D: method.flops(T, H, D, L, dictionary_sizes(-(-T // L), L, N)))
+        extra=lambda T, H, D, g, dev: {"beta": torch.full((H,), D**0.5, device=dev)}, options=options,
+        flops=lambda T, H, D: method.flops(T, H, D, OVQOptions(**options)))
 
 
 @dataclass(kw_only=True)
@@ -283,30 +280,22 @@ def kvm(sc: KVMScenario, device: str) -> list[dict]:
 
     import torch.nn.functional as F
 
-    from recurrences.kvm import KVMBudget, kvm_state_sizes
+    from ..ops.kvm import KVMOptions, kvm_attention
 
-    from ..ops.kvm import kvm_attention
-
-    C, Nb = sc.chunk_size, sc.n_bswa_chunks
-    budget = dict(budget=sc.budget, state_min_len=sc.state_min_len or None, growth_factor=sc.growth_factor,
-                  growth_exponent=sc.growth_exponent, round_down=sc.round_down, saturation_n=sc.saturation_n,
-                  max_state_chunks=sc.max_state_chunks or None)
+    options = dict(chunk_size=sc.chunk_size, n_bswa_chunks=sc.n_bswa_chunks, sink_len=sc.sink_len, budget=sc.budget,
+                   state_min_len=sc.state_min_len or None, growth_factor=sc.growth_factor,
+                   growth_exponent=sc.growth_exponent, round_down=sc.round_down, saturation_n=sc.saturation_n,
+                   max_state_chunks=sc.max_state_chunks or None)
+    opts, method = KVMOptions(**options), get_method("kvm")
+    sizes = functools.cache(opts.state_sizes)  # state rows of each chunk at length T
 
     def extra(T, H, D, g, dev):
         return dict(gate=(1 + F.elu(torch.randn(1, H, T, generator=g))).to(dev),
                     ln_s_weight=torch.ones(D, device=dev), ln_s_bias=torch.zeros(D, device=dev),
                     tau_state=torch.ones(H, device=dev), tau_bswa=torch.ones(H, device=dev))
 
-    spec = KVMBudget(**budget)
-    sizes = functools.cache(lambda T: kvm_state_sizes(T, C, Nb, spec))  # state rows of each chunk at length T
-
-    method = get_method("kvm")
-
-    def flops(T, H, D):
-        return method.flops(T, H, D, C, Nb, sizes(T))
-
-    rows = _op_scenario(sc, device, method, op=kvm_attention, extra=extra,
-                        options=dict(chunk_size=C, n_bswa_chunks=Nb, sink_len=sc.sink_len, **budget), flops=flops)
+    rows = _op_scenario(sc, device, method, op=kvm_attention, extra=extra, options=options,
+                        flops=lambda T, H, D: method.flops(T, H, D, opts))
     for row in rows:
         row["state_rows_last_chunk"] = (sizes(row["T"]) or [0])[-1]
     return rows
@@ -321,16 +310,16 @@ class VQScenario(OpScenario):
 def vq(sc: VQScenario, device: str) -> list[dict]:
     """VQ-attention op (docs/design.md §4.4) through :func:`_op_scenario`; its "reference loop" is the
     quadratic form ``softmax(q K̂ᵀ + causal) V`` (dense, O(T²) memory: keep T moderate)."""
-    from ..ops.vq import vq_attention
+    from ..ops.vq import VQOptions, vq_attention
 
-    C, N = sc.chunk_size, sc.codebook_size
-    method = get_method("vq")
+    N, method = sc.codebook_size, get_method("vq")
+    options = dict(chunk_size=sc.chunk_size)
 
     def extra(T, H, D, g, dev):
         return {"codebook": torch.randn(H, N, D, generator=g).to(dev), "beta": torch.full((H,), D**0.5, device=dev)}
 
-    return _op_scenario(sc, device, method, op=lambda **a: vq_attention(**a)[0], extra=extra,
-                        options=dict(chunk_size=C), flops=lambda T, H, D: method.flops(T, H, D, C, N))
+    return _op_scenario(sc, device, method, op=lambda **a: vq_attention(**a)[0], extra=extra, options=options,
+                        flops=lambda T, H, D: method.flops(T, H, D, VQOptions(**options), codebook_size=N))
 
 
 @dataclass(kw_only=True)
