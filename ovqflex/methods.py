@@ -197,7 +197,7 @@ register_method(Method(
     options=VQOptions,
     from_config=lambda c: dict(chunk_size=c.chunk_size, **_attention_options(c)),
     defaults=dict(chunk_size=128, codebook_size=256), temperatures=_beta_everywhere,
-    test_options=dict(_SMALL, chunk_size=16, codebook_size=12),
+    test_options=dict(_SMALL, chunk_size=16, codebook_size=12, local_bias=True),
     reference=vq_attention_reference, flops=vq_flops))
 register_method(Method(
     "longvq", LongVQBlock, "LongVQ block's VQ attention (local bias folded into the codebook rows' bias)",
