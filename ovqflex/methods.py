@@ -3,7 +3,7 @@
 Everything that offers a choice of methods reads :data:`METHODS`: ``HybridLM`` mixer patterns
 (``ovqflex/models/mixers.py``), ``ovqflex viz`` (``ovqflex/viz.py``), ``ovqflex profile``
 (``ovqflex/bench/profiler.py``), the ``decode``, ``viz`` and op kinds of ``ovqflex bench``
-(``ovqflex/bench/scenarios.py``) and the conformance tests (``tests/ovqflex/test_conformance.py``).
+(``ovqflex/bench/scenarios/``) and the conformance tests (``tests/ovqflex/test_conformance.py``).
 A new method is its module (op, layer) plus one :func:`register_method` call; ``docs/adding-a-method.md``
 walks through it.
 """
