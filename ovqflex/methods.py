@@ -48,7 +48,8 @@ class Method:
       backend) for the conformance tests.
     - ``reference``: the sequential loop the op is checked and benchmarked against (``out`` of
       its result is ``[B, H, T, Dv]``); ``flops(T, H, D, options, **sizes)``: model FLOPs of one
-      forward of the op at batch 1.
+      forward of the op at batch 1 (``options``: an instance of the options dataclass; ``sizes``:
+      input sizes the options leave open, e.g. VQ's ``codebook_size``).
     """
 
     name: str
