@@ -7,8 +7,10 @@ from masks.program import AttentionProgram, build_program
 from .attention import attend, resolve_backend
 from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention, VQCodebook)
-from .ops import (KVMState, OVQState, causal_attention, delta_rule, kvm_attention, linear_attention,
-                  ovq_attention, sliding_window_attention, vla_attention, vq_attention, vq_program)
+from .methods import METHODS, Method, get_method, register_method
+from .ops import (KVMOptions, KVMState, OVQOptions, OVQState, causal_attention, delta_rule, kvm_attention,
+                  VQOptions, linear_attention, ovq_attention, sliding_window_attention, vla_attention, vq_attention,
+                  vq_program)
 
 __version__ = "0.1.0"
 
@@ -17,22 +19,29 @@ __all__ = [
     "CausalAttention",
     "DeltaNetAttention",
     "KVMAttention",
+    "KVMOptions",
     "KVMState",
     "LinearAttention",
     "LongVQBlock",
+    "METHODS",
+    "Method",
     "OVQAttention",
+    "OVQOptions",
     "OVQState",
     "SlidingWindowAttention",
     "VLAAttention",
     "VQAttention",
     "VQCodebook",
+    "VQOptions",
     "attend",
     "build_program",
     "causal_attention",
     "delta_rule",
+    "get_method",
     "kvm_attention",
     "linear_attention",
     "ovq_attention",
+    "register_method",
     "resolve_backend",
     "sliding_window_attention",
     "vla_attention",

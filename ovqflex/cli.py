@@ -382,10 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from masks.viz import FORMATS, MAX_TOKEN_CELLS, VIEWS
 
-    from .viz import VIZ_METHODS
+    from .methods import method_names
+    from .viz import drawable_methods
 
     s = sub.add_parser("viz", help="draw the attention program of a layer: token, block and per-query views")
-    s.add_argument("method", help=f"one of {', '.join(sorted(VIZ_METHODS))}")
+    s.add_argument("method", help=f"one of {', '.join(drawable_methods())}")
     s.add_argument("--seq-len", type=int, default=512, help="tokens T (default 512)")
     s.add_argument("--heads", type=int, default=1)
     s.add_argument("--head-dim", type=int, default=16)
@@ -412,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .profiling import MODES  # (not ovqflex.bench: the CLI stays light for `train`)
 
     s = sub.add_parser("profile", help="run a layer or model step under torch.profiler: stage table + trace")
-    s.add_argument("target", help=f"'model' or a layer: one of {', '.join(sorted(VIZ_METHODS))}")
+    s.add_argument("target", help=f"'model' or a layer: one of {', '.join(method_names())}")
     s.add_argument("--seq-len", type=int, default=1024)
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--heads", type=int, default=4, help="layer targets: heads")

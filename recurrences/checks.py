@@ -116,8 +116,8 @@ def check_companion(name: str, x: object, shape: tuple, like: Tensor) -> Tensor:
     return x
 
 
-def check_keys(what: str, keys, known) -> None:
-    """Refuse the ``keys`` (e.g. of a config dict) that are not in ``known``: a ValueError naming
+def check_keys(what: str, keys, known, error: type[Exception] = ValueError) -> None:
+    """Refuse the ``keys`` (e.g. of a config dict) that are not in ``known``: an ``error`` naming
     each unknown key with the nearest known one (``difflib``) and listing the known keys."""
     known = sorted(map(str, known))
     unknown = [str(k) for k in keys if str(k) not in known]
@@ -127,8 +127,8 @@ def check_keys(what: str, keys, known) -> None:
     for key in unknown:
         near = difflib.get_close_matches(key, known, n=1)
         named.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-    raise ValueError(f"{what}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(named)}; "
-                     f"known keys: {', '.join(known)}")
+    raise error(f"{what}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(named)}; "
+                f"known keys: {', '.join(known)}")
 
 
 def _matches(value: object, hint) -> bool:
@@ -172,3 +172,18 @@ def from_dict(cls: type, d: dict, what: str):
         if not _matches(value, hints[key]):
             raise TypeError(f"{what}: {key} must be {_type_name(hints[key])}, got {type(value).__name__} {value!r}")
     return cls(**d)
+
+
+def options_of(cls: type, options: object, kwargs: dict, what: str):
+    """A method's options: ``options`` (an instance of the frozen dataclass ``cls``, already
+    validated) or ``cls(**kwargs)`` (validated by its ``__post_init__``). Both at once, or a keyword
+    that is not a field of ``cls``, is a TypeError naming it (with the nearest field); ``what``
+    names the options (e.g. ``"OVQ options"``)."""
+    if options is None:  # (dataclasses.fields does not trace under torch.compile; __dataclass_fields__ does)
+        check_keys(what, kwargs, cls.__dataclass_fields__, error=TypeError)
+        return cls(**kwargs)
+    if kwargs:
+        raise TypeError(f"{what}: give options or keyword options, not both (got options and {sorted(kwargs)})")
+    if not isinstance(options, cls):
+        raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
+    return options

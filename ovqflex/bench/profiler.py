@@ -29,7 +29,7 @@ BACKWARD = PREFIX + "backward"
 
 @dataclass
 class ProfileConfig:
-    """``target``: a method of :data:`ovqflex.viz.VIZ_METHODS` (one layer, input
+    """``target``: a method of :data:`ovqflex.methods.METHODS` (one layer, input
     ``[batch, seq_len, heads * head_dim]``) or ``"model"`` (a ``HybridLM`` of ``preset`` and
     ``pattern`` on random tokens, loss = cross-entropy). ``options``: layer options, or
     model config overrides for ``"model"``."""
@@ -77,16 +77,11 @@ def _build(cfg: ProfileConfig):
             return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
         return model, x, loss
-    from ..viz import VIZ_METHODS
+    from ..methods import METHODS, method_names
 
-    if cfg.target not in VIZ_METHODS:
-        raise ValueError(f"target must be 'model' or one of {sorted(VIZ_METHODS)}, got {cfg.target!r}")
-    m = VIZ_METHODS[cfg.target]
-    opts = {**m.defaults, **cfg.options}
-    try:
-        layer = m.factory(cfg.heads * cfg.head_dim, cfg.heads, cfg.head_dim, **opts).to(dev)
-    except TypeError as e:
-        raise ValueError(f"bad option for target {cfg.target!r} (options {opts}): {e}") from None
+    if cfg.target not in method_names():
+        raise ValueError(f"target must be 'model' or one of {method_names()}, got {cfg.target!r}")
+    layer = METHODS[cfg.target].example(cfg.heads, cfg.head_dim, cfg.options, f"target {cfg.target!r}").to(dev)
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.batch, cfg.seq_len, cfg.heads * cfg.head_dim, generator=g).to(dev)
     # layers with an aux dict (VQ, LongVQ) return (y, aux): profile the loss of y

@@ -15,15 +15,17 @@ budget grows as its schedule says) times ``(2D + Dv + 2)`` fp32, plus at most
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from masks.regions import BlockWindow, token_visibility
-from recurrences.kvm import KVMBudget, kvm_absorb, kvm_route_chunk, kvm_state_sizes
+from recurrences.kvm import kvm_absorb, kvm_route_chunk
 
 from ..attention import attend_rows
+from ..ops.kvm import KVMOptions
 from .base import LayerCache, chunk_segments, positions
 
 
@@ -47,26 +49,25 @@ class KVMCache(LayerCache):
     win_gate: Tensor
 
 
-@dataclass(frozen=True)
-class KVMDecodeOptions:
-    chunk_size: int
-    n_bswa_chunks: int
-    sink_len: int
-    budget: KVMBudget
-    use_vlens: bool
-    ln_weight: Tensor
-    ln_bias: Tensor
-    ln_eps: float
+class KVMReadout(NamedTuple):
+    """The layer's state-readout parameters (the op's keyword tensors of the same names): ``LN_s``
+    ``ln_s_weight``, ``ln_s_bias`` ``[D]``; temperatures ``tau_state``, ``tau_bswa`` ``[H]`` (None: 1)."""
+
+    ln_s_weight: Tensor
+    ln_s_bias: Tensor
     tau_state: Tensor | None
     tau_bswa: Tensor | None
 
-    def size(self, c: int) -> int:
-        """State rows query chunk ``c`` reads."""
-        return kvm_state_sizes((c + 1) * self.chunk_size, self.chunk_size, self.n_bswa_chunks, self.budget)[c]
 
-    def capacity(self, rows: int) -> int:
-        cap = self.budget.max_state_chunks
-        return rows if cap is None else max(rows, self.chunk_size * max(cap, 1))
+def _size(opts: KVMOptions, c: int) -> int:
+    """State rows query chunk ``c`` reads."""
+    return opts.state_sizes((c + 1) * opts.chunk_size)[c]
+
+
+def _capacity(opts: KVMOptions, rows: int) -> int:
+    """Rows to allocate for a state of ``rows`` rows: the cap at once when the budget is capped."""
+    cap = opts.max_state_chunks
+    return rows if cap is None else max(rows, opts.chunk_size * max(cap, 1))
 
 
 def _grow(cache_rows: dict, need: int) -> dict:
@@ -78,7 +79,7 @@ def _grow(cache_rows: dict, need: int) -> dict:
     return {name: F.pad(t, (0, 0, 0, pad) if t.dim() == 4 else (0, pad)) for name, t in cache_rows.items()}
 
 
-def _absorb(st: dict, c: int, opts: KVMDecodeOptions, ok: Tensor, og: Tensor, vc: Tensor,
+def _absorb(st: dict, c: int, opts: KVMOptions, readout: KVMReadout, ok: Tensor, og: Tensor, vc: Tensor,
             target: Tensor | None = None, appended: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """State for query chunk ``c`` from the one before: chunk ``c - Nb`` (keys ``ok``, gates
     ``og``, values ``vc``, all fp32 ``[B, H, C, *]``) is absorbed in place. ``target``/``appended``
@@ -89,10 +90,10 @@ def _absorb(st: dict, c: int, opts: KVMDecodeOptions, ok: Tensor, og: Tensor, vc
         appended = torch.ones(B, H, C, dtype=torch.bool, device=ok.device)
         st["state"][:, :, :C] = ok
     else:
-        m, n_app = opts.size(c - 1), opts.size(c) - opts.size(c - 1)
+        m, n_app = _size(opts, c - 1), _size(opts, c) - _size(opts, c - 1)
         if target is None:
-            target, appended = kvm_route_chunk(st["state"], m, n_app, ok, og, opts.ln_weight.float(),
-                                               opts.ln_bias.float(), opts.sink_len, opts.ln_eps)
+            target, appended = kvm_route_chunk(st["state"], m, n_app, ok, og, readout.ln_s_weight.float(),
+                                               readout.ln_s_bias.float(), opts.sink_len, opts.ln_eps)
         kvm_absorb(st["state"], ok, og, target, appended, n_app)
     weight = torch.where(appended, 1.0, og)
     st["value_sums"].scatter_add_(2, target[..., None].expand(B, H, C, vc.shape[-1]), weight[..., None] * vc)
@@ -107,7 +108,7 @@ def _empty_state(B: int, H: int, D: int, Dv: int, device) -> dict:
 
 
 def kvm_prefill(k: Tensor, v: Tensor, kbar32: Tensor, gate: Tensor, routes: Tensor, founder: Tensor,
-                opts: KVMDecodeOptions, conv: Tensor | None) -> KVMCache:
+                opts: KVMOptions, readout: KVMReadout, conv: Tensor | None) -> KVMCache:
     """The cache after a full forward over k (normalized, rotated), v, kbar32 (fp32 memory
     keys), gate ``[B, H, T]`` with the op's routes/founder ``[B, H, T]``, replayed."""
     B, H, T, D = k.shape
@@ -116,17 +117,17 @@ def kvm_prefill(k: Tensor, v: Tensor, kbar32: Tensor, gate: Tensor, routes: Tens
     st = _empty_state(B, H, D, v.shape[-1], k.device)
     vf, gf = v.detach().float(), gate.detach().float()
     for c in range(Nb, last + 1):
-        st = _grow(st, opts.capacity(opts.size(c)))
+        st = _grow(st, _capacity(opts, _size(opts, c)))
         sl = slice((c - Nb) * C, (c - Nb + 1) * C)
-        _absorb(st, c, opts, kbar32[:, :, sl], gf[:, :, sl], vf[:, :, sl], routes[:, :, sl], founder[:, :, sl])
+        _absorb(st, c, opts, readout, kbar32[:, :, sl], gf[:, :, sl], vf[:, :, sl], routes[:, :, sl], founder[:, :, sl])
     start = max(0, (last - Nb + 1) * C)
-    return KVMCache(position=T, conv=conv, rows=opts.size(last) if last >= Nb else 0, state_chunk=last,
+    return KVMCache(position=T, conv=conv, rows=_size(opts, last) if last >= Nb else 0, state_chunk=last,
                     win_k=k.detach()[:, :, start:], win_v=v.detach()[:, :, start:], win_kbar=kbar32[:, :, start:],
                     win_gate=gf[:, :, start:], **st)
 
 
 def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor, gate: Tensor,
-               opts: KVMDecodeOptions, conv: Tensor | None) -> tuple[Tensor, KVMCache]:
+               opts: KVMOptions, readout: KVMReadout, conv: Tensor | None) -> tuple[Tensor, KVMCache]:
     """New tokens' q, k (normalized, rotated), v, fp32 memory keys and gates -> outputs
     ``[B, H, T2, Dv]`` and the cache after them."""
     B, H, T2, D = q.shape
@@ -139,25 +140,25 @@ def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor,
     for off, take in chunk_segments(pos, T2, C):
         c = pos // C
         if c > state_chunk and c >= Nb:  # a new query chunk: absorb the oldest window chunk
-            st = _grow(st, opts.capacity(opts.size(c)))
+            st = _grow(st, _capacity(opts, _size(opts, c)))
             if not copied:
                 st, copied = {name: t.clone() for name, t in st.items()}, True
-            _absorb(st, c, opts, win["kbar"][:, :, :C], win["gate"][:, :, :C], win["v"][:, :, :C].float())
+            _absorb(st, c, opts, readout, win["kbar"][:, :, :C], win["gate"][:, :, :C], win["v"][:, :, :C].float())
             win = {name: t[:, :, C:] for name, t in win.items()}
-            rows = opts.size(c)
+            rows = _size(opts, c)
         state_chunk = c
         new = dict(k=k, v=v, kbar=kbar32, gate=gate.float())
         win = {name: torch.cat([win[name], new[name][:, :, off:off + take].detach()], dim=2) for name in win}
         w = win["k"].shape[2]
-        win_keys = win["k"] if opts.tau_bswa is None else win["k"] * opts.tau_bswa.view(1, H, 1, 1).to(k.dtype)
+        win_keys = win["k"] if readout.tau_bswa is None else win["k"] * readout.tau_bswa.view(1, H, 1, 1).to(k.dtype)
         q_pos, kv_pos = positions(pos, take, q.device), positions(pos + take - w, w, q.device)
         visible = token_visibility(window, q_pos, kv_pos)
         keys, values = win_keys.float(), win["v"].float()
         if rows:
-            s_keys = F.layer_norm(st["state"][:, :, :rows], (D,), opts.ln_weight.float(), opts.ln_bias.float(),
-                                  opts.ln_eps)
-            if opts.tau_state is not None:
-                s_keys = s_keys * opts.tau_state.float().view(1, H, 1, 1)
+            s_keys = F.layer_norm(st["state"][:, :, :rows], (D,), readout.ln_s_weight.float(),
+                                  readout.ln_s_bias.float(), opts.ln_eps)
+            if readout.tau_state is not None:
+                s_keys = s_keys * readout.tau_state.float().view(1, H, 1, 1)
             sv = st["value_sums"][:, :, :rows]
             if opts.use_vlens:
                 s_vals = st["radius"][:, :, :rows, None] * sv / torch.linalg.vector_norm(

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from masks.regions import OwnChunk, token_visibility
-from recurrences.ovq import dictionary_size, ovq_absorb, ovq_route_chunk, seeding_draw
+from recurrences.ovq import ovq_absorb, ovq_route_chunk, seeding_draw
 
 from ..attention import attend_rows
+from ..ops.ovq import OVQOptions
 from .base import LayerCache, chunk_segments, positions
 
 
@@ -62,22 +63,7 @@ def _grown(tensors: tuple[Tensor, ...], need: int, cap: int) -> tuple[Tensor, ..
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class OVQDecodeOptions:
-    chunk_size: int
-    max_centroids: int
-    growth: str
-    growth_horizon: int | None
-    seeding: str
-    seed: int
-    normalize_centroids: bool
-
-    def size(self, c: int) -> int:
-        """Dictionary rows chunk ``c`` reads."""
-        return dictionary_size(c, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
-
-
-def _generator(opts: OVQDecodeOptions, state: Tensor | None) -> torch.Generator | None:
+def _generator(opts: OVQOptions, state: Tensor | None) -> torch.Generator | None:
     if opts.seeding != "random":
         return None
     gen = torch.Generator()
@@ -88,7 +74,7 @@ def _generator(opts: OVQDecodeOptions, state: Tensor | None) -> torch.Generator 
     return gen
 
 
-def ovq_prefill(kn: Tensor, v: Tensor, routes: Tensor, opts: OVQDecodeOptions, conv: Tensor | None) -> OVQCache:
+def ovq_prefill(kn: Tensor, v: Tensor, routes: Tensor, opts: OVQOptions, conv: Tensor | None) -> OVQCache:
     """The cache after a full forward: kn ``[B, H, T, D]`` unit keys, v, routes ``[B, H, T]``
     (the op's, -1 for the incomplete last chunk) replayed chunk by chunk."""
     B, H, T, D = kn.shape
@@ -108,7 +94,7 @@ def ovq_prefill(kn: Tensor, v: Tensor, routes: Tensor, opts: OVQDecodeOptions, c
                     rng=None if gen is None else gen.get_state(), max_centroids=opts.max_centroids)
 
 
-def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: OVQDecodeOptions,
+def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: OVQOptions,
                conv: Tensor | None) -> tuple[Tensor, OVQCache]:
     """New tokens (``q_scaled = beta * q̂``, unit keys kn, v ``[B, H, T2, *]``) -> outputs
     ``[B, H, T2, Dv]`` and the cache after them. Segments split at chunk boundaries."""

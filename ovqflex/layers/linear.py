@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_int, check_number
+from recurrences.checks import check_int, check_number, options_of
 from recurrences.vla import VLAOptions
 
 from ..cache.base import check_cache
@@ -133,13 +133,7 @@ class VLAAttention(_Recurrent):
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, qk_conv: int = 0,
                  out_norm: bool = False, options: VLAOptions | None = None, **option_kwargs):
         super().__init__(hidden_size, num_heads, head_dim, qk_conv, out_norm)
-        if options is not None and option_kwargs:
-            raise ValueError(f"give options or keyword options, not both (got {sorted(option_kwargs)})")
-        known = {f.name for f in dataclasses.fields(VLAOptions)}
-        unknown = sorted(set(option_kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown VLA options {unknown}; known: {sorted(known)}")
-        self.options = options if options is not None else VLAOptions(**option_kwargs)
+        self.options = options_of(VLAOptions, options, option_kwargs, "VLA options")
         self.penalty_proj = nn.Linear(self.head_dim, self.head_dim, bias=False)
 
     def recur(self, x, q, k, v, *, decoding=False, **state_options):

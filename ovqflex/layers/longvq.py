@@ -29,32 +29,38 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_block_size, check_choice, check_chunk, check_int, check_layer_input, check_number
+from masks.program import AttentionProgram
+from recurrences.checks import check_choice, check_int, check_layer_input, check_number, options_of
 from recurrences.ema import damped_ema
 
 from ..attention import BACKENDS
-from ..ops.vq import vq_program
-from ..profiling import stage
 from ..cache.base import check_cache
 from ..cache.vq import LongVQCache
+from ..ops.vq import VQOptions, vq_program
+from ..profiling import stage
+from .options import OptionAttributes
 from .vq import VQCodebook, vq_layer_attention
 
 
-class LongVQBlock(nn.Module):
+class LongVQBlock(OptionAttributes, nn.Module):
+    """The block; its VQ attention's options are a :class:`~ovqflex.ops.vq.VQOptions` (``options=``)
+    or its fields as keywords (``chunk_size``, ``estimator``, ``state_layout``, ``checkpoint_every``,
+    ``block_size``), each an attribute (``estimator`` fixed once built)."""
+
     standalone_block = True
     supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    options_type = VQOptions
+    fixed_options = ("estimator",)
 
     def __init__(self, hidden_size: int, num_heads: int = 1, *, head_dim: int | None = None, ema_dim: int = 16,
-                 chunk_size: int = 128, codebook_size: int = 512, estimator: str = "ste",
-                 commitment_weight: float = 1e-4, ema_decay: float = 0.99, dead_threshold: float = 0.01,
-                 ffn_ratio: float = 2.0, norm_eps: float = 1e-5, backend: str = "auto",
-                 block_size: int = DEFAULT_BLOCK):
+                 codebook_size: int = 512, commitment_weight: float = 1e-4, ema_decay: float = 0.99,
+                 dead_threshold: float = 0.01, ffn_ratio: float = 2.0, norm_eps: float = 1e-5, backend: str = "auto",
+                 options: VQOptions | None = None, **option_kwargs):
         super().__init__()
         check_int("hidden_size", hidden_size)
         check_int("num_heads", num_heads)
         check_int("ema_dim", ema_dim)
-        check_chunk("chunk_size", chunk_size)
+        self.options = options_of(VQOptions, options, option_kwargs, "VQ options")
         check_choice("backend", backend, BACKENDS)
         check_number("ffn_ratio", ffn_ratio)
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
@@ -63,8 +69,7 @@ class LongVQBlock(nn.Module):
         H, Dv = num_heads, hidden_size // num_heads
         Dk = Dv if head_dim is None else check_int("head_dim", head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.head_dim_v = hidden_size, H, Dk, Dv
-        self.chunk_size, self.commitment_weight, self.backend = chunk_size, commitment_weight, backend
-        self.block_size = check_block_size("block_size", block_size)
+        self.commitment_weight, self.backend = commitment_weight, backend
         # damped EMA parameters (MEGA's initialisation)
         self.ema_delta = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.2)
         self.ema_alpha = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.2)
@@ -74,7 +79,7 @@ class LongVQBlock(nn.Module):
         self.z_proj = nn.Linear(hidden_size, 2 * H * Dk + H * Dv)  # -> Q, K, G_a
         self.x_proj = nn.Linear(hidden_size, H * Dv + hidden_size)  # -> V, G_o
         self.h_proj = nn.Linear(H * Dv, hidden_size)
-        self.quantizer = VQCodebook(H, codebook_size, Dk, estimator=estimator, ema_decay=ema_decay,
+        self.quantizer = VQCodebook(H, codebook_size, Dk, estimator=self.options.estimator, ema_decay=ema_decay,
                                     dead_threshold=dead_threshold)
         self.beta = nn.Parameter(torch.full((H,), math.sqrt(Dk)))
         self.local_bias = nn.Parameter(torch.zeros(H))
@@ -99,15 +104,12 @@ class LongVQBlock(nn.Module):
         heads = lambda t, d: t.view(B, T, H, d).transpose(1, 2)  # noqa: E731
         return heads(q, Dk), heads(k, Dk), heads(F.silu(v), Dv), F.silu(g_a), torch.sigmoid(g_o), state
 
-    def _options(self) -> dict:
-        return dict(chunk_size=self.chunk_size, estimator=self.quantizer.estimator, local_bias=self.local_bias,
-                    code_bias=self.quantizer.code_bias(), block_size=self.block_size)
-
     def program(self, x: Tensor) -> AttentionProgram:
         """The block's VQ attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
         with stage("proj"):
             q, k, v, _, _, _ = self._qkv_gates(x)
-        return vq_program(q, k, v, self.quantizer.codebook, self.beta, **self._options())[0]
+        return vq_program(q, k, v, self.quantizer.codebook, self.beta, local_bias=self.local_bias,
+                          code_bias=self.quantizer.code_bias(), options=self.options)[0]
 
     def forward(self, x: Tensor, cache: LongVQCache | None = None, use_cache: bool = False):
         """x ``[B, T, hidden]`` -> ``(y, aux)``; with ``use_cache=True`` or a ``cache``

@@ -25,17 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram
-from recurrences.checks import check_choice, check_chunk, check_int, check_number
-from recurrences.versioned import check_state_layout
+from masks.program import AttentionProgram
+from recurrences.checks import check_choice, check_int, check_number, options_of
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
 
 from ..cache.base import check_cache
 from ..cache.vq import VQCache, vq_decode, vq_prefill
-from ..ops.vq import vq_attention, vq_program
+from ..ops.vq import VQOptions, vq_attention, vq_program
 from ..profiling import stage
 from .heads import MultiHeadProjection
+from .options import OptionAttributes
 
 
 class VQCodebook(nn.Module):
@@ -103,69 +103,65 @@ def vq_aux(op_aux: dict, codebook: VQCodebook, commitment_weight: float) -> dict
 
 def vq_layer_attention(layer, q: Tensor, k: Tensor, v: Tensor, cache: VQCache | None = None,
                        use_cache: bool = False, conv: Tensor | None = None, cache_type: type = VQCache, **extra):
-    """The VQ attention of a layer that owns ``quantizer``, ``beta``, ``chunk_size``,
-    ``commitment_weight``, ``backend`` and ``_options()`` (``VQAttention``, ``LongVQBlock``).
+    """The VQ attention of a layer that owns ``quantizer``, ``beta``, ``local_bias``,
+    ``commitment_weight``, ``backend`` and ``options`` (``VQAttention``, ``LongVQBlock``).
     q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]`` -> ``(o [B, H, T, Dv], aux)``, updating the EMA
     codebook in training mode; with a ``cache`` or ``use_cache`` (inference) ``(o, new cache)``:
     a prefill (the fused op, then the cache from its codes) or a decode step. ``conv`` and
     ``extra``: more fields of the new cache (``cache_type``)."""
-    options = layer._options()
+    options, code_bias = layer.options, layer.quantizer.code_bias()
+    operands = dict(local_bias=layer.local_bias, code_bias=code_bias, backend=layer.backend, options=options)
     if cache is None and not use_cache:
-        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, backend=layer.backend, **options)
+        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, **operands)
         if layer.training:
             with stage("routing"):
                 layer.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
         return o, vq_aux(op_aux, layer.quantizer, layer.commitment_weight)
     cb = F.normalize(layer.quantizer.codebook.detach(), dim=-1)
     if cache is None:
-        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, backend=layer.backend, **options)
+        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, **operands)
         codes = op_aux["codes"]
-        fields = vq_prefill(gather_codes(cb.to(v.dtype), codes), v, codes, cb.shape[1], layer.chunk_size, conv)
+        fields = vq_prefill(gather_codes(cb.to(v.dtype), codes), v, codes, cb.shape[1], options.chunk_size, conv)
     else:
-        codes = assign_codes(k, cb, options["code_bias"])
+        codes = assign_codes(k, cb, code_bias)
         q_scaled = F.normalize(q, dim=-1) * layer.beta.to(q.dtype).view(1, -1, 1, 1)
         o, fields = vq_decode(cache, q_scaled, gather_codes(cb.to(v.dtype), codes), v, codes, cb,
-                              options["local_bias"], layer.chunk_size)
+                              layer.local_bias, options.chunk_size)
         fields["conv"] = conv
     return o, cache_type(**fields, **extra)
 
 
-class VQAttention(MultiHeadProjection):
+class VQAttention(OptionAttributes, MultiHeadProjection):
     """x ``[B, T, hidden]`` -> ``(y [B, T, hidden], aux)``. NoPE; unit q/k; per-head ``beta``
     (init ``sqrt(head_dim)``); keys quantized by a ``codebook_size``-code codebook per head;
     ``local_bias=True`` adds a learned per-head bias (init 0) to the window rows' scores.
-    ``state_layout`` ("auto" | "snapshot" | "versioned") and ``checkpoint_every``: how the codebook
-    state is laid out as kv rows (:func:`ovqflex.vq_attention`, docs/design.md §5); same outputs."""
+    Options: a :class:`~ovqflex.ops.vq.VQOptions` (``options=``) or its fields as keywords
+    (``chunk_size``, ``estimator``, ``state_layout``, ``checkpoint_every``, ``block_size``), each an
+    attribute; ``estimator`` is fixed once built (the codebook is a buffer or a parameter by it)."""
 
     supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    options_type = VQOptions
+    fixed_options = ("estimator",)
 
-    def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 128,
-                 codebook_size: int = 512, estimator: str = "ste", commitment_weight: float = 1e-4,
-                 ema_decay: float = 0.99, dead_threshold: float = 0.01, penalty_rate: float = 0.0025,
-                 local_bias: bool = False, qk_conv: int = 0, backend: str = "auto", state_layout: str = "auto",
-                 checkpoint_every: int | None = None, block_size: int = DEFAULT_BLOCK):
+    def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, codebook_size: int = 512,
+                 commitment_weight: float = 1e-4, ema_decay: float = 0.99, dead_threshold: float = 0.01,
+                 penalty_rate: float = 0.0025, local_bias: bool = False, qk_conv: int = 0, backend: str = "auto",
+                 options: VQOptions | None = None, **option_kwargs):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
-        check_chunk("chunk_size", chunk_size)
-        check_state_layout(state_layout, checkpoint_every, block_size)
-        self.state_layout, self.checkpoint_every = state_layout, checkpoint_every
+        self.options = options_of(VQOptions, options, option_kwargs, "VQ options")
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
-        self.chunk_size, self.commitment_weight = chunk_size, commitment_weight
-        self.block_size = block_size  # checked by check_state_layout
-        self.quantizer = VQCodebook(num_heads, codebook_size, self.head_dim, estimator=estimator, ema_decay=ema_decay,
-                                    dead_threshold=dead_threshold, penalty_rate=penalty_rate)
+        self.commitment_weight = commitment_weight
+        self.quantizer = VQCodebook(num_heads, codebook_size, self.head_dim, estimator=self.options.estimator,
+                                    ema_decay=ema_decay, dead_threshold=dead_threshold, penalty_rate=penalty_rate)
         self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
         self.local_bias = nn.Parameter(torch.zeros(num_heads)) if local_bias else None
-
-    def _options(self) -> dict:
-        return dict(chunk_size=self.chunk_size, estimator=self.quantizer.estimator, local_bias=self.local_bias,
-                    code_bias=self.quantizer.code_bias(), state_layout=self.state_layout,
-                    checkpoint_every=self.checkpoint_every, block_size=self.block_size)
 
     def program(self, x: Tensor) -> AttentionProgram:
         """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
         with stage("proj"):
             q, k, v = self.split_heads(x)
-        return vq_program(q, k, v, self.quantizer.codebook, self.beta, **self._options())[0]
+        return vq_program(q, k, v, self.quantizer.codebook, self.beta, local_bias=self.local_bias,
+                          code_bias=self.quantizer.code_bias(), options=self.options)[0]
 
     def forward(self, x: Tensor, cache: VQCache | None = None, use_cache: bool = False):
         """x ``[B, T, hidden]`` -> ``(y, aux)``; with ``use_cache=True`` or a ``cache``

@@ -15,6 +15,8 @@ trained by gradient through the same path.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -22,7 +24,7 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from masks.regions import BlockWindow, StateBank
 from masks.versioned import versioned_regions
-from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor
+from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor, options_of
 from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
 from recurrences.vq import (ESTIMATORS, LAG, assign_codes, build_vq_snapshots, build_vq_versioned, codebook_metrics,
@@ -32,8 +34,31 @@ from ..attention import attend
 from ..profiling import stage
 
 
-def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout,
-                   checkpoint_every, block_size):
+@dataclass(frozen=True)
+class VQOptions:
+    """VQ-attention's options, validated once; shared by :func:`vq_program`, :func:`vq_attention`,
+    :class:`~ovqflex.VQAttention` and :class:`~ovqflex.LongVQBlock`.
+
+    ``chunk_size`` ``C`` (a multiple of 16); ``estimator``: ``"ste"`` (straight-through; the
+    codebook gets no gradient) or ``"diveq"``; ``state_layout`` (docs/design.md §5): ``"snapshot"``
+    (one codebook state per chunk, ``n_chunks * N`` rows), ``"versioned"`` (checkpoints every
+    ``checkpoint_every`` chunks plus one version row per token: memory-linear) or ``"auto"`` (fewer
+    rows), same outputs and gradients; ``block_size``, the attention block (a power of two >= 16).
+    """
+
+    chunk_size: int = 128
+    estimator: str = "ste"
+    state_layout: str = "auto"
+    checkpoint_every: int | None = None
+    block_size: int = DEFAULT_BLOCK
+
+    def __post_init__(self):
+        check_chunk("chunk_size", self.chunk_size)
+        check_choice("estimator", self.estimator, ESTIMATORS)
+        check_state_layout(self.state_layout, self.checkpoint_every, self.block_size)
+
+
+def _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias):
     check_qkv(q, k, v)
     H, D = q.shape[1], q.shape[-1]
     check_tensor("codebook", codebook, 3)
@@ -44,9 +69,6 @@ def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, c
     check_tensor("beta", beta, 1)
     if beta.shape[0] != H:
         raise ValueError(f"beta must have shape [H]=[{H}], got {tuple(beta.shape)}")
-    check_chunk("chunk_size", chunk_size)
-    check_choice("estimator", estimator, ESTIMATORS)
-    check_state_layout(state_layout, checkpoint_every, block_size)
     if local_bias is not None:
         check_tensor("local_bias", local_bias, 1)
         if local_bias.shape[0] != H:
@@ -58,18 +80,19 @@ def _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, c
                              f"got {tuple(code_bias.shape)}")
 
 
-def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, chunk_size: int = 128,
-               estimator: str = "ste", local_bias: Tensor | None = None, code_bias: Tensor | None = None,
-               state_layout: str = "auto", checkpoint_every: int | None = None,
-               block_size: int = DEFAULT_BLOCK) -> tuple[AttentionProgram, dict]:
-    """The VQ attention program, without running it -> ``(program, aux)``.
+def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, local_bias: Tensor | None = None,
+               code_bias: Tensor | None = None, options: VQOptions | None = None,
+               **option_kwargs) -> tuple[AttentionProgram, dict]:
+    """The VQ attention program, without running it -> ``(program, aux)``. Arguments as
+    :func:`vq_attention`.
 
     ``aux``: ``codes [B, H, T]``, ``k_hat`` (quantized unit keys), ``k_unit`` (normalized keys).
     q, k, v are cast to one compute dtype; codes are assigned on fp32 unit keys and codebook
     rows (:mod:`recurrences.precision`).
     """
-    _check_vq_args(q, k, v, codebook, beta, chunk_size, estimator, local_bias, code_bias, state_layout,
-                   checkpoint_every, block_size)
+    o = options_of(VQOptions, options, option_kwargs, "VQ options")
+    _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias)
+    chunk_size, block_size = o.chunk_size, o.block_size
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
     N = codebook.shape[1]
@@ -81,12 +104,12 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
         codes = assign_codes(k, codebook, code_bias)  # fp32 unit keys and codes (recurrences.precision)
     aux = {"codes": codes, "k_unit": kn}
     with stage("state_build"):
-        k_hat = quantize(kn, cb, codes, estimator)
+        k_hat = quantize(kn, cb, codes, o.estimator)
         aux["k_hat"] = k_hat
         window = BlockWindow(2, chunk_size)
         n_chunks = max(1, -(-T // chunk_size))
-        plan = plan_versioned(n_chunks, chunk_size, N, LAG, checkpoint_every, align=block_size)
-        if choose_state_layout(state_layout, n_chunks=n_chunks, rows=N, plan=plan) == "versioned":
+        plan = plan_versioned(n_chunks, chunk_size, N, LAG, o.checkpoint_every, align=block_size)
+        if choose_state_layout(o.state_layout, n_chunks=n_chunks, rows=N, plan=plan) == "versioned":
             ver = build_vq_versioned(k_hat, v, codes, plan)
             bias = ver.bias()
             if local_bias is not None:  # as below
@@ -110,10 +133,9 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     return program, aux
 
 
-def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, chunk_size: int = 128,
-                 estimator: str = "ste", local_bias: Tensor | None = None, code_bias: Tensor | None = None,
-                 backend: str = "auto", state_layout: str = "auto", checkpoint_every: int | None = None,
-                 block_size: int = DEFAULT_BLOCK) -> tuple[Tensor, dict]:
+def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, local_bias: Tensor | None = None,
+                 code_bias: Tensor | None = None, backend: str = "auto", options: VQOptions | None = None,
+                 **option_kwargs) -> tuple[Tensor, dict]:
     """VQ-attention. q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, codebook ``[H, N, D]``, beta ``[H]``
     -> ``(out [B, H, T, Dv], aux)``.
 
@@ -123,19 +145,16 @@ def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor
     chunks ``< c−1``, plus the quantized keys of chunks ``c−1, c`` causally. Equal to
     ``softmax(q K̂ᵀ + causal) V`` (see :func:`recurrences.reference.vq_attention_reference`).
 
-    ``estimator``: ``"ste"`` (straight-through; the codebook gets no gradient) or ``"diveq"``.
     ``local_bias`` ``[H]``: added to the scores of the window rows (LongVQ's local bias).
     ``code_bias`` ``[H, N]``: added to the assignment similarities only (no-use penalty).
-    ``state_layout`` (docs/design.md §5): ``"snapshot"`` (one codebook state per chunk, ``n_chunks * N``
-    rows), ``"versioned"`` (checkpoints every ``checkpoint_every`` chunks plus one version row per
-    token: memory-linear) or ``"auto"`` (fewer rows); same outputs and gradients.
+    Options: a :class:`VQOptions` (chunk size, estimator, state layout, block size) or its fields
+    as keywords.
 
     ``aux``: ``codes``, ``commitment`` (``mean ||k̂ - sg(code)||²``, differentiable in k),
     and detached metrics ``usage``, ``perplexity``, ``unused_codes``, ``rel_quant_error``.
     """
-    program, aux = vq_program(q, k, v, codebook, beta, chunk_size=chunk_size, estimator=estimator,
-                              local_bias=local_bias, code_bias=code_bias, state_layout=state_layout,
-                              checkpoint_every=checkpoint_every, block_size=block_size)
+    program, aux = vq_program(q, k, v, codebook, beta, local_bias=local_bias, code_bias=code_bias, options=options,
+                              **option_kwargs)
     with stage("attention"):
         out = attend(program, backend)
     kn, codes = aux.pop("k_unit"), aux["codes"]
@@ -144,3 +163,14 @@ def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor
     aux["commitment"] = commitment_loss(kn, cb, codes)
     aux.update(codebook_metrics(kn, cb, codes))
     return out, aux
+
+
+def vq_flops(T: int, H: int, D: int, options: VQOptions, codebook_size: int, B: int = 1) -> float:
+    """Model FLOPs of VQ attention in linear form: per chunk, the ``codebook_size`` codebook rows
+    (from chunk 2 on), the whole previous chunk and the causal half of its own chunk."""
+    C, N = options.chunk_size, codebook_size
+    total = 0
+    for c in range(-(-T // C)):
+        lq = min(C, T - c * C)
+        total += lq * (N if c >= 2 else 0) + lq * (C if c >= 1 else 0) + lq * (lq + 1) / 2
+    return 4.0 * B * H * D * total

@@ -145,8 +145,7 @@ def test_ovq_layer_under_cpu_autocast_routes_like_the_reference_and_decodes():
     assert_close(torch.cat(outs, 1).float(), full.float(), FWD_TOL[bf16], "prefill + decode in bf16")
 
 
-KVM_OPTIONS = ("gate", "ln_s_weight", "ln_s_bias", "tau_state", "tau_bswa", "chunk_size", "n_bswa_chunks", "sink_len",
-               "rope_dims", "budget", "growth_factor", "max_state_chunks")
+KVM_OPTIONS = ("chunk_size", "n_bswa_chunks", "sink_len", "rope_dims", "budget", "growth_factor", "max_state_chunks")
 
 
 def test_kvm_layer_under_cpu_autocast_routes_like_the_reference():
@@ -156,10 +155,12 @@ def test_kvm_layer_under_cpu_autocast_routes_like_the_reference():
     x = torch.randn(2, 100, 32)
     with torch.autocast("cpu", dtype=bf16):
         y = layer(x)
-        q, k, v, options, _ = layer._prepare(x)
-        _, state = ovqflex.kvm_attention(q, k, v, backend="blocked", return_state=True, **options)
-    assert y.dtype == bf16 and q.dtype == k.dtype == v.dtype == options["gate"].dtype == bf16
-    ref = kvm_attention_reference(q, k, v, **{n: options[n] for n in KVM_OPTIONS})
+        q, k, v, gate, _ = layer._prepare(x)
+        readout = layer._readout()._asdict()
+        _, state = ovqflex.kvm_attention(q, k, v, gate, backend="blocked", return_state=True, options=layer.options,
+                                         **readout)
+    assert y.dtype == bf16 and q.dtype == k.dtype == v.dtype == gate.dtype == bf16
+    ref = kvm_attention_reference(q, k, v, gate, **readout, **{n: getattr(layer.options, n) for n in KVM_OPTIONS})
     assert torch.equal(state.routes, ref.routes)
     with torch.autocast("cpu", dtype=bf16):
         y_ref = layer.merge(ref.out)

@@ -3,7 +3,7 @@ import pytest
 
 from masks.viz import program_stats
 from ovqflex.cli import main
-from ovqflex.viz import VIZ_METHODS, VizShape, method_program
+from ovqflex.viz import VizShape, drawable_methods, method_program
 
 SMALL = dict(chunk_size=32, block_size=32)
 # layer options keeping each program small; a new method adds one entry (or none: defaults)
@@ -13,7 +13,7 @@ REGIONS = {"ovq": ["state", "window"], "kvm": ["state", "window"], "full": ["cau
            "sinks": ["sink", "window"]}
 
 
-@pytest.mark.parametrize("method", sorted(VIZ_METHODS))
+@pytest.mark.parametrize("method", drawable_methods())
 def test_every_method_builds_its_program(method):
     program, layer, temps = method_program(method, VizShape(seq_len=96, heads=2, head_dim=8), OPTIONS.get(method))
     assert program.q_len == 96 and tuple(program.q.shape[:2]) == (1, 2)

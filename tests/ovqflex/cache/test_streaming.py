@@ -15,7 +15,8 @@ from torch import nn
 
 import ovqflex
 from ovqflex.cache import DeltaNetCache, KVMCache, LinearAttentionCache, OVQCache, PlainCache, VLACache
-from ovqflex.models import HybridLM, mixers
+from ovqflex.methods import METHODS, Method
+from ovqflex.models import HybridLM
 from ovqflex.models.config import HybridConfig
 from tests.helpers import FWD_TOL, assert_close
 
@@ -296,6 +297,13 @@ def test_recurrent_layers_decode_zero_tokens():
         assert_close(torch.cat([y0, y1], 1), full, FWD_TOL[torch.float32], name)
 
 
+class NoCache(nn.Linear):
+    """A mixer without ``supports_cache``."""
+
+    def __init__(self, hidden_size, num_heads):
+        super().__init__(hidden_size, hidden_size)
+
+
 def test_bad_cache_arguments_are_refused(monkeypatch):
     ovq, swa = LAYERS["ovq-plateau"](), LAYERS["swa-20-sinks"]()
     lin, vla = LAYERS["linear"](), LAYERS["vla"]()
@@ -317,7 +325,8 @@ def test_bad_cache_arguments_are_refused(monkeypatch):
     cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern="linear,vla")
     assert HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2).shape == (1, 5)
     # ... and one without a cache is still refused with its name
-    monkeypatch.setitem(mixers._MIXERS, "nocache", lambda c: nn.Linear(c.d_model, c.d_model))
+    monkeypatch.setitem(METHODS, "nocache", Method("nocache", NoCache, "a mixer without a decode cache",
+                                                   from_config=lambda c: {}))
     cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="nocache")
     with pytest.raises(NotImplementedError, match="mixer 'nocache'"):
         HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2)

@@ -69,7 +69,7 @@ def test_hybrid_patterns_train(pattern):
 def test_options_reach_the_op_and_bad_options_are_refused():
     layer = ovqflex.VLAAttention(16, 2, lambda0=0.5, refresh_every=0)
     assert layer.options.lambda0 == 0.5 and layer.options.chunk == 64
-    with pytest.raises(TypeError, match=r"unknown VLA options \['lamda0'\]"):
+    with pytest.raises(TypeError, match=r"VLA options: unknown key 'lamda0' \(did you mean 'lambda0'\?\)"):
         ovqflex.VLAAttention(16, 2, lamda0=0.5)
     with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         ovqflex.LinearAttention(16, 2, chunk_size=0)

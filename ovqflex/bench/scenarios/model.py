@@ -1,0 +1,203 @@
+"""Model scenarios: training throughput of mixer patterns, streaming decode of layers, int8 generation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from recurrences.checks import check_keys
+
+from ...methods import METHODS, Method, method_names
+from ..measure import measure
+from .base import Scenario, register
+
+
+@dataclass(kw_only=True)
+class TrainScenario(Scenario):
+    patterns: list[str]          # the first is the baseline of x_vs_baseline
+    seq_len: int
+    preset: str = "tiny"
+    batch_size: int = 8
+    task: str = "icr"
+    task_options: dict = field(default_factory=dict)
+    model_options: dict = field(default_factory=dict)
+    steps: int = 10              # timed steps
+    warmup_steps: int = 3        # untimed, include compile
+    compile: bool = True
+
+
+@register("train", TrainScenario)
+def train(sc: TrainScenario, device: str) -> list[dict]:
+    """Training throughput of whole models: ``torch.compile(model)`` AdamW steps on a task's
+    batches, for each mixer ``patterns`` entry."""
+    import time
+
+    from ...tasks import make_batch
+    from ...training import TrainConfig
+    from ...training.setup import autocast_dtype, build_model, build_optimizer, build_task
+    from ...training.trainer import forward_loss
+
+    dev = torch.device(device)
+    steps, warm = sc.steps, sc.warmup_steps
+    rows = []
+    for pattern in sc.patterns:
+        cfg = TrainConfig(task=sc.task, preset=sc.preset, pattern=pattern, seq_len=sc.seq_len,
+                          batch_size=sc.batch_size, compile=sc.compile, model_options=dict(sc.model_options),
+                          task_options=dict(sc.task_options))
+        torch.manual_seed(0)
+        task = build_task(cfg)
+        model = build_model(cfg, task).to(dev)
+        opt = build_optimizer(model, cfg)
+        fwd = torch.compile(model) if cfg.compile else model
+        amp = autocast_dtype(cfg, dev)
+
+        def step(i):
+            x, y = make_batch(task, seed=0, step=i, start=0, count=cfg.batch_size, seq_len=cfg.seq_len)
+            x, y = x.to(dev), y.to(dev)
+            forward_loss(fwd, x, y, amp)[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        step(0)
+        first = time.perf_counter() - t0
+        for i in range(1, warm):
+            step(i)
+        m = measure(lambda: [step(warm + i) for i in range(steps)], device=dev, repeats=1, warmup=0)
+        rows.append({"pattern": pattern, "T": cfg.seq_len, "batch": cfg.batch_size,
+                     "params_m": model.num_parameters() / 1e6, "first_step_s": first,
+                     "step_s": m.seconds / steps, "tokens_per_s": steps * cfg.batch_size * cfg.seq_len / m.seconds,
+                     "peak_mb": m.peak_mb})
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["x_vs_baseline"] = r["tokens_per_s"] / base
+    return rows
+
+
+def _decode_method(case: dict, where: str) -> tuple[Method, dict]:
+    """The method of a decode ``case`` table (``name``, ``kind``: a method that decodes, and the
+    options of its layer, checked by name); returns (method, layer options)."""
+    if not isinstance(case, dict) or not isinstance(case.get("name"), str):
+        raise ValueError(f"{where}: must be a table with a string name, got {case!r}")
+    decoding = method_names(_decodes)
+    if case.get("kind") not in decoding:
+        raise ValueError(f"{where}: kind must be one of {decoding}, got {case.get('kind')!r}")
+    method = METHODS[case["kind"]]
+    check_keys(f"{where} (a {method.layer.__name__})", case, method.option_names() - {"backend"} | {"name", "kind"})
+    return method, {k: v for k, v in case.items() if k not in ("kind", "name")}
+
+
+def _decodes(m: Method) -> bool:
+    return m.decodes
+
+
+@dataclass(kw_only=True)
+class DecodeScenario(Scenario):
+    seq_lens: list[int]
+    cases: list[dict]             # tables: name, kind (a method that decodes) and its layer's options
+    hidden: int = 256
+    heads: int = 4
+    decode_tokens: int = 64
+    repeats: int = 2
+
+    def __post_init__(self):
+        if not self.cases:
+            raise ValueError(f"scenario {self.name!r}: cases must list at least one [[scenario.cases]] table")
+        for i, case in enumerate(self.cases):
+            _decode_method(case, f"scenario {self.name!r}, case {i}")
+
+
+@register("decode", DecodeScenario)
+def decode(sc: DecodeScenario, device: str) -> list[dict]:
+    """Streaming decode at long contexts: each layer ``case`` prefills ``T`` tokens (the
+    fused forward, flex, no grad) and then decodes ``decode_tokens`` tokens one per call
+    through its cache. Rows: decode tokens/s, seconds per token (``time_s``, whose slope vs
+    T is ~0 for a bounded cache and ~1 for a growing KV cache), the cache's own bytes
+    (``cache_mb``) and the RSS growth while decoding (``peak_mb``). The last case is the
+    baseline of ``x_vs_<name>``.
+    """
+    import time
+
+    dev = torch.device(device)
+    hidden, heads, n_dec = sc.hidden, sc.heads, sc.decode_tokens
+    rows = []
+    for i, case in enumerate(sc.cases):
+        torch.manual_seed(0)
+        method, options = _decode_method(case, f"scenario {sc.name!r}, case {i}")
+        if "backend" in method.option_names():
+            options["backend"] = "flex"
+        layer = method.build(hidden, heads, **options).to(dev).eval()
+        for T in sc.seq_lens:
+            x = torch.randn(1, T + n_dec, hidden, device=dev)
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                _, cache = layer(x[:, :T], use_cache=True)
+                prefill = time.perf_counter() - t0
+
+                def run():
+                    c = cache
+                    for i in range(n_dec):
+                        _, c = layer(x[:, T + i:T + i + 1], cache=c)
+                    return c
+
+                m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
+                end = run()
+            rows.append({"case": case["name"], "T": T, "prefill_s": prefill, "tokens_per_s": n_dec / m.seconds,
+                         "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
+                         "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
+    by_t = {}
+    for r in rows:
+        by_t.setdefault(r["T"], []).append(r)
+    base = sc.cases[-1]["name"]  # the last case is the baseline (full attention's KV cache)
+    for rs in by_t.values():
+        ref = next((r for r in rs if r["case"] == base), None)
+        for r in rs:
+            if ref is not None:
+                r["x_vs_" + base] = r["tokens_per_s"] / ref["tokens_per_s"]
+    return rows
+
+
+@dataclass(kw_only=True)
+class QuantizedScenario(Scenario):
+    preset: str = "tiny"
+    pattern: str = "swa,ovq"
+    vocab_size: int = 256
+    model_options: dict = field(default_factory=dict)
+    prompt_len: int = 1024
+    decode_tokens: int = 64
+    repeats: int = 2
+
+
+@register("quantized", QuantizedScenario)
+def quantized(sc: QuantizedScenario, device: str) -> list[dict]:
+    """A model's decode throughput and output agreement, fp32 vs torchao int8 weight-only.
+    Rows: tokens/s, ``x_vs_fp32`` and ``rel_err_logits`` of the prompt's logits against the
+    fp32 model (the stated tolerance is 2e-2).
+    """
+    import copy
+
+    from ...models import HybridLM
+    from ...models.config import preset
+    from ...quantize import quantize_model
+
+    dev = torch.device(device)
+    cfg = preset(sc.preset, pattern=sc.pattern, vocab_size=sc.vocab_size, backend="flex", **sc.model_options)
+    torch.manual_seed(0)
+    fp32 = HybridLM(cfg).to(dev).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, sc.prompt_len), device=dev)
+    n_dec = sc.decode_tokens
+    rows, ref_logits = [], None
+    for mode in ("none", "int8"):
+        model = quantize_model(copy.deepcopy(fp32), mode)
+        with torch.no_grad():
+            logits = model(prompt)
+            m = measure(lambda: model.generate(prompt, n_dec, temperature=0), device=dev,
+                        repeats=sc.repeats, warmup=1)
+        ref_logits = logits if ref_logits is None else ref_logits
+        err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+        rows.append({"case": "fp32" if mode == "none" else mode, "pattern": cfg.pattern,
+                     "prompt": prompt.shape[1], "generate_s": m.seconds, "tokens_per_s": n_dec / m.seconds,
+                     "rel_err_logits": err})
+    for r in rows:
+        r["x_vs_fp32"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows

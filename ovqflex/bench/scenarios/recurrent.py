@@ -1,0 +1,151 @@
+"""The non-softmax recurrences vs their loops, OVQ and SDPA (``recurrent``); OVQ's state layouts (``state_layout``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..measure import measure
+from .base import Scenario, register
+
+
+@dataclass(kw_only=True)
+class RecurrentScenario(Scenario):
+    seq_lens: list[int]
+    heads: int = 4
+    head_dim: int = 64
+    batch: int = 1
+    chunk_size: int = 64          # linear, DeltaNet
+    vla_chunk: int = 20           # the refresh period
+    max_centroids: int = 2048     # OVQ
+    ovq_chunk: int = 128
+    ovq_backend: str = "blocked"
+    max_reference_len: int = 1024
+    repeats: int = 3
+
+
+@register("recurrent", RecurrentScenario)
+def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
+    """Non-softmax recurrences (linear attention, DeltaNet, VLA; docs/design.md §4.6): chunked op forward
+    and forward+backward, their token-by-token reference loops (up to ``max_reference_len``),
+    OVQ (``ovq_backend``, forward) and full causal SDPA, at each ``seq_len`` of ``seq_lens``.
+    The runner fits the log-log slope of time and memory vs T of each case.
+    """
+    import torch.nn.functional as F
+
+    from recurrences.reference import delta_rule_reference, linear_attention_reference, vla_reference
+
+    from ...ops.linear import delta_rule, linear_attention, vla_attention
+    from ...ops.ovq import ovq_attention
+
+    dev = torch.device(device)
+    B, H, D = sc.batch, sc.heads, sc.head_dim
+    C, Cv = sc.chunk_size, sc.vla_chunk
+    N, Lo, ovq_backend = sc.max_centroids, sc.ovq_chunk, sc.ovq_backend
+    repeats, max_ref = sc.repeats, sc.max_reference_len
+    rows: list[dict] = []
+    for T in sc.seq_lens:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, u = (torch.randn(B, H, T, D, generator=g).to(dev) for _ in range(4))
+        kn, beta = F.normalize(k, dim=-1), torch.rand(B, H, T, generator=g).to(dev)
+        ops = {
+            "linear": (lambda *a: linear_attention(*a, chunk_size=C), (q, k, v),
+                       lambda: linear_attention_reference(q, k, v)),
+            "deltanet": (lambda *a: delta_rule(*a, chunk_size=C), (q, kn, v, beta),
+                         lambda: delta_rule_reference(q, kn, v, beta)),
+            "vla": (lambda *a: vla_attention(*a, chunk_size=Cv), (q, k, v, u), lambda: vla_reference(q, k, v, u)),
+        }
+        cases = []
+        for name, (op, args, ref) in ops.items():
+            def fwd(op=op, args=args):
+                with torch.no_grad():
+                    return op(*args)
+
+            grad_args = tuple(a.clone().requires_grad_() for a in args)
+
+            def fwd_bwd(op=op, grad_args=grad_args):
+                op(*grad_args).sum().backward()
+
+            cases += [(f"{name} chunked fwd", fwd), (f"{name} chunked fwd+bwd", fwd_bwd)]
+            if T <= max_ref:
+                def reference(ref=ref):
+                    with torch.no_grad():
+                        return ref()
+                cases.append((f"{name} reference loop fwd", reference))
+        beta_ovq = torch.full((H,), D**0.5, device=dev)
+
+        def ovq():
+            with torch.no_grad():
+                return ovq_attention(q, k, v, beta_ovq, chunk_size=Lo, max_centroids=N, backend=ovq_backend)
+
+        def sdpa():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        cases += [(f"ovq {ovq_backend} fwd", ovq), ("sdpa causal fwd", sdpa)]
+        results = {name: measure(fn, device=dev, repeats=repeats) for name, fn in cases}
+        for name, m in results.items():
+            ref = results.get(name.replace("chunked fwd", "reference loop fwd")) if "chunked fwd" in name else None
+            rows.append({"T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
+                         "x_vs_sdpa": results["sdpa causal fwd"].seconds / m.seconds,
+                         "x_vs_reference": ref.seconds / m.seconds if ref and name.endswith("fwd") else None})
+    return rows
+
+
+@dataclass(kw_only=True)
+class StateLayoutScenario(Scenario):
+    seq_lens: list[int]
+    max_centroids: int = 2048
+    heads: int = 2
+    head_dim: int = 64
+    chunk_size: int = 128
+    growth: str = "plateau"
+    layouts: list[str] = field(default_factory=lambda: ["snapshot", "versioned"])
+    checkpoint_every: int = 0     # 0: the default
+    backend: str = "blocked"
+    backward: bool = True
+    repeats: int = 2
+
+
+@register("state_layout", StateLayoutScenario)
+def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
+    """OVQ op under each state layout (docs/design.md §5): state rows, forward and forward+backward time and
+    peak memory at each ``seq_len`` of ``seq_lens``; the runner fits the log-log slope of each case.
+    ``x_time_vs_snapshot`` is the time ratio to the snapshot layout's same case (> 1: slower).
+    """
+    from ...ops.ovq import ovq_attention, ovq_program
+
+    dev = torch.device(device)
+    H, D = sc.heads, sc.head_dim
+    L, N = sc.chunk_size, sc.max_centroids
+    every = sc.checkpoint_every or None
+    backend, repeats = sc.backend, sc.repeats
+    options = dict(chunk_size=L, max_centroids=N, growth=sc.growth, checkpoint_every=every)
+    rows: list[dict] = []
+    for T in sc.seq_lens:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))
+        beta = torch.full((H,), D**0.5, device=dev)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, beta)]
+        base: dict[str, float] = {}
+        for layout in sc.layouts:
+            with torch.no_grad():
+                n_state = ovq_program(q, k, v, beta, state_layout=layout, **options)[0].geom.n_state
+
+            def fwd(layout=layout):
+                with torch.no_grad():
+                    return ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **options)
+
+            def fwd_bwd(layout=layout):
+                ovq_attention(*leaves, backend=backend, state_layout=layout, **options).sum().backward()
+                for x in leaves:
+                    x.grad = None
+
+            cases = [("fwd", fwd)] + ([("fwd+bwd", fwd_bwd)] if sc.backward else [])
+            for what, fn in cases:
+                m = measure(fn, device=dev, repeats=repeats)
+                base.setdefault(what, m.seconds) if layout == "snapshot" else None
+                rows.append({"T": T, "case": f"{layout} {backend} {what}", "state_rows": n_state,
+                             "state_rows_per_T": n_state / T, "time_s": m.seconds, "peak_mb": m.peak_mb,
+                             "x_time_vs_snapshot": m.seconds / base[what] if what in base else None})
+    return rows
