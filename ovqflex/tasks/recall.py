@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .base import PAD, TRAIN_ONLY, Task, _check_int, check_fields, distinct_rows, labels_from_targets, pad_start
+from .base import PAD, TRAIN_ONLY, Task, check_fields, distinct_rows, labels_from_targets, pad_start
 
 ASSIGN, NEXT, QUERY = 1, 2, 3
 N_SPECIAL = 4
@@ -87,7 +87,8 @@ class ICR(_KVTask):
     the loss plateau for a seed-dependent 1,000-2,500 steps. Measured on the ``tiny``
     sw-ovq (vocab 64, 1-token keys, 64 tokens, 4,000-step schedule): with ``min_pairs=1``
     training accuracy passed 0.5 at step 460 (seed 1) and ~1,000 (seed 2), against
-    ~1,000-2,500 on full contexts (seed 1: ~2,500; seed 0: ~1,000).
+    ~1,000-2,500 on full contexts (seed 1: ~2,500 on a 4,000-step schedule; seed 0: ~1,000
+    on a 2,000-step one).
     """
 
     name: ClassVar[str] = "icr"
@@ -100,7 +101,7 @@ class ICR(_KVTask):
     def __post_init__(self) -> None:
         check_fields(self, {"n_queries": 1})
         if self.min_pairs is not None:
-            _check_int("min_pairs", self.min_pairs, 1)
+            check_fields(self, {"min_pairs": 1})
         self._check_kv(self.n_queries, self.n_queries)
 
     def min_len(self) -> int:
