@@ -108,15 +108,17 @@ def test_vq_flex_equals_reference(layout):
     compare(fused, reference, _inputs(3), "q k v codebook beta".split(), ("q", "v", "beta"), seed=3)
 
 
-def _dense(r, **kw):
-    return ovqflex.sliding_window_attention(r["q"], r["k"], r["v"], backend="dense", **kw), None
+def _plain(x, backend, kw):
+    """``causal_attention`` without window arguments, ``sliding_window_attention`` with them."""
+    op = ovqflex.sliding_window_attention if kw else ovqflex.causal_attention
+    return op(x["q"], x["k"], x["v"], backend=backend, **kw), None
 
 
 @pytest.mark.parametrize("kw", [dict(window=50, n_sinks=4), dict(block_window=2, chunk_size=64), dict()],
                          ids=["swa-sinks", "bswa", "causal"])
 def test_plain_flex_equals_dense(kw):
-    compare(lambda x: (ovqflex.sliding_window_attention(x["q"], x["k"], x["v"], backend=TRAIN_BACKEND, **kw), None),
-            lambda r: _dense(r, **kw), _inputs(4), "q k v".split(), ("q", "k", "v"), seed=4)
+    compare(lambda x: _plain(x, TRAIN_BACKEND, kw), lambda r: _plain(r, "dense", kw), _inputs(4), "q k v".split(),
+            ("q", "k", "v"), seed=4)
 
 
 @pytest.mark.parametrize("name", ["linear", "delta", "vla"])
