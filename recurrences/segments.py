@@ -4,9 +4,12 @@ Every stateful method (OVQ, KVM, VQ) reduces to the same step once its routes ar
 known: the state a query chunk reads is a sum, over the tokens routed before it,
 of (weighted) token vectors, grouped by slot. One ``index_add`` of the tokens into
 ``[chunk, slot]`` cells and one cumulative sum over chunks build every snapshot;
-no Python loop on the gradient path.
+no Python loop on the gradient path. :class:`Snapshots` is what every method's snapshot build
+returns (the versioned layout's counterpart is :class:`recurrences.versioned.Versioned`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,3 +47,22 @@ def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, 
     sums = sums.view(B, H, n_out + 1, rows + 1, D)[:, :, :n_out, :rows].cumsum(2)
     counts = counts.view(B, H, n_out + 1, rows + 1)[:, :, :n_out, :rows].cumsum(2)
     return sums, counts
+
+
+@dataclass
+class Snapshots:
+    """A method's state in the snapshot layout (docs/design.md §5): one state of ``R`` rows per query
+    chunk (``R``: the largest state any chunk reads), after the method's per-row readout.
+
+    keys ``[B, H, n_chunks, R, D]``, values ``[B, H, n_chunks, R, Dv]``, counts ``[B, H, n_chunks, R]``
+    fp32 (tokens per row, 0 for empty rows), live ``[n_chunks]`` int64 (rows chunk ``c`` reads).
+    """
+
+    keys: Tensor
+    values: Tensor
+    counts: Tensor
+    live: Tensor
+
+    def bias(self) -> Tensor:
+        """``log(count)`` of the rows, ``-inf`` for empty rows: ``[B, H, n_chunks, R]`` fp32."""
+        return torch.where(self.counts > 0, self.counts.log(), float("-inf"))

@@ -25,13 +25,13 @@ gated sums, VQ code means with ``lag=2``): :func:`versioned_sums` takes the meth
 weighted token vectors, its routes and its lag, and the method applies its per-row readout
 (means, ``LN_s``, radius) to checkpoint and version rows alike.
 
-A method plugs in with three calls (what ``ovqflex.ops.ovq`` and ``ovqflex.ops.kvm`` do; VQ-attention,
-whose state is ``segment_snapshot_sums(..., lag=2)``, takes the same path with ``lag=2``)::
+The layout is chosen and laid out in one place for every method,
+``ovqflex.ops.state_program.build_state_program``, in three steps::
 
     plan = plan_versioned(n_chunks, chunk, rows, lag, checkpoint_every, align=block_size)
     if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
-        vs = versioned_sums([weighted_keys, weighted_values], routes, plan)   # + per-row readout
-        regions = masks.versioned.versioned_regions(plan, sizes, vs.born, vs.dies) + (window,)
+        ver = versioned(plan)   # the method's: versioned_sums of its weighted tokens + per-row readout
+        regions = masks.versioned.versioned_regions(plan, sizes, ver.born, ver.dies) + (window,)
 
 Precondition (true of every routing here): a token entering at chunk ``e`` routes to a slot
 ``< sizes[e]``, with ``sizes`` non-decreasing — so a row with tokens exists in the dictionary
@@ -232,10 +232,14 @@ def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPla
 
 
 @dataclass
-class VersionedMeans:
-    """Running-mean rows of a versioned layout (OVQ dictionaries, VQ codebook state): keys
-    ``[B, H, S, D]``, values ``[B, H, S, Dv]``, counts ``[B, H, S]`` fp32, born/dies ``[B, H, S]``
-    int32 (row ``r`` is live for chunk ``c`` iff ``born <= c < dies``), checkpoints first."""
+class Versioned:
+    """A method's state in the versioned layout, after its per-row readout (OVQ dictionary means,
+    KVM ``LN_s`` keys and radius values, VQ codebook means; the snapshot layout's counterpart is
+    :class:`recurrences.segments.Snapshots`): ``S = plan.state_rows`` rows, checkpoints first.
+
+    keys ``[B, H, S, D]``, values ``[B, H, S, Dv]``, counts ``[B, H, S]`` fp32 (tokens per row),
+    born/dies ``[B, H, S]`` int32 (row ``r`` is live for chunk ``c`` iff ``born <= c < dies``).
+    """
 
     keys: Tensor
     values: Tensor
@@ -249,11 +253,11 @@ class VersionedMeans:
         return torch.where(self.dies > self.born, self.counts.clamp_min(1.0).log(), float("-inf"))
 
 
-def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> VersionedMeans:
+def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> Versioned:
     """Means of the keys and values routed to each slot, laid out as :func:`versioned_sums`."""
     vs = versioned_sums([k, v], routes, plan)
     counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
     ks = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
     vv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
     denom = counts.clamp_min(1.0)[..., None]
-    return VersionedMeans(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), counts, vs.born, vs.dies, plan)
+    return Versioned(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), counts, vs.born, vs.dies, plan)
