@@ -31,17 +31,17 @@ def work_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def to_chunks(x: Tensor, chunk: int, lead: int = 0) -> Tensor:
-    """``[B, H, T, *rest]`` -> ``[B, H, n, chunk, *rest]``: ``lead`` zero rows in front (so a
-    continuation's chunks fall on absolute chunk boundaries), zero-padded at the end to ``n * chunk``."""
+def to_chunks(x: Tensor, chunk_size: int, lead: int = 0) -> Tensor:
+    """``[B, H, T, *rest]`` -> ``[B, H, n, chunk_size, *rest]``: ``lead`` zero rows in front (so a
+    continuation's chunks fall on absolute chunk boundaries), zero-padded at the end to ``n * chunk_size``."""
     T = x.shape[2]
-    n = -(-(lead + T) // chunk)
-    pad = n * chunk - T - lead
+    n = -(-(lead + T) // chunk_size)
+    pad = n * chunk_size - T - lead
     if lead:
         x = torch.cat([x.new_zeros(*x.shape[:2], lead, *x.shape[3:]), x], dim=2)
     if pad:
         x = torch.cat([x, x.new_zeros(*x.shape[:2], pad, *x.shape[3:])], dim=2)
-    return x.view(*x.shape[:2], n, chunk, *x.shape[3:])
+    return x.view(*x.shape[:2], n, chunk_size, *x.shape[3:])
 
 
 def from_chunks(x: Tensor, T: int, lead: int = 0) -> Tensor:

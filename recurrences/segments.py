@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, rows: int,
+def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk_size: int, n_chunks: int, rows: int,
                           lag: int = 1, every: int = 1) -> tuple[Tensor, Tensor]:
     """Per-chunk prefix sums of ``x`` by slot.
 
@@ -28,15 +28,15 @@ def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, 
     snapshots of chunks ``0, every, 2 every, ...`` (``n_out = ceil(n_chunks / every)``; ``every > 1``:
     the checkpoints of the versioned layout, :mod:`recurrences.versioned`).
     """
-    if x.shape[2] % chunk:  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
-        pad = chunk - x.shape[2] % chunk
+    if x.shape[2] % chunk_size:  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
+        pad = chunk_size - x.shape[2] % chunk_size
         x, routes = F.pad(x, (0, 0, 0, pad)), F.pad(routes, (0, pad), value=-1)
     B, H, T, D = x.shape
     slot = torch.where((routes >= 0) & (routes < rows), routes, rows)  # spare slot `rows` drops a token
     # token of chunk ct enters at chunk e = ct + lag, i.e. output ceil(e / every) onwards (clamped into a
     # spare output n_out; e >= n_chunks lands there too), then cumsum over outputs
     n_out = -(-n_chunks // every)
-    entry = torch.arange(T, device=x.device) // chunk + lag
+    entry = torch.arange(T, device=x.device) // chunk_size + lag
     tok_chunk = torch.clamp((entry + every - 1) // every, max=n_out)
     n_cells = (n_out + 1) * (rows + 1)
     bh = torch.arange(B * H, device=x.device).view(B, H, 1) * n_cells

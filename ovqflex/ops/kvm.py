@@ -124,14 +124,14 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     with stage("routing"):
         kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
         kbar32 = routing_memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)  # fp32, whatever the dtype
-        routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk=chunk_size,
+        routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk_size=chunk_size,
                                     n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=o.sink_len, ln_eps=ln_eps)
     k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)
     readout = dict(ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps, use_vlens=o.use_vlens)
     program = build_state_program(
         q, k_win, v, BlockWindow(n_bswa_chunks, chunk_size), scale=D ** -0.5, sizes=sizes, rows=max(sizes, default=0),
         lag=n_bswa_chunks, options=o,
-        snapshots=lambda: build_kvm_snapshots(kbar, v, gate, routes, founder, chunk=chunk_size,
+        snapshots=lambda: build_kvm_snapshots(kbar, v, gate, routes, founder, chunk_size=chunk_size,
                                               n_bswa_chunks=n_bswa_chunks, sizes=sizes, **readout),
         versioned=lambda plan: build_kvm_versioned(kbar, v, gate, routes, founder, plan, **readout),
         key_scale=tau_state)

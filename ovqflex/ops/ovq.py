@@ -104,11 +104,11 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
         qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
     with stage("routing"):
-        routes = route_ovq(routing_keys(k), chunk=chunk_size, sizes=sizes, seeding=o.seeding, seed=o.seed,
+        routes = route_ovq(routing_keys(k), chunk_size=chunk_size, sizes=sizes, seeding=o.seeding, seed=o.seed,
                            normalize_centroids=o.normalize_centroids)
     program = build_state_program(
         q_scaled, kn, v, OwnChunk(chunk_size), scale=1.0, sizes=sizes, rows=max(sizes[:n_chunks]), lag=1, options=o,
-        snapshots=lambda: build_ovq_snapshots(kn, v, routes, chunk=chunk_size, sizes=sizes,
+        snapshots=lambda: build_ovq_snapshots(kn, v, routes, chunk_size=chunk_size, sizes=sizes,
                                               normalize_centroids=o.normalize_centroids),
         versioned=lambda plan: build_ovq_versioned(kn, v, routes, plan, o.normalize_centroids), count_bias=True)
     return program, routes, sizes

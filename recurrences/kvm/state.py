@@ -62,7 +62,7 @@ def _readout(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype
     return keys, values.to(v_dtype)
 
 
-def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *, chunk: int,
+def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *, chunk_size: int,
                         n_bswa_chunks: int, sizes: list[int], ln_weight: Tensor, ln_bias: Tensor,
                         ln_eps: float = 1e-5, use_vlens: bool = True, norm_eps: float = 1e-12) -> Snapshots:
     """kbar ``[B, H, T, D]`` memory keys, v ``[B, H, T, Dv]``, gate ``[B, H, T]``, routes/founder
@@ -71,8 +71,8 @@ def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
     the tokens per row."""
     n_chunks, rows = len(sizes), max(sizes)
     wk, wv = _weighted(kbar, v, gate, founder)
-    sk, counts = segment_snapshot_sums(wk, routes, chunk, n_chunks, rows, lag=n_bswa_chunks)
-    sv, _ = segment_snapshot_sums(wv, routes, chunk, n_chunks, rows, lag=n_bswa_chunks)
+    sk, counts = segment_snapshot_sums(wk, routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
+    sv, _ = segment_snapshot_sums(wv, routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
     rho = _founder_radius(v, routes, founder, rows)[:, :, None, :rows] if use_vlens else None  # [B, H, 1, R]
     keys, values = _readout(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
     return Snapshots(keys, values, counts, torch.tensor(sizes, dtype=torch.long, device=kbar.device))

@@ -14,7 +14,7 @@ from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_means
 
 
-def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk: int, sizes: list[int],
+def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk_size: int, sizes: list[int],
                         normalize_centroids: bool = False) -> Snapshots:
     """Snapshot of chunk ``c``: running means of the (unit) keys/values routed before it.
 
@@ -23,10 +23,10 @@ def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk: int, siz
     Rows ``R`` = the largest dictionary any chunk reads; counts are the tokens per row.
     """
     T = k.shape[2]
-    n_chunks = -(-T // chunk)
+    n_chunks = -(-T // chunk_size)
     rows = max(sizes[:n_chunks])
-    ks, counts = segment_snapshot_sums(k, routes, chunk, n_chunks, rows)
-    vs, _ = segment_snapshot_sums(v, routes, chunk, n_chunks, rows)
+    ks, counts = segment_snapshot_sums(k, routes, chunk_size, n_chunks, rows)
+    vs, _ = segment_snapshot_sums(v, routes, chunk_size, n_chunks, rows)
     denom = counts.clamp_min(1.0)[..., None]
     keys, values = ks / denom.to(ks.dtype), vs / denom.to(vs.dtype)
     if normalize_centroids:
