@@ -39,11 +39,12 @@ def ema_chunk(T: int) -> int:
 
 
 def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,
-               omega: Tensor, *, chunk_size: int | None = None, h0: Tensor | None = None, return_state: bool = False):
+               omega: Tensor, *, chunk_size: int | None = None, h0: Tensor | None = None,
+               output_final_state: bool = False):
     """x ``[B, T, D]`` -> ``y [B, T, D]`` (dtype of x), exactly causal, fp32 inside.
 
     ``h0`` ``[B, D, n]``: the EMA state before ``x`` (None: zeros, a sequence start) — how a
-    decode cache continues; ``return_state=True`` also returns the state after ``x``
+    decode cache continues; ``output_final_state=True`` also returns the state after ``x``
     ``[B, D, n]`` fp32.
 
     Chunked two-level form: inside each chunk of ``chunk_size`` tokens a ``[chunk_size, chunk_size]``
@@ -82,7 +83,7 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
         y = y + torch.einsum("dnt,bdn->btd", torch.exp((t + 1)[None, None, :] * loga[..., None]) * g[..., None],
                              h0.float())
     y = (y + x.float() * omega.float()).to(x.dtype)
-    if not return_state:
+    if not output_final_state:
         return y
     to_last = torch.exp((T - 1 - t)[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, T]
     state = torch.einsum("dnt,btd->bdn", to_last, x.float())

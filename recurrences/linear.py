@@ -63,13 +63,11 @@ class LinearState(NamedTuple):
 
 
 def linear_attention_chunked(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = 64, eps: float = 1e-6,
-                             return_state: bool = False, initial_state: LinearState | None = None,
-                             output_final_state: bool = False):
+                             initial_state: LinearState | None = None, output_final_state: bool = False):
     """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype).
 
     ``initial_state``: the :class:`LinearState` before q, k, v (None: zeros, a sequence start).
-    ``output_final_state=True`` returns ``(o, LinearState)`` after the last token (work dtype);
-    ``return_state=True`` returns ``(o, S_T)``, ``S_T`` ``[B, H, Dv, Dk]`` only.
+    ``output_final_state=True`` returns ``(o, LinearState)`` after the last token (work dtype).
     """
     T, dt = q.shape[2], work_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
@@ -86,9 +84,6 @@ def linear_attention_chunked(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int
         num = fq @ state + scores @ vc
         den = (fq * zsum.unsqueeze(-2)).sum(-1) + scores.sum(-1)     # [B, H, n, C]
         out = from_chunks(num / torch.clamp(den, min=eps).unsqueeze(-1), T).to(q.dtype)
-    if not (return_state or output_final_state):
-        return out
-    S_T = (state[:, :, -1] + kv[:, :, -1]).transpose(-1, -2)
     if not output_final_state:
-        return out, S_T
-    return out, LinearState(S_T, zsum[:, :, -1] + fk[:, :, -1].sum(-2))
+        return out
+    return out, LinearState((state[:, :, -1] + kv[:, :, -1]).transpose(-1, -2), zsum[:, :, -1] + fk[:, :, -1].sum(-2))

@@ -43,6 +43,6 @@ def test_default_chunk_grows_like_sqrt_t_and_stays_exact():
     omega = torch.randn(3, generator=g)
     ref = damped_ema_reference(x, *params, omega)
     assert_close(damped_ema(x, *params, omega), ref, 10 * FWD_TOL[torch.float32], "T=5000, chunk 80")
-    head, state = damped_ema(x[:, :4200], *params, omega, return_state=True)
+    head, state = damped_ema(x[:, :4200], *params, omega, output_final_state=True)
     tail = damped_ema(x[:, 4200:], *params, omega, h0=state)
     assert_close(torch.cat([head, tail], 1), ref, 10 * FWD_TOL[torch.float32], "continued from the state")
