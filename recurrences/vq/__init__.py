@@ -5,5 +5,5 @@ from .codebook import (ESTIMATORS, assign_codes, code_histogram, codebook_metric
                        quantize)
 from .state import LAG, build_vq_snapshots, build_vq_versioned, vq_state_sizes
 
-__all__ = ["ESTIMATORS", "LAG", "assign_codes", "build_vq_snapshots", "build_vq_versioned", "code_histogram", "codebook_metrics",
-           "commitment_loss", "ema_update_", "quantize", "vq_state_sizes"]
+__all__ = ["ESTIMATORS", "LAG", "assign_codes", "build_vq_snapshots", "build_vq_versioned", "code_histogram",
+           "codebook_metrics", "commitment_loss", "ema_update_", "quantize", "vq_state_sizes"]

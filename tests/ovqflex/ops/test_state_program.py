@@ -83,7 +83,8 @@ def test_each_layout_builds_only_its_state(layout, regions):
 @pytest.mark.parametrize("T", [2 * C, 5 * C + 7, 12 * C])
 def test_snapshot_and_versioned_give_equal_outputs_and_gradients(T):
     q, k, v = inputs(T, seed=T)
-    key_scale, bias_shift = (torch.tensor([0.5, 2.0]).requires_grad_(True), torch.tensor([0.3, -1.0]).requires_grad_(True))
+    key_scale = torch.tensor([0.5, 2.0]).requires_grad_(True)
+    bias_shift = torch.tensor([0.3, -1.0]).requires_grad_(True)
     leaves = (q, k, v, key_scale, bias_shift)
     outs = {}
     for layout in ("snapshot", "versioned", "auto"):
@@ -102,8 +103,8 @@ def test_state_scores():
     """State keys are multiplied by ``key_scale``; the state bias is ``log(count) - bias_shift``
     (``-inf`` on empty rows); token rows get no bias."""
     q, k, v = inputs(3 * C)
-    plain, scaled = toy_program(q, k, v, "snapshot"), toy_program(q, k, v, "snapshot", key_scale=torch.tensor([2.0, 3.0]),
-                                                                   bias_shift=torch.tensor([1.0, -1.0]))
+    plain = toy_program(q, k, v, "snapshot")
+    scaled = toy_program(q, k, v, "snapshot", key_scale=torch.tensor([2.0, 3.0]), bias_shift=torch.tensor([1.0, -1.0]))
     S = 3 * SLOTS
     assert torch.equal(scaled.k[:, :, :S], plain.k[:, :, :S] * torch.tensor([2.0, 3.0]).view(1, 2, 1, 1))
     assert torch.equal(scaled.k[:, :, plain.geom.n_state:], plain.k[:, :, plain.geom.n_state:])
