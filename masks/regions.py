@@ -141,22 +141,22 @@ class TokenWindow(Region):
 
 @dataclass(frozen=True)
 class BlockWindow(Region):
-    """Block sliding window: the own chunk and the ``n_chunks - 1`` before it, causal.
+    """Block sliding window ``width`` chunks wide: the own chunk and the ``width - 1`` before it, causal.
 
-    Query ``i`` (chunk ``c = i // chunk``) sees tokens ``[(c - n_chunks + 1) * chunk, i]``.
-    ``n_chunks=1`` is "own chunk causal" (OVQ's window).
+    Query ``i`` (chunk ``c = i // chunk_size``) sees tokens ``[(c - width + 1) * chunk_size, i]``.
+    ``width=1`` is "own chunk causal" (OVQ's window).
     """
 
-    n_chunks: int
-    chunk: int
+    width: int
+    chunk_size: int
     name: ClassVar[str] = "window"
 
     def __post_init__(self):
-        check_int("n_chunks", self.n_chunks)
-        check_chunk("chunk_size", self.chunk)
+        check_int("width", self.width)
+        check_chunk("chunk_size", self.chunk_size)
 
     def params(self, geom, device):
-        return (_i32([geom.n_state, self.n_chunks, self.chunk], device),)
+        return (_i32([geom.n_state, self.width, self.chunk_size], device),)
 
     @staticmethod
     def bounds(p, q_idx):
@@ -165,12 +165,12 @@ class BlockWindow(Region):
         return t[0] + lo, t[0] + q_idx + 1
 
     def max_span(self, geom):
-        return self.n_chunks * self.chunk + geom.block_q
+        return self.width * self.chunk_size + geom.block_q
 
 
-def OwnChunk(chunk: int) -> BlockWindow:
+def OwnChunk(chunk_size: int) -> BlockWindow:
     """Causal attention inside the query's own chunk."""
-    return BlockWindow(1, chunk)
+    return BlockWindow(1, chunk_size)
 
 
 @dataclass(frozen=True)
@@ -205,19 +205,19 @@ class StateBank(Region):
     """
 
     rows_per_chunk: int
-    chunk: int
+    chunk_size: int
     live: Tensor
     name: ClassVar[str] = "state"
 
     def __post_init__(self):
         check_int("rows_per_chunk", self.rows_per_chunk)
-        check_chunk("chunk_size", self.chunk)
+        check_chunk("chunk_size", self.chunk_size)
         if self.live.dim() != 1 or self.live.numel() < 1:
             raise ValueError(f"live must be a non-empty 1-D tensor, got shape {tuple(self.live.shape)}")
 
     def params(self, geom, device):
         return (
-            _i32([self.rows_per_chunk, self.chunk, self.live.numel() - 1], device),
+            _i32([self.rows_per_chunk, self.chunk_size, self.live.numel() - 1], device),
             self.live.to(device=device, dtype=torch.int32),
         )
 
@@ -229,7 +229,7 @@ class StateBank(Region):
         return lo, lo + live[c]
 
     def max_span(self, geom):
-        bq, c = geom.block_q, self.chunk
+        bq, c = geom.block_q, self.chunk_size
         # query blocks start at multiples of block_q: count the chunks one can touch
         touched = max(1, bq // c) if (bq % c == 0 or c % bq == 0) else (bq - 1) // c + 2
         return touched * self.rows_per_chunk

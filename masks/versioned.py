@@ -30,9 +30,9 @@ from recurrences.versioned import VersionPlan
 from .regions import Geometry, Region, _i32
 
 
-def _touched_chunks(geom: Geometry, chunk: int) -> int:
+def _touched_chunks(geom: Geometry, chunk_size: int) -> int:
     bq = geom.block_q
-    return max(1, bq // chunk) if (bq % chunk == 0 or chunk % bq == 0) else (bq - 1) // chunk + 2
+    return max(1, bq // chunk_size) if (bq % chunk_size == 0 or chunk_size % bq == 0) else (bq - 1) // chunk_size + 2
 
 
 def _liveness(born: Tensor, dies: Tensor, geom: Geometry) -> tuple[Tensor, Tensor]:
@@ -56,7 +56,7 @@ class CheckpointBank(Region):
     each visible while the slot has no newer version (``born <= c < dies``)."""
 
     rows: int
-    chunk: int
+    chunk_size: int
     every: int
     n_chunks: int
     live: Tensor
@@ -67,7 +67,7 @@ class CheckpointBank(Region):
 
     def params(self, geom, device):
         born, dies = _liveness(self.born, self.dies, geom)
-        return (_i32([self.rows, self.chunk, self.every, self.n_chunks - 1], device),
+        return (_i32([self.rows, self.chunk_size, self.every, self.n_chunks - 1], device),
                 self.live.to(device=device, dtype=torch.int32), born, dies)
 
     @staticmethod
@@ -88,7 +88,7 @@ class CheckpointBank(Region):
 
     def max_span(self, geom):
         # chunks c0..c1 of one query block touch checkpoints c0 // R .. c1 // R
-        return (-(-(_touched_chunks(geom, self.chunk) - 1) // self.every) + 1) * self.rows
+        return (-(-(_touched_chunks(geom, self.chunk_size) - 1) // self.every) + 1) * self.rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,7 +96,7 @@ class VersionRows(Region):
     """Version rows (one per token position, from state row ``offset``) of the tokens entering
     the state in chunks ``(every * (c // every), c]``, each visible while it is its slot's latest."""
 
-    chunk: int
+    chunk_size: int
     every: int
     lag: int
     n_chunks: int
@@ -109,7 +109,7 @@ class VersionRows(Region):
 
     def params(self, geom, device):
         born, dies = _liveness(self.born, self.dies, geom)
-        return (_i32([self.chunk, self.every, self.lag, self.n_chunks - 1, self.offset, self.n_versions], device),
+        return (_i32([self.chunk_size, self.every, self.lag, self.n_chunks - 1, self.offset, self.n_versions], device),
                 born, dies)
 
     @staticmethod
@@ -132,12 +132,12 @@ class VersionRows(Region):
 
     def max_span(self, geom):
         # over one query block: chunks c0..c1 read tokens from (R floor(c0/R) - lag + 1) L to (c1 - lag + 1) L
-        return (_touched_chunks(geom, self.chunk) + self.every - 2) * self.chunk
+        return (_touched_chunks(geom, self.chunk_size) + self.every - 2) * self.chunk_size
 
 
 def versioned_regions(plan: VersionPlan, sizes: list[int], born: Tensor, dies: Tensor) -> tuple[Region, Region]:
     """The two state regions of a versioned layout; ``sizes[c]``: rows chunk ``c`` reads."""
     live = torch.tensor([sizes[k * plan.every] for k in range(plan.n_ckpt)], dtype=torch.int32, device=born.device)
-    return (CheckpointBank(plan.rows, plan.chunk, plan.every, plan.n_chunks, live, born, dies),
-            VersionRows(plan.chunk, plan.every, plan.lag, plan.n_chunks, plan.n_ckpt * plan.rows, plan.n_versions,
+    return (CheckpointBank(plan.rows, plan.chunk_size, plan.every, plan.n_chunks, live, born, dies),
+            VersionRows(plan.chunk_size, plan.every, plan.lag, plan.n_chunks, plan.n_ckpt * plan.rows, plan.n_versions,
                         born, dies))

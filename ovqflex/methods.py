@@ -168,7 +168,7 @@ register_method(Method(
     defaults=dict(window=128), test_options=dict(_SMALL, window=20)))
 register_method(Method(
     "bswa", SlidingWindowAttention, "block sliding window of Nb chunks (RoPE)", fixed=dict(rope=True),
-    from_config=lambda c: dict(block_window=c.bswa_chunks, chunk_size=c.chunk_size, rope_base=c.rope_base,
+    from_config=lambda c: dict(block_window=c.n_bswa_chunks, chunk_size=c.chunk_size, rope_base=c.rope_base,
                                qk_norm=c.qk_norm, **_attention_options(c)),
     defaults=dict(block_window=2, chunk_size=128), test_options=dict(_SMALL, block_window=2, chunk_size=16)))
 register_method(Method(
@@ -186,7 +186,7 @@ register_method(Method(
     "kvm", KVMAttention,
     "KVM: sinks + growable state (16 sqrt(ctx) rows) + Nb-chunk block window, region temperatures",
     options=KVMOptions,
-    from_config=lambda c: dict(chunk_size=c.chunk_size, n_bswa_chunks=c.bswa_chunks, rope_base=c.rope_base,
+    from_config=lambda c: dict(chunk_size=c.chunk_size, n_bswa_chunks=c.n_bswa_chunks, rope_base=c.rope_base,
                                **_attention_options(c)),
     defaults=dict(chunk_size=128, n_bswa_chunks=2, sink_len=1, budget="power_law", max_state_chunks=None),
     temperatures=_kvm_temperatures,

@@ -34,10 +34,9 @@ def chunk_wy(read: Tensor, write: Tensor, rhs: Tensor) -> Tensor:
 
 
 def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 64,
-                       return_state: bool = False, initial_state: Tensor | None = None,
-                       output_final_state: bool = False):
+                       initial_state: Tensor | None = None, output_final_state: bool = False):
     """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, beta ``[B, H, T]`` -> o ``[B, H, T, Dv]``
-    (q's dtype); with ``return_state`` or ``output_final_state`` also ``S_T`` ``[B, H, Dv, Dk]``
+    (q's dtype); with ``output_final_state`` also ``S_T`` ``[B, H, Dv, Dk]``
     (paper orientation; work dtype). ``initial_state``: ``S_0`` ``[B, H, Dv, Dk]`` before q, k, v
     (None: zeros, a sequence start)."""
     T, Dv, dt = q.shape[2], v.shape[-1], work_dtype(q)
@@ -57,4 +56,4 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_s
             outs.append(qc[:, :, c] @ X + qk[:, :, c] @ w)
             X = X + kc[:, :, c].transpose(-1, -2) @ w
         out = from_chunks(torch.stack(outs, 2), T).to(q.dtype)
-    return (out, X.transpose(-1, -2)) if return_state or output_final_state else out
+    return (out, X.transpose(-1, -2)) if output_final_state else out

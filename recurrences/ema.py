@@ -39,23 +39,24 @@ def ema_chunk(T: int) -> int:
 
 
 def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,
-               omega: Tensor, *, chunk: int | None = None, h0: Tensor | None = None, return_state: bool = False):
+               omega: Tensor, *, chunk_size: int | None = None, h0: Tensor | None = None,
+               output_final_state: bool = False):
     """x ``[B, T, D]`` -> ``y [B, T, D]`` (dtype of x), exactly causal, fp32 inside.
 
     ``h0`` ``[B, D, n]``: the EMA state before ``x`` (None: zeros, a sequence start) — how a
-    decode cache continues; ``return_state=True`` also returns the state after ``x``
+    decode cache continues; ``output_final_state=True`` also returns the state after ``x``
     ``[B, D, n]`` fp32.
 
-    Chunked two-level form: inside each chunk of ``chunk`` tokens a ``[chunk, chunk]``
+    Chunked two-level form: inside each chunk of ``chunk_size`` tokens a ``[chunk_size, chunk_size]``
     lower-triangular Toeplitz matrix of the kernel; across chunks, the EMA states at chunk
     ends carried by a lower-triangular ``[n_chunks, n_chunks]`` matrix of decay powers. Masked
     entries are exact zeros (built with ``where`` before ``exp``), so an output has an exactly
-    zero gradient with respect to later inputs. Work ``O(T·chunk·D + (T/chunk)²·D·n)``, memory
-    ``O(D·chunk² + D·n·(T/chunk)²)``; ``chunk=None`` takes :func:`ema_chunk` (about ``sqrt(T)``),
+    zero gradient with respect to later inputs. Work ``O(T·L·D + (T/L)²·D·n)`` (``L`` the chunk), memory
+    ``O(D·L² + D·n·(T/L)²)``; ``chunk_size=None`` takes :func:`ema_chunk` (about ``sqrt(T)``),
     which keeps the memory linear in ``T``.
     """
     B, T, D = x.shape
-    L = ema_chunk(T) if chunk is None else chunk
+    L = ema_chunk(T) if chunk_size is None else chunk_size
     nc = max(1, -(-T // L))
     xf = F.pad(x.float(), (0, 0, 0, nc * L - T)).view(B, nc, L, D)
     p = torch.sigmoid(delta_logit.float())
@@ -82,7 +83,7 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
         y = y + torch.einsum("dnt,bdn->btd", torch.exp((t + 1)[None, None, :] * loga[..., None]) * g[..., None],
                              h0.float())
     y = (y + x.float() * omega.float()).to(x.dtype)
-    if not return_state:
+    if not output_final_state:
         return y
     to_last = torch.exp((T - 1 - t)[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, T]
     state = torch.einsum("dnt,btd->bdn", to_last, x.float())

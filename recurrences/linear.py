@@ -31,17 +31,17 @@ def work_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def to_chunks(x: Tensor, chunk: int, lead: int = 0) -> Tensor:
-    """``[B, H, T, *rest]`` -> ``[B, H, n, chunk, *rest]``: ``lead`` zero rows in front (so a
-    continuation's chunks fall on absolute chunk boundaries), zero-padded at the end to ``n * chunk``."""
+def to_chunks(x: Tensor, chunk_size: int, lead: int = 0) -> Tensor:
+    """``[B, H, T, *rest]`` -> ``[B, H, n, chunk_size, *rest]``: ``lead`` zero rows in front (so a
+    continuation's chunks fall on absolute chunk boundaries), zero-padded at the end to ``n * chunk_size``."""
     T = x.shape[2]
-    n = -(-(lead + T) // chunk)
-    pad = n * chunk - T - lead
+    n = -(-(lead + T) // chunk_size)
+    pad = n * chunk_size - T - lead
     if lead:
         x = torch.cat([x.new_zeros(*x.shape[:2], lead, *x.shape[3:]), x], dim=2)
     if pad:
         x = torch.cat([x, x.new_zeros(*x.shape[:2], pad, *x.shape[3:])], dim=2)
-    return x.view(*x.shape[:2], n, chunk, *x.shape[3:])
+    return x.view(*x.shape[:2], n, chunk_size, *x.shape[3:])
 
 
 def from_chunks(x: Tensor, T: int, lead: int = 0) -> Tensor:
@@ -63,13 +63,11 @@ class LinearState(NamedTuple):
 
 
 def linear_attention_chunked(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = 64, eps: float = 1e-6,
-                             return_state: bool = False, initial_state: LinearState | None = None,
-                             output_final_state: bool = False):
+                             initial_state: LinearState | None = None, output_final_state: bool = False):
     """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype).
 
     ``initial_state``: the :class:`LinearState` before q, k, v (None: zeros, a sequence start).
-    ``output_final_state=True`` returns ``(o, LinearState)`` after the last token (work dtype);
-    ``return_state=True`` returns ``(o, S_T)``, ``S_T`` ``[B, H, Dv, Dk]`` only.
+    ``output_final_state=True`` returns ``(o, LinearState)`` after the last token (work dtype).
     """
     T, dt = q.shape[2], work_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
@@ -86,9 +84,6 @@ def linear_attention_chunked(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int
         num = fq @ state + scores @ vc
         den = (fq * zsum.unsqueeze(-2)).sum(-1) + scores.sum(-1)     # [B, H, n, C]
         out = from_chunks(num / torch.clamp(den, min=eps).unsqueeze(-1), T).to(q.dtype)
-    if not (return_state or output_final_state):
-        return out
-    S_T = (state[:, :, -1] + kv[:, :, -1]).transpose(-1, -2)
     if not output_final_state:
-        return out, S_T
-    return out, LinearState(S_T, zsum[:, :, -1] + fk[:, :, -1].sum(-2))
+        return out
+    return out, LinearState((state[:, :, -1] + kv[:, :, -1]).transpose(-1, -2), zsum[:, :, -1] + fk[:, :, -1].sum(-2))

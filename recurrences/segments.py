@@ -4,16 +4,19 @@ Every stateful method (OVQ, KVM, VQ) reduces to the same step once its routes ar
 known: the state a query chunk reads is a sum, over the tokens routed before it,
 of (weighted) token vectors, grouped by slot. One ``index_add`` of the tokens into
 ``[chunk, slot]`` cells and one cumulative sum over chunks build every snapshot;
-no Python loop on the gradient path.
+no Python loop on the gradient path. :class:`Snapshots` is what every method's snapshot build
+returns (the versioned layout's counterpart is :class:`recurrences.versioned.Versioned`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
-def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, rows: int,
+def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk_size: int, n_chunks: int, rows: int,
                           lag: int = 1, every: int = 1) -> tuple[Tensor, Tensor]:
     """Per-chunk prefix sums of ``x`` by slot.
 
@@ -25,15 +28,15 @@ def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, 
     snapshots of chunks ``0, every, 2 every, ...`` (``n_out = ceil(n_chunks / every)``; ``every > 1``:
     the checkpoints of the versioned layout, :mod:`recurrences.versioned`).
     """
-    if x.shape[2] % chunk:  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
-        pad = chunk - x.shape[2] % chunk
+    if x.shape[2] % chunk_size:  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
+        pad = chunk_size - x.shape[2] % chunk_size
         x, routes = F.pad(x, (0, 0, 0, pad)), F.pad(routes, (0, pad), value=-1)
     B, H, T, D = x.shape
     slot = torch.where((routes >= 0) & (routes < rows), routes, rows)  # spare slot `rows` drops a token
     # token of chunk ct enters at chunk e = ct + lag, i.e. output ceil(e / every) onwards (clamped into a
     # spare output n_out; e >= n_chunks lands there too), then cumsum over outputs
     n_out = -(-n_chunks // every)
-    entry = torch.arange(T, device=x.device) // chunk + lag
+    entry = torch.arange(T, device=x.device) // chunk_size + lag
     tok_chunk = torch.clamp((entry + every - 1) // every, max=n_out)
     n_cells = (n_out + 1) * (rows + 1)
     bh = torch.arange(B * H, device=x.device).view(B, H, 1) * n_cells
@@ -44,3 +47,22 @@ def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk: int, n_chunks: int, 
     sums = sums.view(B, H, n_out + 1, rows + 1, D)[:, :, :n_out, :rows].cumsum(2)
     counts = counts.view(B, H, n_out + 1, rows + 1)[:, :, :n_out, :rows].cumsum(2)
     return sums, counts
+
+
+@dataclass
+class Snapshots:
+    """A method's state in the snapshot layout (docs/design.md §5): one state of ``R`` rows per query
+    chunk (``R``: the largest state any chunk reads), after the method's per-row readout.
+
+    keys ``[B, H, n_chunks, R, D]``, values ``[B, H, n_chunks, R, Dv]``, counts ``[B, H, n_chunks, R]``
+    fp32 (tokens per row, 0 for empty rows), live ``[n_chunks]`` int64 (rows chunk ``c`` reads).
+    """
+
+    keys: Tensor
+    values: Tensor
+    counts: Tensor
+    live: Tensor
+
+    def bias(self) -> Tensor:
+        """``log(count)`` of the rows, ``-inf`` for empty rows: ``[B, H, n_chunks, R]`` fp32."""
+        return torch.where(self.counts > 0, self.counts.log(), float("-inf"))

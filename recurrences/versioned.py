@@ -5,7 +5,7 @@ only changes in the chunks where tokens enter it, so the versioned layout keeps
 
 - **checkpoints**: the snapshot of chunks ``0, R, 2R, ...`` (``R = every``), ``rows`` rows each;
 - **version rows**: one per token position ``t`` (slot ``s = routes[t]``, entry chunk
-  ``e = t // chunk + lag``): the aggregate of every token of slot ``s`` entering at chunks
+  ``e = t // chunk_size + lag``): the aggregate of every token of slot ``s`` entering at chunks
   ``<= e``. Only the last token of each (slot, entry chunk) group gives a *live* row; the
   others are superseded inside their own chunk and never visible.
 
@@ -13,7 +13,7 @@ Query chunk ``c`` (checkpoint ``k = c // R``) sees exactly its snapshot through
 
 - checkpoint row ``(k, s)`` iff no token of slot ``s`` enters in chunks ``(R k, c]``;
 - version row ``t`` iff ``R k < e <= c`` (the token interval
-  ``[(R k - lag + 1) chunk, (c - lag + 1) chunk)``, a region of :mod:`masks.versioned`) and
+  ``[(R k - lag + 1) chunk_size, (c - lag + 1) chunk_size)``, a region of :mod:`masks.versioned`) and
   ``e <= c < `` the next entry chunk of slot ``s`` (it is the slot's latest version).
 
 Both conditions are stored per row as ``born[r] <= c < dies[r]`` (int32 ``[B, H, rows]``;
@@ -25,13 +25,13 @@ gated sums, VQ code means with ``lag=2``): :func:`versioned_sums` takes the meth
 weighted token vectors, its routes and its lag, and the method applies its per-row readout
 (means, ``LN_s``, radius) to checkpoint and version rows alike.
 
-A method plugs in with three calls (what ``ovqflex.ops.ovq`` and ``ovqflex.ops.kvm`` do; VQ-attention,
-whose state is ``segment_snapshot_sums(..., lag=2)``, takes the same path with ``lag=2``)::
+The layout is chosen and laid out in one place for every method,
+``ovqflex.ops.state_program.build_state_program``, in three steps::
 
-    plan = plan_versioned(n_chunks, chunk, rows, lag, checkpoint_every, align=block_size)
+    plan = plan_versioned(n_chunks, chunk_size, rows, lag, checkpoint_every, align=block_size)
     if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
-        vs = versioned_sums([weighted_keys, weighted_values], routes, plan)   # + per-row readout
-        regions = masks.versioned.versioned_regions(plan, sizes, vs.born, vs.dies) + (window,)
+        ver = versioned(plan)   # the method's: versioned_sums of its weighted tokens + per-row readout
+        regions = masks.versioned.versioned_regions(plan, sizes, ver.born, ver.dies) + (window,)
 
 Precondition (true of every routing here): a token entering at chunk ``e`` routes to a slot
 ``< sizes[e]``, with ``sizes`` non-decreasing — so a row with tokens exists in the dictionary
@@ -57,12 +57,12 @@ class VersionPlan:
 
     ``rows``: rows per checkpoint (the largest state, rounded up to ``align``); ``every``:
     chunks between checkpoints; ``n_ckpt = ceil(n_chunks / every)``; ``n_versions``: version
-    rows, one per (padded) token position ``n_chunks * chunk``; ``lag``: a token of chunk
+    rows, one per (padded) token position ``n_chunks * chunk_size``; ``lag``: a token of chunk
     ``ct`` enters the state of chunk ``ct + lag``.
     """
 
     n_chunks: int
-    chunk: int
+    chunk_size: int
     rows: int
     every: int
     lag: int
@@ -73,7 +73,7 @@ class VersionPlan:
 
     @property
     def n_versions(self) -> int:
-        return self.n_chunks * self.chunk
+        return self.n_chunks * self.chunk_size
 
     @property
     def state_rows(self) -> int:
@@ -81,25 +81,25 @@ class VersionPlan:
         return self.n_ckpt * self.rows + self.n_versions
 
 
-def default_every(rows: int, chunk: int, n_chunks: int | None = None) -> int:
-    """``R ~ rows / (2 chunk)``: the smallest ``R >= ceil(rows / (2 chunk))`` whose ``ceil(n_chunks / R)``
-    checkpoints hold at most ``2 n_chunks chunk`` rows, so the whole state stays within ``3T``
+def default_every(rows: int, chunk_size: int, n_chunks: int | None = None) -> int:
+    """``R ~ rows / (2 chunk_size)``: the smallest ``R >= ceil(rows / (2 chunk_size))`` whose ``ceil(n_chunks / R)``
+    checkpoints hold at most ``2 n_chunks chunk_size`` rows, so the whole state stays within ``3T``
     rows, while a query chunk scans at most ``R - 1`` chunks of version rows."""
-    every = max(1, -(-rows // (2 * chunk)))
-    while n_chunks is not None and every < n_chunks and -(-n_chunks // every) * rows > 2 * n_chunks * chunk:
+    every = max(1, -(-rows // (2 * chunk_size)))
+    while n_chunks is not None and every < n_chunks and -(-n_chunks // every) * rows > 2 * n_chunks * chunk_size:
         every += 1
     return every
 
 
-def plan_versioned(n_chunks: int, chunk: int, rows: int, lag: int, every: int | None = None,
+def plan_versioned(n_chunks: int, chunk_size: int, rows: int, lag: int, every: int | None = None,
                    align: int = 1) -> VersionPlan:
     """The layout of a state of ``rows`` rows read by ``n_chunks`` chunks (``every=None``:
     :func:`default_every` of the padded rows); checkpoint rows are padded to a multiple of ``align`` (the block size)."""
     if every is not None:
         check_int("checkpoint_every", every)
     rows_pad = -(-rows // align) * align
-    every = default_every(rows_pad, chunk, n_chunks) if every is None else every
-    return VersionPlan(n_chunks, chunk, rows_pad, every, lag)
+    every = default_every(rows_pad, chunk_size, n_chunks) if every is None else every
+    return VersionPlan(n_chunks, chunk_size, rows_pad, every, lag)
 
 
 def check_state_layout(state_layout: str, checkpoint_every: int | None, block_size: int) -> None:
@@ -144,7 +144,7 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
     """Checkpoint and version sums of each ``x`` in ``xs`` (``[B, H, T, D_i]``, already weighted),
     grouped by ``routes`` ``[B, H, T]`` (-1 or ``>= plan.rows``: in no state); one sort shared by
     all ``xs``. Differentiable in ``xs``; ``T <= plan.n_versions``."""
-    L, R, nc, rows, lag = plan.chunk, plan.every, plan.n_chunks, plan.rows, plan.lag
+    L, R, nc, rows, lag = plan.chunk_size, plan.every, plan.n_chunks, plan.rows, plan.lag
     Tp, n_ckpt = plan.n_versions, plan.n_ckpt
     T = routes.shape[2]
     if T > Tp:
@@ -217,8 +217,8 @@ def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPla
     B, H, S, D = rows_of.shape
     k = c // plan.every
     r = torch.arange(S, device=rows_of.device)
-    lo_t = max(0, (k * plan.every - plan.lag + 1) * plan.chunk)
-    hi_t = max(0, (c - plan.lag + 1) * plan.chunk)
+    lo_t = max(0, (k * plan.every - plan.lag + 1) * plan.chunk_size)
+    hi_t = max(0, (c - plan.lag + 1) * plan.chunk_size)
     off = plan.n_ckpt * plan.rows
     in_ck = (r >= k * plan.rows) & (r < (k + 1) * plan.rows)
     in_ver = (r >= off + lo_t) & (r < off + hi_t)
@@ -232,10 +232,14 @@ def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPla
 
 
 @dataclass
-class VersionedMeans:
-    """Running-mean rows of a versioned layout (OVQ dictionaries, VQ codebook state): keys
-    ``[B, H, S, D]``, values ``[B, H, S, Dv]``, counts ``[B, H, S]`` fp32, born/dies ``[B, H, S]``
-    int32 (row ``r`` is live for chunk ``c`` iff ``born <= c < dies``), checkpoints first."""
+class Versioned:
+    """A method's state in the versioned layout, after its per-row readout (OVQ dictionary means,
+    KVM ``LN_s`` keys and radius values, VQ codebook means; the snapshot layout's counterpart is
+    :class:`recurrences.segments.Snapshots`): ``S = plan.state_rows`` rows, checkpoints first.
+
+    keys ``[B, H, S, D]``, values ``[B, H, S, Dv]``, counts ``[B, H, S]`` fp32 (tokens per row),
+    born/dies ``[B, H, S]`` int32 (row ``r`` is live for chunk ``c`` iff ``born <= c < dies``).
+    """
 
     keys: Tensor
     values: Tensor
@@ -249,11 +253,11 @@ class VersionedMeans:
         return torch.where(self.dies > self.born, self.counts.clamp_min(1.0).log(), float("-inf"))
 
 
-def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> VersionedMeans:
+def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> Versioned:
     """Means of the keys and values routed to each slot, laid out as :func:`versioned_sums`."""
     vs = versioned_sums([k, v], routes, plan)
     counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
     ks = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
     vv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
     denom = counts.clamp_min(1.0)[..., None]
-    return VersionedMeans(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), counts, vs.born, vs.dies, plan)
+    return Versioned(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), counts, vs.born, vs.dies, plan)

@@ -114,13 +114,12 @@ def vla_write_directions(k_unit: Tensor, u_unit: Tensor, opts: VLAOptions, T: in
 
 
 def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = VLAOptions(), *,
-                return_state: bool = False, initial_state: VLAState | None = None,
-                output_final_state: bool = False):
+                initial_state: VLAState | None = None, output_final_state: bool = False):
     """q, k, u ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype).
 
     ``initial_state``: the :class:`VLAState` before q, k, v (None: a sequence start at
     position 0). ``output_final_state=True`` returns ``(o, VLAState)`` after the last token
-    (work dtype); ``return_state=True`` returns ``(o, (S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk]))``.
+    (work dtype).
     """
     T, Dv, dt, C = q.shape[2], v.shape[-1], work_dtype(q), opts.chunk
     start = 0 if initial_state is None else initial_state.position
@@ -151,4 +150,4 @@ def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = V
         out = (from_chunks(torch.stack(nums, 2), T, lead) / torch.clamp(den, min=opts.eps)).to(q.dtype)
     if output_final_state:
         return out, VLAState(X.transpose(-1, -2), A, ksum[:, :, -1], start + T)
-    return (out, (X.transpose(-1, -2), A)) if return_state else out
+    return out

@@ -57,12 +57,12 @@ def positions(start: int, n: int, device) -> Tensor:
     return torch.arange(start, start + n, device=device)
 
 
-def chunk_segments(start: int, n: int, chunk: int) -> list[tuple[int, int]]:
+def chunk_segments(start: int, n: int, chunk_size: int) -> list[tuple[int, int]]:
     """Split tokens ``start .. start+n-1`` at chunk boundaries: ``[(offset, length), ...]``
     (offsets relative to ``start``)."""
     out, i = [], 0
     while i < n:
-        take = min(n - i, chunk - (start + i) % chunk)
+        take = min(n - i, chunk_size - (start + i) % chunk_size)
         out.append((i, take))
         i += take
     return out

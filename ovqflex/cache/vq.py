@@ -49,13 +49,13 @@ def _absorb(counts: Tensor, value_sums: Tensor, codes: Tensor, v: Tensor) -> Non
     value_sums.scatter_add_(2, codes[..., None].expand(*codes.shape, v.shape[-1]), v.float())
 
 
-def vq_prefill(k_hat: Tensor, v: Tensor, codes: Tensor, n_codes: int, chunk: int,
+def vq_prefill(k_hat: Tensor, v: Tensor, codes: Tensor, n_codes: int, chunk_size: int,
                conv: Tensor | None = None) -> dict:
     """The cache fields after a full forward over quantized keys ``k_hat``, v, codes
     ``[B, H, T, *]`` (a dict, so :class:`VQCache` subclasses can add theirs)."""
     B, H, T, _ = k_hat.shape
-    last = (T - 1) // chunk
-    start = max(0, (last - WINDOW_CHUNKS + 1) * chunk)
+    last = (T - 1) // chunk_size
+    start = max(0, (last - WINDOW_CHUNKS + 1) * chunk_size)
     counts = torch.zeros(B, H, n_codes, device=v.device)
     value_sums = torch.zeros(B, H, n_codes, v.shape[-1], device=v.device)
     _absorb(counts, value_sums, codes[:, :, :start], v.detach()[:, :, :start])
@@ -64,7 +64,7 @@ def vq_prefill(k_hat: Tensor, v: Tensor, codes: Tensor, n_codes: int, chunk: int
 
 
 def vq_decode(cache: VQCache, q_scaled: Tensor, k_hat: Tensor, v: Tensor, codes: Tensor, code_keys: Tensor,
-              state_bias: Tensor | None, chunk: int) -> tuple[Tensor, dict]:
+              state_bias: Tensor | None, chunk_size: int) -> tuple[Tensor, dict]:
     """New tokens (``q_scaled = beta * q̂``, quantized keys, values, codes ``[B, H, T2, *]``) ->
     outputs ``[B, H, T2, Dv]`` and the new cache's fields. ``code_keys`` ``[H, N, D]`` unit
     codebook; ``state_bias`` ``[H]`` added to the state rows' scores (LongVQ's local bias,
@@ -73,13 +73,13 @@ def vq_decode(cache: VQCache, q_scaled: Tensor, k_hat: Tensor, v: Tensor, codes:
     counts, value_sums, copied = cache.counts, cache.value_sums, False
     win = dict(k=cache.win_k, v=cache.win_v, codes=cache.win_codes)
     pos, state_chunk, outs = cache.position, cache.state_chunk, []
-    for off, take in chunk_segments(pos, T2, chunk):
-        c = pos // chunk
+    for off, take in chunk_segments(pos, T2, chunk_size):
+        c = pos // chunk_size
         if c > state_chunk and c >= WINDOW_CHUNKS:  # chunk c - 2 leaves the window for the state
             if not copied:  # the given cache stays valid (copy on write)
                 counts, value_sums, copied = counts.clone(), value_sums.clone(), True
-            _absorb(counts, value_sums, win["codes"][:, :, :chunk], win["v"][:, :, :chunk])
-            win = {name: t[:, :, chunk:] for name, t in win.items()}
+            _absorb(counts, value_sums, win["codes"][:, :, :chunk_size], win["v"][:, :, :chunk_size])
+            win = {name: t[:, :, chunk_size:] for name, t in win.items()}
         state_chunk = c
         new = dict(k=k_hat, v=v, codes=codes)
         win = {name: torch.cat([win[name], new[name][:, :, off:off + take].detach()], dim=2) for name in win}
@@ -92,7 +92,7 @@ def vq_decode(cache: VQCache, q_scaled: Tensor, k_hat: Tensor, v: Tensor, codes:
         bias = torch.cat([bias, bias.new_zeros(B, H, w)], dim=2)
         q_pos, kv_pos = positions(pos, take, v.device), positions(pos + take - w, w, v.device)
         visible = torch.cat([torch.ones(take, counts.shape[2], dtype=torch.bool, device=v.device),
-                             token_visibility((BlockWindow(WINDOW_CHUNKS, chunk),), q_pos, kv_pos)], dim=1)
+                             token_visibility((BlockWindow(WINDOW_CHUNKS, chunk_size),), q_pos, kv_pos)], dim=1)
         outs.append(attend_rows(q_scaled[:, :, off:off + take], keys, values, visible, scale=1.0, bias=bias))
         pos += take
     fields = dict(position=pos, counts=counts, value_sums=value_sums, state_chunk=state_chunk, win_k=win["k"],

@@ -96,7 +96,7 @@ class LongVQBlock(OptionAttributes, nn.Module):
         B, T, _ = x.shape
         H, Dk, Dv = self.num_heads, self.head_dim, self.head_dim_v
         z = damped_ema(x, self.ema_delta, self.ema_alpha, self.ema_beta, self.ema_gamma, self.ema_omega,
-                       h0=ema_state, return_state=want_state)
+                       h0=ema_state, output_final_state=want_state)
         z, state = z if want_state else (z, None)
         z = F.silu(z)
         q, k, g_a = self.z_proj(z).split([H * Dk, H * Dk, H * Dv], dim=-1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 from recurrences.checks import check_block_size, check_chunk, check_int, from_dict
@@ -29,7 +30,7 @@ class HybridConfig:
     rope_base: float = 10000.0
     window: int = 128                 # swa: token window
     chunk_size: int = 128             # ovq / bswa / kvm / vq chunk L
-    bswa_chunks: int = 2              # bswa: block window Nb
+    n_bswa_chunks: int = 2            # bswa / kvm: block window Nb (chunks)
     max_centroids: int = 2048         # ovq dictionary cap N
     growth: str = "plateau"
     seeding: str = "spread"
@@ -39,7 +40,7 @@ class HybridConfig:
     mixer_options: dict = field(default_factory=dict)  # per-mixer extra kwargs: {"ovq": {...}}
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "window", "bswa_chunks", "max_centroids"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "window", "n_bswa_chunks", "max_centroids"):
             check_int(name, getattr(self, name))
         check_chunk("chunk_size", self.chunk_size)
         check_block_size("block_size", self.block_size)
@@ -63,7 +64,12 @@ class HybridConfig:
     @classmethod
     def from_dict(cls, d: dict, what: str = "model config") -> "HybridConfig":
         """The config of ``d``; unknown keys (with the nearest valid one), missing keys and wrong
-        types are refused by name (``what`` says where ``d`` comes from)."""
+        types are refused by name (``what`` says where ``d`` comes from). The key ``bswa_chunks`` of
+        configs saved before its rename is read as ``n_bswa_chunks``, with a DeprecationWarning (this
+        release only)."""
+        if isinstance(d, dict) and "bswa_chunks" in d and "n_bswa_chunks" not in d:
+            warnings.warn(f"{what}: bswa_chunks is renamed n_bswa_chunks", DeprecationWarning, stacklevel=2)
+            d = {("n_bswa_chunks" if key == "bswa_chunks" else key): value for key, value in d.items()}
         return from_dict(cls, d, what)
 
 

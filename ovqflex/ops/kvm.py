@@ -11,17 +11,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
-from masks.regions import BlockWindow, StateBank
-from masks.versioned import versioned_regions
+from masks.program import DEFAULT_BLOCK, AttentionProgram
+from masks.regions import BlockWindow
 from recurrences.checks import check_chunk, check_companion, check_int, check_qkv, check_tensor, options_of
 from recurrences.kvm import (KVMBudget, build_kvm_snapshots, build_kvm_versioned, kvm_state_sizes, memory_keys,
                              route_kvm, routing_memory_keys)
 from recurrences.precision import to_compute_dtype
-from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
+from recurrences.versioned import check_state_layout
 
 from ..attention import attend
 from ..profiling import stage
+from .state_program import build_state_program
 
 
 @dataclass
@@ -116,43 +116,26 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     o = options_of(KVMOptions, options, option_kwargs, "KVM options")
     _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa)
     rope_dims = o.head_rope_dims(q.shape[-1])
-    chunk_size, n_bswa_chunks, ln_eps, block_size = o.chunk_size, o.n_bswa_chunks, o.ln_eps, o.block_size
+    chunk_size, n_bswa_chunks, ln_eps = o.chunk_size, o.n_bswa_chunks, o.ln_eps
     q, k, v, gate = to_compute_dtype(q, k, v, gate)
     B, H, T, D = q.shape
     sizes = o.state_sizes(T)
     gate = torch.ones(B, H, T, dtype=q.dtype, device=q.device) if gate is None else gate
-    window = BlockWindow(n_bswa_chunks, chunk_size)
-    rows = max(sizes, default=0)
     with stage("routing"):
         kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
         kbar32 = routing_memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)  # fp32, whatever the dtype
-        routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk=chunk_size,
+        routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk_size=chunk_size,
                                     n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=o.sink_len, ln_eps=ln_eps)
-    state = KVMState(routes, founder, sizes)
     k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)
-    if rows == 0:  # T <= Nb*C: the front only, plain causal attention
-        with stage("block_mask"):
-            return build_program(q, k_win, v, (window,), scale=D ** -0.5, block_size=block_size), state
-    plan = plan_versioned(len(sizes), chunk_size, rows, n_bswa_chunks, o.checkpoint_every, align=block_size)
-    if choose_state_layout(o.state_layout, n_chunks=len(sizes), rows=rows, plan=plan) == "versioned":
-        with stage("state_build"):
-            ver = build_kvm_versioned(kbar, v, gate, routes, founder, plan, ln_weight=ln_s_weight, ln_bias=ln_s_bias,
-                                      ln_eps=ln_eps, use_vlens=o.use_vlens)
-            keys = ver.keys if tau_state is None else ver.keys * tau_state.to(ver.keys.dtype).view(1, H, 1, 1)
-        with stage("block_mask"):
-            regions = versioned_regions(plan, sizes, ver.born, ver.dies) + (window,)
-            program = build_program(q, k_win, v, regions, scale=D ** -0.5, state_k=keys, state_v=ver.values,
-                                    block_size=block_size)
-        return program, state
-    with stage("state_build"):
-        snap = build_kvm_snapshots(kbar, v, gate, routes, founder, chunk=chunk_size, n_bswa_chunks=n_bswa_chunks,
-                                   sizes=sizes, ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps,
-                                   use_vlens=o.use_vlens)
-        keys = snap.keys if tau_state is None else snap.keys * tau_state.to(snap.keys.dtype).view(1, H, 1, 1, 1)
-    with stage("block_mask"):
-        program = build_program(q, k_win, v, (StateBank(rows, chunk_size, snap.live), window), scale=D ** -0.5,
-                                state_k=keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), block_size=block_size)
-    return program, state
+    readout = dict(ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps, use_vlens=o.use_vlens)
+    program = build_state_program(
+        q, k_win, v, BlockWindow(n_bswa_chunks, chunk_size), scale=D ** -0.5, sizes=sizes, rows=max(sizes, default=0),
+        lag=n_bswa_chunks, options=o,
+        snapshots=lambda: build_kvm_snapshots(kbar, v, gate, routes, founder, chunk_size=chunk_size,
+                                              n_bswa_chunks=n_bswa_chunks, sizes=sizes, **readout),
+        versioned=lambda plan: build_kvm_versioned(kbar, v, gate, routes, founder, plan, **readout),
+        key_scale=tau_state)
+    return program, KVMState(routes, founder, sizes)
 
 
 def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, backend: str = "auto",

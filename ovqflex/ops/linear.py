@@ -37,28 +37,27 @@ def _check_initial_state(state, kind: type, q: Tensor, v: Tensor) -> None:
 
 
 def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = 64, eps: float = 1e-6,
-                     return_state: bool = False, initial_state: LinearState | None = None,
-                     output_final_state: bool = False):
+                     initial_state: LinearState | None = None, output_final_state: bool = False):
     """Causal linear attention with the ELU+1 feature map and normalised read-out.
 
     q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``::
 
         o_t = Σ_{s<=t} (φ(q_t)·φ(k_s)) v_s / max(Σ_{s<=t} φ(q_t)·φ(k_s), eps),   φ = elu + 1
 
-    ``return_state=True`` also returns ``S_T = Σ_s v_s φ(k_s)^T`` ``[B, H, Dv, Dk]``;
-    ``output_final_state=True`` the whole :class:`recurrences.linear.LinearState` ``(S_T, z_T)``
-    (``z_T = Σ_s φ(k_s)`` ``[B, H, Dk]``, fp32), which ``initial_state`` continues from.
+    ``output_final_state=True`` also returns the :class:`recurrences.linear.LinearState` ``(S_T, z_T)``
+    after the last token (``S_T = Σ_s v_s φ(k_s)^T`` ``[B, H, Dv, Dk]``, ``z_T = Σ_s φ(k_s)`` ``[B, H, Dk]``,
+    fp32), which ``initial_state`` continues from.
     """
     check_qkv(q, k, v)
     check_int("chunk_size", chunk_size)
     check_number("eps", eps)
     _check_initial_state(initial_state, LinearState, q, v)
     q, k, v = to_compute_dtype(q, k, v)
-    return linear_attention_chunked(q, k, v, chunk_size=chunk_size, eps=eps, return_state=return_state,
-                                    initial_state=initial_state, output_final_state=output_final_state)
+    return linear_attention_chunked(q, k, v, chunk_size=chunk_size, eps=eps, initial_state=initial_state,
+                                    output_final_state=output_final_state)
 
 
-def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 64, return_state: bool = False,
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int = 64,
                initial_state: Tensor | None = None, output_final_state: bool = False):
     """The delta rule (DeltaNet) with a per-token write strength.
 
@@ -68,7 +67,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int
 
     Keys are used as given: the recurrence is stable for ``β_t ||k_t||² ∈ [0, 2]``
     (:class:`ovqflex.DeltaNetAttention` uses unit keys and ``β = sigmoid(.)``).
-    ``return_state=True`` (or ``output_final_state=True``) also returns ``S_T`` ``[B, H, Dv, Dk]``
+    ``output_final_state=True`` also returns ``S_T`` ``[B, H, Dv, Dk]``
     (fp32), the whole state: ``initial_state`` ``S_0`` continues from it.
     """
     check_qkv(q, k, v)
@@ -77,14 +76,13 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int
     if initial_state is not None:
         check_companion("initial_state", initial_state, (*q.shape[:2], v.shape[-1], q.shape[-1]), q)
     q, k, v, beta = to_compute_dtype(q, k, v, beta)
-    return delta_rule_chunked(q, k, v, beta, chunk_size=chunk_size, return_state=return_state,
-                              initial_state=initial_state, output_final_state=output_final_state)
+    return delta_rule_chunked(q, k, v, beta, chunk_size=chunk_size, initial_state=initial_state,
+                              output_final_state=output_final_state)
 
 
 def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float = 0.1, refresh_every: int = 20,
                   refresh_eps: float = 1e-3, eps: float = 1e-4, chunk_size: int | None = None,
-                  return_state: bool = False, initial_state: VLAState | None = None,
-                  output_final_state: bool = False):
+                  initial_state: VLAState | None = None, output_final_state: bool = False):
     """Variational Linear Attention (VLA paper, arXiv 2605.11196): a residual update written along the unit
     direction ``α̂_t = A_t k̂_t / ||A_t k̂_t||`` of a Sherman-Morrison penalty inverse ``A_t``.
 
@@ -96,9 +94,9 @@ def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float 
         o_t = S_t φ(q_t) / max(φ(q_t)·Σ_{s<=t} φ(k_s), eps),   φ = elu + 1
 
     and ``A += refresh_eps I`` after every ``refresh_every``-th token (0: never). See
-    :class:`recurrences.vla.VLAOptions` for ``chunk_size``. ``return_state=True`` also returns
-    ``(S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk])``; ``output_final_state=True`` the whole
-    :class:`recurrences.vla.VLAState` ``(S_T, A_T, z_T [B, H, Dk], position)`` (fp32), which
+    :class:`recurrences.vla.VLAOptions` for ``chunk_size``. ``output_final_state=True`` also returns
+    the :class:`recurrences.vla.VLAState` ``(S_T [B, H, Dv, Dk], A_T [B, H, Dk, Dk], z_T [B, H, Dk],
+    position)`` (fp32) after the last token, which
     ``initial_state`` continues from — the refresh schedule follows the absolute position.
     """
     check_qkv(q, k, v)
@@ -107,5 +105,4 @@ def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float 
                       chunk_size=chunk_size)
     _check_initial_state(initial_state, VLAState, q, v)
     q, k, v, u = to_compute_dtype(q, k, v, u)
-    return vla_chunked(q, k, v, u, opts, return_state=return_state, initial_state=initial_state,
-                       output_final_state=output_final_state)
+    return vla_chunked(q, k, v, u, opts, initial_state=initial_state, output_final_state=output_final_state)

@@ -11,17 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
-from masks.regions import OwnChunk, StateBank
-from masks.versioned import versioned_regions
+from masks.program import DEFAULT_BLOCK, AttentionProgram
+from masks.regions import OwnChunk
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor, options_of
 from recurrences.ovq import (GROWTHS, SEEDINGS, build_ovq_snapshots, build_ovq_versioned, dictionary_size,
                              dictionary_sizes, route_ovq)
 from recurrences.precision import routing_keys, to_compute_dtype
-from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
+from recurrences.versioned import check_state_layout
 
 from ..attention import attend
 from ..profiling import stage
+from .state_program import build_state_program
 
 
 @dataclass
@@ -95,7 +95,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     check_tensor("beta", beta, 1)
     if beta.shape[0] != q.shape[1]:
         raise ValueError(f"beta must have shape [H]=[{q.shape[1]}], got {tuple(beta.shape)}")
-    chunk_size, block_size = o.chunk_size, o.block_size
+    chunk_size = o.chunk_size
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
     n_chunks = max(1, -(-T // chunk_size))
@@ -104,32 +104,13 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
         qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
     with stage("routing"):
-        routes = route_ovq(routing_keys(k), chunk=chunk_size, sizes=sizes, seeding=o.seeding, seed=o.seed,
+        routes = route_ovq(routing_keys(k), chunk_size=chunk_size, sizes=sizes, seeding=o.seeding, seed=o.seed,
                            normalize_centroids=o.normalize_centroids)
-    rows = max(sizes[:n_chunks])
-    if rows == 0:  # no chunk reads a dictionary: attention inside each chunk only
-        with stage("block_mask"):
-            program = build_program(q_scaled, kn, v, (OwnChunk(chunk_size),), scale=1.0, block_size=block_size)
-        return program, routes, sizes
-    plan = plan_versioned(n_chunks, chunk_size, rows, 1, o.checkpoint_every, align=block_size)
-    if choose_state_layout(o.state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
-        with stage("state_build"):
-            ver = build_ovq_versioned(kn, v, routes, plan, o.normalize_centroids)
-        with stage("block_mask"):
-            regions = versioned_regions(plan, sizes, ver.born, ver.dies) + (OwnChunk(chunk_size),)
-            program = build_program(q_scaled, kn, v, regions, scale=1.0, state_k=ver.keys, state_v=ver.values,
-                                    state_bias=ver.bias(), block_size=block_size)
-        return program, routes, sizes
-    with stage("state_build"):
-        snap = build_ovq_snapshots(kn, v, routes, chunk=chunk_size, sizes=sizes,
-                                   normalize_centroids=o.normalize_centroids)
-        bias = torch.where(snap.counts > 0, snap.counts.log(), float("-inf"))
-    with stage("block_mask"):
-        program = build_program(
-            q_scaled, kn, v, (StateBank(rows, chunk_size, snap.live), OwnChunk(chunk_size)), scale=1.0,
-            state_k=snap.keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), state_bias=bias.flatten(2, 3),
-            block_size=block_size,
-        )
+    program = build_state_program(
+        q_scaled, kn, v, OwnChunk(chunk_size), scale=1.0, sizes=sizes, rows=max(sizes[:n_chunks]), lag=1, options=o,
+        snapshots=lambda: build_ovq_snapshots(kn, v, routes, chunk_size=chunk_size, sizes=sizes,
+                                              normalize_centroids=o.normalize_centroids),
+        versioned=lambda plan: build_ovq_versioned(kn, v, routes, plan, o.normalize_centroids), count_bias=True)
     return program, routes, sizes
 
 

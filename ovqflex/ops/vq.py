@@ -17,21 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
-from masks.regions import BlockWindow, StateBank
-from masks.versioned import versioned_regions
+from masks.program import DEFAULT_BLOCK, AttentionProgram
+from masks.regions import BlockWindow
 from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor, options_of
 from recurrences.precision import to_compute_dtype
-from recurrences.versioned import check_state_layout, choose_state_layout, plan_versioned
+from recurrences.versioned import check_state_layout
 from recurrences.vq import (ESTIMATORS, LAG, assign_codes, build_vq_snapshots, build_vq_versioned, codebook_metrics,
                             commitment_loss, quantize, vq_state_sizes)
 
 from ..attention import attend
 from ..profiling import stage
+from .state_program import build_state_program
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     """
     o = options_of(VQOptions, options, option_kwargs, "VQ options")
     _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias)
-    chunk_size, block_size = o.chunk_size, o.block_size
+    chunk_size = o.chunk_size
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
     N = codebook.shape[1]
@@ -102,35 +101,16 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
         q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
     with stage("routing"):
         codes = assign_codes(k, codebook, code_bias)  # fp32 unit keys and codes (recurrences.precision)
-    aux = {"codes": codes, "k_unit": kn}
     with stage("state_build"):
         k_hat = quantize(kn, cb, codes, o.estimator)
-        aux["k_hat"] = k_hat
-        window = BlockWindow(2, chunk_size)
-        n_chunks = max(1, -(-T // chunk_size))
-        plan = plan_versioned(n_chunks, chunk_size, N, LAG, o.checkpoint_every, align=block_size)
-        if choose_state_layout(o.state_layout, n_chunks=n_chunks, rows=N, plan=plan) == "versioned":
-            ver = build_vq_versioned(k_hat, v, codes, plan)
-            bias = ver.bias()
-            if local_bias is not None:  # as below
-                bias = bias - local_bias.float().view(1, H, 1)
-            regions = versioned_regions(plan, vq_state_sizes(n_chunks, N), ver.born, ver.dies) + (window,)
-            with stage("block_mask"):
-                program = build_program(q_scaled, k_hat, v, regions, scale=1.0, state_k=ver.keys, state_v=ver.values,
-                                        state_bias=bias, block_size=block_size)
-            return program, aux
-        snap = build_vq_snapshots(k_hat, v, codes, chunk=chunk_size, n_codes=N)
-        bias = torch.where(snap.counts > 0, snap.counts.log(), float("-inf"))
-        if local_bias is not None:
-            # + local_bias on window rows == - local_bias on state rows (softmax is shift invariant
-            # per query, and every query sees the whole window region): exact, differentiable
-            bias = bias - local_bias.float().view(1, H, 1, 1)
-    with stage("block_mask"):
-        program = build_program(
-            q_scaled, k_hat, v, (StateBank(N, chunk_size, snap.live), window), scale=1.0,
-            state_k=snap.keys.flatten(2, 3), state_v=snap.values.flatten(2, 3), state_bias=bias.flatten(2, 3),
-            block_size=block_size)
-    return program, aux
+    n_chunks = max(1, -(-T // chunk_size))
+    # + local_bias on window rows == - local_bias on state rows (softmax is shift invariant per query, and every
+    # query sees the whole window region): exact, differentiable
+    program = build_state_program(
+        q_scaled, k_hat, v, BlockWindow(2, chunk_size), scale=1.0, sizes=vq_state_sizes(n_chunks, N), rows=N, lag=LAG,
+        options=o, snapshots=lambda: build_vq_snapshots(k_hat, v, codes, chunk_size=chunk_size, n_codes=N),
+        versioned=lambda plan: build_vq_versioned(k_hat, v, codes, plan), count_bias=True, bias_shift=local_bias)
+    return program, {"codes": codes, "k_unit": kn, "k_hat": k_hat}
 
 
 def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, local_bias: Tensor | None = None,

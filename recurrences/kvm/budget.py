@@ -49,10 +49,10 @@ class KVMBudget:
         if self.max_state_chunks is not None:
             check_int("max_state_chunks", self.max_state_chunks)
 
-    def rows(self, ctx: int, chunk: int) -> int:
+    def rows(self, ctx: int, chunk_size: int) -> int:
         """``B(ctx)``: the state length wished for after ``ctx`` tokens."""
         if self.budget == "fixed":
-            return chunk if self.state_min_len is None else self.state_min_len
+            return chunk_size if self.state_min_len is None else self.state_min_len
         if self.budget == "power_law":
             raw = math.floor(self.growth_factor * ctx ** self.growth_exponent)
         else:
@@ -60,20 +60,20 @@ class KVMBudget:
         return max(raw // self.round_down * self.round_down, self.state_min_len or 0)
 
 
-def kvm_state_sizes(seq_len: int, chunk: int, n_bswa_chunks: int, budget: KVMBudget | None = None) -> list[int]:
+def kvm_state_sizes(seq_len: int, chunk_size: int, n_bswa_chunks: int, budget: KVMBudget | None = None) -> list[int]:
     """``sizes[c]``: state rows query chunk ``c`` reads, for ``c`` in ``range(ceil(T / C))``."""
     check_int("seq_len", seq_len, minimum=0)
-    check_chunk("chunk_size", chunk)
+    check_chunk("chunk_size", chunk_size)
     check_int("n_bswa_chunks", n_bswa_chunks)
     budget = budget or KVMBudget()
-    n_chunks = -(-seq_len // chunk)
-    cap = math.inf if budget.max_state_chunks is None else chunk * budget.max_state_chunks
+    n_chunks = -(-seq_len // chunk_size)
+    cap = math.inf if budget.max_state_chunks is None else chunk_size * budget.max_state_chunks
     sizes = [0] * min(n_chunks, n_bswa_chunks)
     for c in range(n_bswa_chunks, n_chunks):
         if c == n_bswa_chunks:
-            sizes.append(chunk)  # the initial state: the first chunk, one row per token
+            sizes.append(chunk_size)  # the initial state: the first chunk, one row per token
             continue
         m, u = sizes[-1], c - n_bswa_chunks
-        target = max(min(budget.rows(c * chunk, chunk), (u + 1) * chunk, cap), m)
-        sizes.append(m + min(max(target - m, 0), chunk))
+        target = max(min(budget.rows(c * chunk_size, chunk_size), (u + 1) * chunk_size, cap), m)
+        sizes.append(m + min(max(target - m, 0), chunk_size))
     return sizes

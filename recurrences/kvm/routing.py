@@ -21,7 +21,7 @@ from torch import Tensor
 from ..precision import no_autocast
 
 
-def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk: int, n_bswa_chunks: int,
+def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk_size: int, n_bswa_chunks: int,
               sizes: list[int], sink_len: int, ln_eps: float = 1e-5) -> tuple[Tensor, Tensor]:
     """Routes of every token.
 
@@ -33,19 +33,19 @@ def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
 
     An opaque custom op: ``torch.compile`` keeps it as one call, run eagerly without grad.
     """
-    return _route_op(kbar.detach(), gate.detach(), ln_weight.detach(), ln_bias.detach(), chunk, n_bswa_chunks,
+    return _route_op(kbar.detach(), gate.detach(), ln_weight.detach(), ln_bias.detach(), chunk_size, n_bswa_chunks,
                      list(sizes), sink_len, ln_eps)
 
 
 @torch.library.custom_op("ovqflex::route_kvm", mutates_args=())
-def _route_op(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, chunk: int, n_bswa_chunks: int,
+def _route_op(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, chunk_size: int, n_bswa_chunks: int,
               sizes: list[int], sink_len: int, ln_eps: float) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
-        return _route(kbar, gate, ln_weight, ln_bias, chunk, n_bswa_chunks, sizes, sink_len, ln_eps)
+        return _route(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa_chunks, sizes, sink_len, ln_eps)
 
 
 @_route_op.register_fake
-def _(kbar, gate, ln_weight, ln_bias, chunk, n_bswa_chunks, sizes, sink_len, ln_eps):
+def _(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa_chunks, sizes, sink_len, ln_eps):
     return kbar.new_empty(kbar.shape[:3], dtype=torch.long), kbar.new_empty(kbar.shape[:3], dtype=torch.bool)
 
 
@@ -92,9 +92,9 @@ def kvm_absorb(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appended: 
     state.scatter_add_(2, target[..., None].expand(B, H, C, D), merged_keys)
 
 
-def _route(kbar, gate, ln_weight, ln_bias, chunk, n_bswa, sizes, sink_len, ln_eps):
+def _route(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa, sizes, sink_len, ln_eps):
     B, H, T, D = kbar.shape
-    C, dev = chunk, kbar.device
+    C, dev = chunk_size, kbar.device
     routes = torch.full((B, H, T), -1, dtype=torch.long, device=dev)
     founder = torch.zeros((B, H, T), dtype=torch.bool, device=dev)
     if max(sizes, default=0) == 0:

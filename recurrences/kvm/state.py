@@ -9,15 +9,13 @@ founder's radius ``rho = ||v_founder||`` (or divided by the row's token count).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..precision import no_autocast
-from ..segments import segment_snapshot_sums
-from ..versioned import VersionPlan, versioned_sums
+from ..segments import Snapshots, segment_snapshot_sums
+from ..versioned import Versioned, VersionPlan, versioned_sums
 
 
 def memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5) -> Tensor:
@@ -36,82 +34,63 @@ def routing_memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: T
                            ln_eps)
 
 
-@dataclass
-class KVMSnapshots:
-    """Per-query-chunk readout state, ``R`` rows each (``R`` = largest state any chunk reads).
-
-    keys ``[B, H, n_chunks, R, D]`` (``LN_s`` of the key sums, before ``tau_state``),
-    values ``[B, H, n_chunks, R, Dv]`` (readout values), counts ``[B, H, n_chunks, R]`` fp32
-    tokens per row, live ``[n_chunks]`` int64 (rows chunk ``c`` reads: ``sizes[c]``).
-    """
-
-    keys: Tensor
-    values: Tensor
-    counts: Tensor
-    live: Tensor
-
-
-def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *, chunk: int,
-                        n_bswa_chunks: int, sizes: list[int], ln_weight: Tensor, ln_bias: Tensor,
-                        ln_eps: float = 1e-5, use_vlens: bool = True, norm_eps: float = 1e-12) -> KVMSnapshots:
-    """kbar ``[B, H, T, D]`` memory keys, v ``[B, H, T, Dv]``, gate ``[B, H, T]``, routes/founder
-    ``[B, H, T]`` from :func:`~recurrences.kvm.routing.route_kvm`; ``sizes[c]`` live rows of chunk c."""
-    B, H, T, D = kbar.shape
-    n_chunks, rows = len(sizes), max(sizes)
+def _weighted(kbar: Tensor, v: Tensor, gate: Tensor, founder: Tensor) -> tuple[Tensor, Tensor]:
+    """The summed token vectors: founders with weight 1, merged tokens with their gate ``g``."""
     weight = torch.where(founder, torch.ones_like(gate), gate).to(kbar.dtype)[..., None]  # [B, H, T, 1]
-    sk, counts = segment_snapshot_sums(weight * kbar, routes, chunk, n_chunks, rows, lag=n_bswa_chunks)
-    sv, _ = segment_snapshot_sums(weight.to(v.dtype) * v, routes, chunk, n_chunks, rows, lag=n_bswa_chunks)
-    keys = F.layer_norm(sk, (D,), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
-    if use_vlens:
-        # radius of a row: the norm of its founder's value, fixed for the row's lifetime
-        slot = torch.where(founder & (routes >= 0), routes, rows)
-        radius = torch.linalg.vector_norm(v.float(), dim=-1) * founder
-        rho = radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)[..., :rows]  # [B, H, R]
-        svf = sv.float()
-        values = rho[:, :, None, :, None] * svf / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(norm_eps)
+    return weight * kbar, weight.to(v.dtype) * v
+
+
+def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Tensor:
+    """``rho [B, H, rows + 1]`` fp32: the norm of each row's founder value, fixed for the row's lifetime
+    (the last entry is a spare for tokens in no row)."""
+    B, H = v.shape[:2]
+    slot = torch.where(founder & (routes >= 0), routes, rows)
+    radius = torch.linalg.vector_norm(v.float(), dim=-1) * founder
+    return radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)
+
+
+def _readout(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,
+             ln_bias: Tensor, ln_eps: float, norm_eps: float) -> tuple[Tensor, Tensor]:
+    """Per-row readout of the gated sums ``sk [..., D]``, ``sv [..., Dv]``: keys ``LN_s(sk)``; values
+    ``rho * sv / ||sv||`` (``rho [...]``, the founder radius) or, with ``rho=None``, ``sv / count``."""
+    keys = F.layer_norm(sk, (sk.shape[-1],), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
+    svf = sv.float()
+    if rho is not None:
+        values = rho[..., None] * svf / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(norm_eps)
     else:
-        values = sv.float() / counts.clamp_min(1.0)[..., None]
-    live = torch.tensor(sizes, dtype=torch.long, device=kbar.device)
-    return KVMSnapshots(keys, values.to(v.dtype), counts, live)
+        values = svf / counts.clamp_min(1.0)[..., None]
+    return keys, values.to(v_dtype)
 
 
-@dataclass
-class KVMVersioned:
-    """The versioned layout (docs/design.md §5) of the same states: ``S = plan.state_rows`` rows,
-    checkpoints then one version row per token (:mod:`recurrences.versioned`, ``lag = Nb``).
-
-    keys ``[B, H, S, D]`` (``LN_s`` of the key sums, before ``tau_state``), values
-    ``[B, H, S, Dv]`` (readout values), born/dies ``[B, H, S]`` int32 (row ``r`` is live for
-    query chunk ``c`` iff ``born <= c < dies``).
-    """
-
-    keys: Tensor
-    values: Tensor
-    born: Tensor
-    dies: Tensor
-    plan: VersionPlan
+def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *, chunk_size: int,
+                        n_bswa_chunks: int, sizes: list[int], ln_weight: Tensor, ln_bias: Tensor,
+                        ln_eps: float = 1e-5, use_vlens: bool = True, norm_eps: float = 1e-12) -> Snapshots:
+    """kbar ``[B, H, T, D]`` memory keys, v ``[B, H, T, Dv]``, gate ``[B, H, T]``, routes/founder
+    ``[B, H, T]`` from :func:`~recurrences.kvm.routing.route_kvm`; ``sizes[c]`` live rows of chunk c.
+    Keys are ``LN_s`` of the key sums (before ``tau_state``), values the readout values; counts
+    the tokens per row."""
+    n_chunks, rows = len(sizes), max(sizes)
+    wk, wv = _weighted(kbar, v, gate, founder)
+    sk, counts = segment_snapshot_sums(wk, routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
+    sv, _ = segment_snapshot_sums(wv, routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
+    rho = _founder_radius(v, routes, founder, rows)[:, :, None, :rows] if use_vlens else None  # [B, H, 1, R]
+    keys, values = _readout(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
+    return Snapshots(keys, values, counts, torch.tensor(sizes, dtype=torch.long, device=kbar.device))
 
 
 def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, plan: VersionPlan, *,
                         ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5, use_vlens: bool = True,
-                        norm_eps: float = 1e-12) -> KVMVersioned:
-    """Versioned rows of the KVM states: the same gated sums and per-row readout as
-    :func:`build_kvm_snapshots` (``LN_s`` keys; values at the founder's radius or ``s_v / count``)."""
-    B, H, T, D = kbar.shape
+                        norm_eps: float = 1e-12) -> Versioned:
+    """The versioned layout (docs/design.md §5, ``plan.lag = Nb``) of the same states: the same gated
+    sums and per-row readout as :func:`build_kvm_snapshots`; a version row has its slot's founder radius."""
     rows = plan.rows
-    weight = torch.where(founder, torch.ones_like(gate), gate).to(kbar.dtype)[..., None]
-    vs = versioned_sums([weight * kbar, weight.to(v.dtype) * v], routes, plan)
+    vs = versioned_sums(list(_weighted(kbar, v, gate, founder)), routes, plan)
     sk = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
     sv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
-    keys = F.layer_norm(sk, (D,), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
+    counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
+    row_rho = None
     if use_vlens:
-        slot = torch.where(founder & (routes >= 0), routes, rows)
-        radius = torch.linalg.vector_norm(v.float(), dim=-1) * founder
-        rho = radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)  # [B, H, rows + 1], spare last
+        rho = _founder_radius(v, routes, founder, rows)  # [B, H, rows + 1], spare last
         row_rho = torch.cat([rho[:, :, :rows].repeat(1, 1, plan.n_ckpt), rho.gather(2, vs.ver_slot)], 2)
-        svf = sv.float()
-        values = row_rho[..., None] * svf / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(norm_eps)
-    else:
-        counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
-        values = sv.float() / counts.clamp_min(1.0)[..., None]
-    return KVMVersioned(keys, values.to(v.dtype), vs.born, vs.dies, plan)
+    keys, values = _readout(sk, sv, counts, row_rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
+    return Versioned(keys, values, counts, vs.born, vs.dies, plan)

@@ -18,20 +18,20 @@ GROWTHS = ("plateau", "linear", "full")
 SEEDINGS = ("spread", "random")
 
 
-def dictionary_sizes(n_chunks: int, chunk: int, max_centroids: int, growth: str = "plateau",
+def dictionary_sizes(n_chunks: int, chunk_size: int, max_centroids: int, growth: str = "plateau",
                      growth_horizon: int | None = None) -> list[int]:
     """``N_c`` for c = 0..n_chunks: the dictionary size chunk ``c`` reads (``N_0 = 0``).
 
     plateau: ``floor(t N / (t + N))``; full: ``min(t, N)``; linear: ``min(N, c * n)``
     with ``n = min(L, ceil(N L / horizon))`` new slots per chunk (horizon default 4N).
     """
-    return [dictionary_size(c, chunk, max_centroids, growth, growth_horizon) for c in range(n_chunks + 1)]
+    return [dictionary_size(c, chunk_size, max_centroids, growth, growth_horizon) for c in range(n_chunks + 1)]
 
 
-def dictionary_size(c: int, chunk: int, max_centroids: int, growth: str = "plateau",
+def dictionary_size(c: int, chunk_size: int, max_centroids: int, growth: str = "plateau",
                     growth_horizon: int | None = None) -> int:
     """``N_c``: the dictionary size chunk ``c`` reads (one entry of :func:`dictionary_sizes`)."""
-    N, L, t = max_centroids, chunk, c * chunk
+    N, L, t = max_centroids, chunk_size, c * chunk_size
     if growth == "plateau":
         return t * N // (t + N)
     if growth == "full":
@@ -47,7 +47,7 @@ def _rank_first(key: Tensor, n: int) -> Tensor:
     return torch.sort(key, dim=-1, stable=True).indices[..., :n]
 
 
-def route_ovq(k: Tensor, *, chunk: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
+def route_ovq(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
               normalize_centroids: bool = False) -> Tensor:
     """Slot of every token, ``[B, H, T]`` int64 (-1: not routed).
 
@@ -58,17 +58,18 @@ def route_ovq(k: Tensor, *, chunk: int, sizes: list[int], seeding: str = "spread
     Routing is an opaque custom op: ``torch.compile`` keeps it as one call (no graph
     break, no unrolled chunk loop in the graph); it runs eagerly, without grad.
     """
-    return _route_op(k.detach(), chunk, list(sizes), seeding, seed, normalize_centroids)
+    return _route_op(k.detach(), chunk_size, list(sizes), seeding, seed, normalize_centroids)
 
 
 @torch.library.custom_op("ovqflex::route_ovq", mutates_args=())
-def _route_op(k: Tensor, chunk: int, sizes: list[int], seeding: str, seed: int, normalize_centroids: bool) -> Tensor:
+def _route_op(k: Tensor, chunk_size: int, sizes: list[int], seeding: str, seed: int,
+              normalize_centroids: bool) -> Tensor:
     with torch.no_grad():
-        return _route(k, chunk, sizes, seeding, seed, normalize_centroids)
+        return _route(k, chunk_size, sizes, seeding, seed, normalize_centroids)
 
 
 @_route_op.register_fake
-def _(k, chunk, sizes, seeding, seed, normalize_centroids):
+def _(k, chunk_size, sizes, seeding, seed, normalize_centroids):
     return k.new_empty(k.shape[:3], dtype=torch.long)
 
 
@@ -128,9 +129,9 @@ def seeding_draw(gen: torch.Generator | None, B: int, H: int, L: int, device) ->
     return None if gen is None else torch.rand((B, H, L), generator=gen).to(device)
 
 
-def _route(k: Tensor, chunk: int, sizes: list[int], seeding: str, seed: int, normalize_centroids: bool) -> Tensor:
+def _route(k: Tensor, chunk_size: int, sizes: list[int], seeding: str, seed: int, normalize_centroids: bool) -> Tensor:
     B, H, T, D = k.shape
-    L = chunk
+    L = chunk_size
     kf = k.detach().float()
     n_full = T // L
     n_slots = max(sizes[: n_full + 1] + [0])

@@ -6,55 +6,37 @@ value routed before chunk ``c``: the shared segment sums of
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..segments import segment_snapshot_sums
-from ..versioned import VersionedMeans, VersionPlan, versioned_means
+from ..segments import Snapshots, segment_snapshot_sums
+from ..versioned import Versioned, VersionPlan, versioned_means
 
 
-@dataclass
-class OVQSnapshots:
-    """Per-chunk snapshots, ``R`` rows each (``R`` = largest dictionary any chunk reads).
-
-    keys ``[B, H, n_chunks, R, D]``, values ``[B, H, n_chunks, R, Dv]``,
-    counts ``[B, H, n_chunks, R]`` fp32 (0 for empty rows), live ``[n_chunks]`` int64.
-    """
-
-    keys: Tensor
-    values: Tensor
-    counts: Tensor
-    live: Tensor
-
-
-def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk: int, sizes: list[int],
-                        normalize_centroids: bool = False) -> OVQSnapshots:
+def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk_size: int, sizes: list[int],
+                        normalize_centroids: bool = False) -> Snapshots:
     """Snapshot of chunk ``c``: running means of the (unit) keys/values routed before it.
 
     k ``[B, H, T, D]`` unit keys, v ``[B, H, T, Dv]``, routes ``[B, H, T]``; ``sizes[c]``
     live rows for chunk c. ``normalize_centroids`` L2-normalizes the key rows at readout.
+    Rows ``R`` = the largest dictionary any chunk reads; counts are the tokens per row.
     """
     T = k.shape[2]
-    n_chunks = -(-T // chunk)
+    n_chunks = -(-T // chunk_size)
     rows = max(sizes[:n_chunks])
-    ks, counts = segment_snapshot_sums(k, routes, chunk, n_chunks, rows)
-    vs, _ = segment_snapshot_sums(v, routes, chunk, n_chunks, rows)
+    ks, counts = segment_snapshot_sums(k, routes, chunk_size, n_chunks, rows)
+    vs, _ = segment_snapshot_sums(v, routes, chunk_size, n_chunks, rows)
     denom = counts.clamp_min(1.0)[..., None]
     keys, values = ks / denom.to(ks.dtype), vs / denom.to(vs.dtype)
     if normalize_centroids:
         keys = F.normalize(keys, dim=-1)
     live = torch.tensor(sizes[:n_chunks], dtype=torch.long, device=k.device)
-    return OVQSnapshots(keys, values, counts, live)
-
-
-OVQVersioned = VersionedMeans  # the versioned layout of the same dictionaries (docs/design.md §5)
+    return Snapshots(keys, values, counts, live)
 
 
 def build_ovq_versioned(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan,
-                        normalize_centroids: bool = False) -> VersionedMeans:
+                        normalize_centroids: bool = False) -> Versioned:
     """Versioned rows of the OVQ dictionaries (``plan.lag = 1``): the same running means as
     :func:`build_ovq_snapshots`, per checkpoint and per version row (:mod:`recurrences.versioned`)."""
     ver = versioned_means(k, v, routes, plan)

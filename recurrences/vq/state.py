@@ -10,37 +10,25 @@ the linear form equals the quadratic form exactly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from ..segments import segment_snapshot_sums
-from ..versioned import VersionedMeans, VersionPlan, versioned_means
+from ..segments import Snapshots, segment_snapshot_sums
+from ..versioned import Versioned, VersionPlan, versioned_means
 
 LAG = 2  # a token of chunk ct is in the state of chunks >= ct + 2 (chunks c-1, c are the window)
 
 
-@dataclass
-class VQSnapshots:
-    """keys ``[B, H, n_chunks, N, D]``, values ``[B, H, n_chunks, N, Dv]``, counts
-    ``[B, H, n_chunks, N]`` fp32, live ``[n_chunks]`` int64 (``N`` from chunk 2 on, else 0)."""
-
-    keys: Tensor
-    values: Tensor
-    counts: Tensor
-    live: Tensor
-
-
-def build_vq_snapshots(k_hat: Tensor, v: Tensor, codes: Tensor, *, chunk: int, n_codes: int) -> VQSnapshots:
-    """k_hat ``[B, H, T, D]`` quantized keys, v ``[B, H, T, Dv]``, codes ``[B, H, T]`` (-1: none)."""
+def build_vq_snapshots(k_hat: Tensor, v: Tensor, codes: Tensor, *, chunk_size: int, n_codes: int) -> Snapshots:
+    """k_hat ``[B, H, T, D]`` quantized keys, v ``[B, H, T, Dv]``, codes ``[B, H, T]`` (-1: none) -> per-code
+    means, ``N = n_codes`` rows per chunk (live: ``N`` from chunk ``LAG`` on, else 0)."""
     T = k_hat.shape[2]
-    n_chunks = max(1, -(-T // chunk))
-    ks, counts = segment_snapshot_sums(k_hat, codes, chunk, n_chunks, n_codes, lag=LAG)
-    vs, _ = segment_snapshot_sums(v, codes, chunk, n_chunks, n_codes, lag=LAG)
+    n_chunks = max(1, -(-T // chunk_size))
+    ks, counts = segment_snapshot_sums(k_hat, codes, chunk_size, n_chunks, n_codes, lag=LAG)
+    vs, _ = segment_snapshot_sums(v, codes, chunk_size, n_chunks, n_codes, lag=LAG)
     denom = counts.clamp_min(1.0)[..., None]
     live = torch.where(torch.arange(n_chunks, device=k_hat.device) >= LAG, n_codes, 0)
-    return VQSnapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts, live)
+    return Snapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts, live)
 
 
 def vq_state_sizes(n_chunks: int, n_codes: int) -> list[int]:
@@ -48,7 +36,7 @@ def vq_state_sizes(n_chunks: int, n_codes: int) -> list[int]:
     return [0 if c < LAG else n_codes for c in range(n_chunks)]
 
 
-def build_vq_versioned(k_hat: Tensor, v: Tensor, codes: Tensor, plan: VersionPlan) -> VersionedMeans:
+def build_vq_versioned(k_hat: Tensor, v: Tensor, codes: Tensor, plan: VersionPlan) -> Versioned:
     """The versioned layout (docs/design.md §5; ``plan.lag = LAG``) of the same per-code means and counts as
     :func:`build_vq_snapshots`: checkpoints plus one version row per token."""
     return versioned_means(k_hat, v, codes, plan)

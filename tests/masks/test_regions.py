@@ -16,11 +16,11 @@ def visible(region, i, r):
     if isinstance(region, TokenWindow):
         return 0 <= j <= i and i - j < region.window
     if isinstance(region, BlockWindow):
-        return 0 <= j <= i and j // region.chunk > i // region.chunk - region.n_chunks
+        return 0 <= j <= i and j // region.chunk_size > i // region.chunk_size - region.width
     if isinstance(region, Sinks):
         return 0 <= j <= i and j < region.n
     if isinstance(region, StateBank):
-        c = min(i // region.chunk, region.live.numel() - 1)
+        c = min(i // region.chunk_size, region.live.numel() - 1)
         return c * region.rows_per_chunk <= r < c * region.rows_per_chunk + int(region.live[c])
     raise AssertionError(region)
 
@@ -54,7 +54,7 @@ def test_region_matches_definition_and_is_monotone(name):
     [
         (lambda: TokenWindow(0), "window"),
         (lambda: TokenWindow(-3), "window"),
-        (lambda: BlockWindow(0, 32), "n_chunks"),
+        (lambda: BlockWindow(0, 32), "width"),
         (lambda: BlockWindow(2, 24), "chunk_size"),
         (lambda: BlockWindow(2, 0), "chunk_size"),
         (lambda: Sinks(0), "n_sinks"),

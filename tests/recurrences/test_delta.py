@@ -27,7 +27,7 @@ def test_chunked_equals_reference_fp32(shape, chunk):
 def test_final_state_and_fp64():
     q, k, v, b = randn(5, torch.float64, (2, 2, 50, 6), (2, 2, 50, 6), (2, 2, 50, 3), (2, 2, 50))
     args = _unit_keys_and_gates(q, k, v, b)
-    out, state = delta_rule_chunked(*args, chunk_size=16, return_state=True)
+    out, state = delta_rule_chunked(*args, chunk_size=16, output_final_state=True)
     ref = delta_rule_reference(*args)
     assert_close(out, ref.out, 1e-12, "fp64 forward")
     assert_close(state, ref.state, 1e-12, "final state")

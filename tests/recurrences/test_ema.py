@@ -14,7 +14,7 @@ def test_chunked_convolution_equals_recurrence(B, T, n, D, chunk, seed):
     x = torch.randn(B, T, D, generator=g, requires_grad=True)
     params = [torch.randn(D, n, generator=g).requires_grad_() for _ in range(4)]
     omega = torch.randn(D, generator=g, requires_grad=True)
-    y = damped_ema(x, *params, omega, chunk=chunk)
+    y = damped_ema(x, *params, omega, chunk_size=chunk)
     ref = damped_ema_reference(x, *params, omega)
     assert_close(y, ref, 10 * FWD_TOL[torch.float32], "forward")
     w = torch.randn(y.shape, generator=g)
@@ -27,7 +27,7 @@ def test_chunked_convolution_equals_recurrence(B, T, n, D, chunk, seed):
 def test_exactly_causal():
     x = torch.randn(1, 150, 4, requires_grad=True)
     params = [torch.randn(4, 3) for _ in range(4)]
-    y = damped_ema(x, *params, torch.randn(4), chunk=16)
+    y = damped_ema(x, *params, torch.randn(4), chunk_size=16)
     for i in (0, 15, 16, 70, 149):
         (g,) = torch.autograd.grad(y[:, i].sum(), x, retain_graph=True)
         assert g[:, i + 1:].abs().sum() == 0 and g[:, : i + 1].abs().sum() > 0
@@ -43,6 +43,6 @@ def test_default_chunk_grows_like_sqrt_t_and_stays_exact():
     omega = torch.randn(3, generator=g)
     ref = damped_ema_reference(x, *params, omega)
     assert_close(damped_ema(x, *params, omega), ref, 10 * FWD_TOL[torch.float32], "T=5000, chunk 80")
-    head, state = damped_ema(x[:, :4200], *params, omega, return_state=True)
+    head, state = damped_ema(x[:, :4200], *params, omega, output_final_state=True)
     tail = damped_ema(x[:, 4200:], *params, omega, h0=state)
     assert_close(torch.cat([head, tail], 1), ref, 10 * FWD_TOL[torch.float32], "continued from the state")

@@ -22,8 +22,8 @@ def test_chunked_equals_reference_fp64_and_final_state():
     q, k, v = randn(3, torch.float64, (2, 2, 45, 5), (2, 2, 45, 5), (2, 2, 45, 7))
     assert_fast_matches_reference(lambda *a: linear_attention_chunked(*a, chunk_size=16),
                                   lambda *a: linear_attention_reference(*a).out, [q, k, v], "fp64")
-    _, state = linear_attention_chunked(q, k, v, chunk_size=16, return_state=True)
-    assert_close(state, linear_attention_reference(q, k, v).state, 1e-12, "final state")
+    _, state = linear_attention_chunked(q, k, v, chunk_size=16, output_final_state=True)
+    assert_close(state.S, linear_attention_reference(q, k, v).state, 1e-12, "final state")
 
 
 def test_reference_is_a_normalised_causal_average():

@@ -9,8 +9,8 @@ def test_snapshot_rows_are_means_and_counts_are_histograms():
     k = torch.nn.functional.normalize(torch.randn(B, H, T, D), dim=-1)
     v = torch.randn(B, H, T, 5)
     sizes = dictionary_sizes(-(-T // L), L, N)
-    routes = route_ovq(k, chunk=L, sizes=sizes)
-    snap = build_ovq_snapshots(k, v, routes, chunk=L, sizes=sizes)
+    routes = route_ovq(k, chunk_size=L, sizes=sizes)
+    snap = build_ovq_snapshots(k, v, routes, chunk_size=L, sizes=sizes)
     for c in range(-(-T // L)):
         for b in range(B):
             for h in range(H):
@@ -27,7 +27,7 @@ def test_snapshot_rows_are_means_and_counts_are_histograms():
 def test_every_live_slot_has_a_token_and_partial_chunk_is_unrouted():
     k = torch.nn.functional.normalize(torch.randn(1, 2, 100, 16), dim=-1)
     sizes = dictionary_sizes(4, 32, 1000, "full")
-    routes = route_ovq(k, chunk=32, sizes=sizes)
+    routes = route_ovq(k, chunk_size=32, sizes=sizes)
     assert (routes[..., 96:] == -1).all()
     for h in range(2):
         assert set(routes[0, h, :96].tolist()) == set(range(sizes[3]))

@@ -95,11 +95,11 @@ def test_long_sequence_keeps_fp32_accuracy():
 
 
 def test_plan_and_layout_choice():
-    plan = plan_versioned(n_chunks=256, chunk=128, rows=1927, lag=1, align=128)
+    plan = plan_versioned(n_chunks=256, chunk_size=128, rows=1927, lag=1, align=128)
     assert (plan.rows, plan.every, plan.n_ckpt) == (2048, 8, 32)
     assert plan.state_rows == 32 * 2048 + 256 * 128 <= 3 * 256 * 128
     assert choose_state_layout("auto", n_chunks=256, rows=1927, plan=plan) == "versioned"
-    small = plan_versioned(n_chunks=4, chunk=32, rows=40, lag=1)
+    small = plan_versioned(n_chunks=4, chunk_size=32, rows=40, lag=1)
     assert choose_state_layout("auto", n_chunks=4, rows=40, plan=small) == "snapshot"
     assert choose_state_layout("versioned", n_chunks=4, rows=40, plan=small) == "versioned"
     with pytest.raises(ValueError, match="state_layout"):

@@ -37,7 +37,8 @@ def test_chunked_equals_reference_fp32(shape, schedule, lambda0):
 
 def test_final_state_and_penalty_match_reference_fp64():
     q, k, v, u = randn(4, torch.float64, *[(2, 3, 95, 8)] * 4)
-    out, (S, A) = vla_chunked(q, k, v, u, VLAOptions(chunk_size=10), return_state=True)
+    out, state = vla_chunked(q, k, v, u, VLAOptions(chunk_size=10), output_final_state=True)
+    S, A = state.S, state.A
     ref = vla_reference(q, k, v, u)
     assert_close(out, ref.out, 1e-12, "forward")
     assert_close(S, ref.state, 1e-12, "S_T")
@@ -48,8 +49,8 @@ def test_final_state_and_penalty_match_reference_fp64():
 def test_penalty_is_the_inverse_of_the_penalty_matrix(lambda0):
     """Without refresh, A_T = (λ0 I + Σ_t û_t û_tᵀ)⁻¹ (eq. 8), computed by a dense inverse."""
     q, k, v, u = (torch.randn(1, 2, 37, 6, dtype=torch.float64) for _ in range(4))
-    _, (_, A) = vla_chunked(q, k, v, u, VLAOptions(lambda0=lambda0, refresh_every=0, chunk_size=8),
-                            return_state=True)
+    A = vla_chunked(q, k, v, u, VLAOptions(lambda0=lambda0, refresh_every=0, chunk_size=8),
+                    output_final_state=True)[1].A
     uh = F.normalize(u, dim=-1)
     M = lambda0 * torch.eye(6, dtype=torch.float64) + uh.transpose(-1, -2) @ uh
     assert_close(A, torch.linalg.inv(M), 1e-10, "A_T vs inverse")
@@ -59,8 +60,8 @@ def test_refresh_adds_identity_every_period():
     """With u = 0 the penalty never changes except by the refreshes: A_T = I/λ0 + ⌊T/R⌋ ε I."""
     q, k, v = (torch.randn(1, 1, 47, 4, dtype=torch.float64) for _ in range(3))
     u = torch.zeros_like(k)
-    _, (_, A) = vla_chunked(q, k, v, u, VLAOptions(refresh_every=10, refresh_eps=0.25, chunk_size=5),
-                            return_state=True)
+    A = vla_chunked(q, k, v, u, VLAOptions(refresh_every=10, refresh_eps=0.25, chunk_size=5),
+                    output_final_state=True)[1].A
     assert_close(A, (10.0 + 4 * 0.25) * torch.eye(4, dtype=torch.float64).expand(1, 1, 4, 4), 1e-12, "A_T")
 
 

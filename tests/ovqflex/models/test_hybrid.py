@@ -83,6 +83,14 @@ def test_presets_build_and_roundtrip():
     assert (paper.n_layers, paper.d_model, paper.head_dim, paper.vocab_size) == (8, 768, 128, 10000)
 
 
+def test_configs_saved_with_bswa_chunks_still_load():
+    """``bswa_chunks`` was renamed ``n_bswa_chunks``; saved configs (checkpoints) keep loading for a release."""
+    saved = {**HybridConfig().to_dict(), "bswa_chunks": 3}
+    del saved["n_bswa_chunks"]
+    with pytest.warns(DeprecationWarning, match="bswa_chunks is renamed n_bswa_chunks"):
+        assert HybridConfig.from_dict(saved) == HybridConfig(n_bswa_chunks=3)
+
+
 def test_head_is_tied_to_embedding():
     model = small("swa,ovq")
     tokens = torch.randint(0, 64, (1, 20))

@@ -1,0 +1,97 @@
+"""``build_state_program``: the attention program of a stateful method (docs/design.md §3, §5).
+
+Every stateful op (OVQ, KVM, VQ) ends the same way once its routes are known: the kv rows
+are ``[state rows ; token rows]``, and the state is laid out in one of two ways with the same
+outputs and gradients — a per-chunk snapshot bank (:class:`~masks.regions.StateBank`) or the
+versioned layout (:mod:`recurrences.versioned`, :mod:`masks.versioned`) — or is absent when no
+chunk reads a state. This module owns that fork; a method supplies
+
+- its token region (``window``: ``OwnChunk``, ``BlockWindow``) and the queries and keys the
+  program reads (temperatures already folded in);
+- ``sizes`` (rows each chunk reads), ``rows`` and ``lag`` (its schedule);
+- two builders of the same state after its per-row readout: ``snapshots() -> Snapshots`` and
+  ``versioned(plan) -> Versioned`` (segment sums, :mod:`recurrences.segments`, and
+  ``versioned_sums``);
+- the score pieces on state rows: ``count_bias`` (``log(count)``), ``bias_shift`` (a per-head
+  term subtracted from that bias) and ``key_scale`` (a per-head temperature of the state keys).
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from torch import Tensor
+
+from masks.program import AttentionProgram, build_program
+from masks.regions import Region, StateBank
+from masks.versioned import versioned_regions
+from recurrences.segments import Snapshots
+from recurrences.versioned import Versioned, VersionPlan, choose_state_layout, plan_versioned
+
+from ..profiling import stage
+
+
+class StateLayoutOptions(Protocol):
+    """The options every stateful op has (``OVQOptions``, ``KVMOptions``, ``VQOptions``)."""
+
+    chunk_size: int
+    state_layout: str
+    checkpoint_every: int | None
+    block_size: int
+
+
+def _per_head(x: Tensor, like: Tensor) -> Tensor:
+    """``x [H]`` viewed to broadcast over ``like [B, H, ...]``."""
+    return x.view(1, -1, *(1,) * (like.dim() - 2))
+
+
+def _readout(state: Snapshots | Versioned, count_bias: bool, key_scale: Tensor | None,
+             bias_shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The state's key rows and their bias (fp32, or None), in the state's own shape."""
+    keys = state.keys if key_scale is None else state.keys * _per_head(key_scale.to(state.keys.dtype), state.keys)
+    if not count_bias:
+        return keys, None
+    bias = state.bias()
+    return keys, bias if bias_shift is None else bias - _per_head(bias_shift.float(), bias)
+
+
+def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scale: float, sizes: list[int], rows: int,
+                        lag: int, options: StateLayoutOptions, snapshots: Callable[[], Snapshots],
+                        versioned: Callable[[VersionPlan], Versioned], count_bias: bool = False,
+                        key_scale: Tensor | None = None, bias_shift: Tensor | None = None) -> AttentionProgram:
+    """The program ``[state rows ; tokens]`` of a stateful method, in the layout ``options.state_layout``.
+
+    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``: the queries and token keys/values the program reads;
+    ``window``: the token region; ``scale``: the softmax scale. ``sizes[c]``: state rows chunk ``c``
+    reads (non-decreasing); ``rows``: ``R``, the rows of the largest state (0: no state — the
+    program is the window alone); ``lag``: a token of chunk ``ct`` enters the state of chunk
+    ``ct + lag``. ``options``: ``chunk_size``, ``state_layout`` (``"snapshot"``, ``"versioned"``,
+    ``"auto"``: the one with fewer rows), ``checkpoint_every`` and ``block_size``.
+
+    ``snapshots()`` (keys ``[B, H, n_chunks, R, D]``) and ``versioned(plan)`` (keys ``[B, H, S, D]``)
+    build the same state after the method's per-row readout; only the chosen one runs. With
+    ``count_bias`` state rows get the bias ``log(count)`` (``-inf`` on empty or dead rows) minus
+    ``bias_shift [H]`` (if given); without it, no bias. Their keys are multiplied by ``key_scale [H]``.
+    """
+    if bias_shift is not None and not count_bias:
+        raise ValueError("bias_shift shifts the log-count bias: it needs count_bias=True")
+    C, block_size = options.chunk_size, options.block_size
+    if rows == 0:
+        with stage("block_mask"):
+            return build_program(q, k, v, (window,), scale=scale, block_size=block_size)
+    n_chunks = max(1, -(-q.shape[2] // C))
+    plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size)
+    if choose_state_layout(options.state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
+        with stage("state_build"):
+            ver = versioned(plan)
+            keys, bias = _readout(ver, count_bias, key_scale, bias_shift)
+        with stage("block_mask"):
+            regions = versioned_regions(plan, sizes, ver.born, ver.dies) + (window,)
+            return build_program(q, k, v, regions, scale=scale, state_k=keys, state_v=ver.values, state_bias=bias,
+                                 block_size=block_size)
+    with stage("state_build"):
+        snap = snapshots()
+        keys, bias = _readout(snap, count_bias, key_scale, bias_shift)
+    with stage("block_mask"):
+        return build_program(q, k, v, (StateBank(rows, C, snap.live), window), scale=scale,
+                             state_k=keys.flatten(2, 3), state_v=snap.values.flatten(2, 3),
+                             state_bias=None if bias is None else bias.flatten(2, 3), block_size=block_size)
