@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from recurrences.checks import ConfigError
+
 from ..models import HybridConfig, HybridLM, preset
 from ..tasks import Task, make_task
 from .checkpoint import MODEL_FILE, STATE_FILE, Checkpoint, CheckpointError, load_tensors
@@ -83,7 +85,7 @@ def train_config_of(ckpt: Checkpoint) -> TrainConfig:
     """The :class:`TrainConfig` saved in checkpoint ``ckpt`` (refused by name when invalid)."""
     try:
         return TrainConfig.from_dict(ckpt.state.get("train_config"), "train_config")
-    except (ValueError, TypeError) as e:
+    except (ValueError, ConfigError) as e:
         raise CheckpointError(f"checkpoint file {ckpt.path / STATE_FILE}: invalid train_config ({e})") from None
 
 
@@ -94,7 +96,7 @@ def model_from_checkpoint(ckpt: Checkpoint, cfg: TrainConfig, task: Task) -> Hyb
     state_file = ckpt.path / STATE_FILE
     try:
         saved = HybridConfig.from_dict(ckpt.state.get("model_config"), "model_config")
-    except (ValueError, TypeError) as e:
+    except (ValueError, ConfigError) as e:
         raise CheckpointError(f"checkpoint file {state_file}: invalid model_config ({e})") from None
     expected = model_config(cfg, task)
     diffs = [f"{f.name}: {getattr(saved, f.name)!r} saved, {getattr(expected, f.name)!r} from train_config"
