@@ -9,6 +9,10 @@ import time
 
 from tabulate import tabulate
 
+from .devices import AUTO, NAMES
+
+DEVICE_HELP = f"{NAMES} (default: {AUTO})"
+
 
 def _cmd_info(args) -> int:
     from .info import collect
@@ -252,23 +256,19 @@ def _cmd_viz(args) -> int:
 
 def _cmd_profile(args) -> int:
     from .bench.profiler import ProfileConfig, profile_target
+    from .devices import resolve_device
 
     cfg = ProfileConfig(target=args.target, seq_len=args.seq_len, batch=args.batch, heads=args.heads,
                         head_dim=args.head_dim, options=_options(args.opt, "--opt"), preset=args.preset,
                         pattern=args.pattern, modes=args.mode, steps=args.steps, warmup=args.warmup,
-                        seed=args.seed, device=args.device or ("cuda" if _cuda() else "cpu"))
+                        seed=args.seed, device=args.device)
     rows = profile_target(cfg, args.trace)
     what = f"model {cfg.preset} {cfg.pattern or ''}".rstrip() if cfg.target == "model" else f"layer {cfg.target}"
-    print(f"{what}, x [{cfg.batch}, {cfg.seq_len}, ...], {cfg.steps} profiled steps per mode, device {cfg.device}")
+    print(f"{what}, x [{cfg.batch}, {cfg.seq_len}, ...], {cfg.steps} profiled steps per mode, "
+          f"device {resolve_device(cfg.device)}")
     print(tabulate(rows, headers="keys", floatfmt=".3g", missingval="-"))
     print(f"wrote {args.trace} (open in chrome://tracing or https://ui.perfetto.dev)")
     return 0
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("info", help="torch, device, which backends work forward/backward here")
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     s.set_defaults(fn=_cmd_info)
 
     s = sub.add_parser("demo", help="run a sliding-window attention layer forward and one training step")
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-compile", action="store_true", help="run the model eagerly")
     s.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     s.add_argument("--log-every", type=int, default=D.log_every)
     s.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     s.add_argument("--keep", type=int, default=D.keep_checkpoints, help="checkpoints to keep")
@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--override", action="append", metavar="NAME=VALUE",
                    help="test-time mixer override, e.g. max_centroids=4096 or backend=blocked (repeatable)")
     s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     s.set_defaults(fn=_cmd_eval)
 
     from .experiments import EXPERIMENTS
@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--models", type=_label_list, default=None, help="comma-separated model labels, e.g. "
                    "sw-ovq,sw-nope (default: all)")
     s.add_argument("--out", default=None, help="output directory (default: runs/experiments/NAME-SCALE)")
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     s.add_argument("--resume", action="store_true", help="continue the experiment in --out after a crash: "
                    "complete units are skipped, interrupted training resumes from its latest checkpoint")
     s.add_argument("--dry-run", action="store_true", help="print the plan (models, configs, units, token counts) "
@@ -370,12 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--override", action="append", metavar="NAME=VALUE",
                    help="test-time mixer override, e.g. max_centroids=4096 (repeatable)")
     s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    s.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     s.set_defaults(fn=_cmd_generate)
 
     s = sub.add_parser("bench", help="run a benchmark profile (TOML) and print its table")
     s.add_argument("profile", help="path to a profile, e.g. profiles/blockmask.toml")
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     s.add_argument("--out", default="bench-out", help="directory for the JSON results (default: bench-out)")
     s.add_argument("--only", default=None, help="run only scenarios whose name contains this string")
     s.set_defaults(fn=_cmd_bench)
@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=2, help="profiled steps per mode")
     s.add_argument("--warmup", type=int, default=1, help="unprofiled steps per mode first (compilation)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     s.add_argument("--trace", default="profile-trace.json", help="Chrome/Perfetto trace file to write")
     s.set_defaults(fn=_cmd_profile)
     return p

@@ -1,4 +1,4 @@
-"""Build what a run needs from its :class:`TrainConfig`: device, task, model, optimizer; and
+"""Build what a run needs from its :class:`TrainConfig`: task, model, optimizer, autocast; and
 rebuild them from a checkpoint, checked against each other."""
 from __future__ import annotations
 
@@ -26,18 +26,6 @@ TASK_SCALES: dict[str, dict[str, dict]] = {
         "niah": dict(vocab_size=64, key_len=1, value_len=1),
     },
 }
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} requested but CUDA is not available here")
-        if dev.index is None:
-            dev = torch.device("cuda", local_rank)
-    return dev
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
