@@ -7,6 +7,7 @@ import time
 import torch
 
 from .attention import flex_trains_on
+from .devices import AUTO, resolve_device
 from .ops.plain import sliding_window_attention
 
 
@@ -25,8 +26,10 @@ def _probe(backend: str, device: torch.device, backward: bool) -> str:
     return f"yes ({time.perf_counter() - t0:.2f} s incl. compile)" if backend == "flex" else "yes"
 
 
-def collect(device: str | None = None) -> list[tuple[str, str]]:
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def collect(device: str = AUTO) -> list[tuple[str, str]]:
+    """What runs on ``device`` (:func:`ovqflex.devices.resolve_device`): versions, the device, and
+    whether each backend works forward and backward there."""
+    dev = resolve_device(device)
     rows = [
         ("ovqflex", __import__("ovqflex").__version__),
         ("torch", torch.__version__),

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor, nn
 
+from recurrences.checks import ConfigError, ConfigTypeError, check_keys
 from recurrences.reference import kvm_attention_reference, ovq_attention_reference, vq_attention_reference
+from recurrences.vla import VLAOptions
 
 from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention)
@@ -87,18 +89,24 @@ class Method:
         return names - set(self.fixed)
 
     def build(self, hidden_size: int, num_heads: int, **options) -> nn.Module:
-        """The method's layer for x ``[B, T, hidden_size]`` with ``num_heads`` heads."""
+        """The method's layer for x ``[B, T, hidden_size]`` with ``num_heads`` heads. An option the
+        layer does not take is a :class:`ConfigTypeError` naming the nearest one it does."""
+        check_keys(f"method {self.name!r} options", options, self.option_names(), error=ConfigTypeError)
         return self.layer(hidden_size, num_heads, **self.fixed, **options)
 
     def example(self, heads: int, head_dim: int, options: dict | None = None, what: str = "") -> nn.Module:
         """The layer ``ovqflex viz`` draws and ``ovqflex profile`` runs: ``heads`` heads of ``head_dim``
-        (hidden ``heads * head_dim``), options ``defaults`` updated by ``options``. A bad option is a
-        ValueError naming ``what`` (default: the method) and the options."""
+        (hidden ``heads * head_dim``), options ``defaults`` updated by ``options``. A bad option (or
+        ``head_dim``, which is the argument) is a ValueError naming ``what`` (default: the method)
+        and the options."""
         opts = {**self.defaults, **(options or {})}
+        what = what or f"method {self.name!r}"
+        if "head_dim" in opts:
+            raise ValueError(f"bad option for {what}: head_dim is set by the head dim argument, not an option")
         try:
             return self.build(heads * head_dim, heads, head_dim=head_dim, **opts)
-        except TypeError as e:
-            raise ValueError(f"bad option for {what or f'method {self.name!r}'} (options {opts}): {e}") from None
+        except ConfigError as e:
+            raise ValueError(f"bad option for {what} (options {opts}): {e}") from None
 
     def mixer(self, config: HybridConfig) -> nn.Module:
         """The layer of a ``HybridLM`` block (width ``config.d_model``): the options the config sets,
@@ -219,5 +227,5 @@ register_method(Method("linear", LinearAttention, "linear attention (ELU+1 featu
 register_method(Method("deltanet", DeltaNetAttention, "DeltaNet: the delta rule with a learned write strength",
                        from_config=_recurrent_options, test_options=dict(chunk_size=16)))
 register_method(Method("vla", VLAAttention, "Variational Linear Attention (Sherman-Morrison penalty)",
-                       from_config=_recurrent_options, test_options=dict(refresh_every=12, chunk_size=4)))
+                       options=VLAOptions, from_config=_recurrent_options, test_options=dict(refresh_every=12, chunk_size=4)))
 

@@ -1,8 +1,11 @@
 """Input validation shared by every package (docs/design.md §2).
 
 Bad input is refused early with a ``ValueError``/``TypeError`` that names the
-argument, its value and what was expected. This module is the lowest layer of
-the project (plain torch), so ``recurrences``, ``masks`` and ``ovqflex`` all use it.
+argument, its value and what was expected. A config value or option of the wrong type,
+or an option that is not a field, is a :class:`ConfigTypeError`: still a ``TypeError``, and
+also a :class:`ConfigError`, which tells the user's mistake from a bug (a plain ``TypeError``).
+This module is the lowest layer of the project (plain torch), so ``recurrences``,
+``masks`` and ``ovqflex`` all use it.
 """
 from __future__ import annotations
 
@@ -13,6 +16,16 @@ import typing
 
 import torch
 from torch import Tensor
+
+
+class ConfigError(Exception):
+    """Bad input refused by name (a config key, an option, a value): the user's mistake, not a bug.
+    The ``ovqflex`` command line reports it as one line and exits with status 2."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A config value or option of the wrong type, or an unknown option: a ``TypeError``, so
+    callers catching ``TypeError`` keep working, and a :class:`ConfigError`."""
 
 
 def check_tensor(name: str, x: object, ndim: int | None = None) -> Tensor:
@@ -60,7 +73,7 @@ def check_layer_input(x: object, hidden_size: int, dtype: torch.dtype) -> Tensor
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise ConfigTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -96,7 +109,7 @@ def check_finite(name: str, x: Tensor) -> None:
 def check_number(name: str, value: object, *, minimum: float = 0.0, strict: bool = True) -> float:
     """A real number ``> minimum`` (``>= minimum`` with ``strict=False``); bools refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise ConfigTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not (value > minimum if strict else value >= minimum) or value != value:
         raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
     return float(value)
@@ -160,7 +173,7 @@ def from_dict(cls: type, d: dict, what: str):
     nearest valid key suggested (:func:`check_keys`), missing required keys and values of the
     wrong type are named. ``what`` says where the dict comes from (a file, a table)."""
     if not isinstance(d, dict):
-        raise TypeError(f"{what} must be a table/dict, got {type(d).__name__}")
+        raise ConfigTypeError(f"{what} must be a table/dict, got {type(d).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     check_keys(what, d, fields)
     missing = [n for n, f in fields.items() if n not in d and f.default is dataclasses.MISSING
@@ -170,17 +183,17 @@ def from_dict(cls: type, d: dict, what: str):
     hints = typing.get_type_hints(cls)
     for key, value in d.items():
         if not _matches(value, hints[key]):
-            raise TypeError(f"{what}: {key} must be {_type_name(hints[key])}, got {type(value).__name__} {value!r}")
+            raise ConfigTypeError(f"{what}: {key} must be {_type_name(hints[key])}, got {type(value).__name__} {value!r}")
     return cls(**d)
 
 
 def options_of(cls: type, options: object, kwargs: dict, what: str):
     """A method's options: ``options`` (an instance of the frozen dataclass ``cls``, already
     validated) or ``cls(**kwargs)`` (validated by its ``__post_init__``). Both at once, or a keyword
-    that is not a field of ``cls``, is a TypeError naming it (with the nearest field); ``what``
+    that is not a field of ``cls``, is a :class:`ConfigTypeError` naming it (with the nearest field); ``what``
     names the options (e.g. ``"OVQ options"``)."""
     if options is None:  # (dataclasses.fields does not trace under torch.compile; __dataclass_fields__ does)
-        check_keys(what, kwargs, cls.__dataclass_fields__, error=TypeError)
+        check_keys(what, kwargs, cls.__dataclass_fields__, error=ConfigTypeError)
         return cls(**kwargs)
     if kwargs:
         raise TypeError(f"{what}: give options or keyword options, not both (got options and {sorted(kwargs)})")

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from recurrences.checks import check_int
 
+from ..devices import AUTO, resolve_device
 from ..profiling import MODES, PREFIX, STAGES
 
 STEP = PREFIX + "step"
@@ -32,7 +33,7 @@ class ProfileConfig:
     """``target``: a method of :data:`ovqflex.methods.METHODS` (one layer, input
     ``[batch, seq_len, heads * head_dim]``) or ``"model"`` (a ``HybridLM`` of ``preset`` and
     ``pattern`` on random tokens, loss = cross-entropy). ``options``: layer options, or
-    model config overrides for ``"model"``."""
+    model config overrides for ``"model"``. ``device``: see :func:`ovqflex.devices.resolve_device`."""
 
     target: str = "ovq"
     seq_len: int = 1024
@@ -46,7 +47,7 @@ class ProfileConfig:
     steps: int = 2
     warmup: int = 1
     seed: int = 0
-    device: str = "cpu"
+    device: str = AUTO
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "heads", "head_dim", "steps"):
@@ -59,7 +60,7 @@ class ProfileConfig:
 
 def _build(cfg: ProfileConfig):
     """-> (module, make_input(), loss(output, input)) on the config's device."""
-    dev = torch.device(cfg.device)
+    dev = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     if cfg.target == "model":
         from ..models import HybridLM, preset

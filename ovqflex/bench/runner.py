@@ -34,6 +34,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from recurrences.checks import check_keys
 
+from ..devices import AUTO, resolve_device
 from .fit import fit_rows, plot_loglog
 from .measure import matmul_gflops
 from .scenarios import KINDS, parse_scenario
@@ -60,10 +61,13 @@ def load_profile(path: str | Path) -> dict:
     return prof
 
 
-def run_profile(path: str | Path, *, device: str | None = None, out_dir: str | Path = "bench-out",
+def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "bench-out",
                 only: str | None = None) -> list[dict]:
+    """Run the profile at ``path`` on ``device`` (:func:`ovqflex.devices.resolve_device`), the scenarios
+    whose name contains ``only`` (all by default); print the table and slopes, write JSON and plot
+    to ``out_dir``; returns the rows."""
     prof = load_profile(path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(device))
     rows: list[dict] = []
     gflops = matmul_gflops(device)
     for sc in prof["scenario"]:

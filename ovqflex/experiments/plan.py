@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from recurrences.checks import ConfigError
+
 from ..models import HybridConfig, HybridLM
 from ..tasks import Task, make_task
 from ..training.config import TrainConfig
@@ -217,7 +219,7 @@ def plan(experiment: Experiment, scale: str, out: str | Path, *, seeds=None, mod
                 net = HybridLM(config)
             if sc.eval_overrides:
                 net.set_overrides(**sc.eval_overrides)
-        except (TypeError, ValueError) as e:
+        except (ValueError, ConfigError) as e:
             raise ValueError(f"experiment {exp.name!r}, scale {scale!r}, model {m.label!r}: {e}") from None
         resolved[m.label] = (train, config, net.num_parameters(), _variants(exp, m, config, net))
     runs, units = [], []

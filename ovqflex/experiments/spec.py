@@ -18,6 +18,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from recurrences.checks import check_keys
+
 from ..models.config import PRESETS, HybridConfig
 from ..models.mixers import available_mixers
 from ..tasks import TASKS
@@ -168,10 +170,8 @@ class Scale:
     def train_config(self, *, out: str, seed: int, task: str, task_options: dict, pattern: str,
                      model_options: dict, device: str = "auto", progress: bool = True) -> TrainConfig:
         """The ``TrainConfig`` of one run at this scale (``TypeError``/``ValueError`` naming a bad field)."""
-        known = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = sorted(set(self.train_options) - known)
-        if unknown:
-            raise ValueError(f"Scale.train_options has unknown TrainConfig field(s) {unknown}; known: {sorted(known)}")
+        check_keys("Scale.train_options (TrainConfig fields)", self.train_options,
+                   [f.name for f in dataclasses.fields(TrainConfig)])
         return TrainConfig(out=out, seed=seed, task=task, task_options=dict(task_options), preset=self.preset,
                            pattern=pattern, model_options=dict(model_options), device=device, progress=progress,
                            steps=self.steps, seq_len=self.seq_len, batch_size=self.batch_size, lr=self.lr,

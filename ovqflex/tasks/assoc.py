@@ -10,6 +10,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from recurrences.checks import ConfigTypeError
+
 from .base import IGNORE, PAD, Task, check_fields, distinct_rows, labels_from_targets, pad_start
 
 SEP = 1
@@ -56,7 +58,7 @@ class MQAR(Task):
                 raise ValueError(f"n_pairs={self.n_pairs} distinct keys need vocab_size >= "
                                  f"{self.n_pairs + N_SPECIAL} (got {self.vocab_size})")
         if not isinstance(self.answers_in_input, bool):
-            raise TypeError(f"answers_in_input must be a bool, got {self.answers_in_input!r}")
+            raise ConfigTypeError(f"answers_in_input must be a bool, got {self.answers_in_input!r}")
         if self.gap not in ("pad", "noise"):
             raise ValueError(f"gap must be 'pad' or 'noise', got {self.gap!r}")
 

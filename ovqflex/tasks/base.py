@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from recurrences.checks import ConfigTypeError
+
 IGNORE = -100
 PAD = 0
 #: dataclass field metadata key of task options that shape training batches only (:meth:`Task.evaluation`)
@@ -53,7 +55,7 @@ def example_seed(seed: int, step: int, index: int) -> int:
 
 def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise ConfigTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value

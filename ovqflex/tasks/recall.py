@@ -18,6 +18,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from recurrences.checks import ConfigTypeError
+
 from .base import PAD, TRAIN_ONLY, Task, check_fields, distinct_rows, labels_from_targets, pad_start
 
 ASSIGN, NEXT, QUERY = 1, 2, 3
@@ -216,7 +218,7 @@ class NIAH(_KVTask):
             raise ValueError(f"n_queries={self.n_queries} must be <= n_needles={self.n_needles}")
         if self.depth is not None:
             if isinstance(self.depth, bool) or not isinstance(self.depth, (int, float)):
-                raise TypeError(f"depth must be a float in [0, 1] or None, got {self.depth!r}")
+                raise ConfigTypeError(f"depth must be a float in [0, 1] or None, got {self.depth!r}")
             if not 0.0 <= float(self.depth) <= 1.0:
                 raise ValueError(f"depth must be in [0, 1] or None, got {self.depth}")
         if self.filler not in ("random", "repeat"):

@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from recurrences.checks import ConfigTypeError
+
 from .base import Task, check_fields
 
 _U16_SUFFIXES = (".bin", ".u16")
@@ -37,7 +39,7 @@ class Text(Task):
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)):
-            raise TypeError(f"path must be a file path (str or os.PathLike), got {self.path!r}")
+            raise ConfigTypeError(f"path must be a file path (str or os.PathLike), got {self.path!r}")
         if not os.fspath(self.path):
             raise ValueError("text task needs path=<file>: a text/byte file or a .bin/.u16 uint16 token file")
         self.path = os.fspath(self.path)

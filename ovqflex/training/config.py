@@ -1,47 +1,60 @@
-"""``TrainConfig``: everything a training run is a function of (saved with every checkpoint)."""
+"""``TrainConfig``: everything a training run is a function of (saved with every checkpoint).
+
+Each field's ``metadata["help"]`` says what it means; ``ovqflex train`` derives one flag per
+field from the type, default and that help (``ovqflex/cli/flags.py``), so a new field is a
+new flag."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from recurrences.checks import check_int, from_dict
+from recurrences.checks import check_choice, check_int, check_number, from_dict
 
-from ..models.config import check_preset
+from .. import devices
+from ..models.config import PRESETS, check_preset
+from ..tasks import TASKS
 
 DTYPES = ("auto", "fp32", "bf16")
 
 
 @dataclass
 class TrainConfig:
-    out: str = "runs/tiny-icr"
-    task: str = "icr"
-    task_options: dict = field(default_factory=dict)   # on top of the preset's task scale
-    data: str | None = None                            # text task: a text file or a uint16 token file
-    preset: str = "tiny"
-    pattern: str | None = None                         # None: the preset's pattern
-    model_options: dict = field(default_factory=dict)  # HybridConfig overrides
-    steps: int = 4000
-    seq_len: int = 64
-    batch_size: int = 32                               # global batch (split over torchrun ranks)
-    lr: float = 5e-3
-    min_lr: float = 1e-5
-    warmup: int = 100
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    compile: bool = True
-    dtype: str = "auto"                                # auto: bf16 autocast on CUDA with bf16, else fp32
-    device: str = "auto"
-    log_every: int = 10
-    ckpt_every: int = 0                                # 0: only at the end
-    keep_checkpoints: int = 2
-    deterministic: bool = False
-    progress: bool = True
+    out: str = field(default="runs/tiny-icr", metadata={"help": "run directory (metrics.jsonl, checkpoints/)"})
+    task: str = field(default="icr", metadata={"help": f"the task: {', '.join(TASKS)}"})
+    task_options: dict = field(default_factory=dict, metadata={
+        "flag": "--task-opt", "help": "task option, on top of the preset's task scale"})
+    data: str | None = field(default=None, metadata={
+        "help": "the text task's data: a text file (bytes) or a .bin/.u16 file of uint16 tokens"})
+    preset: str = field(default="tiny", metadata={"help": f"model preset: {', '.join(PRESETS)}"})
+    pattern: str | None = field(default=None, metadata={
+        "help": "mixer pattern, e.g. swa,ovq (default: the preset's)"})
+    model_options: dict = field(default_factory=dict, metadata={
+        "flag": "--model-opt", "help": "model config (HybridConfig) override"})
+    steps: int = field(default=4000, metadata={"help": "optimizer steps"})
+    seq_len: int = field(default=64, metadata={"help": "training context length (tokens)"})
+    batch_size: int = field(default=32, metadata={"help": "global batch (split over torchrun ranks)"})
+    lr: float = field(default=5e-3, metadata={"help": "peak learning rate (linear warmup, then cosine decay)"})
+    min_lr: float = field(default=1e-5, metadata={"help": "learning rate at the end of the cosine decay"})
+    warmup: int = field(default=100, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay of the matrices"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1 (first-moment decay), in [0, 1)"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2 (second-moment decay), in [0, 1)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip (0: none)"})
+    seed: int = field(default=0, metadata={"help": "seed of the model init and the data stream"})
+    compile: bool = field(default=True, metadata={"help": "compile the model (torch.compile)"})
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPES, "help": "compute dtype; auto: bf16 autocast on CUDA with bf16, else fp32"})
+    device: str = field(default=devices.AUTO, metadata={"help": devices.NAMES})
+    log_every: int = field(default=10, metadata={"help": "log metrics every N steps"})
+    ckpt_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: only at the end)"})
+    keep_checkpoints: int = field(default=2, metadata={"flag": "--keep", "help": "checkpoints to keep"})
+    deterministic: bool = field(default=False, metadata={
+        "help": "deterministic algorithms (exact resume on GPU)"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self):
         check_preset(self.preset)  # first: an unknown preset, not the task sizes it would have set
+        check_choice("task", self.task, TASKS)
         for name in ("steps", "seq_len", "batch_size", "log_every"):
             check_int(name, getattr(self, name))
         for name in ("warmup", "ckpt_every", "keep_checkpoints", "seed"):
@@ -52,6 +65,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if check_number(name, getattr(self, name), strict=False) >= 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from ..devices import resolve_device
 from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from .setup import build_task, model_from_checkpoint, resolve_device, train_config_of
+from .setup import build_task, model_from_checkpoint, train_config_of
 from .trainer import forward_loss
 
 EVAL_SEED_OFFSET = 1_000_003  # eval examples: seed + offset, so never a training example

@@ -1,10 +1,12 @@
-"""Build what a run needs from its :class:`TrainConfig`: device, task, model, optimizer; and
+"""Build what a run needs from its :class:`TrainConfig`: task, model, optimizer, autocast; and
 rebuild them from a checkpoint, checked against each other."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+
+from recurrences.checks import ConfigError
 
 from ..models import HybridConfig, HybridLM, preset
 from ..tasks import Task, make_task
@@ -24,18 +26,6 @@ TASK_SCALES: dict[str, dict[str, dict]] = {
         "niah": dict(vocab_size=64, key_len=1, value_len=1),
     },
 }
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} requested but CUDA is not available here")
-        if dev.index is None:
-            dev = torch.device("cuda", local_rank)
-    return dev
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
@@ -83,7 +73,7 @@ def train_config_of(ckpt: Checkpoint) -> TrainConfig:
     """The :class:`TrainConfig` saved in checkpoint ``ckpt`` (refused by name when invalid)."""
     try:
         return TrainConfig.from_dict(ckpt.state.get("train_config"), "train_config")
-    except (ValueError, TypeError) as e:
+    except (ValueError, ConfigError) as e:
         raise CheckpointError(f"checkpoint file {ckpt.path / STATE_FILE}: invalid train_config ({e})") from None
 
 
@@ -94,7 +84,7 @@ def model_from_checkpoint(ckpt: Checkpoint, cfg: TrainConfig, task: Task) -> Hyb
     state_file = ckpt.path / STATE_FILE
     try:
         saved = HybridConfig.from_dict(ckpt.state.get("model_config"), "model_config")
-    except (ValueError, TypeError) as e:
+    except (ValueError, ConfigError) as e:
         raise CheckpointError(f"checkpoint file {state_file}: invalid model_config ({e})") from None
     expected = model_config(cfg, task)
     diffs = [f"{f.name}: {getattr(saved, f.name)!r} saved, {getattr(expected, f.name)!r} from train_config"

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..devices import resolve_device
 from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_optimizer, remove_leftovers,
@@ -31,8 +32,7 @@ from .config import TrainConfig
 from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, shutdown
 from .lock import RunLock
 from .schedule import lr_at
-from .setup import (autocast_dtype, build_model, build_optimizer, build_task, model_from_checkpoint, resolve_device,
-                    train_config_of)
+from .setup import autocast_dtype, build_model, build_optimizer, build_task, model_from_checkpoint, train_config_of
 
 CONFIG_FILE, METRICS_FILE = "config.json", "metrics.jsonl"
 # fault injection for the resume tests: SIGKILL this process right after that step

@@ -1,10 +1,19 @@
-"""The command line: bench on a small profile, clear errors on bad input."""
+"""The command line: bench on a small profile, clear errors on bad input, train's flags derived
+from TrainConfig, one --device default, config errors (and only those) as exit 2."""
+import argparse
+import dataclasses
 import json
 import re
+import types
 
 import pytest
+import torch
 
-from ovqflex.cli import build_parser, main
+from ovqflex.cli import build_parser, main, tools
+from ovqflex.cli.flags import add_config_flags, config_from_args
+from ovqflex.devices import NAMES
+from ovqflex.training import TrainConfig
+from recurrences.checks import ConfigTypeError
 
 
 def test_bench_runs_a_profile_and_writes_json(tmp_path, capsys):
@@ -69,7 +78,7 @@ def test_readme_generate_flags_exist():
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["train", "--task", "sudoku"], "--task must be one of"),
+    (["train", "--task", "sudoku"], "task must be one of \\[.copy., .icl., .icr.*got .sudoku."),
     (["train", "--seq-len", "0"], "seq_len must be >= 1"),
     (["train", "--seq-len", "8"], "too short for task 'icr'"),
     (["train", "--task", "text"], "needs a data file: --data"),
@@ -121,3 +130,94 @@ def test_bad_name_lists_are_argparse_errors(capsys, argv):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
     assert "comma-separated subset" in capsys.readouterr().err
+
+
+def _train_args(argv: list[str]):
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_every_train_config_field_is_a_train_flag():
+    """train's flags are derived from TrainConfig: each field has a flag, its default and a help."""
+    defaults = config_from_args(TrainConfig, _train_args([]))
+    assert defaults == TrainConfig()
+    actions = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
+    for f in dataclasses.fields(TrainConfig):
+        assert f.name in actions, f.name
+        assert f.metadata.get("help") and actions[f.name].help.startswith(("do not ", f.metadata["help"])), f.name
+
+
+def test_a_new_train_config_field_appears_as_a_flag():
+    @dataclasses.dataclass
+    class Config(TrainConfig):
+        label_smoothing: float = dataclasses.field(default=0.0, metadata={"help": "label smoothing"})
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, Config)
+    cfg = config_from_args(Config, parser.parse_args(["--label-smoothing", "0.1", "--keep", "5", "--no-compile"]))
+    assert (cfg.label_smoothing, cfg.keep_checkpoints, cfg.compile) == (0.1, 5, False)
+
+
+def test_train_flags_reach_the_config():
+    cfg = config_from_args(TrainConfig, _train_args([
+        "--beta1", "0.8", "--beta2", "0.99", "--keep", "3", "--no-compile", "--no-progress", "--deterministic",
+        "--task-opt", "key_len=2", "--model-opt", "d_model=32", "--dtype", "fp32", "--ckpt-every", "5"]))
+    assert (cfg.beta1, cfg.beta2, cfg.keep_checkpoints, cfg.compile, cfg.progress, cfg.deterministic) == \
+        (0.8, 0.99, 3, False, False, True)
+    assert (cfg.task_options, cfg.model_options, cfg.dtype, cfg.ckpt_every) == ({"key_len": 2}, {"d_model": 32},
+                                                                                 "fp32", 5)
+
+
+def test_beta1_reaches_the_optimizer(tmp_path, monkeypatch):
+    import ovqflex.training as training
+
+    seen = {}
+
+    def fake_train(cfg, **kwargs):
+        seen["cfg"] = cfg
+        return types.SimpleNamespace(loss=None)
+
+    monkeypatch.setattr(training, "train", fake_train)
+    assert main(["train", "--beta1", "0.8", "--out", str(tmp_path / "r")]) == 0
+    assert seen["cfg"].beta1 == 0.8
+    from ovqflex.training.setup import build_optimizer
+
+    opt = build_optimizer(torch.nn.Linear(2, 2), seen["cfg"])
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95)
+
+
+def test_bad_beta_is_refused_by_name(tmp_path, capsys):
+    assert main(["train", "--beta2", "1.0", "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert "beta2 must be in [0, 1), got 1.0" in capsys.readouterr().err
+
+
+def test_device_default_is_the_same_in_every_command():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    with_device = {name: next(a for a in p._actions if a.dest == "device")
+                   for name, p in commands.items() if any(a.dest == "device" for a in p._actions)}
+    assert set(with_device) == {"info", "train", "eval", "experiment", "generate", "bench", "profile"}
+    assert {(a.default, a.help) for a in with_device.values()} == {("auto", f"{NAMES} (default: auto)")}
+
+
+def test_a_config_error_is_exit_2_with_its_message(capsys):
+    assert main(["viz", "swa", "--opt", "windw=3", "--format", "term"]) == 2
+    assert "unknown key 'windw' (did you mean 'window'?)" in capsys.readouterr().err
+
+
+def test_a_config_type_error_is_exit_2(monkeypatch, capsys):
+    def refuse(args):
+        raise ConfigTypeError("steps must be an int, got str 'x'")
+
+    monkeypatch.setattr(tools, "_cmd_info", refuse)
+    assert main(["info"]) == 2
+    assert "ovqflex info: error: steps must be an int, got str 'x'" in capsys.readouterr().err
+
+
+def test_a_bug_is_not_turned_into_exit_2(monkeypatch):
+    """A plain TypeError is a bug: it propagates with its traceback instead of a one-line error."""
+    def buggy(args):
+        return None + 1
+
+    monkeypatch.setattr(tools, "_cmd_info", buggy)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        main(["info"])

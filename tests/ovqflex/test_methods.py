@@ -2,6 +2,8 @@
 module, here inside this test file) plus one ``register_method`` call make it a ``HybridLM`` mixer, a
 target of ``ovqflex viz`` and ``ovqflex profile``, a case of the ``viz`` and ``decode`` bench
 scenarios, and subject to the conformance suite. No library file names it."""
+import dataclasses
+import functools
 import math
 
 import pytest
@@ -12,6 +14,7 @@ from masks.program import AttentionProgram, build_program
 from masks.regions import OwnChunk, StateBank
 from ovqflex import METHODS, Method, attend, register_method
 from ovqflex.layers.heads import MultiHeadProjection
+from recurrences.checks import ConfigTypeError
 from tests.ovqflex.conformance import CHECKS
 
 # --- the method's module: "chunk means", a toy compressed memory ------------------------------------
@@ -119,3 +122,33 @@ def test_runs_in_bench_scenarios():
 def test_a_name_is_registered_once():
     with pytest.raises(ValueError, match="method 'chunkmean' is already registered"):
         register_method(TOY)
+
+
+@pytest.mark.parametrize("name, options, near", [("swa", {"windw": 3}, "window"),
+                                                  ("ovq", {"max_centroid": 8}, "max_centroids"),
+                                                  ("vla", {"refresh_evry": 4}, "refresh_every")])
+def test_an_unknown_layer_option_is_a_config_type_error_naming_the_nearest(name, options, near):
+    """Every method's layer, with or without an options dataclass, refuses an option it does not take
+    by name: a ConfigTypeError (a TypeError, and a ConfigError the CLI reports as exit 2)."""
+    with pytest.raises(ConfigTypeError, match=f"method '{name}' options: unknown key .* \\(did you mean '{near}'\\?\\)"):
+        METHODS[name].build(32, 2, **options)
+
+
+def test_vla_options_are_its_method_options():
+    assert {"refresh_every", "lambda0"} <= METHODS["vla"].option_names()
+    assert METHODS["vla"].build(32, 2, refresh_every=4).options.refresh_every == 4
+
+
+def test_a_bug_in_a_layer_is_not_called_a_bad_option(monkeypatch):
+    """example() turns bad options into a ValueError, but a plain TypeError (a bug) propagates."""
+    swa = METHODS["swa"]
+
+    class Broken(swa.layer):
+        @functools.wraps(swa.layer.__init__)  # (the same options)
+        def __init__(self, *args, **kwargs):
+            raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
+
+    monkeypatch.setitem(METHODS, "swa", dataclasses.replace(swa, layer=Broken))
+    with pytest.raises(TypeError, match="unsupported operand") as info:
+        METHODS["swa"].example(2, 8)
+    assert type(info.value) is TypeError

@@ -1,0 +1,177 @@
+"""Commands on training runs: ``train``, ``eval``, ``experiment``, ``generate``."""
+from __future__ import annotations
+
+import os
+import time
+
+from tabulate import tabulate
+
+from .flags import add_config_flags, add_device, config_from_args, id_list, int_list, label_list, parse_options, seed_list
+
+
+def _cmd_train(args) -> int:
+    """Train a model on the config the flags make (or resume one)."""
+    from ..training import TrainConfig, train
+
+    result = train(config_from_args(TrainConfig, args), resume=args.resume, resume_from=args.resume_from)
+    if result.loss is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"trained {result.step} steps -> {result.out}: loss {result.loss:.4f}, "
+              f"target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    """Evaluate a run at several context lengths; print the table, write eval.json/png."""
+    from ..training import evaluate
+
+    def show(row):
+        print(f"  length {row.length:>7}: accuracy {row.accuracy:.4f}  ({row.seconds:.1f} s)", flush=True)
+
+    doc = evaluate(args.run, args.lengths, n_examples=args.examples, batch_size=args.batch_size,
+                   overrides=parse_options(args.override, "--override"), checkpoint=args.checkpoint,
+                   device=args.device, progress=show)
+    over = ", ".join(f"{k}={v}" for k, v in doc["overrides"].items()) or "none"
+    print(f"\n{doc['task']} ({doc['task_description']}), pattern {doc['pattern']}, step {doc['step']}, "
+          f"trained at {doc['train_seq_len']} tokens, overrides: {over}")
+    print(tabulate([(r["length"], f"{r['accuracy']:.4f}", f"{r['loss']:.4f}", r["targets"], f"{r['seconds']:.1f}")
+                    for r in doc["rows"]], headers=["length", "accuracy", "loss", "targets", "seconds"]))
+    png = " and eval.png" if doc.get("plot") else " (no plot: matplotlib is not installed)"
+    print(f"wrote {args.run}/eval.json{png}")
+    return 0
+
+
+def _cmd_experiment(args) -> int:
+    """Plan an experiment and print the plan (``--dry-run``) or run it and print its table."""
+    from ..experiments import get_experiment, plan, run_experiment
+
+    exp = get_experiment(args.name)
+    out = args.out or f"runs/experiments/{exp.name}-{args.scale}"
+    p = plan(exp, args.scale, out, seeds=args.seeds, models=args.models, device=args.device,
+             progress=not args.no_progress)
+    if args.dry_run:
+        print(p.describe())
+        return 0
+    results = run_experiment(p, resume=args.resume, log=lambda line: print(line, flush=True))
+    print(f"\n{results['experiment']} ({results['scale']} scale): {results['task_description']}; trained at "
+          f"{results['train_seq_len']:,} tokens; accuracy, mean over seeds (min-max)")
+    print(results["table"])
+    print("wrote " + ", ".join(results["files"]))
+    return 0
+
+
+def _prompt_tokens(args, vocab_size: int):
+    """The prompt ``[1, n]`` of ``--prompt`` (UTF-8 bytes) or ``--tokens``, checked against the vocab."""
+    import torch
+
+    if (args.prompt is None) == (args.tokens is None):
+        raise ValueError("give exactly one of --prompt TEXT (UTF-8 bytes, vocab >= 256) or --tokens ID,ID,...")
+    if args.prompt is not None:
+        if vocab_size < 256:
+            raise ValueError(f"--prompt encodes UTF-8 bytes, but the model's vocab_size is {vocab_size} "
+                             "(use --tokens with ids below it)")
+        ids = list(args.prompt.encode("utf-8"))
+    else:
+        ids = args.tokens
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if not ids or bad:
+        raise ValueError(f"--tokens must be non-empty ids in [0, {vocab_size}), got {bad or ids}")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def _cmd_generate(args) -> int:
+    """Continue a prompt with a run's model; print the tokens and the rate."""
+    import torch
+
+    from ..quantize import quantize_model
+    from ..training.evaluate import load_run
+
+    cfg, _, model, step = load_run(args.run, args.checkpoint, args.device)
+    model.set_overrides(**parse_options(args.override, "--override"))
+    quantize_model(model, args.quantize)
+    prompt = _prompt_tokens(args, model.config.vocab_size).to(next(model.parameters()).device)
+    gen = torch.Generator().manual_seed(args.seed)
+    t0 = time.perf_counter()
+    out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         generator=gen)
+    dt = time.perf_counter() - t0
+    new = out[0, prompt.shape[1]:].tolist()
+    print(f"{args.run} step {step}, pattern {model.config.pattern}, quantize {args.quantize}")
+    print("prompt tokens:", ",".join(map(str, prompt[0].tolist())))
+    print("generated:    ", ",".join(map(str, new)))
+    if model.config.vocab_size == 256:
+        print("as text:", repr(bytes(new).decode("utf-8", errors="replace")))
+    print(f"{len(new)} tokens in {dt:.2f} s ({len(new) / max(dt, 1e-9):.1f} tokens/s, prefill included)")
+    return 0
+
+
+def add_train(sub) -> None:
+    """The ``train`` command under the subparsers ``sub``: a flag per :class:`TrainConfig` field, and
+    ``--resume``, ``--resume-from``."""
+    from ..training.config import TrainConfig
+
+    s = sub.add_parser("train", help="train a hybrid model on a task (torch.compile, AdamW, checkpoints)")
+    add_config_flags(s, TrainConfig)  # every TrainConfig field, its default and help
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    s.add_argument("--resume-from", default=None, help="continue from this checkpoint directory")
+    s.set_defaults(fn=_cmd_train)
+
+
+def add_eval(sub) -> None:
+    """The ``eval`` command under the subparsers ``sub``."""
+    s = sub.add_parser("eval", help="per-token accuracy of a trained run at several context lengths")
+    s.add_argument("run", help="run directory written by ovqflex train")
+    s.add_argument("--lengths", type=int_list, default=None, help="comma-separated, e.g. 256,512,1024 "
+                   "(default: the training length, x2, x4)")
+    s.add_argument("--examples", type=int, default=64, help="examples per length")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--override", action="append", metavar="NAME=VALUE",
+                   help="test-time mixer override, e.g. max_centroids=4096 or backend=blocked (repeatable)")
+    s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    add_device(s)
+    s.set_defaults(fn=_cmd_eval)
+
+
+def add_experiment(sub) -> None:
+    """The ``experiment`` command under the subparsers ``sub``."""
+    from ..experiments import EXPERIMENTS
+
+    known = "; ".join(f"{e.name}: {e.description} (models {', '.join(e.labels)}; scales {', '.join(e.scales)})"
+                      for e in EXPERIMENTS.values())
+    s = sub.add_parser("experiment", help="train several hybrids on one task and seeds, evaluate them from the "
+                       "training length to 16x it: one table, JSON and plot",
+                       description=f"experiments: {known}. Writes OUT/experiment.json, OUT/<model>-s<seed>/ (train "
+                       "runs and eval-<variant>.json), OUT/results.json, results.md and results.png.")
+    s.add_argument("name", help=f"the experiment: {', '.join(sorted(EXPERIMENTS))}")
+    s.add_argument("--scale", default="cpu", help="cpu (a 2-core CPU in about an hour), gpu (one GPU) or smoke "
+                   "(a few steps: checks the pipeline) (default: cpu)")
+    s.add_argument("--seeds", type=seed_list, default=None, help="comma-separated, e.g. 0,1 (default: the "
+                   "experiment's, 0,1)")
+    s.add_argument("--models", type=label_list, default=None, help="comma-separated model labels, e.g. "
+                   "sw-ovq,sw-nope (default: all)")
+    s.add_argument("--out", default=None, help="output directory (default: runs/experiments/NAME-SCALE)")
+    add_device(s)
+    s.add_argument("--resume", action="store_true", help="continue the experiment in --out after a crash: "
+                   "complete units are skipped, interrupted training resumes from its latest checkpoint")
+    s.add_argument("--dry-run", action="store_true", help="print the plan (models, configs, units, token counts) "
+                   "and exit without training")
+    s.add_argument("--no-progress", action="store_true", help="no training progress bar")
+    s.set_defaults(fn=_cmd_experiment)
+
+
+def add_generate(sub) -> None:
+    """The ``generate`` command under the subparsers ``sub``."""
+    s = sub.add_parser("generate", help="continue a prompt with a trained run's model (prefill + cached decode)")
+    s.add_argument("run", help="run directory written by ovqflex train")
+    s.add_argument("--prompt", default=None, help="prompt text, encoded as UTF-8 bytes (byte-level models)")
+    s.add_argument("--tokens", type=id_list, default=None, help="prompt token ids, comma-separated")
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--seed", type=int, default=0, help="sampling seed")
+    s.add_argument("--quantize", default="none", choices=["none", "int8"],
+                   help="int8: torchao int8 weight-only linears (CPU inference; pip install 'ovqflex[quant]')")
+    s.add_argument("--override", action="append", metavar="NAME=VALUE",
+                   help="test-time mixer override, e.g. max_centroids=4096 (repeatable)")
+    s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    add_device(s)
+    s.set_defaults(fn=_cmd_generate)

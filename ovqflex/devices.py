@@ -1,0 +1,27 @@
+"""One meaning of a device name for every entry point: ``auto`` (the default everywhere) is
+CUDA when it is available, else the CPU."""
+from __future__ import annotations
+
+import torch
+
+AUTO = "auto"
+#: The device names, as the help of every ``--device`` flag of the ``ovqflex`` command line says them.
+NAMES = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
+
+
+def resolve_device(name: str = AUTO, local_rank: int = 0) -> torch.device:
+    """The device ``name`` means: ``auto`` is cuda if available, else cpu; a bare ``cuda`` is
+    ``cuda:local_rank``. A CUDA device where CUDA is not available, or a name torch does not
+    know, is a ValueError naming it."""
+    if name == AUTO:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be {NAMES}, got {name!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available here")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+    return dev
