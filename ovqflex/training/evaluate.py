@@ -160,7 +160,7 @@ def evaluate(run_dir: str | os.PathLike, lengths: list[int] | None = None, *, n_
     dev = next(model.parameters()).device
     rows = evaluate_model(model, task, sorted(set(lengths)), n_examples=n_examples, batch_size=batch_size,
                           seed=cfg.seed, device=dev, progress=progress)
-    doc = {"task": cfg.task, "task_description": task.describe(), "pattern": model.config.pattern,
+    doc = {"task": cfg.task, "task_description": task.evaluation().describe(), "pattern": model.config.pattern,
            "preset": cfg.preset, "step": step, "train_seq_len": cfg.seq_len, "overrides": overrides,
            "rows": [asdict(r) for r in rows]}
     _, png = write_report(run_dir, doc, name)

@@ -128,10 +128,12 @@ def test_corrupted_latest_checkpoint_gives_a_clear_error(tmp_path):
 
 
 def test_eval_reports_lengths_and_overrides(tmp_path):
-    c = cfg(tmp_path, steps=2)
+    c = cfg(tmp_path, steps=2, task_options=dict(key_len=1, value_len=1, min_pairs=1))
     train(c)
     doc = evaluate(c.out, [64, 128], n_examples=3, batch_size=2, overrides={"max_centroids": 64})
     assert [r["length"] for r in doc["rows"]] == [64, 128]
+    # the report describes the task it measured: full contexts, without the training mix
+    assert "min_pairs" not in json.dumps(doc) and "training mix" not in doc["task_description"]
     assert all(0 <= r["accuracy"] <= 1 and r["targets"] == 3 * 6 for r in doc["rows"])
     assert doc["overrides"] == {"max_centroids": 64}
     assert json.loads((Path(c.out) / "eval.json").read_text()) == {k: v for k, v in doc.items() if k != "plot"}
