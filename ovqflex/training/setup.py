@@ -18,7 +18,7 @@ from .config import TrainConfig
 #: them in minutes; larger presets use the papers' sizes (the tasks' own defaults).
 TASK_SCALES: dict[str, dict[str, dict]] = {
     "tiny": {
-        "icr": dict(vocab_size=64, key_len=1, value_len=1),
+        "icr": dict(vocab_size=256, key_len=1, value_len=1, min_pairs=1),
         "picr": dict(vocab_size=64, key_len=1, value_len=1),
         "icl": dict(vocab_size=512, io_len=4, n_functions=4),
         "mqar": dict(vocab_size=256),

@@ -21,14 +21,14 @@ def test_icr_cpu_plan(tmp_path):
     assert [v.overrides for v in ovq.variants] == [{}, {"max_centroids": 4096}, {"max_centroids": 8192}]
     assert [v.label for v in ovq.variants] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4"]
     # the full task options are passed, so the preset's TASK_SCALES cannot change the experiment's task
-    assert ovq.train.task_options == p.task.options() and ovq.train.task_options["key_len"] == 2
+    assert ovq.train.task_options == p.task.options() and ovq.train.task_options["min_pairs"] == 1
     assert set(TASK_SCALES["tiny"]["icr"]) <= set(ovq.train.task_options)
     kvm = p.runs[4]
     assert kvm.model.label == "sw-kvm" and kvm.config.mixer_options["kvm"]["budget"] == "power_law"
-    assert (kvm.train.steps, kvm.train.batch_size, kvm.train.seq_len, kvm.train.ckpt_every) == (1200, 32, 64, 200)
+    assert (kvm.train.steps, kvm.train.batch_size, kvm.train.seq_len, kvm.train.ckpt_every) == (2000, 32, 64, 200)
     assert p.runs[5].seed == 1 and p.runs[5].dir.name == "sw-ovq-s1"
     text = p.describe()
-    assert "2,457,600 training tokens" in text and "units: 10 train + 14 eval = 24" in text
+    assert "4,096,000 training tokens" in text and "units: 10 train + 14 eval = 24" in text
     assert "[24/24] eval sw-kvm seed 1" in text and str(tmp_path / "out" / "sw-kvm-s1" / "eval-base.json") in text
     assert not (tmp_path / "out").exists()  # planning writes nothing
 

@@ -76,7 +76,8 @@ def test_registered_experiments_have_the_asked_for_sizes(name):
     cpu, gpu = exp.scale("cpu"), exp.scale("gpu")
     assert cpu.preset == "tiny" and cpu.max_ratio >= 16 and cpu.eval_lengths[0] == cpu.seq_len
     assert gpu.seq_len >= 2048 and gpu.eval_lengths[-1] >= 32768 and gpu.max_ratio >= 16
-    assert 2_000_000 <= cpu.train_tokens <= 3_000_000  # the CPU budget: ~2-3M tokens per run
+    # the CPU budget (<= 60 min for all runs): <= 45M training tokens at the tiny model's ~16k tokens/s
+    assert 2_000_000 <= cpu.train_tokens and cpu.train_tokens * len(exp.labels) * len(exp.seeds) <= 45_000_000
     sweep, = exp.sweeps
     assert (sweep.option, sweep.factors, sweep.models) == ("max_centroids", (1, 2, 4), ("sw-ovq",))
 
@@ -88,5 +89,5 @@ def test_icr_scales_do_not_run_out_of_distinct_keys_or_values():
         task = make_task("icr", **sc.task_options)
         pairs = task.n_pairs(sc.eval_lengths[-1])
         content = task.vocab_size - 4
-        assert task.key_len >= 2, name  # multi-token keys
+        assert task.key_len >= 2 or name != "gpu", name  # the gpu scale keeps the paper's multi-token keys
         assert pairs <= content ** task.key_len and pairs <= content ** task.value_len, (name, pairs)
