@@ -21,9 +21,11 @@ from recurrences.checks import options_of
 from recurrences.kvm import routing_memory_keys
 from recurrences.precision import to_compute_dtype
 
-from ..cache.base import check_cache, positions
-from ..cache.kvm import KVMCache, KVMReadout, kvm_decode, kvm_prefill
+from ..cache.base import check_cache
+from ..cache.kvm import KVMCache
+from ..ops.decode import positions
 from ..ops.kvm import KVMOptions, kvm_attention, kvm_program
+from ..ops.kvm_decode import KVMReadout, kvm_decode, kvm_prefill
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes

@@ -13,8 +13,9 @@ from recurrences.checks import options_of
 from recurrences.precision import routing_keys, to_compute_dtype
 
 from ..cache.base import check_cache
-from ..cache.ovq import OVQCache, ovq_decode, ovq_prefill
+from ..cache.ovq import OVQCache
 from ..ops.ovq import OVQOptions, ovq_attention, ovq_program
+from ..ops.ovq_decode import ovq_decode, ovq_prefill
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes

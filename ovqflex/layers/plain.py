@@ -11,9 +11,11 @@ from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from recurrences.checks import check_block_size
 
 from ..attention import attend
-from ..cache.base import check_cache, positions
-from ..cache.plain import PlainCache, plain_decode, plain_prefill
+from ..cache.base import check_cache
+from ..cache.plain import PlainCache
+from ..ops.decode import positions
 from ..ops.plain import plain_regions, window_regions
+from ..ops.plain_decode import plain_decode, plain_prefill
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .rope import apply_rope

@@ -31,8 +31,9 @@ from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
 
 from ..cache.base import check_cache
-from ..cache.vq import VQCache, vq_decode, vq_prefill
+from ..cache.vq import VQCache
 from ..ops.vq import VQOptions, vq_attention, vq_program
+from ..ops.vq_decode import vq_decode, vq_prefill
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes
