@@ -22,24 +22,23 @@ def _absorb(counts: Tensor, value_sums: Tensor, codes: Tensor, v: Tensor) -> Non
     value_sums.scatter_add_(2, codes[..., None].expand(*codes.shape, v.shape[-1]), v.float())
 
 
-def vq_prefill(k_hat: Tensor, v: Tensor, codes: Tensor, n_codes: int, chunk_size: int,
-               conv: Tensor | None = None) -> dict:
-    """The cache fields after a full forward over quantized keys ``k_hat``, v, codes
-    ``[B, H, T, *]`` (a dict, so :class:`VQCache` subclasses can add theirs)."""
+def vq_prefill(k_hat: Tensor, v: Tensor, codes: Tensor, n_codes: int, chunk_size: int) -> dict:
+    """The VQ fields of the cache after a full forward over quantized keys ``k_hat``, v, codes
+    ``[B, H, T, *]`` (a dict: the layer adds ``conv`` and what a :class:`VQCache` subclass holds)."""
     B, H, T, _ = k_hat.shape
     last = (T - 1) // chunk_size
     start = max(0, (last - WINDOW_CHUNKS + 1) * chunk_size)
     counts = torch.zeros(B, H, n_codes, device=v.device)
     value_sums = torch.zeros(B, H, n_codes, v.shape[-1], device=v.device)
     _absorb(counts, value_sums, codes[:, :, :start], v.detach()[:, :, :start])
-    return dict(position=T, conv=conv, counts=counts, value_sums=value_sums, state_chunk=last,
+    return dict(position=T, counts=counts, value_sums=value_sums, state_chunk=last,
                 win_k=k_hat.detach()[:, :, start:], win_v=v.detach()[:, :, start:], win_codes=codes[:, :, start:])
 
 
 def vq_decode(cache: VQCache, q_scaled: Tensor, k_hat: Tensor, v: Tensor, codes: Tensor, code_keys: Tensor,
               state_bias: Tensor | None, chunk_size: int) -> tuple[Tensor, dict]:
     """New tokens (``q_scaled = beta * q̂``, quantized keys, values, codes ``[B, H, T2, *]``) ->
-    outputs ``[B, H, T2, Dv]`` and the new cache's fields. ``code_keys`` ``[H, N, D]`` unit
+    outputs ``[B, H, T2, Dv]`` and the new cache's VQ fields (the layer adds the others). ``code_keys`` ``[H, N, D]`` unit
     codebook; ``state_bias`` ``[H]`` added to the state rows' scores (LongVQ's local bias,
     folded as in :func:`ovqflex.vq_attention`), or None."""
     B, H, T2, _ = q_scaled.shape
