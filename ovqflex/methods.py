@@ -74,8 +74,8 @@ class Method:
 
     @property
     def decodes(self) -> bool:
-        """Whether its layer continues from a decode cache (``supports_cache``)."""
-        return bool(getattr(self.layer, "supports_cache", False))
+        """Whether its layer continues from a decode cache (``supports_cache``: it has a ``cache_type``)."""
+        return self.layer.supports_cache
 
     @property
     def is_mixer(self) -> bool:
