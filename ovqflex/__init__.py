@@ -5,7 +5,7 @@ Functional ops take ``[B, H, T, D]`` tensors; layers take ``x [B, T, hidden]``.
 from masks.program import AttentionProgram, build_program
 
 from .attention import attend, resolve_backend
-from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
+from .layers import (AttentionLayer, CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention, VQCodebook)
 from .methods import METHODS, Method, get_method, register_method
 from .ops import (KVMOptions, KVMState, OVQOptions, OVQState, causal_attention, delta_rule, kvm_attention,
@@ -15,6 +15,7 @@ from .ops import (KVMOptions, KVMState, OVQOptions, OVQState, causal_attention, 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionLayer",
     "AttentionProgram",
     "CausalAttention",
     "DeltaNetAttention",

@@ -19,7 +19,7 @@ from recurrences.checks import ConfigError, ConfigTypeError, check_keys
 from recurrences.reference import kvm_attention_reference, ovq_attention_reference, vq_attention_reference
 from recurrences.vla import VLAOptions
 
-from .layers import (CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
+from .layers import (AttentionLayer, CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention)
 from .ops.kvm import KVMOptions, kvm_flops
 from .ops.ovq import OVQOptions, ovq_flops
@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 class Method:
     """One attention method and what the rest of ovqflex needs of it.
 
-    - ``layer``: the layer class; ``layer(hidden_size, num_heads, **fixed, **options)`` maps
-      x ``[B, T, hidden]`` to y ``[B, T, hidden]`` (or ``(y, aux)`` with an aux loss). Its
-      ``program(x)`` (if any) makes the method drawable; its ``supports_cache`` makes it decode.
+    - ``layer``: the layer class, an :class:`~ovqflex.layers.AttentionLayer`;
+      ``layer(hidden_size, num_heads, **fixed, **options)`` maps x ``[B, T, hidden]`` to y
+      ``[B, T, hidden]`` (``(y, aux)`` with ``return_aux=True``). Its ``program(x)`` (if any) makes
+      the method drawable; its ``cache_type`` (``supports_cache``) makes it decode.
     - ``fixed``: the options that make this method of ``layer`` (``full`` is a ``CausalAttention``
       with ``rope=True``); a user cannot override them.
     - ``options``: the method's frozen options dataclass (its fields are keyword options of the
@@ -73,8 +74,8 @@ class Method:
 
     @property
     def decodes(self) -> bool:
-        """Whether its layer continues from a decode cache (``supports_cache``)."""
-        return bool(getattr(self.layer, "supports_cache", False))
+        """Whether its layer continues from a decode cache (``supports_cache``: it has a ``cache_type``)."""
+        return self.layer.supports_cache
 
     @property
     def is_mixer(self) -> bool:
@@ -127,6 +128,9 @@ def register_method(method: Method) -> Method:
         raise TypeError(f"method must be a Method, got {type(method).__name__}")
     if method.name in METHODS:
         raise ValueError(f"method {method.name!r} is already registered")
+    if not (isinstance(method.layer, type) and issubclass(method.layer, AttentionLayer)):
+        raise TypeError(f"method {method.name!r}: layer must be a subclass of ovqflex.AttentionLayer (the layer "
+                        f"contract, docs/adding-a-method.md §7), got {method.layer!r}")
     unknown = set(method.fixed) - {p for p in inspect.signature(method.layer).parameters}
     if unknown:
         raise ValueError(f"method {method.name!r}: fixed options {sorted(unknown)} are not arguments of "

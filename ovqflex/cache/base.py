@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 
@@ -50,19 +49,3 @@ def check_cache(cache, kind: type, layer) -> None:
     if cache is not None and not isinstance(cache, kind):
         raise TypeError(f"cache for {type(layer).__name__} must be a {kind.__name__} (from forward(..., "
                         f"use_cache=True)), got {type(cache).__name__}")
-
-
-def positions(start: int, n: int, device) -> Tensor:
-    """Absolute positions ``[n]`` int64 of the tokens ``start .. start+n-1``."""
-    return torch.arange(start, start + n, device=device)
-
-
-def chunk_segments(start: int, n: int, chunk_size: int) -> list[tuple[int, int]]:
-    """Split tokens ``start .. start+n-1`` at chunk boundaries: ``[(offset, length), ...]``
-    (offsets relative to ``start``)."""
-    out, i = [], 0
-    while i < n:
-        take = min(n - i, chunk_size - (start + i) % chunk_size)
-        out.append((i, take))
-        i += take
-    return out

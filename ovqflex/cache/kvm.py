@@ -1,12 +1,8 @@
 """Decode cache of KVM (docs/design.md §4.3, §6).
 
 Holds the routing state (fp32 row sums of the gated memory keys — what routing
-keeps, rebuilt after a prefill by replaying the routes through the same write,
-:func:`recurrences.kvm.kvm_absorb`), the gated value sums, founder radii and row
-counts, and the raw tokens of the block window. When a query chunk ``c >= Nb``
-starts, the oldest window chunk (``c - Nb``) is absorbed into the state (chunk 0
-founds the initial rows) and dropped; a query then reads the state and its
-window causally, as the full forward does.
+keeps), the gated value sums, founder radii and row counts, and the raw tokens of the
+block window. The prefill and decode steps that fill it are :mod:`ovqflex.ops.kvm_decode`.
 
 Bound: the state rows (``max(C, C * max_state_chunks)`` when capped; an uncapped
 budget grows as its schedule says) times ``(2D + Dv + 2)`` fp32, plus at most
@@ -15,18 +11,10 @@ budget grows as its schedule says) times ``(2D + Dv + 2)`` fp32, plus at most
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from masks.regions import BlockWindow, token_visibility
-from recurrences.kvm import kvm_absorb, kvm_route_chunk
-
-from ..attention import attend_rows
-from ..ops.kvm import KVMOptions
-from .base import LayerCache, chunk_segments, positions
+from .base import LayerCache
 
 
 @dataclass
@@ -47,128 +35,3 @@ class KVMCache(LayerCache):
     win_v: Tensor
     win_kbar: Tensor
     win_gate: Tensor
-
-
-class KVMReadout(NamedTuple):
-    """The layer's state-readout parameters (the op's keyword tensors of the same names): ``LN_s``
-    ``ln_s_weight``, ``ln_s_bias`` ``[D]``; temperatures ``tau_state``, ``tau_bswa`` ``[H]`` (None: 1)."""
-
-    ln_s_weight: Tensor
-    ln_s_bias: Tensor
-    tau_state: Tensor | None
-    tau_bswa: Tensor | None
-
-
-def _size(opts: KVMOptions, c: int) -> int:
-    """State rows query chunk ``c`` reads."""
-    return opts.state_sizes((c + 1) * opts.chunk_size)[c]
-
-
-def _capacity(opts: KVMOptions, rows: int) -> int:
-    """Rows to allocate for a state of ``rows`` rows: the cap at once when the budget is capped."""
-    cap = opts.max_state_chunks
-    return rows if cap is None else max(rows, opts.chunk_size * max(cap, 1))
-
-
-def _grow(cache_rows: dict, need: int) -> dict:
-    """Pad the state tensors (dim 2) with empty rows up to ``need``."""
-    have = cache_rows["state"].shape[2]
-    if need <= have:
-        return cache_rows
-    pad = need - have
-    return {name: F.pad(t, (0, 0, 0, pad) if t.dim() == 4 else (0, pad)) for name, t in cache_rows.items()}
-
-
-def _absorb(st: dict, c: int, opts: KVMOptions, readout: KVMReadout, ok: Tensor, og: Tensor, vc: Tensor,
-            target: Tensor | None = None, appended: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """State for query chunk ``c`` from the one before: chunk ``c - Nb`` (keys ``ok``, gates
-    ``og``, values ``vc``, all fp32 ``[B, H, C, *]``) is absorbed in place. ``target``/``appended``
-    given (a prefill replay) skip the routing decision."""
-    B, H, C, D = ok.shape
-    if c == opts.n_bswa_chunks:  # the initial state: one founder row per token of chunk 0
-        target = torch.arange(C, device=ok.device).expand(B, H, C)
-        appended = torch.ones(B, H, C, dtype=torch.bool, device=ok.device)
-        st["state"][:, :, :C] = ok
-    else:
-        m, n_app = _size(opts, c - 1), _size(opts, c) - _size(opts, c - 1)
-        if target is None:
-            target, appended = kvm_route_chunk(st["state"], m, n_app, ok, og, readout.ln_s_weight.float(),
-                                               readout.ln_s_bias.float(), opts.sink_len, opts.ln_eps)
-        kvm_absorb(st["state"], ok, og, target, appended, n_app)
-    weight = torch.where(appended, 1.0, og)
-    st["value_sums"].scatter_add_(2, target[..., None].expand(B, H, C, vc.shape[-1]), weight[..., None] * vc)
-    st["radius"].scatter_add_(2, target, torch.linalg.vector_norm(vc, dim=-1) * appended)
-    st["counts"].scatter_add_(2, target, torch.ones_like(weight))
-    return target, appended
-
-
-def _empty_state(B: int, H: int, D: int, Dv: int, device) -> dict:
-    return dict(state=torch.zeros(B, H, 0, D, device=device), value_sums=torch.zeros(B, H, 0, Dv, device=device),
-                radius=torch.zeros(B, H, 0, device=device), counts=torch.zeros(B, H, 0, device=device))
-
-
-def kvm_prefill(k: Tensor, v: Tensor, kbar32: Tensor, gate: Tensor, routes: Tensor, founder: Tensor,
-                opts: KVMOptions, readout: KVMReadout, conv: Tensor | None) -> KVMCache:
-    """The cache after a full forward over k (normalized, rotated), v, kbar32 (fp32 memory
-    keys), gate ``[B, H, T]`` with the op's routes/founder ``[B, H, T]``, replayed."""
-    B, H, T, D = k.shape
-    C, Nb = opts.chunk_size, opts.n_bswa_chunks
-    last = (T - 1) // C  # the last query chunk of the prefill
-    st = _empty_state(B, H, D, v.shape[-1], k.device)
-    vf, gf = v.detach().float(), gate.detach().float()
-    for c in range(Nb, last + 1):
-        st = _grow(st, _capacity(opts, _size(opts, c)))
-        sl = slice((c - Nb) * C, (c - Nb + 1) * C)
-        _absorb(st, c, opts, readout, kbar32[:, :, sl], gf[:, :, sl], vf[:, :, sl], routes[:, :, sl], founder[:, :, sl])
-    start = max(0, (last - Nb + 1) * C)
-    return KVMCache(position=T, conv=conv, rows=_size(opts, last) if last >= Nb else 0, state_chunk=last,
-                    win_k=k.detach()[:, :, start:], win_v=v.detach()[:, :, start:], win_kbar=kbar32[:, :, start:],
-                    win_gate=gf[:, :, start:], **st)
-
-
-def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor, gate: Tensor,
-               opts: KVMOptions, readout: KVMReadout, conv: Tensor | None) -> tuple[Tensor, KVMCache]:
-    """New tokens' q, k (normalized, rotated), v, fp32 memory keys and gates -> outputs
-    ``[B, H, T2, Dv]`` and the cache after them."""
-    B, H, T2, D = q.shape
-    C, Nb = opts.chunk_size, opts.n_bswa_chunks
-    st = {name: getattr(cache, name) for name in ("state", "value_sums", "radius", "counts")}
-    copied = False  # the given cache stays valid: copy the state before the first write of this call
-    win = dict(k=cache.win_k, v=cache.win_v, kbar=cache.win_kbar, gate=cache.win_gate)
-    rows, state_chunk, pos, outs = cache.rows, cache.state_chunk, cache.position, []
-    window = (BlockWindow(Nb, C),)
-    for off, take in chunk_segments(pos, T2, C):
-        c = pos // C
-        if c > state_chunk and c >= Nb:  # a new query chunk: absorb the oldest window chunk
-            st = _grow(st, _capacity(opts, _size(opts, c)))
-            if not copied:
-                st, copied = {name: t.clone() for name, t in st.items()}, True
-            _absorb(st, c, opts, readout, win["kbar"][:, :, :C], win["gate"][:, :, :C], win["v"][:, :, :C].float())
-            win = {name: t[:, :, C:] for name, t in win.items()}
-            rows = _size(opts, c)
-        state_chunk = c
-        new = dict(k=k, v=v, kbar=kbar32, gate=gate.float())
-        win = {name: torch.cat([win[name], new[name][:, :, off:off + take].detach()], dim=2) for name in win}
-        w = win["k"].shape[2]
-        win_keys = win["k"] if readout.tau_bswa is None else win["k"] * readout.tau_bswa.view(1, H, 1, 1).to(k.dtype)
-        q_pos, kv_pos = positions(pos, take, q.device), positions(pos + take - w, w, q.device)
-        visible = token_visibility(window, q_pos, kv_pos)
-        keys, values = win_keys.float(), win["v"].float()
-        if rows:
-            s_keys = F.layer_norm(st["state"][:, :, :rows], (D,), readout.ln_s_weight.float(),
-                                  readout.ln_s_bias.float(), opts.ln_eps)
-            if readout.tau_state is not None:
-                s_keys = s_keys * readout.tau_state.float().view(1, H, 1, 1)
-            sv = st["value_sums"][:, :, :rows]
-            if opts.use_vlens:
-                s_vals = st["radius"][:, :, :rows, None] * sv / torch.linalg.vector_norm(
-                    sv, dim=-1, keepdim=True).clamp_min(1e-12)
-            else:
-                s_vals = sv / st["counts"][:, :, :rows, None].clamp_min(1.0)
-            keys, values = torch.cat([s_keys, keys], dim=2), torch.cat([s_vals, values], dim=2)
-            visible = torch.cat([torch.ones(take, rows, dtype=torch.bool, device=q.device), visible], dim=1)
-        outs.append(attend_rows(q[:, :, off:off + take], keys, values, visible, scale=D ** -0.5))
-        pos += take
-    new_cache = KVMCache(position=pos, conv=conv, rows=rows, state_chunk=state_chunk, win_k=win["k"],
-                         win_v=win["v"], win_kbar=win["kbar"], win_gate=win["gate"], **st)
-    return torch.cat(outs, dim=2).to(v.dtype), new_cache

@@ -1,4 +1,6 @@
-"""Thin ``nn.Module`` layers: they own parameters and call the functional ops."""
+"""Thin ``nn.Module`` layers: they own parameters and call the functional ops; every one is an
+:class:`AttentionLayer` (``layers/base.py``: the one forward contract)."""
+from .base import AttentionLayer
 from .kvm import KVMAttention
 from .longvq import LongVQBlock
 from .linear import DeltaNetAttention, LinearAttention, VLAAttention
@@ -6,5 +8,5 @@ from .ovq import OVQAttention
 from .plain import CausalAttention, SlidingWindowAttention
 from .vq import VQAttention, VQCodebook
 
-__all__ = ["CausalAttention", "DeltaNetAttention", "KVMAttention", "LinearAttention", "LongVQBlock", "OVQAttention",
+__all__ = ["AttentionLayer", "CausalAttention", "DeltaNetAttention", "KVMAttention", "LinearAttention", "LongVQBlock", "OVQAttention",
            "SlidingWindowAttention", "VLAAttention", "VQAttention", "VQCodebook"]

@@ -19,9 +19,15 @@ from torch import Tensor, nn
 from recurrences.checks import check_choice, check_int, check_layer_input
 
 from ..attention import BACKENDS
+from ..profiling import stage
+from .base import AttentionLayer
 
 
-class MultiHeadProjection(nn.Module):
+class MultiHeadProjection(AttentionLayer):
+    """The projections, and the default ``_project`` (q, k, v ``[B, H, T, head_dim]`` and the conv
+    tail, continuing after a cache's ``conv``) and ``_output`` (``o_proj``) hooks of
+    :class:`~ovqflex.layers.base.AttentionLayer`."""
+
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, backend: str | None,
                  qk_conv: int = 0):
         super().__init__()
@@ -77,3 +83,13 @@ class MultiHeadProjection(nn.Module):
         """o ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""
         B, H, T, D = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+
+    def _project(self, x: Tensor, cache, use_cache: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]`` and the conv tail after x."""
+        with stage("proj"):
+            return self.split_heads_cached(x, None if cache is None else cache.conv)
+
+    def _output(self, o: Tensor, inputs) -> Tensor:
+        """o ``[B, H, T, head_dim]`` -> y ``[B, T, hidden]``."""
+        with stage("proj"):
+            return self.merge(o)

@@ -21,9 +21,10 @@ from recurrences.checks import options_of
 from recurrences.kvm import routing_memory_keys
 from recurrences.precision import to_compute_dtype
 
-from ..cache.base import check_cache, positions
-from ..cache.kvm import KVMCache, KVMReadout, kvm_decode, kvm_prefill
+from ..cache.kvm import KVMCache
+from ..ops.decode import positions
 from ..ops.kvm import KVMOptions, kvm_attention, kvm_program
+from ..ops.kvm_decode import KVMReadout, kvm_decode, kvm_prefill
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes
@@ -42,7 +43,7 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
     ``rope_base`` and the ablation switches ``use_gate``, ``use_temperatures`` decide the parameters.
     """
 
-    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    cache_type = KVMCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     options_type = KVMOptions
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, rope_base: float = 10000.0,
@@ -61,9 +62,10 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
         else:
             self.tau_state = self.tau_bswa = None
 
-    def _prepare(self, x: Tensor, start: int = 0, conv_tail: Tensor | None = None):
-        """q, k (normalized, rotated at positions ``start..``), v ``[B, H, T, D]``, the gate
+    def _project(self, x: Tensor, cache: KVMCache | None, use_cache: bool = False):
+        """q, k (normalized, rotated at the positions after ``cache``), v ``[B, H, T, D]``, the gate
         ``[B, H, T]`` (None without ``gate_proj``) and the q/k conv tail."""
+        start, conv_tail = (0, None) if cache is None else (cache.position, cache.conv)
         with stage("proj"):
             q, k, v, tail = self.split_heads_cached(x, conv_tail)
             pos = positions(start, x.shape[1], x.device)
@@ -79,31 +81,32 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
 
     def program(self, x: Tensor) -> AttentionProgram:
         """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
-        q, k, v, gate, _ = self._prepare(x)
+        q, k, v, gate, _ = self._project(x, None)
         return kvm_program(q, k, v, gate, options=self.options, **self._readout()._asdict())[0]
 
-    def forward(self, x: Tensor, cache: KVMCache | None = None, use_cache: bool = False):
-        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or
-        a ``cache`` (:class:`~ovqflex.cache.KVMCache`) to continue from."""
-        check_cache(cache, KVMCache, self)
-        start, conv = (0, None) if cache is None else (cache.position, cache.conv)
-        q, k, v, gate, tail = self._prepare(x, start, conv)
+    # forward(x, cache=None, use_cache=False, *, return_aux=False): AttentionLayer
+
+    def _full(self, inputs) -> tuple[Tensor, dict]:
+        q, k, v, gate, _ = inputs
+        return kvm_attention(q, k, v, gate, backend=self.backend, options=self.options, **self._readout()._asdict()), {}
+
+    def _cached_operands(self, inputs):
+        """The cache paths' q, k, v, gate (ones without ``gate_proj``), fp32 memory keys, conv tail."""
+        q, k, v, gate, tail = inputs
+        gate = torch.ones(q.shape[:3], dtype=q.dtype, device=q.device) if gate is None else gate
+        kbar32 = routing_memory_keys(k, self.rope_dims, self.ln_s.weight, self.ln_s.bias, self.options.ln_eps)
+        return q, k, v, gate, kbar32, tail
+
+    def _prefill(self, inputs) -> tuple[Tensor, KVMCache]:
+        q, k, v, gate, kbar32, tail = self._cached_operands(inputs)
         readout, options = self._readout(), self.options
-        if cache is None and not use_cache:
-            o, new_cache = kvm_attention(q, k, v, gate, backend=self.backend, options=options,
-                                         **readout._asdict()), None
-        else:
-            gate = torch.ones(q.shape[:3], dtype=q.dtype, device=q.device) if gate is None else gate
-            kbar32 = routing_memory_keys(k, self.rope_dims, readout.ln_s_weight, readout.ln_s_bias, options.ln_eps)
-            if cache is None:
-                o, state = kvm_attention(q, k, v, gate, backend=self.backend, return_state=True, options=options,
-                                         **readout._asdict())
-                new_cache = kvm_prefill(k, v, kbar32, gate, state.routes, state.founder, options, readout, tail)
-            else:
-                o, new_cache = kvm_decode(cache, q, k, v, kbar32, gate, options, readout, tail)
-        with stage("proj"):
-            y = self.merge(o)
-        return y if new_cache is None else (y, new_cache)
+        o, state = kvm_attention(q, k, v, gate, backend=self.backend, return_state=True, options=options,
+                                 **readout._asdict())
+        return o, kvm_prefill(k, v, kbar32, gate, state.routes, state.founder, options, readout, tail)
+
+    def _decode_step(self, inputs, cache: KVMCache) -> tuple[Tensor, KVMCache]:
+        q, k, v, gate, kbar32, tail = self._cached_operands(inputs)
+        return kvm_decode(cache, q, k, v, kbar32, gate, self.options, self._readout(), tail)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

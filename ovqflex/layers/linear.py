@@ -25,48 +25,49 @@ from torch import Tensor, nn
 from recurrences.checks import check_int, check_number, options_of
 from recurrences.vla import VLAOptions
 
-from ..cache.base import check_cache
 from ..cache.recurrent import DeltaNetCache, LinearAttentionCache, VLACache
 from ..ops.linear import delta_rule, linear_attention, vla_attention
 from .heads import MultiHeadProjection
 
 
 class _Recurrent(MultiHeadProjection):
-    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    """The recurrent layers' hooks: the full forward runs the op, a prefill or decode step runs it with
+    ``output_final_state=True`` from the cache's state; subclasses give ``cache_type`` and ``recur``."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, qk_conv: int, out_norm: bool):
         super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
         self.out_norm = nn.RMSNorm(self.head_dim) if out_norm else None
 
-    def finish(self, o: Tensor) -> Tensor:
+    # forward(x, cache=None, use_cache=False, *, return_aux=False): AttentionLayer
+
+    def _project(self, x: Tensor, cache, use_cache: bool = False):
+        """x and its q, k, v ``[B, H, T, head_dim]`` and conv tail (``recur`` takes per-token gates from x)."""
+        return (x, *self.split_heads_cached(x, None if cache is None else cache.conv))
+
+    def _output(self, o: Tensor, inputs) -> Tensor:
         """op output ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""
         return self.merge(o if self.out_norm is None else self.out_norm(o))
 
-    def forward(self, x: Tensor, cache=None, use_cache: bool = False):
-        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or a
-        ``cache`` (the layer's ``cache_type``) to continue from."""
-        check_cache(cache, self.cache_type, self)
-        if cache is not None and x.shape[1] == 0:
-            return self._empty_step(x, cache)
-        q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
-        if cache is None and not use_cache:
-            return self.finish(self.recur(x, q, k, v))
+    def _full(self, inputs) -> tuple[Tensor, dict]:
+        x, q, k, v, _ = inputs
+        return self.recur(x, q, k, v), {}
+
+    def _prefill(self, inputs):
+        return self._decode_step(inputs, None)
+
+    def _decode_step(self, inputs, cache):
+        """The op from ``cache``'s state (None: a prefill) -> (o, the cache after x)."""
+        x, q, k, v, tail = inputs
         o, state = self.recur(x, q, k, v, decoding=cache is not None, output_final_state=True,
                               initial_state=None if cache is None else cache.recurrence_state())
         position = (0 if cache is None else cache.position) + x.shape[1]
-        return self.finish(o), self.cache_type.of(state, position, tail)
+        return o, self.cache_type.of(state, position, tail)
 
     def recur(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, decoding: bool = False, **state_options):
         """The layer's op on q, k, v ``[B, H, T, head_dim]`` (x ``[B, T, hidden]`` for per-token
         gates); ``state_options``: ``initial_state`` / ``output_final_state`` of the op; ``decoding``:
         a continuation from a cache (the op may take a smaller chunk)."""
         raise NotImplementedError
-
-    def _empty_step(self, x: Tensor, cache):
-        """A decode call with no tokens (x ``[B, 0, hidden]``): an empty ``[B, 0, hidden]`` output and
-        the cache unchanged (a new object)."""
-        self.check_input(x)
-        return x.new_zeros(x.shape[0], 0, self.hidden_size), dataclasses.replace(cache)
 
 
 class LinearAttention(_Recurrent):

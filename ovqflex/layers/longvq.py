@@ -16,7 +16,7 @@ the state rows' bias (see :func:`ovqflex.vq_attention`); its gradient needs a ba
 bias gradients: ``blocked``/``dense`` (CPU training), or ``flex`` where it supports
 captured-tensor gradients.
 
-``forward(x [B, T, hidden]) -> (y [B, T, hidden], aux)``; the codebook trains as in
+``forward(x [B, T, hidden]) -> y [B, T, hidden]`` (``(y, aux)`` with ``return_aux=True``); the codebook trains as in
 :class:`~ovqflex.layers.VQAttention` (EMA buffers updated in training-mode forwards).
 In a :class:`~ovqflex.models.HybridLM` (pattern ``"longvq"``) the block replaces the whole
 pre-norm mixer + MLP block (``standalone_block = True``).
@@ -24,6 +24,7 @@ pre-norm mixer + MLP block (``standalone_block = True``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,21 +35,31 @@ from recurrences.checks import check_choice, check_int, check_layer_input, check
 from recurrences.ema import damped_ema
 
 from ..attention import BACKENDS
-from ..cache.base import check_cache
 from ..cache.vq import LongVQCache
 from ..ops.vq import VQOptions, vq_program
 from ..profiling import stage
+from .base import AttentionLayer
 from .options import OptionAttributes
-from .vq import VQCodebook, vq_layer_attention
+from .vq import VQCodebook, VQInputs, VQMemory
 
 
-class LongVQBlock(OptionAttributes, nn.Module):
+@dataclass
+class LongVQInputs(VQInputs):
+    """:class:`~ovqflex.layers.vq.VQInputs` plus the block's input x ``[B, T, hidden]`` and gates
+    ``g_a [B, T, H*Dv]``, ``g_o [B, T, hidden]``."""
+
+    x: Tensor
+    g_a: Tensor
+    g_o: Tensor
+
+
+class LongVQBlock(VQMemory, OptionAttributes, AttentionLayer):
     """The block; its VQ attention's options are a :class:`~ovqflex.ops.vq.VQOptions` (``options=``)
     or its fields as keywords (``chunk_size``, ``estimator``, ``state_layout``, ``checkpoint_every``,
     ``block_size``), each an attribute (``estimator`` fixed once built)."""
 
     standalone_block = True
-    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    cache_type = LongVQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     options_type = VQOptions
     fixed_options = ("estimator",)
 
@@ -88,11 +99,15 @@ class LongVQBlock(OptionAttributes, nn.Module):
         self.norm1 = nn.LayerNorm(hidden_size, eps=norm_eps)
         self.norm2 = nn.LayerNorm(hidden_size, eps=norm_eps)
 
+    def check_input(self, x: Tensor) -> None:
+        """x ``[B, T, hidden]`` in the projections' dtype (any floating dtype under autocast)."""
+        check_layer_input(x, self.hidden_size, self.z_proj.weight.dtype)
+
     def _qkv_gates(self, x: Tensor, ema_state: Tensor | None = None, want_state: bool = False):
         """q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, the gates, and (``want_state``) the EMA
         state after x, continuing from ``ema_state`` ``[B, hidden, ema_dim]`` (None: a sequence
         start); else None."""
-        check_layer_input(x, self.hidden_size, self.z_proj.weight.dtype)
+        self.check_input(x)
         B, T, _ = x.shape
         H, Dk, Dv = self.num_heads, self.head_dim, self.head_dim_v
         z = damped_ema(x, self.ema_delta, self.ema_alpha, self.ema_beta, self.ema_gamma, self.ema_omega,
@@ -111,21 +126,22 @@ class LongVQBlock(OptionAttributes, nn.Module):
         return vq_program(q, k, v, self.quantizer.codebook, self.beta, local_bias=self.local_bias,
                           code_bias=self.quantizer.code_bias(), options=self.options)[0]
 
-    def forward(self, x: Tensor, cache: LongVQCache | None = None, use_cache: bool = False):
-        """x ``[B, T, hidden]`` -> ``(y, aux)``; with ``use_cache=True`` or a ``cache``
-        (:class:`~ovqflex.cache.LongVQCache`: the VQ cache plus the EMA state; inference)
-        ``(y, cache)``."""
-        check_cache(cache, LongVQCache, self)
+    # forward(x, cache=None, use_cache=False, *, return_aux=False): AttentionLayer; the attention: VQMemory.
+    # The cache (LongVQCache) is the VQ cache plus the EMA state.
+
+    def _project(self, x: Tensor, cache: LongVQCache | None, use_cache: bool) -> LongVQInputs:
         with stage("proj"):
-            q, k, v, g_a, g_o, ema = self._qkv_gates(x, None if cache is None else cache.ema,
-                                                     want_state=cache is not None or use_cache)
-        o, extra = vq_layer_attention(self, q, k, v, cache, use_cache, None, LongVQCache,
-                                      **({} if ema is None else {"ema": ema.detach()}))
+            q, k, v, g_a, g_o, ema = self._qkv_gates(x, None if cache is None else cache.ema, want_state=use_cache)
+        fields = {"conv": None} if ema is None else {"conv": None, "ema": ema.detach()}
+        return LongVQInputs(q, k, v, fields, x, g_a, g_o)
+
+    def _output(self, o: Tensor, inputs: LongVQInputs) -> Tensor:
+        """o ``[B, H, T, Dv]`` -> y ``[B, T, hidden]``: the gated residual, the norms and the FFN."""
         with stage("proj"):
             B, H, T, Dv = o.shape
-            o_a = self.h_proj(g_a * o.transpose(1, 2).reshape(B, T, H * Dv))
-            y = self.norm1(g_o * o_a + (1 - g_o) * x)
-            return self.norm2(y + self.ffn(y)), extra
+            o_a = self.h_proj(inputs.g_a * o.transpose(1, 2).reshape(B, T, H * Dv))
+            y = self.norm1(inputs.g_o * o_a + (1 - inputs.g_o) * inputs.x)
+            return self.norm2(y + self.ffn(y))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -12,9 +12,9 @@ from masks.program import AttentionProgram
 from recurrences.checks import options_of
 from recurrences.precision import routing_keys, to_compute_dtype
 
-from ..cache.base import check_cache
-from ..cache.ovq import OVQCache, ovq_decode, ovq_prefill
+from ..cache.ovq import OVQCache
 from ..ops.ovq import OVQOptions, ovq_attention, ovq_program
+from ..ops.ovq_decode import ovq_decode, ovq_prefill
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes
@@ -31,8 +31,9 @@ class OVQAttention(OptionAttributes, MultiHeadProjection):
     passing ``forward(x, max_centroids=...)`` — no parameter depends on it.
     """
 
-    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    cache_type = OVQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     options_type = OVQOptions
+    call_options = ("max_centroids",)
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, qk_conv: int = 0,
                  backend: str = "auto", options: OVQOptions | None = None, **option_kwargs):
@@ -50,30 +51,26 @@ class OVQAttention(OptionAttributes, MultiHeadProjection):
             q, k, v = self.split_heads(x)
         return ovq_program(q, k, v, self.beta, options=self._options(max_centroids))[0]
 
-    def forward(self, x: Tensor, cache: OVQCache | None = None, use_cache: bool = False, *,
-                max_centroids: int | None = None):
-        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True`` or
-        a ``cache`` (:class:`~ovqflex.cache.OVQCache`) to continue from: prefill any length,
-        then decode one or more tokens per call."""
-        check_cache(cache, OVQCache, self)
+    # forward(x, cache=None, use_cache=False, *, return_aux=False, max_centroids=None): AttentionLayer
+
+    def _full(self, inputs, *, max_centroids: int | None = None) -> tuple[Tensor, dict]:
+        q, k, v, _ = inputs
+        return ovq_attention(q, k, v, self.beta, backend=self.backend, options=self._options(max_centroids)), {}
+
+    def _prefill(self, inputs, *, max_centroids: int | None = None) -> tuple[Tensor, OVQCache]:
+        q, k, v, tail = inputs
+        q, k, v = to_compute_dtype(q, k, v)
         options = self._options(max_centroids)
-        with stage("proj"):
-            q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
-        if cache is None and not use_cache:
-            o = ovq_attention(q, k, v, self.beta, backend=self.backend, options=options)
-            new_cache = None
-        else:
-            q, k, v = to_compute_dtype(q, k, v)
-            kr = routing_keys(k)  # the cache routes and attends on the fp32 unit keys the op routes on
-            if cache is None:
-                o, state = ovq_attention(q, k, v, self.beta, backend=self.backend, return_state=True, options=options)
-                new_cache = ovq_prefill(kr, v, state.routes, options, tail)
-            else:
-                qn = F.normalize(q, dim=-1)
-                o, new_cache = ovq_decode(cache, qn * self.beta.to(qn.dtype).view(1, -1, 1, 1), kr, v, options, tail)
-        with stage("proj"):
-            y = self.merge(o)
-        return y if new_cache is None else (y, new_cache)
+        o, state = ovq_attention(q, k, v, self.beta, backend=self.backend, return_state=True, options=options)
+        return o, ovq_prefill(routing_keys(k), v, state.routes, options, tail)
+
+    def _decode_step(self, inputs, cache: OVQCache, *, max_centroids: int | None = None) -> tuple[Tensor, OVQCache]:
+        q, k, v, tail = inputs
+        q, k, v = to_compute_dtype(q, k, v)
+        qn = F.normalize(q, dim=-1)
+        # the cache routes and attends on the fp32 unit keys the op routes on
+        return ovq_decode(cache, qn * self.beta.to(qn.dtype).view(1, -1, 1, 1), routing_keys(k), v,
+                          self._options(max_centroids), tail)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

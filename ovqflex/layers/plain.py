@@ -11,9 +11,10 @@ from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from recurrences.checks import check_block_size
 
 from ..attention import attend
-from ..cache.base import check_cache, positions
-from ..cache.plain import PlainCache, plain_decode, plain_prefill
+from ..cache.plain import PlainCache
+from ..ops.decode import positions
 from ..ops.plain import plain_regions, window_regions
+from ..ops.plain_decode import plain_decode, plain_prefill
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .rope import apply_rope
@@ -27,7 +28,7 @@ class _PlainAttention(MultiHeadProjection):
     ``[H]`` initialised to ``sqrt(head_dim)``; otherwise scores are ``<q, k> / sqrt(head_dim)``.
     """
 
-    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    cache_type = PlainCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
                  qk_norm: bool, backend: str, block_size: int, regions, qk_conv: int = 0):
@@ -40,50 +41,50 @@ class _PlainAttention(MultiHeadProjection):
         if qk_norm:
             self.beta = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))
 
-    def project(self, x: Tensor, positions: Tensor | None = None,
-                conv_tail: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]`` (RoPE applied to q, k at
-        ``positions``, default ``0..T-1``) and the q/k conv tail (see ``split_heads_cached``)."""
-        q, k, v, tail = self.split_heads_cached(x, conv_tail)
-        if self.qk_norm:
-            q = F.normalize(q, dim=-1) * self.beta.to(q.dtype).view(1, -1, 1, 1)
-            k = F.normalize(k, dim=-1)
-        if self.rope:
-            pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
-            q = apply_rope(q, pos, base=self.rope_base)
-            k = apply_rope(k, pos, base=self.rope_base)
+    def _project(self, x: Tensor, cache: PlainCache | None, use_cache: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """x ``[B, T, hidden]`` -> q, k, v ``[B, H, T, head_dim]`` (RoPE applied to q, k at the
+        absolute positions after ``cache``, ``0..T-1`` without one) and the q/k conv tail (see
+        ``split_heads_cached``)."""
+        start, conv_tail = (0, None) if cache is None else (cache.position, cache.conv)
+        with stage("proj"):
+            q, k, v, tail = self.split_heads_cached(x, conv_tail)
+            if self.qk_norm:
+                q = F.normalize(q, dim=-1) * self.beta.to(q.dtype).view(1, -1, 1, 1)
+                k = F.normalize(k, dim=-1)
+            if self.rope:
+                pos = positions(start, x.shape[1], x.device)
+                q = apply_rope(q, pos, base=self.rope_base)
+                k = apply_rope(k, pos, base=self.rope_base)
         return q, k, v, tail
 
     @property
     def scale(self) -> float:
         return 1.0 if self.qk_norm else self.head_dim**-0.5
 
-    def program(self, x: Tensor) -> AttentionProgram:
-        """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
-        with stage("proj"):
-            q, k, v, _ = self.project(x)
+    def _program(self, q: Tensor, k: Tensor, v: Tensor) -> AttentionProgram:
         with stage("block_mask"):
             return build_program(q, k, v, self.regions, scale=self.scale, block_size=self.block_size)
 
-    def forward(self, x: Tensor, cache: PlainCache | None = None, use_cache: bool = False):
-        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, cache)`` with ``use_cache=True``
-        or a ``cache`` (:class:`~ovqflex.cache.PlainCache`) to continue from."""
-        check_cache(cache, PlainCache, self)
-        if cache is None:
-            with stage("proj"):
-                q, k, v, tail = self.project(x)
-            with stage("block_mask"):
-                program = build_program(q, k, v, self.regions, scale=self.scale, block_size=self.block_size)
-            with stage("attention"):
-                o = attend(program, self.backend)
-            new_cache = plain_prefill(self.regions, k, v, tail) if use_cache else None
-        else:
-            start = cache.position
-            q, k, v, tail = self.project(x, positions(start, x.shape[1], x.device), cache.conv)
-            o, new_cache = plain_decode(cache, self.regions, q, k, v, scale=self.scale, conv=tail)
-        with stage("proj"):
-            y = self.merge(o)
-        return y if new_cache is None else (y, new_cache)
+    def program(self, x: Tensor) -> AttentionProgram:
+        """The layer's attention program for x ``[B, T, hidden]`` (what the visualizer draws)."""
+        q, k, v, _ = self._project(x, None)
+        return self._program(q, k, v)
+
+    # forward(x, cache=None, use_cache=False, *, return_aux=False): AttentionLayer
+
+    def _full(self, inputs) -> tuple[Tensor, dict]:
+        q, k, v, _ = inputs
+        program = self._program(q, k, v)
+        with stage("attention"):
+            return attend(program, self.backend), {}
+
+    def _prefill(self, inputs) -> tuple[Tensor, PlainCache]:
+        _, k, v, tail = inputs
+        return self._full(inputs)[0], plain_prefill(self.regions, k, v, tail)
+
+    def _decode_step(self, inputs, cache: PlainCache) -> tuple[Tensor, PlainCache]:
+        q, k, v, tail = inputs
+        return plain_decode(cache, self.regions, q, k, v, scale=self.scale, conv=tail)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

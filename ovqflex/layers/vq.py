@@ -12,14 +12,15 @@ With ``estimator="diveq"`` the codebook is an ``nn.Parameter`` trained by the op
 through DiVeQ's gradient, and dead codes get the OVQ paper's "no-use penalty": a bonus of
 ``penalty_rate`` per training step without a token, added to the code's assignment score.
 
-``forward(x)`` returns ``(y, aux)``: ``aux["loss"]`` (``commitment_weight · commitment``, add it
-to the training loss; :class:`~ovqflex.models.HybridLM` does with ``return_aux=True``) and
-detached metrics ``usage``, ``perplexity``, ``unused_codes``, ``dead_codes``, ``rel_quant_error``,
+``forward(x, return_aux=True)`` returns ``(y, aux)``: ``aux["loss"]`` (``commitment_weight ·
+commitment``, add it to the training loss; :class:`~ovqflex.models.HybridLM` does with
+``return_aux=True``) and detached metrics ``usage``, ``perplexity``, ``unused_codes``, ``dead_codes``, ``rel_quant_error``,
 ``commitment``.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,9 @@ from recurrences.checks import check_choice, check_int, check_number, options_of
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
 
-from ..cache.base import check_cache
-from ..cache.vq import VQCache, vq_decode, vq_prefill
+from ..cache.vq import VQCache
 from ..ops.vq import VQOptions, vq_attention, vq_program
+from ..ops.vq_decode import vq_decode, vq_prefill
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes
@@ -101,45 +102,67 @@ def vq_aux(op_aux: dict, codebook: VQCodebook, commitment_weight: float) -> dict
     return aux
 
 
-def vq_layer_attention(layer, q: Tensor, k: Tensor, v: Tensor, cache: VQCache | None = None,
-                       use_cache: bool = False, conv: Tensor | None = None, cache_type: type = VQCache, **extra):
-    """The VQ attention of a layer that owns ``quantizer``, ``beta``, ``local_bias``,
-    ``commitment_weight``, ``backend`` and ``options`` (``VQAttention``, ``LongVQBlock``).
-    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]`` -> ``(o [B, H, T, Dv], aux)``, updating the EMA
-    codebook in training mode; with a ``cache`` or ``use_cache`` (inference) ``(o, new cache)``:
-    a prefill (the fused op, then the cache from its codes) or a decode step. ``conv`` and
-    ``extra``: more fields of the new cache (``cache_type``)."""
-    options, code_bias = layer.options, layer.quantizer.code_bias()
-    operands = dict(local_bias=layer.local_bias, code_bias=code_bias, backend=layer.backend, options=options)
-    if cache is None and not use_cache:
-        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, **operands)
-        if layer.training:
+@dataclass
+class VQInputs:
+    """What a VQ layer's ``_project`` gives its attention hooks: q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``,
+    and the fields of a new cache besides the VQ state (``conv``; LongVQ's ``ema``)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    cache_fields: dict
+
+
+class VQMemory:
+    """The attention hooks (:class:`~ovqflex.layers.base.AttentionLayer`) of a layer that owns
+    ``quantizer``, ``beta``, ``local_bias``, ``commitment_weight``, ``backend``, ``options`` and
+    ``cache_type`` (``VQAttention``, ``LongVQBlock``); ``inputs`` is a :class:`VQInputs`. The full
+    forward returns the aux dict and updates the EMA codebook in training mode; a prefill runs the
+    fused op and builds the cache from its codes; a decode step assigns codes to the new keys."""
+
+    def _vq_attention(self, inputs: VQInputs) -> tuple[Tensor, dict]:
+        return vq_attention(inputs.q, inputs.k, inputs.v, self.quantizer.codebook, self.beta,
+                            local_bias=self.local_bias, code_bias=self.quantizer.code_bias(), backend=self.backend,
+                            options=self.options)
+
+    def _full(self, inputs: VQInputs) -> tuple[Tensor, dict]:
+        o, op_aux = self._vq_attention(inputs)
+        if self.training:
             with stage("routing"):
-                layer.quantizer.update_(F.normalize(k.detach(), dim=-1), op_aux["codes"])
-        return o, vq_aux(op_aux, layer.quantizer, layer.commitment_weight)
-    cb = F.normalize(layer.quantizer.codebook.detach(), dim=-1)
-    if cache is None:
-        o, op_aux = vq_attention(q, k, v, layer.quantizer.codebook, layer.beta, **operands)
+                self.quantizer.update_(F.normalize(inputs.k.detach(), dim=-1), op_aux["codes"])
+        return o, vq_aux(op_aux, self.quantizer, self.commitment_weight)
+
+    def _unit_codebook(self, dtype) -> tuple[Tensor, Tensor]:
+        """The unit codebook ``[H, N, D]`` (fp32 for code assignment, and in ``dtype``)."""
+        cb = F.normalize(self.quantizer.codebook.detach(), dim=-1)
+        return cb, cb.to(dtype)
+
+    def _prefill(self, inputs: VQInputs) -> tuple[Tensor, VQCache]:
+        cb, cb_v = self._unit_codebook(inputs.v.dtype)
+        o, op_aux = self._vq_attention(inputs)
         codes = op_aux["codes"]
-        fields = vq_prefill(gather_codes(cb.to(v.dtype), codes), v, codes, cb.shape[1], options.chunk_size, conv)
-    else:
-        codes = assign_codes(k, cb, code_bias)
-        q_scaled = F.normalize(q, dim=-1) * layer.beta.to(q.dtype).view(1, -1, 1, 1)
-        o, fields = vq_decode(cache, q_scaled, gather_codes(cb.to(v.dtype), codes), v, codes, cb,
-                              layer.local_bias, options.chunk_size)
-        fields["conv"] = conv
-    return o, cache_type(**fields, **extra)
+        fields = vq_prefill(gather_codes(cb_v, codes), inputs.v, codes, cb.shape[1], self.options.chunk_size)
+        return o, self.cache_type(**fields, **inputs.cache_fields)
+
+    def _decode_step(self, inputs: VQInputs, cache: VQCache) -> tuple[Tensor, VQCache]:
+        q, k, v = inputs.q, inputs.k, inputs.v
+        cb, cb_v = self._unit_codebook(v.dtype)
+        codes = assign_codes(k, cb, self.quantizer.code_bias())
+        q_scaled = F.normalize(q, dim=-1) * self.beta.to(q.dtype).view(1, -1, 1, 1)
+        o, fields = vq_decode(cache, q_scaled, gather_codes(cb_v, codes), v, codes, cb, self.local_bias,
+                              self.options.chunk_size)
+        return o, self.cache_type(**fields, **inputs.cache_fields)
 
 
-class VQAttention(OptionAttributes, MultiHeadProjection):
-    """x ``[B, T, hidden]`` -> ``(y [B, T, hidden], aux)``. NoPE; unit q/k; per-head ``beta``
+class VQAttention(VQMemory, OptionAttributes, MultiHeadProjection):
+    """x ``[B, T, hidden]`` -> y ``[B, T, hidden]`` (``(y, aux)`` with ``return_aux=True``). NoPE; unit q/k; per-head ``beta``
     (init ``sqrt(head_dim)``); keys quantized by a ``codebook_size``-code codebook per head;
     ``local_bias=True`` adds a learned per-head bias (init 0) to the window rows' scores.
     Options: a :class:`~ovqflex.ops.vq.VQOptions` (``options=``) or its fields as keywords
     (``chunk_size``, ``estimator``, ``state_layout``, ``checkpoint_every``, ``block_size``), each an
     attribute; ``estimator`` is fixed once built (the codebook is a buffer or a parameter by it)."""
 
-    supports_cache = True  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    cache_type = VQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     options_type = VQOptions
     fixed_options = ("estimator",)
 
@@ -163,16 +186,11 @@ class VQAttention(OptionAttributes, MultiHeadProjection):
         return vq_program(q, k, v, self.quantizer.codebook, self.beta, local_bias=self.local_bias,
                           code_bias=self.quantizer.code_bias(), options=self.options)[0]
 
-    def forward(self, x: Tensor, cache: VQCache | None = None, use_cache: bool = False):
-        """x ``[B, T, hidden]`` -> ``(y, aux)``; with ``use_cache=True`` or a ``cache``
-        (:class:`~ovqflex.cache.VQCache`; inference: the codebook is not updated)
-        ``(y, cache)``."""
-        check_cache(cache, VQCache, self)
-        with stage("proj"):
-            q, k, v, tail = self.split_heads_cached(x, None if cache is None else cache.conv)
-        o, extra = vq_layer_attention(self, q, k, v, cache, use_cache, tail)
-        with stage("proj"):
-            return self.merge(o), extra
+    # forward(x, cache=None, use_cache=False, *, return_aux=False): AttentionLayer; the attention: VQMemory
+
+    def _project(self, x: Tensor, cache: VQCache | None, use_cache: bool = False) -> VQInputs:
+        q, k, v, tail = super()._project(x, cache)
+        return VQInputs(q, k, v, {"conv": tail})
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

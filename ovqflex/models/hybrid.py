@@ -3,7 +3,8 @@
 tokens ``[B, T]`` ─embed─▶ h ``[B, T, d]`` ─(h += mixer(norm(h)); h += mlp(norm(h))) × n_layers
 ─norm─▶ logits ``[B, T, vocab]`` (head tied to the embedding).
 
-Mixers may return ``(y, aux)`` with ``aux["loss"]`` an auxiliary training loss (the VQ
+Mixers are :class:`~ovqflex.layers.AttentionLayer` s; ``mixer(x, return_aux=True)`` gives
+``(y, aux)``, ``aux["loss"]`` an auxiliary training loss where the mixer has one (the VQ
 commitment loss); ``forward(tokens, return_aux=True)`` returns ``(logits, aux_loss)`` with
 their sum, which the trainer adds to the task loss. A mixer with ``standalone_block = True``
 (the LongVQ block, which has its own gated residual, norms and FFN) is the whole block.
@@ -78,10 +79,10 @@ class Block(nn.Module):
         (inference) ``(h, the mixer's cache)``."""
         x = h if self.standalone else self.norm1(h)
         if cache is None and not use_cache:
-            out = self.mixer(x)
-            out, extra = (out[0], out[1]["loss"]) if isinstance(out, tuple) else (out, None)
+            out, aux = self.mixer(x, return_aux=True)
+            extra = aux.get("loss")
         else:
-            if not getattr(self.mixer, "supports_cache", False):
+            if not self.mixer.supports_cache:
                 raise NotImplementedError(f"mixer {self.mixer_name!r} ({type(self.mixer).__name__}) has no decode "
                                           "cache: generation and use_cache need layers with supports_cache=True")
             out, extra = self.mixer(x, cache=cache, use_cache=True)
@@ -89,8 +90,6 @@ class Block(nn.Module):
             h = h + out
             out = h + self.mlp(self.norm2(h))
         return out, extra
-
-
 
 class HybridLM(nn.Module):
     """A decoder-only LM whose layers mix sequence with the mixers of ``config.pattern``.

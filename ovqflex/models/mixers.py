@@ -1,8 +1,8 @@
 """``HybridLM`` mixers: the methods of :data:`ovqflex.methods.METHODS` with a ``from_config``.
 
-Each mixer maps ``x [B, T, d_model] -> [B, T, d_model]`` (or ``(y, aux)`` with an aux loss:
-``vq``, ``longvq``). A pattern naming a method that is not a mixer is refused with the list of
-the mixers; a new method becomes a mixer by registering it (:func:`ovqflex.methods.register_method`).
+Each mixer is an :class:`~ovqflex.layers.AttentionLayer`: ``x [B, T, d_model] -> [B, T, d_model]``,
+``(y, aux)`` with ``return_aux=True`` (an aux loss: ``vq``, ``longvq``). A pattern naming a method
+that is not a mixer is refused with the list of the mixers; a new method becomes a mixer by registering it (:func:`ovqflex.methods.register_method`).
 """
 from __future__ import annotations
 

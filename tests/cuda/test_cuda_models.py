@@ -8,7 +8,7 @@ from ovqflex.models import HybridLM, preset
 from ovqflex.training.trainer import forward_loss
 from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, TRAIN_BACKEND, loss_falls, seeded
 from tests.helpers import FWD_TOL, assert_close
-from tests.ovqflex.cache.test_streaming import HIDDEN, LAYERS, _perturbed, _stream, _y
+from tests.ovqflex.cache.test_streaming import HIDDEN, LAYERS, _perturbed, _stream
 
 pytestmark = CUDA_TIER
 
@@ -70,7 +70,7 @@ def test_prefill_then_decode_equals_full_forward(name):
     layer = layer.to(DEVICE)
     x = torch.randn(2, 110, HIDDEN, generator=seeded(3)).to(DEVICE)
     with torch.no_grad():
-        full = _y(layer(x))
+        full = layer(x)
         streamed, cache = _stream(layer, x, 70, [1, 5, 17])
     assert cache.position == 110
     assert_close(streamed.cpu(), full.cpu(), FWD_TOL[torch.float32] * 10, f"{name} prefill 70 + decode 40")

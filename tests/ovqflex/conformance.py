@@ -5,6 +5,7 @@ an eager CPU backend) on one shared shape: x ``[B=2, T=100, 32]``, 2 heads of 16
 chunks the last chunk is ragged. ``tests/ovqflex/test_conformance.py`` runs them over
 :data:`ovqflex.methods.METHODS`; a method registered elsewhere (``test_methods.py``) runs them on itself.
 """
+import pytest
 import torch
 
 from ovqflex.methods import Method
@@ -31,18 +32,12 @@ def inputs(seed: int = 2) -> torch.Tensor:
     return torch.randn(B, T, HIDDEN, generator=torch.Generator().manual_seed(seed))
 
 
-def output(layer, x: torch.Tensor) -> torch.Tensor:
-    """y ``[B, T, HIDDEN]`` of a full forward (the layers with an aux loss return ``(y, aux)``)."""
-    out = layer(x)
-    return out[0] if isinstance(out, tuple) else out
-
-
 def check_causal(method: Method) -> None:
     """In training mode, output ``i`` has zero gradient from every input after ``i`` and a nonzero
     one from some input up to ``i`` (a random weighting: a plain sum can vanish through a norm)."""
     layer = layer_of(method).train()
     x = inputs().requires_grad_()
-    y = output(layer, x)
+    y = layer(x)
     w = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
     for i in (0, 15, 16, 47, 64, T - 1):
         (g,) = torch.autograd.grad((y[:, i] * w[:, i]).sum(), x, retain_graph=True)
@@ -54,21 +49,21 @@ def check_prefix(method: Method) -> None:
     """The outputs of a prefix (ragged: 70 tokens) are the first outputs of the whole sequence."""
     layer, x = layer_of(method).eval(), inputs()
     with torch.no_grad():
-        assert_close(output(layer, x[:, :70]), output(layer, x)[:, :70], TOL, f"{method.name} prefix")
+        assert_close(layer(x[:, :70]), layer(x)[:, :70], TOL, f"{method.name} prefix")
 
 
 def check_batch(method: Method) -> None:
     """A sequence's outputs do not depend on the other sequences of its batch."""
     layer, x = layer_of(method).eval(), inputs()
     with torch.no_grad():
-        assert_close(output(layer, x[1:]), output(layer, x)[1:], TOL, f"{method.name} batch independence")
+        assert_close(layer(x[1:]), layer(x)[1:], TOL, f"{method.name} batch independence")
 
 
 def check_deterministic(method: Method) -> None:
     """Two forwards of one input are bit-identical."""
     layer, x = layer_of(method).eval(), inputs()
     with torch.no_grad():
-        assert torch.equal(output(layer, x), output(layer, x)), f"{method.name}: not deterministic"
+        assert torch.equal(layer(x), layer(x)), f"{method.name}: not deterministic"
 
 
 def check_decode(method: Method) -> None:
@@ -78,7 +73,7 @@ def check_decode(method: Method) -> None:
         return
     layer, x = layer_of(method).eval(), inputs()
     with torch.no_grad():
-        full = output(layer, x)
+        full = layer(x)
         y, cache = layer(x[:, :37], use_cache=True)
         ys, i, steps = [y], 37, (1, 5, 16)
         while i < T:
@@ -90,5 +85,34 @@ def check_decode(method: Method) -> None:
     assert_close(torch.cat(ys, dim=1), full, TOL, f"{method.name} prefill + decode")
 
 
+def check_contract(method: Method) -> None:
+    """The layer contract (``ovqflex/layers/base.py``): the return type depends on the arguments only —
+    ``layer(x)`` is y, ``return_aux=True`` adds a dict, a prefill or decode step adds a cache of the
+    layer's ``cache_type`` (a decode of no tokens: empty y, a copy of the cache); a cache request
+    of a layer without one, ``return_aux`` on a cached call and an unknown call option are refused
+    by name."""
+    layer, x = layer_of(method).eval(), inputs()
+    with torch.no_grad():
+        y = layer(x)
+        y2, aux = layer(x, return_aux=True)
+        assert isinstance(y, torch.Tensor) and y.shape == x.shape and isinstance(aux, dict)
+        assert torch.equal(y, y2), f"{method.name}: return_aux changed y"
+        with pytest.raises(TypeError, match=r"unknown option\(s\) \['no_such_option'\]"):
+            layer(x, no_such_option=1)
+        if not method.decodes:
+            with pytest.raises(NotImplementedError, match="has no decode cache"):
+                layer(x, use_cache=True)
+            return
+        y, cache = layer(x[:, :37], use_cache=True)
+        assert isinstance(y, torch.Tensor) and type(cache) is layer.cache_type
+        with pytest.raises(ValueError, match="return_aux is for full"):
+            layer(x[:, 37:38], cache=cache, return_aux=True)
+        empty, same = layer(x[:, :0], cache=cache)
+        assert empty.shape == (B, 0, HIDDEN) and same is not cache and same.position == 37, method.name
+        y1, _ = layer(x[:, 37:40], cache=same)
+        y2, _ = layer(x[:, 37:40], cache=cache)
+    assert torch.equal(y1, y2), f"{method.name}: an empty decode step changed the cache"
+
+
 CHECKS = {"causal": check_causal, "prefix": check_prefix, "batch": check_batch, "deterministic": check_deterministic,
-          "decode": check_decode}
+          "decode": check_decode, "contract": check_contract}

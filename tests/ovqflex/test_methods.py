@@ -51,8 +51,11 @@ class ChunkMeanAttention(MultiHeadProjection):
         q, k, v = self.split_heads(x)
         return chunk_mean_program(q, k, v, chunk_size=self.chunk_size, block_size=self.block_size)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.merge(attend(self.program(x), self.backend))
+    def _full(self, inputs) -> tuple[Tensor, dict]:
+        """The full forward (``forward`` is the layer contract's: projections, this, ``o_proj``)."""
+        q, k, v, _ = inputs
+        program = chunk_mean_program(q, k, v, chunk_size=self.chunk_size, block_size=self.block_size)
+        return attend(program, self.backend), {}
 
 
 TOY = Method("chunkmean", ChunkMeanAttention, "toy memory: one mean row per earlier chunk + own chunk causal",

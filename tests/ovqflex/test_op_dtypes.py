@@ -155,7 +155,7 @@ def test_kvm_layer_under_cpu_autocast_routes_like_the_reference():
     x = torch.randn(2, 100, 32)
     with torch.autocast("cpu", dtype=bf16):
         y = layer(x)
-        q, k, v, gate, _ = layer._prepare(x)
+        q, k, v, gate, _ = layer._project(x, None)
         readout = layer._readout()._asdict()
         _, state = ovqflex.kvm_attention(q, k, v, gate, backend="blocked", return_state=True, options=layer.options,
                                          **readout)

@@ -122,7 +122,7 @@ def test_layer_ema_mode_updates_codebook_in_train_only_and_returns_aux():
     assert "codebook" in dict(layer.named_buffers(prefix="")) or "quantizer.codebook" in dict(layer.named_buffers())
     x = torch.randn(2, 64, 32)
     before = layer.quantizer.codebook.clone()
-    y, aux = layer(x)
+    y, aux = layer(x, return_aux=True)
     assert y.shape == x.shape
     assert {"loss", "commitment", "usage", "perplexity", "unused_codes", "dead_codes", "rel_quant_error"} <= set(aux)
     assert aux["loss"].requires_grad and not aux["usage"].requires_grad
@@ -138,7 +138,7 @@ def test_layer_diveq_trains_codebook_by_gradient():
     torch.manual_seed(0)
     layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq", backend="blocked")
     assert isinstance(layer.quantizer.codebook, torch.nn.Parameter)
-    y, aux = layer(torch.randn(2, 64, 32))
+    y = layer(torch.randn(2, 64, 32))
     y.square().mean().backward()
     assert layer.quantizer.codebook.grad is not None and layer.quantizer.codebook.grad.abs().sum() > 0
     assert layer.quantizer.idle_steps.max() <= 1  # one step: idle codes count 1, used ones 0
@@ -155,7 +155,7 @@ def test_layer_compiles_fullgraph_without_recompile(estimator):
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
     for step in range(3):
         before = layer.quantizer.codebook.detach().clone()
-        y, aux = compiled(torch.randn(2, 128, 32))
+        y, aux = compiled(torch.randn(2, 128, 32), return_aux=True)
         (y.square().mean() + aux["loss"]).backward()
         opt.step()
         opt.zero_grad()

@@ -11,10 +11,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 
 import ovqflex
 from ovqflex.cache import DeltaNetCache, KVMCache, LinearAttentionCache, OVQCache, PlainCache, VLACache
+from ovqflex.layers.heads import MultiHeadProjection
 from ovqflex.methods import METHODS, Method
 from ovqflex.models import HybridLM
 from ovqflex.models.config import HybridConfig
@@ -63,11 +63,6 @@ LAYERS = {
 }
 
 
-def _y(out):
-    """A layer's output tensor (VQ layers return ``(y, aux)``)."""
-    return out[0] if isinstance(out, tuple) else out
-
-
 def _perturbed(layer):
     """Move the layer off its init (unit LayerNorms, temperatures 1) so every parameter matters."""
     g = torch.Generator().manual_seed(1)
@@ -97,7 +92,7 @@ def test_prefill_then_decode_equals_full_forward(name, t1, t2, steps):
     layer = _perturbed(LAYERS[name]())
     x = torch.randn(2, t1 + t2, HIDDEN)
     with torch.no_grad():
-        full = _y(layer(x))
+        full = layer(x)
         streamed, cache = _stream(layer, x, t1, steps)
     assert cache.position == t1 + t2
     assert_close(streamed, full, FWD_TOL[torch.float32], f"{name} t1={t1} t2={t2} steps={steps}")
@@ -278,9 +273,9 @@ def test_caches_hold_no_graph(name):
     layer = LAYERS[name]().eval()
     x = torch.randn(1, 40, HIDDEN, requires_grad=True)
     y, cache = layer(x, use_cache=True)
-    assert _y(y).requires_grad and not any(t.requires_grad for t in cache.tensors())
+    assert y.requires_grad and not any(t.requires_grad for t in cache.tensors())
     y, cache = layer(x[:, :2], cache=cache)
-    assert _y(y).requires_grad and not any(t.requires_grad for t in cache.tensors())
+    assert y.requires_grad and not any(t.requires_grad for t in cache.tensors())
 
 
 def test_recurrent_layers_decode_zero_tokens():
@@ -297,11 +292,14 @@ def test_recurrent_layers_decode_zero_tokens():
         assert_close(torch.cat([y0, y1], 1), full, FWD_TOL[torch.float32], name)
 
 
-class NoCache(nn.Linear):
-    """A mixer without ``supports_cache``."""
+class NoCache(MultiHeadProjection):
+    """A mixer without a decode cache (no ``cache_type``): y = o_proj(v)."""
 
     def __init__(self, hidden_size, num_heads):
-        super().__init__(hidden_size, hidden_size)
+        super().__init__(hidden_size, num_heads, None, None)
+
+    def _full(self, inputs):
+        return inputs[2], {}
 
 
 def test_bad_cache_arguments_are_refused(monkeypatch):

@@ -14,13 +14,13 @@ from tests.recurrences.recurrent_cases import one_thread  # noqa: F401
 
 def _ref_linear(layer, x):
     q, k, v = layer.split_heads(x)
-    return layer.finish(linear_attention_reference(q, k, v, eps=layer.eps).out)
+    return layer._output(linear_attention_reference(q, k, v, eps=layer.eps).out, None)
 
 
 def _ref_delta(layer, x):
     q, k, v = layer.split_heads(x)
     beta = torch.sigmoid(layer.beta_proj(x)).transpose(1, 2)
-    return layer.finish(delta_rule_reference(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta).out)
+    return layer._output(delta_rule_reference(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta).out, None)
 
 
 def _ref_vla(layer, x):
@@ -28,7 +28,7 @@ def _ref_vla(layer, x):
     o = vla_reference(q, k, v, layer.penalty_proj(k), lambda0=layer.options.lambda0,
                       refresh_every=layer.options.refresh_every, refresh_eps=layer.options.refresh_eps,
                       eps=layer.options.eps).out
-    return layer.finish(o)
+    return layer._output(o, None)
 
 
 LAYERS = {

@@ -20,12 +20,12 @@ def block(**kw):
 def test_local_bias_is_learned_and_changes_the_output():
     layer = block().eval()
     x = torch.randn(1, 80, 32)
-    y, _ = layer(x)
+    y = layer(x)
     (y * torch.randn(y.shape)).sum().backward()
     assert layer.local_bias.grad is not None and layer.local_bias.grad.abs().sum() > 0
     with torch.no_grad():
         layer.local_bias.fill_(3.0)
-        y2, _ = layer(x)
+        y2 = layer(x)
     assert torch.allclose(y[:, :32], y2[:, :32], atol=1e-5)  # chunks 0, 1 read no state: a uniform shift
     assert not torch.allclose(y[:, 32:], y2[:, 32:], atol=1e-3)
 
@@ -36,7 +36,7 @@ def test_compiles_fullgraph_without_recompile():
     compiled = torch.compile(layer, fullgraph=True)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
     for step in range(3):
-        y, aux = compiled(torch.randn(2, 64, 32))
+        y, aux = compiled(torch.randn(2, 64, 32), return_aux=True)
         (y.square().mean() + aux["loss"]).backward()
         opt.step()
         opt.zero_grad()

@@ -18,7 +18,7 @@ LAYERS = {
 
 
 def reference_forward(layer, x, mask_kw):
-    q, k, v, _ = layer.project(x)
+    q, k, v, _ = layer._project(x, None)
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=explicit_mask(x.shape[1], **mask_kw))
     return layer.merge(o)
 

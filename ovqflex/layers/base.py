@@ -1,0 +1,112 @@
+"""``AttentionLayer``: the one layer contract and forward template (docs/design.md §2, §6).
+
+Every sequence layer — the softmax layers, the recurrences, the LongVQ block, a plugged-in method —
+derives from :class:`AttentionLayer` and maps x ``[B, T, hidden]`` to y ``[B, T, hidden]``. Its
+:meth:`~AttentionLayer.forward` owns the fork between a full forward, a prefill and a decode step,
+once; the return type depends only on the arguments, never on the layer:
+
+- ``layer(x)`` -> y;
+- ``layer(x, return_aux=True)`` -> ``(y, aux)``: ``aux`` a dict, ``{}`` for layers without an
+  auxiliary loss, else ``aux["loss"]`` a 0-d tensor (VQ's commitment loss) and detached metrics;
+- ``layer(x, use_cache=True)`` (prefill) or ``layer(x, cache=cache)`` (decode) -> ``(y, cache)``:
+  a new cache of the layer's ``cache_type``; the given one is never mutated.
+
+A layer implements hooks; ``inputs`` is whatever its ``_project`` returns (q, k, v ``[B, H, T, D]``,
+the q/k conv tail, gates …) and is passed on unchanged:
+
+- ``_project(x, cache, use_cache)``: the projections of x, continuing after ``cache`` (None: a
+  sequence start); ``use_cache``: a cache is returned (prefill or decode);
+- ``_full(inputs, **call)`` -> ``(o, aux)``: the fused op (training and plain inference);
+- ``_prefill(inputs, **call)`` -> ``(o, cache)``: the fused op plus the cache after it;
+- ``_decode_step(inputs, cache, **call)`` -> ``(o, cache)``: new tokens from a cache;
+- ``_output(o, inputs)`` -> y ``[B, T, hidden]``: the output projection.
+
+``cache_type`` (None: no decode cache) sets ``supports_cache``; ``call_options`` names the keyword
+options a call may give (OVQ's ``max_centroids``), passed to the three op hooks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import ClassVar
+
+from torch import Tensor, nn
+
+from ..cache.base import LayerCache, check_cache
+
+
+class AttentionLayer(nn.Module):
+    """Base of every layer: x ``[B, T, hidden]`` -> y ``[B, T, hidden]`` (see the module doc)."""
+
+    cache_type: ClassVar[type[LayerCache] | None] = None
+    supports_cache: ClassVar[bool] = False  # set from cache_type by __init_subclass__
+    call_options: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.supports_cache = cls.cache_type is not None
+        if "forward" not in cls.__dict__:
+            cls.forward = _forward_of(cls)
+
+    def forward(self, x: Tensor, cache: LayerCache | None = None, use_cache: bool = False, *,
+                return_aux: bool = False, **call):
+        """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, aux)`` with ``return_aux=True``;
+        ``(y, cache)`` with ``use_cache=True`` (prefill) or a ``cache`` to continue from (decode
+        one or more tokens; no tokens give an empty y and an unchanged copy of the cache)."""
+        unknown = sorted(set(call) - set(self.call_options))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward got unknown option(s) {unknown}; it takes "
+                            f"{list(self.call_options) or 'none'}")
+        cached = cache is not None or use_cache
+        if cached and self.cache_type is None:
+            raise NotImplementedError(f"{type(self).__name__} has no decode cache (cache_type is None): "
+                                      "use_cache and cache need a layer with supports_cache=True")
+        if cached and return_aux:
+            raise ValueError("return_aux is for full (training) forwards; a cached (inference) forward "
+                             "has no aux loss: give return_aux=False")
+        check_cache(cache, self.cache_type, self)
+        if cache is not None and x.shape[1] == 0:
+            self.check_input(x)
+            return x.new_zeros(x.shape[0], 0, self.hidden_size), dataclasses.replace(cache)
+        inputs = self._project(x, cache, cached)
+        if not cached:
+            o, aux = self._full(inputs, **call)
+            y = self._output(o, inputs)
+            return (y, aux) if return_aux else y
+        o, new_cache = self._prefill(inputs, **call) if cache is None else self._decode_step(inputs, cache, **call)
+        return self._output(o, inputs), new_cache
+
+    # --- hooks -----------------------------------------------------------------------------------
+
+    def check_input(self, x: Tensor) -> None:
+        """Refuse an x that is not ``[B, T, hidden]`` in the layer's dtype."""
+        raise NotImplementedError
+
+    def _project(self, x: Tensor, cache: LayerCache | None, use_cache: bool):
+        raise NotImplementedError
+
+    def _full(self, inputs, **call) -> tuple[Tensor, dict]:
+        raise NotImplementedError
+
+    def _prefill(self, inputs, **call) -> tuple[Tensor, LayerCache]:
+        raise NotImplementedError
+
+    def _decode_step(self, inputs, cache: LayerCache, **call) -> tuple[Tensor, LayerCache]:
+        raise NotImplementedError
+
+    def _output(self, o: Tensor, inputs) -> Tensor:
+        raise NotImplementedError
+
+
+def _forward_of(cls: type) -> types.FunctionType:
+    """``AttentionLayer.forward`` with a code object of ``cls``'s own (named ``<cls>.forward``).
+    torch.compile (dynamo) keeps its frame state — automatic dynamic shapes, the recompile limit —
+    per code object; one shared template would let compiling one layer class with a second shape
+    make every other class's shapes dynamic."""
+    template = AttentionLayer.forward
+    code = template.__code__.replace(co_name=f"{cls.__name__}.forward", co_qualname=f"{cls.__qualname__}.forward")
+    forward = types.FunctionType(code, template.__globals__, "forward", template.__defaults__, template.__closure__)
+    forward.__kwdefaults__, forward.__doc__ = template.__kwdefaults__, template.__doc__
+    forward.__qualname__, forward.__module__ = f"{cls.__qualname__}.forward", cls.__module__
+    forward.__annotations__ = template.__annotations__
+    return forward
