@@ -90,7 +90,9 @@ class ICR(_KVTask):
     sw-ovq (vocab 64, 1-token keys, 64 tokens, 4,000-step schedule): with ``min_pairs=1``
     training accuracy passed 0.5 at step 460 (seed 1) and ~1,000 (seed 2), against
     ~1,000-2,500 on full contexts (seed 1: ~2,500 on a 4,000-step schedule; seed 0: ~1,000
-    on a 2,000-step one).
+    on a 2,000-step one). With vocab 256 (the ``tiny`` preset's task, which reaches 1,024
+    tokens with distinct keys): 1,050 / 440 / 1,370 / 440 for seeds 0-3, against none of 3
+    seeds by step 1,700 on full contexts.
     """
 
     name: ClassVar[str] = "icr"

@@ -14,7 +14,7 @@ MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=32, 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("gen") / "run"
-    train(TrainConfig(out=str(out), task="icr", task_options=dict(key_len=1, value_len=1), seq_len=64,
+    train(TrainConfig(out=str(out), task="icr", task_options=dict(vocab_size=64, key_len=1, value_len=1), seq_len=64,
                       batch_size=4, steps=2, warmup=1, compile=False, progress=False, model_options=dict(MODEL)))
     return out
 

@@ -21,8 +21,8 @@ CLI_MODEL = [f"--model-opt={k}={v}" for k, v in MODEL.items()]
 
 
 def cfg(tmp_path: Path, **kw) -> TrainConfig:
-    base = dict(out=str(tmp_path / "run"), task="icr", task_options=dict(key_len=1, value_len=1), seq_len=64,
-                batch_size=4, steps=6, warmup=2, compile=False, log_every=1, progress=False,
+    base = dict(out=str(tmp_path / "run"), task="icr", task_options=dict(vocab_size=64, key_len=1, value_len=1),
+                seq_len=64, batch_size=4, steps=6, warmup=2, compile=False, log_every=1, progress=False,
                 model_options=dict(MODEL))
     return TrainConfig(**{**base, **kw})
 
@@ -128,7 +128,7 @@ def test_corrupted_latest_checkpoint_gives_a_clear_error(tmp_path):
 
 
 def test_eval_reports_lengths_and_overrides(tmp_path):
-    c = cfg(tmp_path, steps=2, task_options=dict(key_len=1, value_len=1, min_pairs=1))
+    c = cfg(tmp_path, steps=2, task_options=dict(vocab_size=64, key_len=1, value_len=1, min_pairs=1))
     train(c)
     doc = evaluate(c.out, [64, 128], n_examples=3, batch_size=2, overrides={"max_centroids": 64})
     assert [r["length"] for r in doc["rows"]] == [64, 128]
