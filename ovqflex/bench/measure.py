@@ -122,3 +122,33 @@ def matmul_gflops(device: torch.device | str = "cpu", n: int = 1024, dtype=torch
     b = torch.randn(n, n, device=device, dtype=dtype)
     m = measure(lambda: a @ b, device=device, repeats=5, warmup=2)
     return 2 * n**3 / m.seconds_min / 1e9
+
+
+def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int, *, peak_gflops: float | None = None,
+                  reference_of=lambda name: "reference loop fwd", baseline: str = "sdpa causal fwd") -> list[dict]:
+    """Time ``cases`` — ``(name, fn)`` or ``(name, fn, model FLOPs)`` — in this process, one row each.
+
+    Every row carries its speed-up over the ``baseline`` case (``x_vs_sdpa``) and over its
+    reference case ``reference_of(name)`` (``x_vs_reference``; None where that case is absent or
+    None); with FLOPs and ``peak_gflops`` (the matmul rate measured on the spot) also its GFLOP/s
+    and FLOP efficiency. A case that fails (e.g. a compile error) is a row with its ``error``,
+    not a crash."""
+    results, failed, rows = {}, {}, []
+    for name, fn, *_ in cases:
+        try:
+            results[name] = measure(fn, device=device, repeats=repeats)
+        except Exception as e:  # a compile failure is a result to report, not a crash
+            failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:60]}"
+    base = results.get(baseline)
+    for name, _, *flops in cases:
+        if name in failed:
+            rows.append({"T": T, "case": name, "error": failed[name]})
+            continue
+        m, ref = results[name], results.get(reference_of(name))
+        row = {"T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
+               "x_vs_reference": ref.seconds / m.seconds if ref else None,
+               "x_vs_sdpa": base.seconds / m.seconds if base else None}
+        if flops and peak_gflops:
+            row.update(gflops=flops[0] / m.seconds / 1e9, pct_matmul_peak=100 * flops[0] / m.seconds / 1e9 / peak_gflops)
+        rows.append(row)
+    return rows

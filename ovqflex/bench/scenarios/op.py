@@ -6,33 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from ...methods import Method, get_method
-from ..measure import measure
+from ..measure import compare_cases
 from .base import Scenario, register
-
-
-def _compare(T: int, cases: list, dev: torch.device, repeats: int, peak_gflops: float) -> list[dict]:
-    """Time ``cases`` (name, fn, model FLOPs) in this process; each row carries its speed-up
-    over the ``"reference loop fwd"`` and ``"sdpa causal fwd"`` cases and its FLOP efficiency
-    against the matmul rate measured on the spot."""
-    results, failed, rows = {}, {}, []
-    for name, fn, _ in cases:
-        try:
-            results[name] = measure(fn, device=dev, repeats=repeats)
-        except Exception as e:  # a compile failure is a result to report, not a crash
-            failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:60]}"
-    for name, _, fl in cases:
-        if name in failed:
-            rows.append({"T": T, "case": name, "error": failed[name]})
-            continue
-        m = results[name]
-        ref, sdpa = results.get("reference loop fwd"), results.get("sdpa causal fwd")
-        rows.append({
-            "T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
-            "x_vs_reference": ref.seconds / m.seconds if ref else None,
-            "x_vs_sdpa": sdpa.seconds / m.seconds if sdpa else None,
-            "gflops": fl / m.seconds / 1e9, "pct_matmul_peak": 100 * fl / m.seconds / 1e9 / peak_gflops,
-        })
-    return rows
 
 
 @dataclass(kw_only=True)
@@ -90,7 +65,7 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
         if T <= sc.max_backward_len:
             cases.append(("fused blocked fwd+bwd",
                           lambda: op(**grad_t, backend="blocked", **options).sum().backward(), 3 * fl))
-        rows += _compare(T, cases, dev, repeats, peak)
+        rows += compare_cases(T, cases, dev, repeats, peak_gflops=peak)
     return rows
 
 

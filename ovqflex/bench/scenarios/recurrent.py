@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..measure import measure
+from ..measure import compare_cases, measure
 from .base import Scenario, register
 
 
@@ -83,13 +83,13 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         cases += [(f"ovq {ovq_backend} fwd", ovq), ("sdpa causal fwd", sdpa)]
-        results = {name: measure(fn, device=dev, repeats=repeats) for name, fn in cases}
-        for name, m in results.items():
-            ref = results.get(name.replace("chunked fwd", "reference loop fwd")) if "chunked fwd" in name else None
-            rows.append({"T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
-                         "x_vs_sdpa": results["sdpa causal fwd"].seconds / m.seconds,
-                         "x_vs_reference": ref.seconds / m.seconds if ref and name.endswith("fwd") else None})
+        rows += compare_cases(T, cases, dev, repeats, reference_of=_reference_case)
     return rows
+
+
+def _reference_case(name: str) -> str | None:
+    """``"linear chunked fwd"`` -> ``"linear reference loop fwd"`` (forward cases only)."""
+    return name.replace("chunked fwd", "reference loop fwd") if name.endswith("chunked fwd") else None
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,47 @@
+"""``compare_cases``: the one timing table of the op and recurrent scenarios."""
+import pytest
+import torch
+
+import ovqflex.bench.measure as measure_mod
+from ovqflex.bench.measure import Measurement, compare_cases
+
+SECONDS = {"op fwd": 0.01, "op reference loop fwd": 0.04, "sdpa causal fwd": 0.02, "a": 0.5}
+
+
+@pytest.fixture(autouse=True)
+def fixed_times(monkeypatch):
+    """``measure`` runs the case once and reports its time from SECONDS (no clock in the test)."""
+    def fake(fn, *, device, repeats):
+        fn()
+        return Measurement(seconds=SECONDS[fn.__name__], seconds_min=SECONDS[fn.__name__], peak_mb=1.0)
+    monkeypatch.setattr(measure_mod, "measure", fake)
+
+
+def _case(name):
+    def fn():
+        pass
+    fn.__name__ = name
+    return fn
+
+
+def _broken():
+    raise RuntimeError("no valid choices\nlowering failed")
+
+
+def test_rows_carry_ratios_to_their_reference_and_the_baseline():
+    cases = [("op fwd", _case("op fwd"), 2e9), ("op reference loop fwd", _case("op reference loop fwd"), 2e9),
+             ("sdpa causal fwd", _case("sdpa causal fwd"), 1e9), ("op bwd", _broken)]
+    rows = compare_cases(64, cases, torch.device("cpu"), repeats=2, peak_gflops=100.0,
+                         reference_of=lambda name: "op reference loop fwd" if name == "op fwd" else None)
+    by = {r["case"]: r for r in rows}
+    assert [r["case"] for r in rows] == [c[0] for c in cases]
+    fwd = by["op fwd"]
+    assert fwd["x_vs_reference"] == pytest.approx(4.0) and fwd["x_vs_sdpa"] == pytest.approx(2.0)
+    assert fwd["gflops"] == pytest.approx(200.0) and fwd["pct_matmul_peak"] == pytest.approx(200.0)
+    assert by["op reference loop fwd"]["x_vs_reference"] is None and by["sdpa causal fwd"]["x_vs_sdpa"] == 1.0
+    assert by["op bwd"] == {"T": 64, "case": "op bwd", "error": "RuntimeError: lowering failed"}
+
+
+def test_rows_without_flops_or_baseline_have_no_rates():
+    rows = compare_cases(8, [("a", _case("a"))], torch.device("cpu"), repeats=1)
+    assert rows[0]["x_vs_sdpa"] is None and rows[0]["x_vs_reference"] is None and "gflops" not in rows[0]
