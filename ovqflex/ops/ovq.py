@@ -14,8 +14,8 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import OwnChunk
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor, options_of
-from recurrences.ovq import (GROWTHS, SEEDINGS, build_ovq_snapshots, build_ovq_versioned, dictionary_size,
-                             dictionary_sizes, route_ovq)
+from recurrences.ovq import (GROWTHS, ROUTING_IMPLS, SEEDINGS, build_ovq_snapshots, build_ovq_versioned,
+                             dictionary_size, dictionary_sizes, route_ovq)
 from recurrences.precision import routing_keys, to_compute_dtype
 from recurrences.versioned import check_state_layout
 
@@ -48,7 +48,9 @@ class OVQOptions:
     chunk (``n_chunks * N`` state rows), ``"versioned"`` checkpoints every ``checkpoint_every``
     chunks (None: ``ceil(N / 2L)``) plus one version row per token (about ``2T`` rows,
     memory-linear), ``"auto"`` picks the one with fewer rows — same outputs and gradients;
-    ``block_size``: the attention block (a power of two >= 16).
+    ``block_size``: the attention block (a power of two >= 16); ``routing``: ``"loop"`` or
+    ``"static"`` (the same routes from a compiled static-shape chunk step, the CUDA-graph path;
+    docs/design.md §4.2).
     """
 
     chunk_size: int = 128
@@ -61,10 +63,12 @@ class OVQOptions:
     state_layout: str = "auto"
     checkpoint_every: int | None = None
     block_size: int = DEFAULT_BLOCK
+    routing: str = "loop"
 
     def __post_init__(self):
         check_chunk("chunk_size", self.chunk_size)
         check_int("max_centroids", self.max_centroids)
+        check_choice("routing", self.routing, ROUTING_IMPLS)
         check_choice("growth", self.growth, GROWTHS)
         check_choice("seeding", self.seeding, SEEDINGS)
         if self.growth_horizon is not None:
@@ -105,7 +109,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
         q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
     with stage("routing"):
         routes = route_ovq(routing_keys(k), chunk_size=chunk_size, sizes=sizes, seeding=o.seeding, seed=o.seed,
-                           normalize_centroids=o.normalize_centroids)
+                           normalize_centroids=o.normalize_centroids, impl=o.routing)
     program = build_state_program(
         q_scaled, kn, v, OwnChunk(chunk_size), scale=1.0, sizes=sizes, rows=max(sizes[:n_chunks]), lag=1, options=o,
         snapshots=lambda: build_ovq_snapshots(kn, v, routes, chunk_size=chunk_size, sizes=sizes,

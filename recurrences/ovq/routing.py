@@ -16,6 +16,7 @@ from ..precision import no_autocast
 
 GROWTHS = ("plateau", "linear", "full")
 SEEDINGS = ("spread", "random")
+ROUTING_IMPLS = ("loop", "static")
 
 
 def dictionary_sizes(n_chunks: int, chunk_size: int, max_centroids: int, growth: str = "plateau",
@@ -48,28 +49,37 @@ def _rank_first(key: Tensor, n: int) -> Tensor:
 
 
 def route_ovq(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
-              normalize_centroids: bool = False) -> Tensor:
+              normalize_centroids: bool = False, impl: str = "loop") -> Tensor:
     """Slot of every token, ``[B, H, T]`` int64 (-1: not routed).
 
     k: ``[B, H, T, D]`` unit keys (any float dtype; similarities in fp32).
     ``sizes``: ``dictionary_sizes(...)`` for the complete chunks. Only complete
     chunks route (the tokens of a final partial chunk stay -1, as in a decode cache).
+    ``impl``: ``"loop"``, the chunk loop below; ``"static"``, the same routes from a compiled
+    static-shape chunk step (:func:`~recurrences.ovq.routing_static.route_ovq_static`, the CUDA-graph path).
 
     Routing is an opaque custom op: ``torch.compile`` keeps it as one call (no graph
     break, no unrolled chunk loop in the graph); it runs eagerly, without grad.
     """
-    return _route_op(k.detach(), chunk_size, list(sizes), seeding, seed, normalize_centroids)
+    if impl not in ROUTING_IMPLS:
+        raise ValueError(f"impl must be one of {list(ROUTING_IMPLS)}, got {impl!r}")
+    return _route_op(k.detach(), chunk_size, list(sizes), seeding, seed, normalize_centroids, impl)
 
 
 @torch.library.custom_op("ovqflex::route_ovq", mutates_args=())
 def _route_op(k: Tensor, chunk_size: int, sizes: list[int], seeding: str, seed: int,
-              normalize_centroids: bool) -> Tensor:
+              normalize_centroids: bool, impl: str) -> Tensor:
+    if impl == "static":
+        from .routing_static import route_ovq_static  # routing_static builds on this module
+
+        return route_ovq_static(k, chunk_size=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
+                                normalize_centroids=normalize_centroids)
     with torch.no_grad():
         return _route(k, chunk_size, sizes, seeding, seed, normalize_centroids)
 
 
 @_route_op.register_fake
-def _(k, chunk_size, sizes, seeding, seed, normalize_centroids):
+def _(k, chunk_size, sizes, seeding, seed, normalize_centroids, impl):
     return k.new_empty(k.shape[:3], dtype=torch.long)
 
 

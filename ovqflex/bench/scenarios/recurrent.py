@@ -1,4 +1,5 @@
-"""The non-softmax recurrences vs their loops, OVQ and SDPA (``recurrent``); OVQ's state layouts (``state_layout``)."""
+"""The non-softmax recurrences vs their loops, OVQ and SDPA (``recurrent``); OVQ's state layouts (``state_layout``)
+and routing implementations (``routing``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -148,4 +149,46 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
                 rows.append({"T": T, "case": f"{layout} {backend} {what}", "state_rows": n_state,
                              "state_rows_per_T": n_state / T, "time_s": m.seconds, "peak_mb": m.peak_mb,
                              "x_time_vs_snapshot": m.seconds / base[what] if what in base else None})
+    return rows
+
+
+@dataclass(kw_only=True)
+class RoutingScenario(Scenario):
+    seq_lens: list[int]
+    max_centroids: int = 2048
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    chunk_size: int = 128
+    repeats: int = 3
+
+
+@register("routing", RoutingScenario)
+def routing(sc: RoutingScenario, device: str) -> list[dict]:
+    """OVQ routing alone (docs/design.md §4.2): the chunk loop (``route_ovq``) vs the compiled
+    static-shape step (``StaticOVQRouter``), and on CUDA that run captured in one CUDA graph, at
+    each ``seq_len`` of ``seq_lens``. ``x_vs_loop``: speed-up over the loop; ``same_routes``:
+    routes equal to the loop's. The first call (compile, capture) is outside the timing.
+    """
+    from recurrences.ovq import dictionary_sizes, route_ovq
+    from recurrences.ovq.routing_static import StaticOVQRouter
+
+    dev = torch.device(device)
+    B, H, D, L, N = sc.batch, sc.heads, sc.head_dim, sc.chunk_size, sc.max_centroids
+    rows: list[dict] = []
+    for T in sc.seq_lens:
+        k = torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(0)), dim=-1)
+        k = k.to(dev)
+        sizes = dictionary_sizes(-(-T // L), L, N)
+        loop = route_ovq(k, chunk_size=L, sizes=sizes)
+        cases = {"loop": lambda k: route_ovq(k, chunk_size=L, sizes=sizes),
+                 "static compiled": StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=sizes, device=dev)}
+        if dev.type == "cuda":
+            cases["static cuda graph"] = StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=sizes, device=dev,
+                                                         cuda_graph=True)
+        results = {name: measure(lambda fn=fn: fn(k), device=dev, repeats=sc.repeats) for name, fn in cases.items()}
+        for name, m in results.items():
+            rows.append({"T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
+                         "x_vs_loop": results["loop"].seconds / m.seconds,
+                         "same_routes": torch.equal(cases[name](k), loop)})
     return rows

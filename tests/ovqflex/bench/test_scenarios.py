@@ -18,7 +18,7 @@ def test_shipped_profiles_parse(path):
 
 
 def test_every_kind_has_a_schema():
-    assert {"blockmask", "ovq", "kvm", "vq", "train", "viz", "recurrent", "state_layout", "decode",
+    assert {"blockmask", "ovq", "kvm", "vq", "train", "viz", "recurrent", "state_layout", "routing", "decode",
             "quantized"} <= set(KINDS)
     assert all(issubclass(schema, Scenario) and callable(fn) for schema, fn in KINDS.values())
 

@@ -1,0 +1,185 @@
+"""OVQ routing with static shapes (docs/design.md §4.2): the chunk loop of
+:func:`~recurrences.ovq.routing.route_ovq`, every chunk step on tensors of one shape.
+
+The loop's dictionary already lives in fixed buffers (fp32 ``sums [B, H, S+1, D]``,
+``counts [B, H, S+1]``, ``S = max(sizes)``, row ``S`` the spare); what grows is the
+number of live rows it reads. Here a step reads all ``S+1`` rows and masks the dead
+ones (``arange(S+1) < N_c``, scores ``-inf``); the sizes ``N_c, N_{c+1}`` are a device
+tensor; the ``n_new`` founders are the tokens whose rank in the stable sort is below
+``N_{c+1} - N_c`` (a mask, not a slice). So ``torch.compile(fullgraph=True,
+dynamic=False)`` compiles the step once for every chunk, and the loop over chunks
+(:func:`route_chunks_static`) has no host sync and no data-dependent shape: the
+target of one CUDA-graph capture (:class:`StaticOVQRouter`, ``cuda_graph=True``).
+
+Same routes as the loop: live rows are divided by the same counts (dead rows by 1,
+never 0/0), dead scores are ``-inf`` (they never win a max; the max and its first
+index over the live scores are the loop's), the founders are the loop's
+``sort(stable)[:n_new]`` in the same order, the absorb is the loop's own
+:func:`~recurrences.ovq.routing.ovq_absorb` (its sums bit for bit), and with
+``normalize_centroids`` the row norm is the eager kernel (:func:`_unit_rows`). What
+remains is the product ``kc @ d^T``: the padded ``[L, S+1]`` one may round a score
+differently from the loop's ``[L, N_c]`` one when the library picks another kernel by
+shape. On the CPU it does when ``D * L * N_c < 400`` (ATen's naive bmm) or ``B * H = 1,
+N_c = 1`` (a matrix-vector product); there an exact tie between two scores (duplicated
+keys) can break the other way. Elsewhere scores are bit-identical and so are routes
+(tests/recurrences/test_ovq_routing_static.py). On CUDA, cuBLAS picks its kernel by
+shape too, and the loop's ``scatter_add_`` is an unordered atomic sum, so there only
+near-ties can differ, as between the loop and the paper's reference (§4.2 "Near ties").
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..precision import no_autocast
+from .routing import ovq_absorb, ovq_route_chunk, seeding_draw
+
+
+def route_ovq_static(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
+                     normalize_centroids: bool = False, compile: bool = True) -> Tensor:
+    """Slot of every token, ``[B, H, T]`` int64 (-1: not routed): what ``route_ovq`` returns.
+
+    k: ``[B, H, T, D]`` unit keys (any float dtype; routing in fp32); ``sizes``:
+    ``dictionary_sizes(...)``; ``compile``: the step compiled (``compiled_static_step``, once
+    per input shape and per ``(seeding, normalize_centroids)``; dynamo's ``recompile_limit``
+    bounds how many such variants one process may use). One :class:`StaticOVQRouter` call. No grad.
+    """
+    router = StaticOVQRouter(tuple(k.shape), chunk_size=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
+                             normalize_centroids=normalize_centroids, device=k.device, compile=compile)
+    return router(k)
+
+
+class StaticOVQRouter:
+    """Static-shape OVQ routing of one input shape ``[B, H, T, D]``, its buffers allocated once.
+
+    A call copies k into the fp32 key buffer and runs :meth:`run`: zero the dictionary
+    (``sums [B, H, S+1, D]``, ``counts [B, H, S+1]``), route the leading chunks that read an
+    empty dictionary (``N_c = 0``: chunk 0, the first seeding) with the loop's own
+    :func:`ovq_route_chunk`, then every later chunk with one static step
+    (:func:`route_chunks_static`). The random-seeding draws are the loop's (one ``[B, H, L]``
+    per complete chunk from a CPU generator seeded with ``seed``), drawn once.
+
+    ``cuda_graph=True`` (CUDA only): :meth:`run` is warmed up (which compiles the step) and
+    captured in one CUDA graph at construction; a call is then a copy, one replay and a copy.
+    """
+
+    def __init__(self, shape: tuple[int, int, int, int], *, chunk_size: int, sizes: list[int],
+                 seeding: str = "spread", seed: int = 0, normalize_centroids: bool = False,
+                 device: torch.device | str = "cpu", compile: bool = True, cuda_graph: bool = False):
+        B, H, T, D = shape
+        L, n_full = chunk_size, T // chunk_size
+        device = torch.device(device)
+        self.chunk_size, self.sizes, self.normalize_centroids = L, list(sizes), normalize_centroids
+        n_slots = max(self.sizes[: n_full + 1] + [0])
+        self.kf = torch.zeros(B, H, T, D, device=device)
+        self.sums = torch.zeros(B, H, n_slots + 1, D, device=device)
+        self.counts = torch.zeros(B, H, n_slots + 1, device=device)
+        self.routes = torch.full((B, H, T), -1, dtype=torch.long, device=device)
+        # (N_c, N_{c+1}) per chunk: one 16-byte row each, so every step reads an aligned input
+        self.bounds = torch.tensor([self.sizes[c:c + 2] for c in range(n_full)], dtype=torch.long,
+                                   device=device).view(n_full, 2)
+        gen = torch.Generator().manual_seed(seed) if seeding == "random" else None
+        draws = [] if gen is None else [seeding_draw(gen, B, H, L, "cpu") for _ in range(n_full)]
+        self.u = torch.stack(draws).to(device) if draws else None  # [n_full, B, H, L]
+        self.step = functools.partial(compiled_static_step if compile else ovq_static_step,
+                                      normalize_centroids=normalize_centroids)
+        self.graph = None
+        if cuda_graph:
+            if device.type != "cuda":
+                raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self.run()  # warm-up: compiles the step outside the capture
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.run()
+
+    def __call__(self, k: Tensor) -> Tensor:
+        """Routes ``[B, H, T]`` int64 of keys k ``[B, H, T, D]`` (a copy: the buffers are reused)."""
+        with torch.no_grad(), no_autocast(k):
+            self.kf.copy_(k.detach())
+            if self.graph is None:
+                self.run()
+            else:
+                self.graph.replay()
+            return self.routes.clone()
+
+    def run(self) -> None:
+        """Routes ``self.kf`` into ``self.routes`` in place: fixed buffers, no host sync (the captured work)."""
+        L, sizes = self.chunk_size, self.sizes
+        self.sums.zero_()
+        self.counts.zero_()
+        self.routes.fill_(-1)
+        first, n_full = 0, self.kf.shape[2] // L
+        while first < n_full and sizes[first] == 0:  # an empty dictionary: the loop's own chunk step
+            kc = self.kf[:, :, first * L:(first + 1) * L]
+            route = ovq_route_chunk(kc, self.sums, self.counts, 0, sizes[first + 1],
+                                    None if self.u is None else self.u[first], self.normalize_centroids)
+            ovq_absorb(self.sums, self.counts, kc, route)
+            self.routes[:, :, first * L:(first + 1) * L] = route
+            first += 1
+        route_chunks_static(self.routes, self.kf, self.sums, self.counts, self.bounds, self.u, chunk_size=L,
+                            first=first, step=self.step)
+
+
+def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None,
+                        *, chunk_size: int, first: int, step) -> None:
+    """Routes and absorbs the complete chunks ``first..T // chunk_size - 1`` in place.
+
+    routes ``[B, H, T]`` int64 (each chunk's slice written), kf ``[B, H, T, D]`` fp32 unit keys,
+    sums ``[B, H, S+1, D]`` / counts ``[B, H, S+1]`` fp32 (updated), bounds ``[n_full, 2]`` int64
+    ``(N_c, N_{c+1})`` on kf's device (``N_first > 0``), u ``[n_full, B, H, L]`` random-seeding
+    draws or None (spread); ``step(kc, sums, counts, bounds_c, u_c)``: :func:`ovq_static_step`
+    (or ``compiled_static_step``) with ``normalize_centroids`` bound. Every launch reads and
+    writes fixed buffers at fixed offsets, with no host sync.
+    """
+    L = chunk_size
+    for c in range(first, kf.shape[2] // L):
+        sl = slice(c * L, (c + 1) * L)
+        routes[:, :, sl] = step(kf[:, :, sl], sums, counts, bounds[c], None if u is None else u[c])
+
+
+def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None, *,
+                    normalize_centroids: bool) -> Tensor:
+    """One chunk against a dictionary with ``N_c = bounds[0] > 0`` live rows: routes ``[B, H, L]``, then absorbs them.
+
+    kc ``[B, H, L, D]`` fp32 unit keys; sums ``[B, H, S+1, D]``, counts ``[B, H, S+1]`` fp32 (row
+    ``S`` the spare; updated in place by :func:`ovq_absorb`); bounds ``[2]`` int64 ``(N_c,
+    N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread). The ``N_{c+1} - N_c`` tokens
+    first in the stable order of their best similarity (or of u) found slots ``N_c, N_c + 1, …``;
+    the others join their best live slot (first index on ties).
+    """
+    L, R = kc.shape[2], sums.shape[2]
+    n_old, n_new = bounds[0], bounds[1] - bounds[0]
+    live = torch.arange(R, device=kc.device) < n_old                        # [S+1]
+    d = sums / torch.where(live, counts, 1.0)[..., None]
+    if normalize_centroids:
+        d = _unit_rows(d)
+    sim = (kc @ d.transpose(-1, -2)).masked_fill(~live, float("-inf"))       # [B, H, L, S+1]
+    best_sim, route = sim.max(dim=-1)
+    order = torch.sort(best_sim if u is None else u, dim=-1, stable=True).indices
+    rank = torch.empty_like(order).scatter_(2, order, torch.arange(L, device=kc.device).expand_as(order))
+    route = torch.where(rank < n_new, n_old + rank, route)
+    ovq_absorb(sums, counts, kc, route)
+    return route
+
+
+@torch.library.custom_op("ovqflex::ovq_unit_rows", mutates_args=())
+def _unit_rows(d: Tensor) -> Tensor:
+    """``F.normalize(d, dim=-1)`` by the eager kernel: inductor's own sum of squares rounds
+    differently, and routing must read the loop's normalised means bit for bit."""
+    return F.normalize(d, dim=-1)
+
+
+@_unit_rows.register_fake
+def _(d):
+    return torch.empty_like(d)
+
+
+# compiled once per input shape, seeding (u or None) and normalize_centroids: one graph serves every chunk
+compiled_static_step = torch.compile(ovq_static_step, fullgraph=True, dynamic=False)

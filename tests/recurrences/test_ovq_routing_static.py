@@ -1,0 +1,99 @@
+"""Static-shape OVQ routing (recurrences/ovq/routing_static.py) gives the loop's routes bit for bit."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch._dynamo.utils import counters
+
+from recurrences.ovq import GROWTHS, SEEDINGS, dictionary_sizes, ovq_absorb, route_ovq
+from recurrences.ovq.routing_static import StaticOVQRouter, route_ovq_static
+
+
+def _keys(seed, B, H, T, D, n_distinct, dtype):
+    """Unit keys ``[B, H, T, D]``; with ``n_distinct`` drawn from that many vectors (exact ties everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    if n_distinct:
+        k = torch.randn(n_distinct, D, generator=g, dtype=torch.float64)[torch.randint(n_distinct, (B, H, T), generator=g)]
+    else:
+        k = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    return F.normalize(k, dim=-1).to(dtype)
+
+
+def _check_equal(seed, B, H, T, L, D, N, growth, seeding, normalize, n_distinct, dtype):
+    k = _keys(seed, B, H, T, D, n_distinct, dtype)
+    sizes = dictionary_sizes(-(-T // L), L, N, growth)
+    kw = dict(chunk_size=L, sizes=sizes, seeding=seeding, seed=seed, normalize_centroids=normalize)
+    loop = route_ovq(k, **kw)
+    static = route_ovq_static(k, compile=False, **kw)
+    assert static.dtype == loop.dtype and static.shape == loop.shape
+    assert torch.equal(static, loop)
+
+
+CONFIGS = dict(growth=st.sampled_from(GROWTHS), seeding=st.sampled_from(SEEDINGS), normalize=st.booleans(),
+               dtype=st.sampled_from([torch.float32, torch.float64]))
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 2**16), B=st.integers(1, 2), H=st.integers(1, 3), T=st.integers(0, 90),
+       L=st.sampled_from([1, 3, 8, 16]), D=st.sampled_from([1, 2, 4, 8]), N=st.integers(1, 40), **CONFIGS)
+def test_static_routes_equal_the_loop(seed, B, H, T, L, D, N, growth, seeding, normalize, dtype):
+    """Any shape, generic keys: a score may round differently in the padded product (see below)
+    but never by enough to reorder two of them."""
+    _check_equal(seed, B, H, T, L, D, N, growth, seeding, normalize, 0, dtype)
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 2**16), B=st.integers(1, 2), H=st.integers(2, 3), T=st.integers(0, 400),
+       L=st.sampled_from([64, 128]), D=st.sampled_from([8, 16]), N=st.integers(1, 60),
+       n_distinct=st.sampled_from([2, 5]), **CONFIGS)
+def test_static_routes_equal_the_loop_on_exact_ties(seed, B, H, T, L, D, N, growth, seeding, normalize, n_distinct,
+                                                     dtype):
+    """Keys drawn from 2 or 5 vectors: exact ties between slots and between tokens' best scores.
+    Ties survive only where the padded product rounds as the loop's does: on the CPU, where both
+    are BLAS batched products (``D * L * N_c >= 400``, else ATen's bmm takes its naive kernel, and
+    ``B * H >= 2``, else ``N_c = 1`` is a matrix-vector product)."""
+    _check_equal(seed, B, H, T, L, D, N, growth, seeding, normalize, n_distinct, dtype)
+
+
+@pytest.mark.parametrize("seeding", SEEDINGS)
+@pytest.mark.parametrize("normalize", [False, True])
+def test_compiled_step_compiles_once_and_keeps_the_loop_dictionary_bit_for_bit(seeding, normalize):
+    B, H, T, D, L, N = 2, 3, 300, 8, 16, 40  # full growth: the dictionary saturates at chunk 3 (n_new = 0 after)
+    k = _keys(1, B, H, T, D, 0, torch.float32)
+    k[:, :, 100:140] = k[:, :, 20:60]       # duplicated keys: tied similarities and tied best slots
+    kw = dict(chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, N, "full"), seeding=seeding, seed=5,
+              normalize_centroids=normalize)
+    router = StaticOVQRouter(tuple(k.shape), **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(router(k), route_ovq(k, **kw))
+        flipped = route_ovq(k.flip(2), **kw)
+        assert torch.equal(router(k.flip(2)), flipped)  # the buffers are reset between calls
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for all 2 x 17 static chunk steps
+    # the dictionary the compiled steps built is the loop's absorb of the loop's routes, bit for bit
+    sums, counts = torch.zeros_like(router.sums), torch.zeros_like(router.counts)
+    for c in range(T // L):
+        ovq_absorb(sums, counts, router.kf[:, :, c * L:(c + 1) * L], flipped[:, :, c * L:(c + 1) * L])
+    assert torch.equal(router.sums, sums) and torch.equal(router.counts, counts)
+
+
+def test_route_ovq_impl_static_and_the_op_option():
+    from ovqflex.ops.ovq import OVQOptions, ovq_attention
+
+    k = _keys(2, 1, 2, 100, 16, 0, torch.float32)
+    sizes = dictionary_sizes(7, 16, 24)
+    assert torch.equal(route_ovq(k, chunk_size=16, sizes=sizes, impl="static"), route_ovq(k, chunk_size=16, sizes=sizes))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        route_ovq(k, chunk_size=16, sizes=sizes, impl="graph")
+    assert OVQOptions().routing == "loop"
+    q, v, beta = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16), torch.full((2,), 4.0)
+    out, state = ovq_attention(q, k, v, beta, chunk_size=16, max_centroids=24, backend="blocked", return_state=True)
+    out_s, state_s = ovq_attention(q, k, v, beta, chunk_size=16, max_centroids=24, backend="blocked",
+                                   return_state=True, routing="static")
+    assert torch.equal(state_s.routes, state.routes) and torch.equal(out_s, out)
+
+
+def test_cuda_graph_needs_cuda():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        StaticOVQRouter((1, 1, 32, 4), chunk_size=16, sizes=[0, 8, 12], device="cpu", cuda_graph=True)
