@@ -167,7 +167,7 @@ class RoutingScenario(Scenario):
 def routing(sc: RoutingScenario, device: str) -> list[dict]:
     """OVQ routing alone (docs/design.md §4.2): the chunk loop (``route_ovq``) vs the compiled
     static-shape step (``StaticOVQRouter``), and on CUDA that run captured in one CUDA graph, at
-    each ``seq_len`` of ``seq_lens``. ``x_vs_loop``: speed-up over the loop; ``same_routes``:
+    each ``seq_len`` of ``seq_lens``. ``x_vs_reference``: speed-up over the loop; ``same_routes``:
     routes equal to the loop's. The first call (compile, capture) is outside the timing.
     """
     from recurrences.ovq import dictionary_sizes, route_ovq
@@ -186,9 +186,8 @@ def routing(sc: RoutingScenario, device: str) -> list[dict]:
         if dev.type == "cuda":
             cases["static cuda graph"] = StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=sizes, device=dev,
                                                          cuda_graph=True)
-        results = {name: measure(lambda fn=fn: fn(k), device=dev, repeats=sc.repeats) for name, fn in cases.items()}
-        for name, m in results.items():
-            rows.append({"T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
-                         "x_vs_loop": results["loop"].seconds / m.seconds,
-                         "same_routes": torch.equal(cases[name](k), loop)})
+        timed = compare_cases(T, [(name, lambda fn=fn: fn(k)) for name, fn in cases.items()], dev, sc.repeats,
+                              reference_of=lambda name: "loop")
+        rows += [{**row, "same_routes": "error" not in row and torch.equal(cases[row["case"]](k), loop)}
+                 for row in timed]
     return rows
