@@ -6,6 +6,10 @@ and takes back with ``forward(x, cache=cache)``: the tokens seen so far
 (subclasses). Caches are inference objects: they hold no autograd graph and are
 updated by the layer that owns them (a new object per call; the old one is not
 mutated, so a prefix cache can be reused for several continuations).
+
+A :class:`StaticLayerCache` is the other kind (docs/design.md §6, "Static decode"): buffers
+allocated once at their bound and written in place, the position a device tensor, so one
+decode step is a fixed-shape function (compiled once, capturable in a CUDA graph).
 """
 from __future__ import annotations
 
@@ -44,8 +48,18 @@ class LayerCache:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def check_cache(cache, kind: type, layer) -> None:
-    """A cache passed to ``layer`` must be the type that layer returns."""
-    if cache is not None and not isinstance(cache, kind):
-        raise TypeError(f"cache for {type(layer).__name__} must be a {kind.__name__} (from forward(..., "
-                        f"use_cache=True)), got {type(cache).__name__}")
+@dataclass
+class StaticLayerCache(LayerCache):
+    """A decode cache written in place: ``position`` is a 0-d int64 tensor on the cache's
+    device (advanced by each step), every buffer keeps its shape for the cache's life. Made
+    from a functional cache by ``layer.static_cache(cache, capacity)``; one token per call."""
+
+    position: Tensor
+
+
+def check_cache(cache, kind: type, layer, static_kind: type | None = None) -> None:
+    """A cache passed to ``layer`` must be the type that layer returns (or its static cache type)."""
+    if cache is None or isinstance(cache, kind) or (static_kind is not None and isinstance(cache, static_kind)):
+        return
+    raise TypeError(f"cache for {type(layer).__name__} must be a {kind.__name__} (from forward(..., "
+                    f"use_cache=True)), got {type(cache).__name__}")

@@ -9,7 +9,10 @@ once; the return type depends only on the arguments, never on the layer:
 - ``layer(x, return_aux=True)`` -> ``(y, aux)``: ``aux`` a dict, ``{}`` for layers without an
   auxiliary loss, else ``aux["loss"]`` a 0-d tensor (VQ's commitment loss) and detached metrics;
 - ``layer(x, use_cache=True)`` (prefill) or ``layer(x, cache=cache)`` (decode) -> ``(y, cache)``:
-  a new cache of the layer's ``cache_type``; the given one is never mutated.
+  a new cache of the layer's ``cache_type``; the given one is never mutated;
+- ``layer(x, cache=static)`` with a :class:`~ovqflex.cache.base.StaticLayerCache` from
+  ``layer.static_cache(cache, capacity)`` (x ``[B, 1, hidden]``, one token) -> ``(y, static)``:
+  the same cache, written in place, so the step has fixed shapes (docs/design.md §6, "Static decode").
 
 A layer implements hooks; ``inputs`` is whatever its ``_project`` returns (q, k, v ``[B, H, T, D]``,
 the q/k conv tail, gates …) and is passed on unchanged:
@@ -19,10 +22,14 @@ the q/k conv tail, gates …) and is passed on unchanged:
 - ``_full(inputs, **call)`` -> ``(o, aux)``: the fused op (training and plain inference);
 - ``_prefill(inputs, **call)`` -> ``(o, cache)``: the fused op plus the cache after it;
 - ``_decode_step(inputs, cache, **call)`` -> ``(o, cache)``: new tokens from a cache;
-- ``_output(o, inputs)`` -> y ``[B, T, hidden]``: the output projection.
+- ``_output(o, inputs)`` -> y ``[B, T, hidden]``: the output projection;
+- with a ``static_cache_type``: ``_static_cache(cache, capacity)`` -> the static cache of a
+  functional one, ``_decode_static(inputs, static, **call)`` -> o ``[B, H, 1, Dv]`` (writes the
+  token into ``static``; the template then advances its position) and, optionally,
+  ``static_boundary(static, position)`` (host-side work at some positions, e.g. OVQ's chunk end).
 
 ``cache_type`` (None: no decode cache) sets ``supports_cache``; ``call_options`` names the keyword
-options a call may give (OVQ's ``max_centroids``), passed to the three op hooks.
+options a call may give (OVQ's ``max_centroids``), passed to the op hooks.
 """
 from __future__ import annotations
 
@@ -32,13 +39,16 @@ from typing import ClassVar
 
 from torch import Tensor, nn
 
-from ..cache.base import LayerCache, check_cache
+from recurrences.checks import check_int
+
+from ..cache.base import LayerCache, StaticLayerCache, check_cache
 
 
 class AttentionLayer(nn.Module):
     """Base of every layer: x ``[B, T, hidden]`` -> y ``[B, T, hidden]`` (see the module doc)."""
 
     cache_type: ClassVar[type[LayerCache] | None] = None
+    static_cache_type: ClassVar[type[StaticLayerCache] | None] = None  # None: no in-place decode path
     supports_cache: ClassVar[bool] = False  # set from cache_type by __init_subclass__
     call_options: ClassVar[tuple[str, ...]] = ()
 
@@ -64,7 +74,15 @@ class AttentionLayer(nn.Module):
         if cached and return_aux:
             raise ValueError("return_aux is for full (training) forwards; a cached (inference) forward "
                              "has no aux loss: give return_aux=False")
-        check_cache(cache, self.cache_type, self)
+        check_cache(cache, self.cache_type, self, self.static_cache_type)
+        if isinstance(cache, StaticLayerCache):
+            if x.shape[1] != 1:
+                raise ValueError(f"a static cache decodes one token per call: x must be [B, 1, hidden], got "
+                                 f"{list(x.shape)}")
+            inputs = self._project(x, cache, True)
+            o = self._decode_static(inputs, cache, **call)
+            cache.position.add_(1)
+            return self._output(o, inputs), cache
         if cache is not None and x.shape[1] == 0:
             self.check_input(x)
             return x.new_zeros(x.shape[0], 0, self.hidden_size), dataclasses.replace(cache)
@@ -75,6 +93,25 @@ class AttentionLayer(nn.Module):
             return (y, aux) if return_aux else y
         o, new_cache = self._prefill(inputs, **call) if cache is None else self._decode_step(inputs, cache, **call)
         return self._output(o, inputs), new_cache
+
+    def static_cache(self, cache: LayerCache, capacity: int) -> StaticLayerCache:
+        """The in-place (static) cache continuing ``cache`` (a functional cache of this layer, which
+        stays valid): buffers allocated once for a sequence of at most ``capacity`` tokens."""
+        if self.static_cache_type is None:
+            raise NotImplementedError(f"{type(self).__name__} has no static (in-place) decode cache "
+                                      "(static_cache_type is None): use the functional cache")
+        check_cache(cache, self.cache_type, self)
+        if cache is None:
+            raise ValueError("cache must be a prefill's cache (forward(x, use_cache=True)), got None")
+        check_int("capacity", capacity)
+        if capacity <= cache.position:
+            raise ValueError(f"capacity={capacity} must exceed the cache's position {cache.position} "
+                             "(room for at least one more token)")
+        return self._static_cache(cache, capacity)
+
+    def static_boundary(self, cache: StaticLayerCache, position: int) -> None:
+        """Host-side work after a static decode step left ``position`` tokens in ``cache`` (the
+        caller counts them, so nothing is read back from the device). Default: none."""
 
     # --- hooks -----------------------------------------------------------------------------------
 
@@ -95,6 +132,12 @@ class AttentionLayer(nn.Module):
         raise NotImplementedError
 
     def _output(self, o: Tensor, inputs) -> Tensor:
+        raise NotImplementedError
+
+    def _static_cache(self, cache: LayerCache, capacity: int) -> StaticLayerCache:
+        raise NotImplementedError
+
+    def _decode_static(self, inputs, cache: StaticLayerCache, **call) -> Tensor:
         raise NotImplementedError
 
 

@@ -11,10 +11,10 @@ from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
 from recurrences.checks import check_block_size
 
 from ..attention import attend
-from ..cache.plain import PlainCache
+from ..cache.plain import PlainCache, StaticPlainCache
 from ..ops.decode import positions
 from ..ops.plain import plain_regions, window_regions
-from ..ops.plain_decode import plain_decode, plain_prefill
+from ..ops.plain_decode import plain_decode, plain_decode_static, plain_prefill, plain_static
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .rope import apply_rope
@@ -29,6 +29,7 @@ class _PlainAttention(MultiHeadProjection):
     """
 
     cache_type = PlainCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    static_cache_type = StaticPlainCache
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
                  qk_norm: bool, backend: str, block_size: int, regions, qk_conv: int = 0):
@@ -85,6 +86,13 @@ class _PlainAttention(MultiHeadProjection):
     def _decode_step(self, inputs, cache: PlainCache) -> tuple[Tensor, PlainCache]:
         q, k, v, tail = inputs
         return plain_decode(cache, self.regions, q, k, v, scale=self.scale, conv=tail)
+
+    def _static_cache(self, cache: PlainCache, capacity: int) -> StaticPlainCache:
+        return plain_static(cache, self.regions, capacity)
+
+    def _decode_static(self, inputs, cache: StaticPlainCache) -> Tensor:
+        q, k, v, tail = inputs
+        return plain_decode_static(cache, self.regions, q, k, v, scale=self.scale, conv=tail)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -6,8 +6,11 @@ import torch
 from torch import Tensor
 
 
-def positions(start: int, n: int, device) -> Tensor:
-    """Absolute positions ``[n]`` int64 of the tokens ``start .. start+n-1``."""
+def positions(start: int | Tensor, n: int, device) -> Tensor:
+    """Absolute positions ``[n]`` int64 of the tokens ``start .. start+n-1``; ``start`` an int or
+    a 0-d int64 tensor (a static cache's position: no host sync)."""
+    if isinstance(start, Tensor):
+        return start + torch.arange(n, device=device)
     return torch.arange(start, start + n, device=device)
 
 
