@@ -8,6 +8,10 @@ Bound: ``B*H*(N+1)*(D+Dv+1)`` fp32 for the dictionary (``N`` = ``max_centroids``
 than ``chunk_size`` raw tokens, whatever the context. The dictionary is allocated for the rows
 the next chunk can fill (``N_{c+1}``, never more than the tokens seen) and grows by doubling,
 capped at ``N``: a huge ``max_centroids`` costs only what is used.
+
+:class:`StaticOVQCache` is its in-place form (docs/design.md §6, "Static decode"): the dictionary
+allocated once at the most rows the cache's capacity can reach, the current chunk in a fixed
+``[B, H, chunk_size, *]`` buffer, and the sizes ``(N_c, N_{c+1})`` of every chunk as a device table.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .base import LayerCache
+from .base import LayerCache, StaticLayerCache
 
 
 @dataclass
@@ -38,3 +42,22 @@ class OVQCache(LayerCache):
     def rows(self) -> int:
         """Dictionary rows allocated (the spare excluded)."""
         return self.key_sums.shape[2] - 1
+
+
+@dataclass
+class StaticOVQCache(StaticLayerCache):
+    """key_sums ``[B, H, S+1, D]``, value_sums ``[B, H, S+1, Dv]``, counts ``[B, H, S+1]`` fp32
+    (``S``: the most rows any chunk up to the capacity reads; row ``S`` the spare); buf_k
+    ``[B, H, L, D]`` fp32 unit keys and buf_v ``[B, H, L, Dv]`` fp32 of the current chunk, slot
+    ``j`` holding token ``(position // L) * L + j`` (the first ``position % L`` slots are live);
+    bounds ``[n_chunks, 2]`` int64 ``(N_c, N_{c+1})`` for ``c = 0 .. n_chunks - 1``;
+    max_centroids: the dictionary cap ``N``. position ``[]`` int64 and conv as
+    :class:`~ovqflex.cache.base.StaticLayerCache`."""
+
+    key_sums: Tensor
+    value_sums: Tensor
+    counts: Tensor
+    buf_k: Tensor
+    buf_v: Tensor
+    bounds: Tensor
+    max_centroids: int

@@ -109,9 +109,10 @@ class AttentionLayer(nn.Module):
                              "(room for at least one more token)")
         return self._static_cache(cache, capacity)
 
-    def static_boundary(self, cache: StaticLayerCache, position: int) -> None:
+    def static_boundary(self, cache: StaticLayerCache, position: int, *, compile: bool = False) -> None:
         """Host-side work after a static decode step left ``position`` tokens in ``cache`` (the
-        caller counts them, so nothing is read back from the device). Default: none."""
+        caller counts them, so nothing is read back from the device); ``compile``: run it
+        compiled where it has a compiled form. Default: none."""
 
     # --- hooks -----------------------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ from masks.program import AttentionProgram
 from recurrences.checks import options_of
 from recurrences.precision import routing_keys, to_compute_dtype
 
-from ..cache.ovq import OVQCache
+from ..cache.ovq import OVQCache, StaticOVQCache
 from ..ops.ovq import OVQOptions, ovq_attention, ovq_program
-from ..ops.ovq_decode import ovq_decode, ovq_prefill
+from ..ops.ovq_decode import ovq_decode, ovq_decode_static, ovq_prefill, ovq_static, ovq_static_boundary
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes
@@ -32,6 +32,7 @@ class OVQAttention(OptionAttributes, MultiHeadProjection):
     """
 
     cache_type = OVQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    static_cache_type = StaticOVQCache
     options_type = OVQOptions
     call_options = ("max_centroids",)
 
@@ -64,13 +65,28 @@ class OVQAttention(OptionAttributes, MultiHeadProjection):
         o, state = ovq_attention(q, k, v, self.beta, backend=self.backend, return_state=True, options=options)
         return o, ovq_prefill(routing_keys(k), v, state.routes, options, tail)
 
-    def _decode_step(self, inputs, cache: OVQCache, *, max_centroids: int | None = None) -> tuple[Tensor, OVQCache]:
+    def _decode_inputs(self, inputs) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """q_scaled ``beta * q̂``, the fp32 unit keys the op routes on (the cache routes and attends
+        on them), v ``[B, H, T, *]`` and the conv tail."""
         q, k, v, tail = inputs
         q, k, v = to_compute_dtype(q, k, v)
         qn = F.normalize(q, dim=-1)
-        # the cache routes and attends on the fp32 unit keys the op routes on
-        return ovq_decode(cache, qn * self.beta.to(qn.dtype).view(1, -1, 1, 1), routing_keys(k), v,
-                          self._options(max_centroids), tail)
+        return qn * self.beta.to(qn.dtype).view(1, -1, 1, 1), routing_keys(k), v, tail
+
+    def _decode_step(self, inputs, cache: OVQCache, *, max_centroids: int | None = None) -> tuple[Tensor, OVQCache]:
+        q_scaled, kn, v, tail = self._decode_inputs(inputs)
+        return ovq_decode(cache, q_scaled, kn, v, self._options(max_centroids), tail)
+
+    def _static_cache(self, cache: OVQCache, capacity: int) -> StaticOVQCache:
+        return ovq_static(cache, self.options, capacity)
+
+    def _decode_static(self, inputs, cache: StaticOVQCache, *, max_centroids: int | None = None) -> Tensor:
+        q_scaled, kn, v, tail = self._decode_inputs(inputs)
+        return ovq_decode_static(cache, q_scaled, kn, v, self._options(max_centroids), tail)
+
+    def static_boundary(self, cache: StaticOVQCache, position: int, *, compile: bool = False) -> None:
+        """At a chunk end, route and absorb the chunk in place (:func:`~ovqflex.ops.ovq_decode.ovq_static_boundary`)."""
+        ovq_static_boundary(cache, self.options, position, compile=compile)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

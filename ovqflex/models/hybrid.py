@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_int, check_tensor
+from recurrences.checks import check_choice, check_int, check_tensor
 
 from .config import HybridConfig
 from .mixers import build_mixer
@@ -33,6 +33,9 @@ class ModelCache:
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers)
+
+
+DECODES = ("functional", "static", "compiled")
 
 
 def sample_next(logits: Tensor, temperature: float, top_k: int | None,
@@ -141,22 +144,57 @@ class HybridLM(nn.Module):
             return (logits, aux_loss) if return_aux else logits
         if return_aux:
             raise ValueError("return_aux is for training forwards; a cached (inference) forward has no aux loss")
-        layers = []
-        for i, block in enumerate(self.blocks):
-            h, layer_cache = block(h, None if cache is None else cache.layers[i], use_cache=True)
-            layers.append(layer_cache)
-        logits = F.linear(self.norm(h), self.embed.weight).float()
+        logits, layers = self._cached(h, [None] * len(self.blocks) if cache is None else cache.layers)
         return logits, ModelCache(layers, (0 if cache is None else cache.position) + tokens.shape[1])
+
+    def _cached(self, h: Tensor, layer_caches: list) -> tuple[Tensor, list]:
+        """Embedded tokens h ``[B, T, d]`` through every block with its cache (None: a prefill)
+        -> logits ``[B, T, vocab]`` fp32 and the blocks' caches after them."""
+        layers = []
+        for block, layer_cache in zip(self.blocks, layer_caches):
+            h, layer_cache = block(h, layer_cache, use_cache=True)
+            layers.append(layer_cache)
+        return F.linear(self.norm(h), self.embed.weight).float(), layers
+
+    def static_caches(self, cache: ModelCache, capacity: int) -> list:
+        """The in-place caches continuing ``cache`` (a prefill's, not changed), one per block, for
+        sequences of at most ``capacity`` tokens (docs/design.md §6, "Static decode"); a mixer
+        without a static cache is refused by name."""
+        if not isinstance(cache, ModelCache):
+            raise TypeError(f"cache must be a ModelCache (from forward(..., use_cache=True)), got {type(cache).__name__}")
+        for block in self.blocks:
+            if block.mixer.static_cache_type is None:
+                raise NotImplementedError(f"mixer {block.mixer_name!r} ({type(block.mixer).__name__}) has no static "
+                                          "(in-place) decode cache: use decode='functional'")
+        return [block.mixer.static_cache(c, capacity) for block, c in zip(self.blocks, cache.layers)]
+
+    def decode_static(self, tokens: Tensor, caches: list) -> Tensor:
+        """One token per sequence, tokens ``[B, 1]`` int64, through the static ``caches`` (written in
+        place) -> logits ``[B, 1, vocab]`` fp32: fixed shapes, no host sync, the function to compile
+        (``torch.compile(fullgraph=True, dynamic=False)``: one graph for every step). After it the
+        caller calls :meth:`static_boundary` with the new position."""
+        return self._cached(self.embed(tokens), caches)[0]
+
+    def static_boundary(self, caches: list, position: int, *, compile: bool = False) -> None:
+        """The host-side work after a :meth:`decode_static` step that left ``position`` tokens
+        (OVQ: route and absorb a completed chunk; ``compile``: its compiled step)."""
+        for block, cache in zip(self.blocks, caches):
+            block.mixer.static_boundary(cache, position, compile=compile)
 
     @torch.no_grad()
     def generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> Tensor:
+                 generator: torch.Generator | None = None, decode: str = "functional") -> Tensor:
         """Continue ``prompt [B, T]`` int64 by ``max_new_tokens`` sampled tokens -> ``[B, T + max_new_tokens]``.
 
         One prefill over the prompt, then one token per step through the layers' decode
         caches (memory bounded by the caches, not the context). ``temperature=0`` is greedy;
-        ``top_k`` keeps the k most likely tokens before sampling.
+        ``top_k`` keeps the k most likely tokens before sampling. ``decode``: ``"functional"``
+        (the caches of ``forward(..., cache=)``), ``"static"`` (the fast path: in-place caches
+        allocated once after the prefill, :meth:`decode_static`; every mixer must have one) or
+        ``"compiled"`` (the static step compiled once, ``fullgraph=True, dynamic=False``). The
+        tokens are the same up to float rounding (docs/design.md §6, "Static decode").
         """
+        check_choice("decode", decode, DECODES)
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
@@ -169,11 +207,20 @@ class HybridLM(nn.Module):
             if max_new_tokens == 0:
                 return out
             logits, cache = self(prompt, use_cache=True)
+            if decode != "functional":
+                caches = self.static_caches(cache, prompt.shape[1] + max_new_tokens)
+                compiled = decode == "compiled"
+                step_fn = torch.compile(self.decode_static, fullgraph=True, dynamic=False) if compiled else self.decode_static
             for step in range(max_new_tokens):
                 nxt = sample_next(logits[:, -1], temperature, top_k, generator)
                 out = torch.cat([out, nxt], dim=1)
-                if step + 1 < max_new_tokens:
+                if step + 1 == max_new_tokens:
+                    break
+                if decode == "functional":
                     logits, cache = self(nxt, cache=cache)
+                else:
+                    logits = step_fn(nxt, caches)
+                    self.static_boundary(caches, out.shape[1], compile=compiled)
             return out
         finally:
             self.train(was_training)

@@ -5,6 +5,12 @@ The prefill rebuilds the routing dictionary by replaying the op's routes through
 routing uses (:func:`recurrences.ovq.ovq_absorb`). A decode query of chunk ``c`` reads the ``N_c``
 dictionary rows (means, ``log(count)`` bias) and its chunk's tokens causally; when a chunk completes
 it is routed (:func:`recurrences.ovq.ovq_route_chunk`) and absorbed, and its raw tokens are dropped.
+
+The static form (:class:`~ovqflex.cache.ovq.StaticOVQCache`, docs/design.md §6 "Static decode"): a
+step (:func:`ovq_decode_static`) writes the token into the chunk buffer and reads every dictionary
+row, the dead ones masked; the chunk end (:func:`ovq_static_boundary`, called by the host, which
+counts positions) routes and absorbs the chunk in place with the static routing step
+(:func:`recurrences.ovq.routing_static.ovq_static_step`).
 """
 from __future__ import annotations
 
@@ -14,11 +20,19 @@ from torch import Tensor
 
 from masks.regions import OwnChunk, token_visibility
 from recurrences.ovq import ovq_absorb, ovq_route_chunk, seeding_draw
+from recurrences.ovq.routing_static import chunk_bounds, compiled_static_step, ovq_static_step
 
 from ..attention import attend_rows
-from ..cache.ovq import OVQCache
+from ..cache.ovq import OVQCache, StaticOVQCache
 from .decode import chunk_segments, positions
 from .ovq import OVQOptions
+
+
+def _padded(t: Tensor, size: int, keep: int) -> Tensor:
+    """Zeros of ``t``'s shape with ``size`` entries along dim 2, the first ``keep`` copied from ``t``."""
+    out = t.new_zeros(*t.shape[:2], size, *t.shape[3:])
+    out[:, :, :keep] = t[:, :, :keep]
+    return out
 
 
 def _grown(tensors: tuple[Tensor, ...], need: int, cap: int) -> tuple[Tensor, ...]:
@@ -26,12 +40,24 @@ def _grown(tensors: tuple[Tensor, ...], need: int, cap: int) -> tuple[Tensor, ..
     ``max(need, 2 S)`` rows, at most ``cap``; the spare row starts empty again."""
     rows = tensors[0].shape[2] - 1
     new_rows = min(cap, max(need, 2 * rows))
-    out = []
-    for t in tensors:
-        g = t.new_zeros(*t.shape[:2], new_rows + 1, *t.shape[3:])
-        g[:, :, :rows] = t[:, :, :rows]
-        out.append(g)
-    return tuple(out)
+    return tuple(_padded(t, new_rows + 1, rows) for t in tensors)
+
+
+def _dictionary(sums: Tensor, value_sums: Tensor, counts: Tensor, normalize: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """What queries read from dictionary rows (fp32 sums ``[B, H, n, D]``, ``[B, H, n, Dv]``,
+    counts ``[B, H, n]``): mean keys (unit with ``normalize``), mean values, and the bias
+    ``log(count)`` ``[B, H, n]`` (``-inf`` for an empty row)."""
+    per = counts.clamp_min(1.0)[..., None]
+    keys = sums / per
+    if normalize:
+        keys = F.normalize(keys, dim=-1)
+    return keys, value_sums / per, torch.where(counts > 0, counts.log(), float("-inf"))
+
+
+def _check_cap(opts: OVQOptions, cache_cap: int) -> None:
+    if opts.max_centroids != cache_cap:
+        raise ValueError(f"max_centroids={opts.max_centroids} differs from the cache's {cache_cap}; "
+                         "start a new cache (prefill) to change it")
 
 
 def _generator(opts: OVQOptions, state: Tensor | None) -> torch.Generator | None:
@@ -69,9 +95,7 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
                conv: Tensor | None) -> tuple[Tensor, OVQCache]:
     """New tokens (``q_scaled = beta * q̂``, unit keys kn, v ``[B, H, T2, *]``) -> outputs
     ``[B, H, T2, Dv]`` and the cache after them. Segments split at chunk boundaries."""
-    if opts.max_centroids != cache.max_centroids:
-        raise ValueError(f"max_centroids={opts.max_centroids} differs from the cache's {cache.max_centroids}; "
-                         "start a new cache (prefill) to change it")
+    _check_cap(opts, cache.max_centroids)
     B, H, T2, D = kn.shape
     C = opts.chunk_size
     sums, vsums, counts = cache.key_sums, cache.value_sums, cache.counts  # copied before the first write
@@ -84,13 +108,8 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
         n = opts.size(c)
         buf_k = torch.cat([buf_k, kn[:, :, off:off + take].detach()], dim=2)
         buf_v = torch.cat([buf_v, v[:, :, off:off + take].detach()], dim=2)
-        cnt = counts[:, :, :n]
-        keys = sums[:, :, :n] / cnt.clamp_min(1.0)[..., None]
-        if opts.normalize_centroids:
-            keys = F.normalize(keys, dim=-1)
-        values = vsums[:, :, :n] / cnt.clamp_min(1.0)[..., None]
-        bias = torch.cat([torch.where(cnt > 0, cnt.log(), float("-inf")),
-                          cnt.new_zeros(B, H, buf_k.shape[2])], dim=2)
+        keys, values, bias = _dictionary(sums[:, :, :n], vsums[:, :, :n], counts[:, :, :n], opts.normalize_centroids)
+        bias = torch.cat([bias, bias.new_zeros(B, H, buf_k.shape[2])], dim=2)
         q_pos, kv_pos = positions(pos, take, kn.device), positions(c * C, buf_k.shape[2], kn.device)
         visible = torch.cat([torch.ones(take, n, dtype=torch.bool, device=kn.device),
                              token_visibility((OwnChunk(C),), q_pos, kv_pos)], dim=1)
@@ -112,3 +131,70 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
     new = OVQCache(position=pos, conv=conv, key_sums=sums, value_sums=vsums, counts=counts, buf_k=buf_k,
                    buf_v=buf_v, rng=None if gen is None else gen.get_state(), max_centroids=opts.max_centroids)
     return torch.cat(outs, dim=2).to(v.dtype), new
+
+
+def ovq_static(cache: OVQCache, opts: OVQOptions, capacity: int) -> StaticOVQCache:
+    """The static cache continuing ``cache`` (not changed) for sequences of at most ``capacity``
+    tokens: dictionary rows for the largest ``N_c`` up to the capacity, the chunk buffer, the
+    ``(N_c, N_{c+1})`` table. Needs ``seeding="spread"`` (random seeding draws from a host
+    generator at each chunk end)."""
+    if opts.seeding != "spread":
+        raise ValueError(f"seeding={opts.seeding!r}: a static OVQ cache needs seeding='spread' (random seeding "
+                         "draws on the host at every chunk end); use the functional cache")
+    _check_cap(opts, cache.max_centroids)
+    C = opts.chunk_size
+    n_chunks = -(-capacity // C)
+    sizes = opts.sizes(n_chunks)
+    rows, live, b = max(sizes), opts.size(cache.position // C), cache.buf_k.shape[2]
+    sums, vsums, counts = (_padded(t, rows + 1, live) for t in (cache.key_sums, cache.value_sums, cache.counts))
+    device = sums.device
+    return StaticOVQCache(position=torch.tensor(cache.position, device=device),
+                          conv=None if cache.conv is None else cache.conv.clone(), key_sums=sums,
+                          value_sums=vsums, counts=counts, buf_k=_padded(cache.buf_k.float(), C, b),
+                          buf_v=_padded(cache.buf_v.float(), C, b), bounds=chunk_bounds(sizes, n_chunks, device),
+                          max_centroids=opts.max_centroids)
+
+
+def ovq_decode_static(cache: StaticOVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: OVQOptions,
+                      conv: Tensor | None) -> Tensor:
+    """One new token (``q_scaled = beta * q̂``, unit key kn fp32, v ``[B, H, 1, *]``, at
+    ``cache.position``) written into the chunk buffer, then reading the ``N_c`` live dictionary
+    rows and its chunk causally -> ``[B, H, 1, Dv]``. Fixed shapes, no host sync; the caller
+    advances ``cache.position`` and, at a chunk end, calls :func:`ovq_static_boundary`."""
+    _check_cap(opts, cache.max_centroids)
+    C = opts.chunk_size
+    p = cache.position
+    j = (p % C).view(1)
+    cache.buf_k.index_copy_(2, j, kn.detach())
+    cache.buf_v.index_copy_(2, j, v.detach().float())
+    if conv is not None:
+        cache.conv.copy_(conv)
+    keys, values, bias = _dictionary(cache.key_sums, cache.value_sums, cache.counts, opts.normalize_centroids)
+    device = kn.device
+    n = cache.bounds.index_select(0, (p // C).view(1))[0, 0]  # N_c (a tensor index: no host sync)
+    visible = torch.cat([torch.arange(keys.shape[2], device=device) < n,
+                         torch.arange(C, device=device) <= j])
+    bias = torch.cat([bias, bias.new_zeros(*bias.shape[:2], C)], dim=2)
+    out = attend_rows(q_scaled, torch.cat([keys, cache.buf_k], dim=2), torch.cat([values, cache.buf_v], dim=2),
+                      visible, scale=1.0, bias=bias)
+    return out.to(v.dtype)
+
+
+def ovq_static_boundary(cache: StaticOVQCache, opts: OVQOptions, position: int, *, compile: bool = False) -> None:
+    """After a static step left ``position`` tokens in ``cache`` (``cache.position``, counted on
+    the host): if it completed chunk ``c``, route and absorb that chunk in place — the static
+    routing step (``compile``: its compiled form, one graph for every chunk), or for a chunk that
+    reads an empty dictionary (the first seeding, once) the loop's own chunk step."""
+    C = opts.chunk_size
+    if position % C:
+        return
+    c = position // C - 1
+    if opts.size(c) == 0:
+        route = ovq_route_chunk(cache.buf_k, cache.key_sums, cache.counts, 0, opts.size(c + 1), None,
+                                opts.normalize_centroids)
+        ovq_absorb(cache.key_sums, cache.counts, cache.buf_k, route, cache.value_sums, cache.buf_v)
+        return
+    step = compiled_static_step if compile else ovq_static_step
+    bounds = cache.bounds.index_select(0, (cache.position // C - 1).view(1))[0]
+    step(cache.buf_k, cache.key_sums, cache.counts, bounds, None,
+         normalize_centroids=opts.normalize_centroids, value_sums=cache.value_sums, vc=cache.buf_v)

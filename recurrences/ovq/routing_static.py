@@ -78,9 +78,7 @@ class StaticOVQRouter:
         self.sums = torch.zeros(B, H, n_slots + 1, D, device=device)
         self.counts = torch.zeros(B, H, n_slots + 1, device=device)
         self.routes = torch.full((B, H, T), -1, dtype=torch.long, device=device)
-        # (N_c, N_{c+1}) per chunk: one 16-byte row each, so every step reads an aligned input
-        self.bounds = torch.tensor([self.sizes[c:c + 2] for c in range(n_full)], dtype=torch.long,
-                                   device=device).view(n_full, 2)
+        self.bounds = chunk_bounds(self.sizes, n_full, device)
         gen = torch.Generator().manual_seed(seed) if seeding == "random" else None
         draws = [] if gen is None else [seeding_draw(gen, B, H, L, "cpu") for _ in range(n_full)]
         self.u = torch.stack(draws).to(device) if draws else None  # [n_full, B, H, L]
@@ -127,6 +125,12 @@ class StaticOVQRouter:
                             first=first, step=self.step)
 
 
+def chunk_bounds(sizes: list[int], n_chunks: int, device) -> Tensor:
+    """``[n_chunks, 2]`` int64 ``(N_c, N_{c+1})`` per chunk on ``device`` (``sizes``: at least
+    ``n_chunks + 1`` entries): one 16-byte row each, so every step reads an aligned input."""
+    return torch.tensor([sizes[c:c + 2] for c in range(n_chunks)], dtype=torch.long, device=device).view(n_chunks, 2)
+
+
 def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None,
                         *, chunk_size: int, first: int, step) -> None:
     """Routes and absorbs the complete chunks ``first..T // chunk_size - 1`` in place.
@@ -145,14 +149,15 @@ def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor
 
 
 def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None, *,
-                    normalize_centroids: bool) -> Tensor:
+                    normalize_centroids: bool, value_sums: Tensor | None = None, vc: Tensor | None = None) -> Tensor:
     """One chunk against a dictionary with ``N_c = bounds[0] > 0`` live rows: routes ``[B, H, L]``, then absorbs them.
 
     kc ``[B, H, L, D]`` fp32 unit keys; sums ``[B, H, S+1, D]``, counts ``[B, H, S+1]`` fp32 (row
     ``S`` the spare; updated in place by :func:`ovq_absorb`); bounds ``[2]`` int64 ``(N_c,
-    N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread). The ``N_{c+1} - N_c`` tokens
-    first in the stable order of their best similarity (or of u) found slots ``N_c, N_c + 1, …``;
-    the others join their best live slot (first index on ties).
+    N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread); value_sums ``[B, H, S+1, Dv]``
+    and vc ``[B, H, L, Dv]`` fp32: the values absorbed too (a static decode cache). The
+    ``N_{c+1} - N_c`` tokens first in the stable order of their best similarity (or of u) found
+    slots ``N_c, N_c + 1, …``; the others join their best live slot (first index on ties).
     """
     L, R = kc.shape[2], sums.shape[2]
     n_old, n_new = bounds[0], bounds[1] - bounds[0]
@@ -165,7 +170,7 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
     order = torch.sort(best_sim if u is None else u, dim=-1, stable=True).indices
     rank = torch.empty_like(order).scatter_(2, order, torch.arange(L, device=kc.device).expand_as(order))
     route = torch.where(rank < n_new, n_old + rank, route)
-    ovq_absorb(sums, counts, kc, route)
+    ovq_absorb(sums, counts, kc, route, value_sums, vc)
     return route
 
 
