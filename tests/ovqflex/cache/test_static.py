@@ -1,0 +1,138 @@
+"""Static (in-place) decode caches == the functional caches (docs/design.md §6, "Static decode").
+
+A static step reads every slot of fixed buffers, masking the empty or dead ones, where the
+functional step reads only the kept tokens and live rows: the softmax sums more (masked, zero)
+terms in another order, so outputs agree to fp32 rounding, not bit for bit (``STATIC_TOL``,
+relative). What both paths compute with the same kernels is compared exactly: OVQ's routes, hence
+its counts, and (eager) its dictionary sums, which go through the same ``ovq_absorb``. Compiled,
+inductor's own ``F.normalize`` rounds the unit keys differently, so the sums agree to rounding.
+"""
+import pytest
+import torch
+
+import ovqflex
+from ovqflex.cache.ovq import StaticOVQCache
+from ovqflex.cache.plain import StaticPlainCache
+from tests.helpers import assert_close
+
+HIDDEN, HEADS = 32, 2
+STATIC_TOL = 1e-6  # fp32: the functional and the static softmax sum the same terms in another order
+
+LAYERS = {
+    "swa-7-conv": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=7, qk_conv=3, backend="dense"),
+    "swa-5-sinks": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=5, n_sinks=2, backend="dense"),
+    "bswa-2x16": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, block_window=2, chunk_size=16,
+                                                        backend="dense"),
+    "full-rope-qknorm": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, rope=True, qk_norm=True, backend="dense"),
+    "ovq-plateau": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, backend="dense"),
+    "ovq-full-norm-conv": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=40, growth="full",
+                                                       normalize_centroids=True, qk_conv=2, backend="dense"),
+    "ovq-linear": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=30, growth="linear",
+                                               growth_horizon=64, backend="dense"),
+}
+
+
+def _decode_both(layer, x: torch.Tensor, split: int, step=None, compile_boundary: bool = False):
+    """Prefill ``x[:, :split]``, then decode the rest one token per call functionally and through a
+    static cache (``step``: the callable that runs the layer on it) -> (functional ys, static ys,
+    functional cache, static cache)."""
+    step = layer if step is None else step
+    with torch.no_grad():
+        _, cache = layer(x[:, :split], use_cache=True)
+        static = layer.static_cache(cache, x.shape[1])
+        yf, ys = [], []
+        for t in range(split, x.shape[1]):
+            y, cache = layer(x[:, t:t + 1], cache=cache)
+            yf.append(y)
+            y, same = step(x[:, t:t + 1], cache=static)
+            assert same is static
+            ys.append(y)
+            layer.static_boundary(static, t + 1, compile=compile_boundary)
+    return torch.cat(yf, 1), torch.cat(ys, 1), cache, static
+
+
+def _dictionaries_agree(cache, static, exact: bool) -> None:
+    live = static.counts.shape[2] - 1  # every row the capacity reaches (the functional cache may hold more)
+    assert torch.equal(cache.counts[:, :, :live], static.counts[:, :, :live])  # the same routes
+    for f, s in ((cache.key_sums, static.key_sums), (cache.value_sums, static.value_sums)):
+        if exact:
+            assert torch.equal(f[:, :, :live], s[:, :, :live])
+        else:
+            assert_close(s[:, :, :live], f[:, :, :live], STATIC_TOL)
+
+
+@pytest.mark.parametrize("split", [5, 16, 37])
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_static_decode_equals_functional_decode(name, split):
+    """Many steps after prefills of several lengths (before, at and after a chunk end), B = 3:
+    window rings wrap several times, OVQ crosses chunk ends (with ``split=5`` the first seeding
+    happens in the static cache)."""
+    torch.manual_seed(0)
+    layer = LAYERS[name]()
+    x = torch.randn(3, 120, HIDDEN)
+    yf, ys, cache, static = _decode_both(layer, x, split)
+    assert_close(ys, yf, STATIC_TOL, name)
+    assert int(static.position) == cache.position == x.shape[1]
+    if isinstance(static, StaticOVQCache):
+        _dictionaries_agree(cache, static, exact=True)
+    else:
+        assert isinstance(static, StaticPlainCache)
+
+
+@pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv"])
+def test_static_step_compiles_once(name):
+    """``torch.compile(fullgraph=True, dynamic=False)`` of the layer on a static cache: one graph
+    for every step — window wrap-around and OVQ chunk ends (whose static routing step is compiled
+    once too) included; recompiling raises."""
+    torch.manual_seed(0)
+    layer = LAYERS[name]()
+    x = torch.randn(2, 72, HIDDEN)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yf, ys, cache, static = _decode_both(layer, x, 21, step=compiled, compile_boundary=True)
+    assert_close(ys, yf, STATIC_TOL, name)
+    if isinstance(static, StaticOVQCache):
+        _dictionaries_agree(cache, static, exact=False)
+
+
+def test_static_cache_leaves_the_functional_cache_and_continues_twice():
+    torch.manual_seed(0)
+    layer = LAYERS["ovq-plateau"]()
+    x = torch.randn(2, 40, HIDDEN)
+    with torch.no_grad():
+        _, cache = layer(x[:, :20], use_cache=True)
+        before = [t.clone() for t in cache.tensors()]
+        outs = []
+        for _ in range(2):
+            static = layer.static_cache(cache, 40)
+            outs.append(torch.cat([layer(x[:, t:t + 1], cache=static)[0] for t in range(20, 30)], 1))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors()))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_bad_static_arguments_are_refused():
+    torch.manual_seed(0)
+    x = torch.randn(1, 20, HIDDEN)
+    swa, ovq = LAYERS["swa-7-conv"](), LAYERS["ovq-plateau"]()
+    with torch.no_grad():
+        _, cache = swa(x, use_cache=True)
+        with pytest.raises(ValueError, match="capacity=20"):
+            swa.static_cache(cache, 20)
+        with pytest.raises(ValueError, match="capacity"):
+            swa.static_cache(cache, 0)
+        static = swa.static_cache(cache, 30)
+        with pytest.raises(ValueError, match=r"one token per call: x must be \[B, 1, hidden\]"):
+            swa(x[:, :2], cache=static)
+        with pytest.raises(TypeError, match="cache for OVQAttention must be a OVQCache"):
+            ovq(x[:, :1], cache=static)
+        with pytest.raises(TypeError, match="cache for OVQAttention"):
+            ovq.static_cache(cache, 30)
+        with pytest.raises(ValueError, match="cache must be a prefill's cache"):
+            swa.static_cache(None, 30)
+        rnd = ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, seeding="random")
+        with pytest.raises(ValueError, match="seeding='random'"):
+            rnd.static_cache(rnd(x, use_cache=True)[1], 30)
+        kvm = ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, backend="dense")
+        with pytest.raises(NotImplementedError, match="KVMAttention has no static"):
+            kvm.static_cache(kvm(x, use_cache=True)[1], 30)

@@ -1,0 +1,41 @@
+"""``HybridLM.generate(decode="static" | "compiled")``: the in-place fast path gives the functional
+path's greedy tokens (docs/design.md §6, "Static decode")."""
+import pytest
+import torch
+
+from ovqflex.models import HybridConfig, HybridLM
+
+CONFIG = dict(vocab_size=64, d_model=32, n_heads=2, window=20, chunk_size=16, max_centroids=24, qk_conv=2,
+              backend="dense")
+
+
+def _model(pattern: str) -> HybridLM:
+    torch.manual_seed(0)
+    return HybridLM(HybridConfig(pattern=pattern, n_layers=len(pattern.split(",")), **CONFIG))
+
+
+@pytest.mark.parametrize("prompt_len", [5, 21])
+def test_static_generate_gives_the_functional_greedy_tokens(prompt_len):
+    """60 tokens, B = 2: OVQ chunk ends (and, after a 5-token prompt, the first seeding), window
+    wrap-around, block windows, full attention."""
+    model = _model("swa,ovq,nope,bswa")
+    prompt = torch.randint(0, 64, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    want = model.generate(prompt, 60, temperature=0)
+    assert torch.equal(model.generate(prompt, 60, temperature=0, decode="static"), want)
+
+
+def test_compiled_generate_compiles_once_and_gives_the_same_tokens():
+    model = _model("swa,ovq")
+    prompt = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(1))
+    want = model.generate(prompt, 40, temperature=0)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(prompt, 40, temperature=0, decode="compiled"), want)
+
+
+def test_static_generate_refuses_what_it_cannot_do():
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="decode must be one of"):
+        _model("swa").generate(prompt, 2, decode="fast")
+    with pytest.raises(NotImplementedError, match="mixer 'kvm'"):
+        _model("swa,kvm").generate(prompt, 2, decode="static")
