@@ -5,9 +5,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recurrences.checks import check_keys
+from recurrences.checks import check_choice, check_keys
 
 from ...methods import METHODS, Method, method_names
+from ...models.hybrid import DECODES
 from ..measure import measure
 from .base import Scenario, register
 
@@ -74,17 +75,22 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
     return rows
 
 
-def _decode_method(case: dict, where: str) -> tuple[Method, dict]:
-    """The method of a decode ``case`` table (``name``, ``kind``: a method that decodes, and the
-    options of its layer, checked by name); returns (method, layer options)."""
+def _decode_method(case: dict, where: str) -> tuple[Method, dict, str]:
+    """The method of a decode ``case`` table (``name``, ``kind``: a method that decodes, ``decode``:
+    one of ``DECODES``, default ``"functional"``, and the options of its layer, checked by name);
+    returns (method, layer options, decode)."""
     if not isinstance(case, dict) or not isinstance(case.get("name"), str):
         raise ValueError(f"{where}: must be a table with a string name, got {case!r}")
     decoding = method_names(_decodes)
     if case.get("kind") not in decoding:
         raise ValueError(f"{where}: kind must be one of {decoding}, got {case.get('kind')!r}")
     method = METHODS[case["kind"]]
-    check_keys(f"{where} (a {method.layer.__name__})", case, method.option_names() - {"backend"} | {"name", "kind"})
-    return method, {k: v for k, v in case.items() if k not in ("kind", "name")}
+    check_keys(f"{where} (a {method.layer.__name__})", case,
+               method.option_names() - {"backend"} | {"name", "kind", "decode"})
+    decode = check_choice(f"{where}: decode", case.get("decode", "functional"), DECODES)
+    if decode != "functional" and method.layer.static_cache_type is None:
+        raise ValueError(f"{where}: decode={decode!r} needs a static cache, which {method.layer.__name__} has not")
+    return method, {k: v for k, v in case.items() if k not in ("kind", "name", "decode")}, decode
 
 
 def _decodes(m: Method) -> bool:
@@ -111,7 +117,9 @@ class DecodeScenario(Scenario):
 def decode(sc: DecodeScenario, device: str) -> list[dict]:
     """Streaming decode at long contexts: each layer ``case`` prefills ``T`` tokens (the
     fused forward, flex, no grad) and then decodes ``decode_tokens`` tokens one per call
-    through its cache. Rows: decode tokens/s, seconds per token (``time_s``, whose slope vs
+    through its cache — the functional one, or (case ``decode = "static"`` / ``"compiled"``) the
+    in-place static cache made after the prefill, eager or compiled (compiled in the warm-up run,
+    not timed; each timed run continues the same cache). Rows: decode tokens/s, seconds per token (``time_s``, whose slope vs
     T is ~0 for a bounded cache and ~1 for a growing KV cache), the cache's own bytes
     (``cache_mb``) and the RSS growth while decoding (``peak_mb``). The last case is the
     baseline of ``x_vs_<name>``.
@@ -123,7 +131,7 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     rows = []
     for i, case in enumerate(sc.cases):
         torch.manual_seed(0)
-        method, options = _decode_method(case, f"scenario {sc.name!r}, case {i}")
+        method, options, mode = _decode_method(case, f"scenario {sc.name!r}, case {i}")
         if "backend" in method.option_names():
             options["backend"] = "flex"
         layer = method.build(hidden, heads, **options).to(dev).eval()
@@ -140,9 +148,12 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
                         _, c = layer(x[:, T + i:T + i + 1], cache=c)
                     return c
 
+                if mode != "functional":
+                    run = _static_run(layer, cache, x, T, n_dec, sc.repeats, compiled=mode == "compiled")
+
                 m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
                 end = run()
-            rows.append({"case": case["name"], "T": T, "prefill_s": prefill, "tokens_per_s": n_dec / m.seconds,
+            rows.append({"case": case["name"], "decode": mode, "T": T, "prefill_s": prefill, "tokens_per_s": n_dec / m.seconds,
                          "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
                          "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
     by_t = {}
@@ -155,6 +166,23 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
             if ref is not None:
                 r["x_vs_" + base] = r["tokens_per_s"] / ref["tokens_per_s"]
     return rows
+
+
+def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, *, compiled: bool):
+    """A run of ``n_dec`` static decode steps continuing one static cache made from ``cache``
+    (room for the warm-up and ``repeats`` runs), eager or compiled; returns the static cache."""
+    static = layer.static_cache(cache, T + n_dec * (repeats + 2))
+    step = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer
+    position = [T]
+
+    def run():
+        for i in range(n_dec):
+            step(x[:, T + i:T + i + 1], cache=static)
+            position[0] += 1
+            layer.static_boundary(static, position[0], compile=compiled)
+        return static
+
+    return run
 
 
 @dataclass(kw_only=True)
