@@ -62,7 +62,8 @@ class AttentionLayer(nn.Module):
                 return_aux: bool = False, **call):
         """x ``[B, T, hidden]`` -> y ``[B, T, hidden]``; ``(y, aux)`` with ``return_aux=True``;
         ``(y, cache)`` with ``use_cache=True`` (prefill) or a ``cache`` to continue from (decode
-        one or more tokens; no tokens give an empty y and an unchanged copy of the cache)."""
+        one or more tokens; no tokens give an empty y and an unchanged copy of the cache); with a
+        static cache, one token x ``[B, 1, hidden]`` and ``(y, the same cache, written in place)``."""
         unknown = sorted(set(call) - set(self.call_options))
         if unknown:
             raise TypeError(f"{type(self).__name__}.forward got unknown option(s) {unknown}; it takes "

@@ -170,8 +170,9 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
 
 def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, *, compiled: bool):
     """A run of ``n_dec`` static decode steps continuing one static cache made from ``cache``
-    (room for the warm-up and ``repeats`` runs), eager or compiled; returns the static cache."""
-    static = layer.static_cache(cache, T + n_dec * (repeats + 2))
+    (room for ``measure``'s warm-up, ``repeats`` and memory runs and the final one), eager or
+    compiled; returns the static cache."""
+    static = layer.static_cache(cache, T + n_dec * (repeats + 3))
     step = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer
     position = [T]
 
