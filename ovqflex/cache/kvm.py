@@ -7,6 +7,9 @@ block window. The prefill and decode steps that fill it are :mod:`ovqflex.ops.kv
 Bound: the state rows (``max(C, C * max_state_chunks)`` when capped; an uncapped
 budget grows as its schedule says) times ``(2D + Dv + 2)`` fp32, plus at most
 ``Nb`` chunks of raw tokens.
+
+:class:`StaticKVMCache` is its in-place form (docs/design.md §6, "Static decode"): the state
+allocated once at the most rows the capacity reaches, the window a ring of ``Nb`` chunks.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .base import LayerCache
+from .base import LayerCache, StaticLayerCache
 
 
 @dataclass
@@ -35,3 +38,24 @@ class KVMCache(LayerCache):
     win_v: Tensor
     win_kbar: Tensor
     win_gate: Tensor
+
+
+@dataclass
+class StaticKVMCache(StaticLayerCache):
+    """state ``[B, H, R, D]``, value_sums ``[B, H, R, Dv]``, radius, counts ``[B, H, R]`` fp32 as
+    :class:`KVMCache` (``R``: the most rows any chunk up to the capacity reads); rows ``[n_chunks]``
+    int64: the state rows query chunk ``c`` reads (0 for ``c < Nb``). Window ring of ``W = Nb * C``
+    slots, position ``p`` in slot ``p % W``: win_k ``[B, H, W, D]`` (normalized, rotated), win_v
+    ``[B, H, W, Dv]``, win_kbar ``[B, H, W, D]`` fp32, win_gate ``[B, H, W]`` fp32, win_pos ``[W]``
+    int64 (-1: empty). position ``[]`` int64 and conv as :class:`~ovqflex.cache.base.StaticLayerCache`."""
+
+    state: Tensor
+    value_sums: Tensor
+    radius: Tensor
+    counts: Tensor
+    rows: Tensor
+    win_k: Tensor
+    win_v: Tensor
+    win_kbar: Tensor
+    win_gate: Tensor
+    win_pos: Tensor

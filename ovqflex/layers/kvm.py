@@ -21,10 +21,11 @@ from recurrences.checks import options_of
 from recurrences.kvm import routing_memory_keys
 from recurrences.precision import to_compute_dtype
 
-from ..cache.kvm import KVMCache
+from ..cache.kvm import KVMCache, StaticKVMCache
 from ..ops.decode import positions
 from ..ops.kvm import KVMOptions, kvm_attention, kvm_program
-from ..ops.kvm_decode import KVMReadout, kvm_decode, kvm_prefill
+from ..ops.kvm_decode import (KVMReadout, kvm_decode, kvm_decode_static, kvm_prefill, kvm_static,
+                              kvm_static_boundary)
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes
@@ -44,6 +45,7 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
     """
 
     cache_type = KVMCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    static_cache_type = StaticKVMCache
     options_type = KVMOptions
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, rope_base: float = 10000.0,
@@ -107,6 +109,18 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
     def _decode_step(self, inputs, cache: KVMCache) -> tuple[Tensor, KVMCache]:
         q, k, v, gate, kbar32, tail = self._cached_operands(inputs)
         return kvm_decode(cache, q, k, v, kbar32, gate, self.options, self._readout(), tail)
+
+    def _static_cache(self, cache: KVMCache, capacity: int) -> StaticKVMCache:
+        return kvm_static(cache, self.options, self._readout(), capacity)
+
+    def _decode_static(self, inputs, cache: StaticKVMCache) -> Tensor:
+        q, k, v, gate, kbar32, tail = self._cached_operands(inputs)
+        return kvm_decode_static(cache, q, k, v, kbar32, gate, self.options, self._readout(), tail)
+
+    def static_boundary(self, cache: StaticKVMCache, position: int, *, compile: bool = False) -> None:
+        """At a query chunk ``>= Nb``'s start, absorb the oldest window chunk in place (eagerly:
+        KVM's routing op takes host ints; ``compile`` changes nothing)."""
+        kvm_static_boundary(cache, self.options, self._readout(), position)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

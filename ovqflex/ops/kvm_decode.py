@@ -5,6 +5,12 @@ The prefill rebuilds the routing state by replaying the op's routes through the 
 uses (:func:`recurrences.kvm.kvm_absorb`). When a query chunk ``c >= Nb`` starts, the oldest window
 chunk (``c - Nb``) is absorbed into the state (chunk 0 founds the initial rows) and dropped; a query
 then reads the state and its window causally, as the full forward does.
+
+The static form (:class:`~ovqflex.cache.kvm.StaticKVMCache`, docs/design.md §6 "Static decode"): a
+step (:func:`kvm_decode_static`) writes the token into the window ring and reads every state row,
+the dead ones masked; when a query chunk ``c >= Nb`` is next, :func:`kvm_static_boundary` (called by
+the host) absorbs chunk ``c - Nb`` from the ring in place with the same :func:`_absorb` — eagerly:
+KVM's routing op takes host ints (once per chunk).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from masks.regions import BlockWindow, token_visibility
 from recurrences.kvm import kvm_absorb, kvm_route_chunk
 
 from ..attention import attend_rows
-from ..cache.kvm import KVMCache
+from ..cache.kvm import KVMCache, StaticKVMCache
 from .decode import chunk_segments, positions
 from .kvm import KVMOptions
 
@@ -76,6 +82,28 @@ def _absorb(st: dict, c: int, opts: KVMOptions, readout: KVMReadout, ok: Tensor,
     return target, appended
 
 
+def _state_rows(st: dict, rows: int, opts: KVMOptions, readout: KVMReadout) -> tuple[Tensor, Tensor]:
+    """What queries read from the first ``rows`` state rows: keys ``LN_s(state) * tau_state``
+    ``[B, H, rows, D]`` and values ``[B, H, rows, Dv]`` (``radius``-scaled directions with
+    ``use_vlens``, else means), fp32."""
+    H, D = st["state"].shape[1], st["state"].shape[-1]
+    s_keys = F.layer_norm(st["state"][:, :, :rows], (D,), readout.ln_s_weight.float(), readout.ln_s_bias.float(),
+                          opts.ln_eps)
+    if readout.tau_state is not None:
+        s_keys = s_keys * readout.tau_state.float().view(1, H, 1, 1)
+    sv = st["value_sums"][:, :, :rows]
+    if opts.use_vlens:
+        return s_keys, st["radius"][:, :, :rows, None] * sv / torch.linalg.vector_norm(
+            sv, dim=-1, keepdim=True).clamp_min(1e-12)
+    return s_keys, sv / st["counts"][:, :, :rows, None].clamp_min(1.0)
+
+
+def _window_keys(win_k: Tensor, readout: KVMReadout) -> Tensor:
+    """Window keys ``[B, H, w, D]`` as scored: times ``tau_bswa``."""
+    tau = readout.tau_bswa
+    return win_k if tau is None else win_k * tau.view(1, -1, 1, 1).to(win_k.dtype)
+
+
 def _empty_state(B: int, H: int, D: int, Dv: int, device) -> dict:
     return dict(state=torch.zeros(B, H, 0, D, device=device), value_sums=torch.zeros(B, H, 0, Dv, device=device),
                 radius=torch.zeros(B, H, 0, device=device), counts=torch.zeros(B, H, 0, device=device))
@@ -124,21 +152,12 @@ def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor,
         new = dict(k=k, v=v, kbar=kbar32, gate=gate.float())
         win = {name: torch.cat([win[name], new[name][:, :, off:off + take].detach()], dim=2) for name in win}
         w = win["k"].shape[2]
-        win_keys = win["k"] if readout.tau_bswa is None else win["k"] * readout.tau_bswa.view(1, H, 1, 1).to(k.dtype)
+        win_keys = _window_keys(win["k"], readout)
         q_pos, kv_pos = positions(pos, take, q.device), positions(pos + take - w, w, q.device)
         visible = token_visibility(window, q_pos, kv_pos)
         keys, values = win_keys.float(), win["v"].float()
         if rows:
-            s_keys = F.layer_norm(st["state"][:, :, :rows], (D,), readout.ln_s_weight.float(),
-                                  readout.ln_s_bias.float(), opts.ln_eps)
-            if readout.tau_state is not None:
-                s_keys = s_keys * readout.tau_state.float().view(1, H, 1, 1)
-            sv = st["value_sums"][:, :, :rows]
-            if opts.use_vlens:
-                s_vals = st["radius"][:, :, :rows, None] * sv / torch.linalg.vector_norm(
-                    sv, dim=-1, keepdim=True).clamp_min(1e-12)
-            else:
-                s_vals = sv / st["counts"][:, :, :rows, None].clamp_min(1.0)
+            s_keys, s_vals = _state_rows(st, rows, opts, readout)
             keys, values = torch.cat([s_keys, keys], dim=2), torch.cat([s_vals, values], dim=2)
             visible = torch.cat([torch.ones(take, rows, dtype=torch.bool, device=q.device), visible], dim=1)
         outs.append(attend_rows(q[:, :, off:off + take], keys, values, visible, scale=D ** -0.5))
@@ -146,3 +165,66 @@ def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor,
     new_cache = KVMCache(position=pos, conv=conv, rows=rows, state_chunk=state_chunk, win_k=win["k"],
                          win_v=win["v"], win_kbar=win["kbar"], win_gate=win["gate"], **st)
     return torch.cat(outs, dim=2).to(v.dtype), new_cache
+
+
+_STATE = ("state", "value_sums", "radius", "counts")
+_WINDOW = ("win_k", "win_v", "win_kbar", "win_gate")
+
+
+def kvm_static(cache: KVMCache, opts: KVMOptions, readout: KVMReadout, capacity: int) -> StaticKVMCache:
+    """The static cache continuing ``cache`` (not changed) for sequences of at most ``capacity``
+    tokens; if the next token starts a query chunk ``>= Nb``, its absorb is done here."""
+    C, Nb = opts.chunk_size, opts.n_bswa_chunks
+    W, n_chunks = Nb * C, -(-capacity // C)
+    sizes = [_size(opts, c) if c >= Nb else 0 for c in range(n_chunks)]
+    st = _grow({name: getattr(cache, name).clone() for name in _STATE}, _capacity(opts, max(sizes)))
+    w = cache.win_k.shape[2]
+    pos = positions(cache.position - w, w, cache.win_k.device)
+    ring = {name: _padded_ring(getattr(cache, name), W, pos % W) for name in _WINDOW}
+    static = StaticKVMCache(position=torch.tensor(cache.position, device=pos.device),
+                            conv=None if cache.conv is None else cache.conv.clone(),
+                            rows=torch.tensor(sizes, device=pos.device), **st, **ring,
+                            win_pos=torch.full((W,), -1, device=pos.device).index_copy_(0, pos % W, pos))
+    kvm_static_boundary(static, opts, readout, cache.position)
+    return static
+
+
+def _padded_ring(t: Tensor, W: int, slots: Tensor) -> Tensor:
+    return t.new_zeros(*t.shape[:2], W, *t.shape[3:]).index_copy_(2, slots, t)
+
+
+def kvm_decode_static(cache: StaticKVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor, gate: Tensor,
+                      opts: KVMOptions, readout: KVMReadout, conv: Tensor | None) -> Tensor:
+    """One new token's q, k (normalized, rotated), v ``[B, H, 1, *]``, fp32 memory key and gate
+    ``[B, H, 1]`` (at ``cache.position``) written into the ring, then reading the live state rows
+    and its block window -> ``[B, H, 1, Dv]``. Fixed shapes, no host sync; the caller advances
+    ``cache.position`` and calls :func:`kvm_static_boundary`."""
+    C, Nb = opts.chunk_size, opts.n_bswa_chunks
+    p = cache.position.view(1)
+    slot = p % cache.win_pos.shape[0]
+    for name, t in zip(_WINDOW, (k, v, kbar32, gate.float())):
+        getattr(cache, name).index_copy_(2, slot, t.detach())
+    cache.win_pos.index_copy_(0, slot, p)
+    if conv is not None:
+        cache.conv.copy_(conv)
+    st = {name: getattr(cache, name) for name in _STATE}
+    s_keys, s_vals = _state_rows(st, st["state"].shape[2], opts, readout)
+    live = torch.arange(s_keys.shape[2], device=p.device) < cache.rows.index_select(0, p // C)
+    window = token_visibility((BlockWindow(Nb, C),), p, cache.win_pos)[0] & (cache.win_pos >= 0)
+    keys = torch.cat([s_keys, _window_keys(cache.win_k, readout).float()], dim=2)
+    values = torch.cat([s_vals, cache.win_v.float()], dim=2)
+    out = attend_rows(q, keys, values, torch.cat([live, window]), scale=q.shape[-1] ** -0.5)
+    return out.to(v.dtype)
+
+
+def kvm_static_boundary(cache: StaticKVMCache, opts: KVMOptions, readout: KVMReadout, position: int) -> None:
+    """After a static step left ``position`` tokens (counted on the host): if the next token starts
+    a query chunk ``c >= Nb``, absorb window chunk ``c - Nb`` (still whole in the ring) in place."""
+    C, Nb = opts.chunk_size, opts.n_bswa_chunks
+    c = position // C
+    if position % C or c < Nb:
+        return
+    lo = (c - Nb) * C % cache.win_pos.shape[0]
+    sl = slice(lo, lo + C)
+    _absorb({name: getattr(cache, name) for name in _STATE}, c, opts, readout, cache.win_kbar[:, :, sl],
+            cache.win_gate[:, :, sl], cache.win_v[:, :, sl].float())

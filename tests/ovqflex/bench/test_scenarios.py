@@ -42,12 +42,12 @@ DECODE = ('[[scenario]]\nname = "d"\nkind = "decode"\nseq_lens = [64]\n'
                                      r"\(did you mean 'max_centroids'\?\)"),
     (DECODE.replace('kind = "ovq"\nchunk', 'kind = "lstm"\nchunk'), r"case 0: kind must be one of"),
     (DECODE + 'decode = "fast"\n', r"case 0: decode must be one of \['compiled', 'functional', 'static'\]"),
-    (DECODE.replace('kind = "ovq"\nchunk', 'kind = "kvm"\nchunk') + 'decode = "static"\n',
-     r"case 0: decode='static' needs a static cache, which KVMAttention has not"),
+    (DECODE.replace('kind = "ovq"\nchunk', 'kind = "vq"\nchunk') + 'decode = "static"\n',
+     r"case 0: decode='static' needs a static cache, which VQAttention has not"),
     ('[[scenario]]\nkind = "kvm"\nseq_lens = [64]\nbudget = "power_law"\ngrowth_factr = 4.0\n',
      r"unknown key 'growth_factr' \(did you mean 'growth_factor'\?\)"),
 ], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
-        "decode-kind", "decode-mode", "decode-static-kvm", "kvm-budget"])
+        "decode-kind", "decode-mode", "decode-static-vq", "kvm-budget"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)

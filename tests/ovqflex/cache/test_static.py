@@ -6,11 +6,14 @@ terms in another order, so outputs agree to fp32 rounding, not bit for bit (``ST
 relative). What both paths compute with the same kernels is compared exactly: OVQ's routes, hence
 its counts, and (eager) its dictionary sums, which go through the same ``ovq_absorb``. Compiled,
 inductor's own ``F.normalize`` rounds the unit keys differently, so the sums agree to rounding.
+KVM's absorb is the functional one (eager, on the ring's copy of the chunk): its state, counts and
+sums are equal bit for bit.
 """
 import pytest
 import torch
 
 import ovqflex
+from ovqflex.cache.kvm import StaticKVMCache
 from ovqflex.cache.ovq import StaticOVQCache
 from ovqflex.cache.plain import StaticPlainCache
 from tests.helpers import assert_close
@@ -29,6 +32,11 @@ LAYERS = {
                                                        normalize_centroids=True, qk_conv=2, backend="dense"),
     "ovq-linear": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=30, growth="linear",
                                                growth_horizon=64, backend="dense"),
+    "kvm-fixed": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, backend="dense"),
+    "kvm-powerlaw-uncapped-conv": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, budget="power_law",
+                                                               max_state_chunks=None, qk_conv=2, backend="dense"),
+    "kvm-nb3-cap2-means": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=3,
+                                                       max_state_chunks=2, use_vlens=False, backend="dense"),
 }
 
 
@@ -61,12 +69,13 @@ def _dictionaries_agree(cache, static, exact: bool) -> None:
             assert_close(s[:, :, :live], f[:, :, :live], STATIC_TOL)
 
 
-@pytest.mark.parametrize("split", [5, 16, 37])
+@pytest.mark.parametrize("split", [5, 16, 37, 64])
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_static_decode_equals_functional_decode(name, split):
     """Many steps after prefills of several lengths (before, at and after a chunk end), B = 3:
     window rings wrap several times, OVQ crosses chunk ends (with ``split=5`` the first seeding
-    happens in the static cache)."""
+    happens in the static cache), KVM founds its state and absorbs chunks (``split=64``: the
+    static cache is made just before a chunk's absorb)."""
     torch.manual_seed(0)
     layer = LAYERS[name]()
     x = torch.randn(3, 120, HIDDEN)
@@ -75,11 +84,15 @@ def test_static_decode_equals_functional_decode(name, split):
     assert int(static.position) == cache.position == x.shape[1]
     if isinstance(static, StaticOVQCache):
         _dictionaries_agree(cache, static, exact=True)
+    elif isinstance(static, StaticKVMCache):
+        r = cache.rows
+        for f in ("state", "value_sums", "radius", "counts"):
+            assert torch.equal(getattr(cache, f)[:, :, :r], getattr(static, f)[:, :, :r]), f
     else:
         assert isinstance(static, StaticPlainCache)
 
 
-@pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv"])
+@pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv", "kvm-powerlaw-uncapped-conv"])
 def test_static_step_compiles_once(name):
     """``torch.compile(fullgraph=True, dynamic=False)`` of the layer on a static cache: one graph
     for every step — window wrap-around and OVQ chunk ends (whose static routing step is compiled
@@ -133,6 +146,6 @@ def test_bad_static_arguments_are_refused():
         rnd = ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, seeding="random")
         with pytest.raises(ValueError, match="seeding='random'"):
             rnd.static_cache(rnd(x, use_cache=True)[1], 30)
-        kvm = ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, backend="dense")
-        with pytest.raises(NotImplementedError, match="KVMAttention has no static"):
-            kvm.static_cache(kvm(x, use_cache=True)[1], 30)
+        vq = ovqflex.VQAttention(HIDDEN, HEADS, chunk_size=16, backend="dense")
+        with pytest.raises(NotImplementedError, match="VQAttention has no static"):
+            vq.static_cache(vq(x, use_cache=True)[1], 30)

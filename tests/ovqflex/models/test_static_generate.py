@@ -17,8 +17,8 @@ def _model(pattern: str) -> HybridLM:
 @pytest.mark.parametrize("prompt_len", [5, 21])
 def test_static_generate_gives_the_functional_greedy_tokens(prompt_len):
     """60 tokens, B = 2: OVQ chunk ends (and, after a 5-token prompt, the first seeding), window
-    wrap-around, block windows, full attention."""
-    model = _model("swa,ovq,nope,bswa")
+    wrap-around, block windows, full attention, KVM absorbs."""
+    model = _model("swa,ovq,nope,bswa,kvm")
     prompt = torch.randint(0, 64, (2, prompt_len), generator=torch.Generator().manual_seed(1))
     want = model.generate(prompt, 60, temperature=0)
     assert torch.equal(model.generate(prompt, 60, temperature=0, decode="static"), want)
@@ -37,5 +37,5 @@ def test_static_generate_refuses_what_it_cannot_do():
     prompt = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="decode must be one of"):
         _model("swa").generate(prompt, 2, decode="fast")
-    with pytest.raises(NotImplementedError, match="mixer 'kvm'"):
-        _model("swa,kvm").generate(prompt, 2, decode="static")
+    with pytest.raises(NotImplementedError, match="mixer 'vq'"):
+        _model("swa,vq").generate(prompt, 2, decode="static")
