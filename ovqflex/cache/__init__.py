@@ -2,14 +2,15 @@
 
 ``layer(x, use_cache=True) -> (y, cache)`` after a prefill of any length;
 ``layer(x, cache=cache) -> (y, cache)`` continues with one or more tokens. Each cache
-type documents its size bound; ``cache.nbytes()`` is its own accounting.
+type documents its size bound; ``cache.nbytes()`` is its own accounting. The ``Static*`` caches
+are their in-place forms (``layer.static_cache(cache, capacity)``, docs/design.md §6 "Static decode").
 """
-from .base import LayerCache
-from .kvm import KVMCache
-from .ovq import OVQCache
-from .plain import PlainCache
+from .base import LayerCache, StaticLayerCache
+from .kvm import KVMCache, StaticKVMCache
+from .ovq import OVQCache, StaticOVQCache
+from .plain import PlainCache, StaticPlainCache
 from .recurrent import DeltaNetCache, LinearAttentionCache, VLACache
 from .vq import LongVQCache, VQCache
 
 __all__ = ["DeltaNetCache", "KVMCache", "LayerCache", "LinearAttentionCache", "LongVQCache", "OVQCache", "PlainCache",
-           "VLACache", "VQCache"]
+           "StaticKVMCache", "StaticLayerCache", "StaticOVQCache", "StaticPlainCache", "VLACache", "VQCache"]
