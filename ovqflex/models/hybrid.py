@@ -161,7 +161,8 @@ class HybridLM(nn.Module):
         sequences of at most ``capacity`` tokens (docs/design.md §6, "Static decode"); a mixer
         without a static cache is refused by name."""
         if not isinstance(cache, ModelCache):
-            raise TypeError(f"cache must be a ModelCache (from forward(..., use_cache=True)), got {type(cache).__name__}")
+            raise TypeError(f"cache must be a ModelCache (from forward(..., use_cache=True)), got "
+                            f"{type(cache).__name__}")
         for block in self.blocks:
             if block.mixer.static_cache_type is None:
                 raise NotImplementedError(f"mixer {block.mixer_name!r} ({type(block.mixer).__name__}) has no static "
@@ -210,7 +211,9 @@ class HybridLM(nn.Module):
             if decode != "functional":
                 caches = self.static_caches(cache, prompt.shape[1] + max_new_tokens)
                 compiled = decode == "compiled"
-                step_fn = torch.compile(self.decode_static, fullgraph=True, dynamic=False) if compiled else self.decode_static
+                step_fn = self.decode_static
+                if compiled:
+                    step_fn = torch.compile(step_fn, fullgraph=True, dynamic=False)
             for step in range(max_new_tokens):
                 nxt = sample_next(logits[:, -1], temperature, top_k, generator)
                 out = torch.cat([out, nxt], dim=1)

@@ -119,8 +119,9 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     fused forward, flex, no grad) and then decodes ``decode_tokens`` tokens one per call
     through its cache — the functional one, or (case ``decode = "static"`` / ``"compiled"``) the
     in-place static cache made after the prefill, eager or compiled (compiled in the warm-up run,
-    not timed; each timed run continues the same cache). Rows: decode tokens/s, seconds per token (``time_s``, whose slope vs
-    T is ~0 for a bounded cache and ~1 for a growing KV cache), the cache's own bytes
+    not timed; each timed run continues the same cache). Rows: decode tokens/s, seconds per
+    token (``time_s``, whose slope vs T is ~0 for a bounded cache and ~1 for a growing KV cache),
+    the cache's own bytes
     (``cache_mb``) and the RSS growth while decoding (``peak_mb``). The last case is the
     baseline of ``x_vs_<name>``.
     """
@@ -153,7 +154,8 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
 
                 m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
                 end = run()
-            rows.append({"case": case["name"], "decode": mode, "T": T, "prefill_s": prefill, "tokens_per_s": n_dec / m.seconds,
+            rows.append({"case": case["name"], "decode": mode, "T": T, "prefill_s": prefill,
+                         "tokens_per_s": n_dec / m.seconds,
                          "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
                          "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
     by_t = {}
