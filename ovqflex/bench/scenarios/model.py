@@ -143,13 +143,13 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
                 _, cache = layer(x[:, :T], use_cache=True)
                 prefill = time.perf_counter() - t0
 
-                def run():
-                    c = cache
-                    for i in range(n_dec):
-                        _, c = layer(x[:, T + i:T + i + 1], cache=c)
-                    return c
-
-                if mode != "functional":
+                if mode == "functional":
+                    def run():
+                        c = cache
+                        for i in range(n_dec):
+                            _, c = layer(x[:, T + i:T + i + 1], cache=c)
+                        return c
+                else:
                     run = _static_run(layer, cache, x, T, n_dec, sc.repeats, compiled=mode == "compiled")
 
                 m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
