@@ -10,6 +10,7 @@ line with fewer seeds than planned says so in its ``seeds`` column.
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 from tabulate import tabulate
@@ -111,7 +112,8 @@ def plot(results: dict, path: Path) -> Path | None:
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("per-token accuracy (mean, min–max over seeds)")
-    ax.set_title(f"{results['experiment']} ({results['scale']} scale): {results['task_description']}", fontsize=7)
+    title = f"{results['experiment']} ({results['scale']} scale): {results['task_description']}"
+    ax.set_title(textwrap.fill(title, 120), fontsize=7)  # a long task description wraps, not clipped
     ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
     fig.tight_layout()
