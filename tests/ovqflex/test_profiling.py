@@ -68,7 +68,7 @@ def test_stage_table_from_a_known_trace():
 
 def test_stage_labels_do_not_break_fullgraph_compile():
     """dynamo treats record_function as a no-op context (the layers' own fullgraph tests in
-    test_ovq.py / layers/test_plain.py compile them with these labels inside)."""
+    layers/test_ovq.py / layers/test_plain.py compile them with these labels inside)."""
     counters.clear()
 
     def f(x):

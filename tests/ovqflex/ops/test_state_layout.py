@@ -4,15 +4,14 @@ import pytest
 import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
-from torch._dynamo.utils import counters
 
 import ovqflex
 from ovqflex.ops.ovq import ovq_program
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
-from tests.ovqflex.test_kvm import BUDGETS
-from tests.ovqflex.test_kvm import inputs as kvm_inputs
-from tests.ovqflex.test_ovq import inputs as ovq_inputs
-from tests.ovqflex.test_vq import inputs as vq_inputs
+from tests.ovqflex.ops.test_kvm import BUDGETS
+from tests.ovqflex.ops.test_kvm import inputs as kvm_inputs
+from tests.ovqflex.ops.test_ovq import inputs as ovq_inputs
+from tests.ovqflex.ops.test_vq import inputs as vq_inputs
 
 
 def state_rows(program):
@@ -177,38 +176,6 @@ def test_flex_forward_versioned_equals_snapshot(method):
             return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **params, **kw)
     with torch.no_grad():
         assert_close(run("versioned", "flex"), run("snapshot", "blocked"), FWD_TOL[torch.float32], "flex")
-
-
-def test_layer_compiles_versioned_without_graph_break_or_recompile():
-    counters.clear()
-    torch.manual_seed(0)
-    layer = ovqflex.OVQAttention(64, 2, chunk_size=32, max_centroids=48, backend="blocked", state_layout="versioned",
-                                 checkpoint_every=2)
-    compiled = torch.compile(layer, fullgraph=True)
-    x = torch.randn(2, 200, 64)
-    want = layer(x)
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    for step in range(3):
-        out = compiled(x if step == 0 else torch.randn(2, 200, 64))
-        if step == 0:
-            assert_close(out, want, FWD_TOL[torch.float32], "compiled == eager")
-        out.square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 0:
-            graphs = counters["stats"]["unique_graphs"]
-    assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
-
-
-def test_kvm_layer_versioned_equals_snapshot():
-    torch.manual_seed(0)
-    layer = ovqflex.KVMAttention(32, 2, chunk_size=16, budget="saturation", saturation_n=64, max_state_chunks=None,
-                                 backend="blocked", state_layout="versioned", checkpoint_every=2)
-    x = torch.randn(1, 150, 32)
-    ver = layer(x)
-    layer.state_layout = "snapshot"
-    assert_close(ver, layer(x), FWD_TOL[torch.float32], "layer")
 
 
 @pytest.mark.parametrize("make, match", [

@@ -1,0 +1,78 @@
+"""KVMAttention layer: == the paper's chunk loop behind the same parameters, ablation switches,
+compilation (the op: tests/ovqflex/ops/test_kvm.py)."""
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import ovqflex
+from recurrences.reference import kvm_attention_reference
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+
+
+def _layer_reference(layer, x):
+    """The layer's forward with the paper's loop in place of the fused op (same parameters)."""
+    q, k, v = layer.split_heads(x)
+    pos = torch.arange(x.shape[1])
+    q = ovqflex.layers.rope.apply_rope(layer.q_norm(q), pos, layer.rope_dims, layer.rope_base, interleaved=True)
+    k = ovqflex.layers.rope.apply_rope(layer.k_norm(k), pos, layer.rope_dims, layer.rope_base, interleaved=True)
+    gate = (1.0 + F.elu(layer.gate_proj(x))).transpose(1, 2)
+    ref = kvm_attention_reference(q, k, v, gate, ln_s_weight=layer.ln_s.weight, ln_s_bias=layer.ln_s.bias,
+                                  tau_state=layer.tau_state, tau_bswa=layer.tau_bswa, chunk_size=layer.chunk_size,
+                                  n_bswa_chunks=layer.n_bswa_chunks, sink_len=layer.sink_len,
+                                  rope_dims=layer.rope_dims, budget=layer.budget, growth_factor=layer.growth_factor,
+                                  max_state_chunks=layer.max_state_chunks)
+    return layer.merge(ref.out)
+
+
+def test_layer_gradients_reach_every_parameter_like_the_reference():
+    torch.manual_seed(0)
+    layer = ovqflex.KVMAttention(64, 2, chunk_size=16, budget="power_law", growth_factor=4.0,
+                                 max_state_chunks=None, backend="blocked")
+    with torch.no_grad():  # leave the neutral init so temperatures and LN_s matter
+        for p in (layer.tau_state, layer.tau_bswa, layer.ln_s.weight, layer.ln_s.bias):
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(2, 150, 64)
+    names, params = zip(*layer.named_parameters())
+    out, ref = layer(x), _layer_reference(layer, x)
+    assert_close(out, ref, FWD_TOL[torch.float32], "layer forward")
+    w = torch.randn(out.shape)
+    grads = torch.autograd.grad((out * w).sum(), params)
+    ref_grads = torch.autograd.grad((ref * w).sum(), params)
+    assert "gate_proj.weight" in names and "ln_s.weight" in names and "tau_state" in names
+    for name, a, b in zip(names, grads, ref_grads):
+        assert a.abs().sum() > 0, f"no gradient reaches {name}"
+        assert_close(a, b, GRAD_TOL[torch.float32], f"d{name}", floor=0.1)
+
+
+def test_layer_ablation_switches():
+    x = torch.randn(1, 100, 32)
+    full = ovqflex.KVMAttention(32, 2, chunk_size=16, backend="blocked")
+    assert full.tau_state.shape == (2,) and torch.equal(full.tau_state, torch.ones(2))
+    bare = ovqflex.KVMAttention(32, 2, chunk_size=16, sink_len=0, use_gate=False, use_vlens=False,
+                                use_temperatures=False, backend="blocked")
+    assert bare.gate_proj is None and bare.tau_state is None and bare.tau_bswa is None
+    assert {n for n, _ in bare.named_parameters()} == {"qkv_proj.weight", "o_proj.weight", "q_norm.weight",
+                                                      "q_norm.bias", "k_norm.weight", "k_norm.bias",
+                                                      "ln_s.weight", "ln_s.bias"}
+    assert bare(x).shape == x.shape and full(x).shape == x.shape
+
+
+def test_layer_compiles_without_graph_break_or_recompile():
+    counters.clear()
+    torch.manual_seed(0)
+    layer = ovqflex.KVMAttention(64, 2, chunk_size=32, budget="power_law", growth_factor=8.0, max_state_chunks=None,
+                                 backend="blocked")
+    compiled = torch.compile(layer, fullgraph=True)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    x0 = torch.randn(2, 200, 64)
+    eager = layer(x0)
+    for step in range(3):
+        out = compiled(x0 if step == 0 else torch.randn(2, 200, 64))
+        if step == 0:
+            assert_close(out, eager, FWD_TOL[torch.float32], "compiled == eager")
+            graphs = counters["stats"]["unique_graphs"]
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
