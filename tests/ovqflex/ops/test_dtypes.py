@@ -1,6 +1,7 @@
-"""The dtype rule at the op boundary (``recurrences.precision``) on every op, and bf16 layers under
-CPU autocast: mixed input dtypes are cast to one compute dtype (== the explicitly cast call), and
-in bf16 the fused ops route exactly like their sequential references on the same inputs."""
+"""The dtype rule at the op boundary (``recurrences.precision``) on every op: mixed input dtypes are
+cast to one compute dtype (== the explicitly cast call), and in bf16 the fused ops route exactly like
+their sequential references on the same inputs. The layers under CPU autocast:
+``tests/ovqflex/layers/test_dtypes.py``."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,50 +119,3 @@ def test_vq_bf16_codes_like_its_reference(seed):
     ref = vq_attention_reference(q, k, v, t["codebook"], t["beta"], chunk_size=16)
     assert out.dtype == bf16 and torch.equal(aux["codes"], ref.codes)
     _grads_close(out, ref.out, leaves, seed)
-
-
-def test_ovq_layer_under_cpu_autocast_routes_like_the_reference_and_decodes():
-    torch.manual_seed(0)
-    layer = ovqflex.OVQAttention(32, 2, chunk_size=16, max_centroids=24, backend="blocked", block_size=16)
-    x = torch.randn(2, 100, 32)
-    with torch.autocast("cpu", dtype=bf16):
-        y = layer(x)
-        q, k, v = layer.split_heads(x)
-        _, state = ovqflex.ovq_attention(q, k, v, layer.beta, chunk_size=16, max_centroids=24, backend="blocked",
-                                         return_state=True, block_size=16)
-    ref = ovq_attention_reference(q, k, v, layer.beta, chunk_size=16, max_centroids=24)
-    assert y.dtype == bf16 and q.dtype == bf16
-    assert torch.equal(state.routes, ref.routes)
-    with torch.autocast("cpu", dtype=bf16):
-        y_ref = layer.merge(ref.out)
-    assert_close(y.float(), y_ref.float(), FWD_TOL[bf16], "layer vs reference")
-    with torch.no_grad(), torch.autocast("cpu", dtype=bf16):  # the decode cache routes on the same fp32 keys
-        full = layer(x)
-        y1, cache = layer(x[:, :37], use_cache=True)
-        outs = [y1]
-        for i in range(37, 100):
-            y1, cache = layer(x[:, i:i + 1], cache=cache)
-            outs.append(y1)
-    assert_close(torch.cat(outs, 1).float(), full.float(), FWD_TOL[bf16], "prefill + decode in bf16")
-
-
-KVM_OPTIONS = ("chunk_size", "n_bswa_chunks", "sink_len", "rope_dims", "budget", "growth_factor", "max_state_chunks")
-
-
-def test_kvm_layer_under_cpu_autocast_routes_like_the_reference():
-    torch.manual_seed(0)
-    layer = ovqflex.KVMAttention(32, 2, chunk_size=16, budget="power_law", growth_factor=4.0, max_state_chunks=None,
-                                 backend="blocked", block_size=16)
-    x = torch.randn(2, 100, 32)
-    with torch.autocast("cpu", dtype=bf16):
-        y = layer(x)
-        q, k, v, gate, _ = layer._project(x, None)
-        readout = layer._readout()._asdict()
-        _, state = ovqflex.kvm_attention(q, k, v, gate, backend="blocked", return_state=True, options=layer.options,
-                                         **readout)
-    assert y.dtype == bf16 and q.dtype == k.dtype == v.dtype == gate.dtype == bf16
-    ref = kvm_attention_reference(q, k, v, gate, **readout, **{n: getattr(layer.options, n) for n in KVM_OPTIONS})
-    assert torch.equal(state.routes, ref.routes)
-    with torch.autocast("cpu", dtype=bf16):
-        y_ref = layer.merge(ref.out)
-    assert_close(y.float(), y_ref.float(), FWD_TOL[bf16], "layer vs reference")
