@@ -18,3 +18,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-2) -> float:
 def assert_close(a, b, tol, what="", floor: float = 1e-2):
     err = rel_err(a, b, floor)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def assert_trains_compiled_once(layer, loss_of, steps: int = 3, after_step=None) -> None:
+    """Compile ``layer`` (fullgraph) and take ``steps`` AdamW steps (lr 1e-3) on ``loss_of(compiled, step)``;
+    ``after_step(step)`` (if given) runs after each optimizer step. Asserts no graph break and no
+    recompile after the first step (every step has the same shapes)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    for step in range(steps):
+        loss_of(compiled, step).backward()
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(step)
+        if step == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"

@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 
 import ovqflex
 from ovqflex.models import HybridConfig, HybridLM
 from ovqflex.tasks import IGNORE, make_batch, make_task
+from tests.helpers import assert_trains_compiled_once
 
 
 def block(**kw):
@@ -31,19 +31,11 @@ def test_local_bias_is_learned_and_changes_the_output():
 
 
 def test_compiles_fullgraph_without_recompile():
-    counters.clear()
-    layer = block()
-    compiled = torch.compile(layer, fullgraph=True)
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    for step in range(3):
+    def loss(compiled, step):
         y, aux = compiled(torch.randn(2, 64, 32), return_aux=True)
-        (y.square().mean() + aux["loss"]).backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 0:
-            graphs = counters["stats"]["unique_graphs"]
-    assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
+        return y.square().mean() + aux["loss"]
+
+    assert_trains_compiled_once(block(), loss)
 
 
 def test_longvq_pattern_builds_standalone_blocks():

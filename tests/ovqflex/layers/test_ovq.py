@@ -1,25 +1,14 @@
 """OVQAttention layer: parameters, overrides and compilation (the op: tests/ovqflex/ops/test_ovq.py)."""
 import torch
-from torch._dynamo.utils import counters
 
 import ovqflex
+from tests.helpers import assert_trains_compiled_once
 
 
 def test_layer_compiles_without_graph_break_or_recompile():
-    counters.clear()
     torch.manual_seed(0)
     layer = ovqflex.OVQAttention(64, 2, chunk_size=32, max_centroids=48, backend="blocked")
-    compiled = torch.compile(layer, fullgraph=True)
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    for step in range(3):
-        loss = compiled(torch.randn(2, 200, 64)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 0:
-            graphs = counters["stats"]["unique_graphs"]
-    assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
+    assert_trains_compiled_once(layer, lambda compiled, step: compiled(torch.randn(2, 200, 64)).square().mean())
 
 
 def test_layer_beta_init_and_max_centroids_override():
