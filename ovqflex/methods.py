@@ -189,8 +189,7 @@ register_method(Method(
 register_method(Method(
     "ovq", OVQAttention, "OVQ-attention: per-chunk dictionary snapshot (log-count bias) + own chunk causal",
     options=OVQOptions,
-    from_config=lambda c: dict(chunk_size=c.chunk_size, max_centroids=c.max_centroids, growth=c.growth,
-                               seeding=c.seeding, **_attention_options(c)),
+    from_config=lambda c: dict(chunk_size=c.chunk_size, **_attention_options(c)),
     defaults=dict(chunk_size=128, max_centroids=256), temperatures=_beta_everywhere,
     test_options=dict(_SMALL, chunk_size=16, max_centroids=24),
     reference=ovq_attention_reference, flops=ovq_flops))

@@ -20,6 +20,7 @@ import torch
 from recurrences.checks import ConfigError
 
 from ..models import HybridConfig, HybridLM
+from ..models.config import merge_config
 from ..tasks import Task, make_task
 from ..training.config import TrainConfig
 from ..training.evaluate import check_lengths
@@ -162,15 +163,17 @@ def _check_lengths(task: Task, exp: Experiment, scale_name: str, scale: Scale) -
         raise ValueError(f"experiment {exp.name!r}, scale {scale_name!r}: {e}") from None
 
 
-def _variants(exp: Experiment, model: ModelSpec, config: HybridConfig, net: HybridLM) -> tuple:
+def _variants(exp: Experiment, model: ModelSpec, net: HybridLM) -> tuple:
     out = [Variant(BASE_VARIANT, model.label, {})]
     for sweep in exp.sweeps:
         if model.label not in sweep.models:
             continue
-        if not any(hasattr(b.mixer, sweep.option) for b in net.blocks):
-            raise ValueError(f"experiment {exp.name!r}: sweep of {sweep.option!r} over model {model.label!r}, "
-                             f"but no mixer of pattern {model.pattern!r} has a test-time {sweep.option!r}")
-        base = getattr(config, sweep.option)
+        values = {getattr(b.mixer, sweep.option) for b in net.blocks if hasattr(b.mixer, sweep.option)}
+        if len(values) != 1:
+            raise ValueError(f"experiment {exp.name!r}: sweep of {sweep.option!r} over model {model.label!r}, but "
+                             + (f"no mixer of pattern {model.pattern!r} has a test-time {sweep.option!r}" if not values
+                                else f"its mixers have different values {sorted(values)} (the sweep scales one)"))
+        base = values.pop()
         out += [Variant(sweep.variant_name(f), sweep.variant_label(model.label, f), {sweep.option: base * f})
                 for f in sweep.factors if f != 1]
     return tuple(out)
@@ -211,7 +214,8 @@ def plan(experiment: Experiment, scale: str, out: str | Path, *, seeds=None, mod
     for m in chosen:
         train = sc.train_config(out=str(out / f"{m.label}-s{seeds[0]}"), seed=seeds[0], task=exp.task,
                                 task_options=options, pattern=m.pattern,
-                                model_options={**sc.model_options, **m.model_options}, device=device,
+                                model_options=merge_config(sc.model_options, m.model_options, f"model {m.label!r} options"),
+                                device=device,
                                 progress=progress)
         try:
             config = model_config(train, task)
@@ -221,7 +225,7 @@ def plan(experiment: Experiment, scale: str, out: str | Path, *, seeds=None, mod
                 net.set_overrides(**sc.eval_overrides)
         except (ValueError, ConfigError) as e:
             raise ValueError(f"experiment {exp.name!r}, scale {scale!r}, model {m.label!r}: {e}") from None
-        resolved[m.label] = (train, config, net.num_parameters(), _variants(exp, m, config, net))
+        resolved[m.label] = (train, config, net.num_parameters(), _variants(exp, m, net))
     runs, units = [], []
     for seed in seeds:
         for m in chosen:

@@ -4,7 +4,7 @@ at sizes a CPU or one GPU can run.
 
 Models (``HybridLM`` mixer patterns, sliding window + one other mixer, alternating):
 
-- ``sw-ovq`` ``swa,ovq`` -- OVQ-attention, dictionary cap ``N`` = the preset's ``max_centroids``;
+- ``sw-ovq`` ``swa,ovq`` -- OVQ-attention, dictionary cap ``N`` = the preset's (``tiny``: the OVQ default 2048);
   also evaluated with ``N`` ×2 and ×4 at test time (the paper's dictionary sweep: it finds
   that more memory at test time always helps).
 - ``sw-nope`` ``swa,nope`` -- full causal attention without positions (the paper's strongest baseline).

@@ -4,7 +4,7 @@
   directory), a mixer pattern and ``HybridConfig`` overrides.
 - :class:`Scale` -- the preset, task options, ``TrainConfig`` fields and evaluation
   (lengths, examples, test-time overrides) of one size of the experiment (``cpu``, ``gpu``).
-- :class:`EvalSweep` -- extra evaluations of some models with a ``HybridConfig`` field
+- :class:`EvalSweep` -- extra evaluations of some models with a mixer attribute
   scaled at test time (OVQ's dictionary size ``max_centroids`` ×2, ×4).
 - :class:`Experiment` -- all of the above under a name.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from recurrences.checks import check_keys
 
-from ..models.config import PRESETS, HybridConfig
+from ..models.config import PRESETS
 from ..models.mixers import available_mixers
 from ..tasks import TASKS
 from ..training.config import TrainConfig
@@ -87,8 +87,10 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class EvalSweep:
-    """Evaluate ``models`` again with the ``HybridConfig`` field ``option`` multiplied by each
-    of ``factors`` at test time (factor 1 is the plain evaluation and adds nothing).
+    """Evaluate ``models`` again with the test-time mixer attribute ``option`` (one
+    :meth:`~ovqflex.HybridLM.set_overrides` takes, e.g. OVQ's ``max_centroids``) multiplied by each
+    of ``factors`` (factor 1 is the plain evaluation and adds nothing). The base value is the
+    built model's (the plan checks that its mixers have it, all with one value).
 
     ``symbol`` is the option's short name in line labels: ``"sw-ovq N×2"``.
     """
@@ -99,9 +101,8 @@ class EvalSweep:
     symbol: str = ""
 
     def __post_init__(self):
-        fields = {f.name for f in dataclasses.fields(HybridConfig)}
-        if self.option not in fields:
-            raise ValueError(f"EvalSweep.option must be a HybridConfig field (e.g. max_centroids), got {self.option!r}")
+        if not isinstance(self.option, str) or not self.option.isidentifier():
+            raise ValueError(f"EvalSweep.option must be a mixer attribute name (e.g. max_centroids), got {self.option!r}")
         _check_positive_ints("EvalSweep.factors", self.factors, increasing=True)
         if not isinstance(self.models, tuple) or not self.models or not all(isinstance(m, str) for m in self.models):
             raise TypeError(f"EvalSweep.models must be a non-empty tuple of model labels, got {self.models!r}")

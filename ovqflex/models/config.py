@@ -1,11 +1,19 @@
-"""``HybridConfig``: every size and mixer option of a :class:`HybridLM`, plus named presets."""
+"""``HybridConfig``: every size and mixer option of a :class:`HybridLM`, plus named presets.
+
+Options shared by several mixers (window, chunk size, backend, ...) are fields; options of one
+method are ``mixer_options[name]`` (e.g. ``{"ovq": {"max_centroids": 4096}}``), checked against that
+method's options at construction. Overrides (:func:`preset`, ``ovqflex train --model-opt``) may
+name one method option as ``"ovq.max_centroids"``; they merge into ``mixer_options`` option by option.
+"""
 from __future__ import annotations
 
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
-from recurrences.checks import check_block_size, check_chunk, check_int, from_dict
+from recurrences.checks import ConfigError, ConfigTypeError, check_block_size, check_chunk, check_int, check_keys, from_dict
+
+from ..ops.ovq import OVQOptions
 
 
 @dataclass
@@ -31,16 +39,13 @@ class HybridConfig:
     window: int = 128                 # swa: token window
     chunk_size: int = 128             # ovq / bswa / kvm / vq chunk L
     n_bswa_chunks: int = 2            # bswa / kvm: block window Nb (chunks)
-    max_centroids: int = 2048         # ovq dictionary cap N
-    growth: str = "plateau"
-    seeding: str = "spread"
     backend: str = "auto"
     block_size: int = 128             # attention block (flex BLOCK_SIZE / blocked tile)
     init_std: float = 0.02
-    mixer_options: dict = field(default_factory=dict)  # per-mixer extra kwargs: {"ovq": {...}}
+    mixer_options: dict = field(default_factory=dict)  # one method's options: {"ovq": {"max_centroids": 4096}}
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "window", "n_bswa_chunks", "max_centroids"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "window", "n_bswa_chunks"):
             check_int(name, getattr(self, name))
         check_chunk("chunk_size", self.chunk_size)
         check_block_size("block_size", self.block_size)
@@ -51,6 +56,31 @@ class HybridConfig:
             raise ValueError(f"pattern must name at least one mixer, got {self.pattern!r}")
         if not self.mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        self._check_mixer_options()
+
+    def _check_mixer_options(self) -> None:
+        """Every ``mixer_options`` entry names a mixer and options its layer takes, with values its
+        options dataclass accepts (together with what the config sets); errors name the entry."""
+        from ..methods import METHODS  # (the registry imports the layers, which do not need this module)
+
+        if not isinstance(self.mixer_options, dict):
+            raise ConfigTypeError(f"mixer_options must be a dict of mixer name -> options dict, "
+                                  f"got {type(self.mixer_options).__name__}")
+        mixers = {name for name, m in METHODS.items() if m.is_mixer}
+        check_keys("mixer_options", self.mixer_options, mixers, error=ConfigTypeError)
+        for name, options in self.mixer_options.items():
+            what = f"mixer_options[{name!r}]"
+            if not isinstance(options, dict):
+                raise ConfigTypeError(f"{what} must be a dict of options, got {type(options).__name__}")
+            method = METHODS[name]
+            check_keys(what, options, method.option_names() - {"options"}, error=ConfigTypeError)
+            if method.options is not None:
+                known = {f.name for f in dataclasses.fields(method.options)}
+                given = {**method.from_config(self), **options}
+                try:
+                    method.options(**{k: v for k, v in given.items() if k in known})
+                except (ValueError, TypeError, ConfigError) as e:
+                    raise type(e)(f"{what}: {e}") from None
 
     @property
     def mixers(self) -> list[str]:
@@ -64,19 +94,77 @@ class HybridConfig:
     @classmethod
     def from_dict(cls, d: dict, what: str = "model config") -> "HybridConfig":
         """The config of ``d``; unknown keys (with the nearest valid one), missing keys and wrong
-        types are refused by name (``what`` says where ``d`` comes from). The key ``bswa_chunks`` of
-        configs saved before its rename is read as ``n_bswa_chunks``, with a DeprecationWarning (this
-        release only)."""
-        if isinstance(d, dict) and "bswa_chunks" in d and "n_bswa_chunks" not in d:
-            warnings.warn(f"{what}: bswa_chunks is renamed n_bswa_chunks", DeprecationWarning, stacklevel=2)
-            d = {("n_bswa_chunks" if key == "bswa_chunks" else key): value for key, value in d.items()}
-        return from_dict(cls, d, what)
+        types are refused by name (``what`` says where ``d`` comes from). ``d`` may name one
+        method option as ``"mixer.option"`` (``"ovq.max_centroids"``), and keys of configs saved by
+        earlier releases are read with a DeprecationWarning (:func:`canonical_config`)."""
+        return from_dict(cls, canonical_config(d, what), what)
+
+
+#: Keys of configs saved by earlier releases: ``bswa_chunks`` (now ``n_bswa_chunks``) and OVQ's
+#: ``max_centroids``, ``growth``, ``seeding`` (now ``mixer_options["ovq"]``).
+_RENAMED = {"bswa_chunks": "n_bswa_chunks"}
+_MOVED_TO_OVQ = ("max_centroids", "growth", "seeding")
+
+
+def canonical_config(d: dict, what: str = "model config") -> dict:
+    """``d`` (config keys and values, possibly partial) with every method option inside
+    ``mixer_options``: a key ``"mixer.option"`` becomes ``mixer_options[mixer][option]``; an
+    earlier release's key is renamed or moved, with a DeprecationWarning, and a moved OVQ value
+    equal to the :class:`~ovqflex.ops.ovq.OVQOptions` default is dropped (then and now the
+    default: the same model, so saved runs still match their presets). One option given twice
+    is a ValueError naming it. A ``d`` that is not a dict of that shape is returned unchanged
+    (the config's own checks name what is wrong)."""
+    if not isinstance(d, dict) or not isinstance(d.get("mixer_options", {}), dict) or not all(
+            isinstance(v, dict) for v in d.get("mixer_options", {}).values()):
+        return d
+    out, moved = {}, []
+    nested = {name: dict(opts) for name, opts in d.get("mixer_options", {}).items()}
+    for key, value in d.items():
+        if key == "mixer_options":
+            continue
+        if key in _RENAMED and _RENAMED[key] not in d:
+            warnings.warn(f"{what}: {key} is renamed {_RENAMED[key]}", DeprecationWarning, stacklevel=3)
+            out[_RENAMED[key]] = value
+            continue
+        if key in _MOVED_TO_OVQ:
+            moved.append(key)
+            if value == getattr(OVQOptions, key):
+                continue
+            mixer, option = "ovq", key
+        elif isinstance(key, str) and "." in key:
+            mixer, option = key.split(".", 1)
+        else:
+            out[key] = value
+            continue
+        if option in nested.get(mixer, {}):
+            raise ValueError(f"{what}: {key!r} sets mixer_options[{mixer!r}][{option!r}], which is given twice")
+        nested.setdefault(mixer, {})[option] = value
+    if moved:
+        warnings.warn(f"{what}: {', '.join(moved)} {'is' if len(moved) == 1 else 'are'} now OVQ options: "
+                      f"mixer_options['ovq'] (or 'ovq.{moved[0]}' in overrides)", DeprecationWarning, stacklevel=3)
+    if nested:
+        out["mixer_options"] = nested
+    return out
+
+
+def merge_config(base: dict, overrides: dict, what: str = "model config") -> dict:
+    """``base`` config keys updated by ``overrides`` (both as :func:`canonical_config` reads them),
+    ``mixer_options`` merged option by option: ``{"ovq": {"max_centroids": 1024}}`` updated by
+    ``{"ovq.growth": "full"}`` keeps the cap."""
+    base, overrides = canonical_config(base, what), canonical_config(overrides, what)
+    merged = {**base, **overrides}
+    if isinstance(base.get("mixer_options"), dict) and isinstance(overrides.get("mixer_options"), dict):
+        nested = {name: dict(opts) for name, opts in base["mixer_options"].items()}
+        for name, opts in overrides["mixer_options"].items():
+            nested[name] = {**nested.get(name, {}), **opts}
+        merged["mixer_options"] = nested
+    return merged
 
 
 #: Named presets: overrides of the defaults. ``tiny`` learns basic ICR on a 2-core CPU in
 #: minutes: 2 layers, width 128, chunks of 16, the OVQ paper's appendix-C q/k convolution
 #: (width 4), without which this size does not leave the ICR loss plateau within a CPU
-#: budget, and the paper's dictionary cap N = 2048 (with N = 256 the plateau schedule
+#: budget, and the paper's dictionary cap N = 2048, the OVQ default (with N = 256 the plateau schedule
 #: already merges 8 of the first 48 tokens, and runs of 3,000 steps ended at 0.72-0.85).
 #: Its sliding window is 8 tokens: the window must be a small part of the training context,
 #: as in the paper (128 of 4k). With a 32-token window at the 64-token training length, 55%
@@ -89,18 +177,21 @@ class HybridConfig:
 #: ``paper-icr`` is the OVQ paper's synthetic-task model (arXiv 2602.03922, §4.1, §8.2:
 #: 8 layers, width 768, head dim 128, window 128, chunk 128, N = 2k, vocab 10k).
 PRESETS: dict[str, dict] = {
-    "tiny": dict(d_model=128, n_layers=2, n_heads=2, window=8, chunk_size=16, block_size=32, max_centroids=2048,
-                 qk_conv=4),
-    "small": dict(d_model=256, n_layers=4, n_heads=4, window=128, chunk_size=128, max_centroids=1024),
+    "tiny": dict(d_model=128, n_layers=2, n_heads=2, window=8, chunk_size=16, block_size=32, qk_conv=4),
+    "small": dict(d_model=256, n_layers=4, n_heads=4, window=128, chunk_size=128,
+                  mixer_options={"ovq": {"max_centroids": 1024}}),
     "paper-icr": dict(vocab_size=10000, d_model=768, n_layers=8, n_heads=6, head_dim=128, window=128,
-                      chunk_size=128, max_centroids=2048),
+                      chunk_size=128),
 }
 
 
 def preset(name: str, **overrides) -> HybridConfig:
-    """``HybridConfig`` of preset ``name`` with ``overrides`` applied (e.g. ``pattern``, ``vocab_size``)."""
+    """``HybridConfig`` of preset ``name`` with ``overrides`` applied (e.g. ``pattern``, ``vocab_size``,
+    ``mixer_options={"kvm": {...}}``; merged option by option, :func:`merge_config`). A method option
+    may be named by its dotted key: ``preset("tiny", **{"ovq.max_centroids": 4096})``."""
     check_preset(name)
-    return HybridConfig.from_dict({**PRESETS[name], **overrides}, f"model config (preset {name!r})")
+    what = f"model config (preset {name!r})"
+    return HybridConfig.from_dict(merge_config(PRESETS[name], overrides, what), what)
 
 
 def check_preset(name: str) -> str:

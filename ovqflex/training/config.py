@@ -29,7 +29,8 @@ class TrainConfig:
     pattern: str | None = field(default=None, metadata={
         "help": "mixer pattern, e.g. swa,ovq (default: the preset's)"})
     model_options: dict = field(default_factory=dict, metadata={
-        "flag": "--model-opt", "help": "model config (HybridConfig) override"})
+        "flag": "--model-opt", "help": "model config (HybridConfig) override, e.g. window=16; one "
+                                "method's option as MIXER.OPTION, e.g. ovq.max_centroids=4096"})
     steps: int = field(default=4000, metadata={"help": "optimizer steps"})
     seq_len: int = field(default=64, metadata={"help": "training context length (tokens)"})
     batch_size: int = field(default=32, metadata={"help": "global batch (split over torchrun ranks)"})

@@ -8,7 +8,7 @@ from ovqflex.cli import main
 from ovqflex.training import TrainConfig, train
 from ovqflex.training.evaluate import load_run
 
-MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=32, block_size=16)
+MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
 
 
 @pytest.fixture(scope="module")

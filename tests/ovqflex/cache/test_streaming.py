@@ -120,8 +120,9 @@ PATTERNS = ["swa,ovq", "kvm", "full,bswa", "swa,nope", "swa,vq", "longvq", "swa,
 @given(t1=st.integers(1, 80), t2=st.integers(1, 50), steps=st.lists(st.integers(1, 20), min_size=1, max_size=3))
 def test_hybrid_lm_prefill_then_decode_equals_full_forward(pattern, t1, t2, steps):
     cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern=pattern, window=24,
-                       chunk_size=16, n_bswa_chunks=2, max_centroids=20, qk_conv=2, backend="dense",
-                       mixer_options={"vq": {"codebook_size": 12}, "longvq": {"codebook_size": 12}})
+                       chunk_size=16, n_bswa_chunks=2, qk_conv=2, backend="dense",
+                       mixer_options={"ovq": {"max_centroids": 20}, "vq": {"codebook_size": 12},
+                                      "longvq": {"codebook_size": 12}})
     torch.manual_seed(t1 + 100 * t2)
     model = _perturbed(HybridLM(cfg))
     tokens = torch.randint(0, 40, (2, t1 + t2))
@@ -136,7 +137,8 @@ def test_generate_greedy_matches_argmax_of_full_forward():
     """Greedy generation through the caches picks, at every step, the argmax of a full
     forward over everything so far (no cache involved)."""
     cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern="swa,ovq", window=24,
-                       chunk_size=16, max_centroids=20, backend="dense")
+                       chunk_size=16, backend="dense",
+                       mixer_options={"ovq": {"max_centroids": 20}})
     model = _perturbed(HybridLM(cfg))
     prompt = torch.randint(0, 40, (2, 21))
     out = model.generate(prompt, 30, temperature=0)

@@ -42,7 +42,9 @@ def test_plan_subset_and_spec(tmp_path):
     assert spec["seeds"] == [3] and list(spec["models"]) == ["sw-nope", "sw-ovq"]
     assert spec["train"]["steps"] == 20 and "out" not in spec["train"] and "seed" not in spec["train"]
     assert spec["eval"]["lengths"] == [64, 128] and spec["task_options"]["n_functions"] == 4
-    assert spec["models"]["sw-ovq"]["config"]["max_centroids"] == 2048
+    assert spec["models"]["sw-ovq"]["config"]["mixer_options"] == {}  # the OVQ default cap, N = 2048
+    assert [v["overrides"] for v in spec["models"]["sw-ovq"]["variants"]] == [
+        {}, {"max_centroids": 4096}, {"max_centroids": 8192}]  # the sweep scales the built layer's N
 
 
 def _exp(scale: Scale, *models: ModelSpec, sweeps=()) -> Experiment:
@@ -74,3 +76,6 @@ def test_bad_mixer_options_and_overrides_fail_at_plan_time(tmp_path):
     nope = ModelSpec("n", "swa,nope")
     with pytest.raises(ValueError, match="no mixer of pattern 'swa,nope' has a test-time 'max_centroids'"):
         plan(_exp(scale, nope, sweeps=(EvalSweep("max_centroids", (1, 2), ("n",)),)), "s", tmp_path)
+    mixed = ModelSpec("b", "swa,bswa")  # both have a chunk_size: the swa layer's is unused (128), bswa's is 16
+    with pytest.raises(ValueError, match=r"its mixers have different values \[16, 128\]"):
+        plan(_exp(scale, mixed, sweeps=(EvalSweep("chunk_size", (1, 2), ("b",)),)), "s", tmp_path)

@@ -16,7 +16,7 @@ from ovqflex.experiments.registry import DICTIONARY_SWEEP
 from ovqflex.training.trainer import FAULT_KILL_ENV
 
 # a model small enough that a step takes milliseconds; eval on the blocked backend (no compilation)
-MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=32, block_size=16)
+MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
 TASK = dict(vocab_size=256, key_len=2, value_len=1)
 
 

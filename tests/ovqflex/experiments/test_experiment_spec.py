@@ -60,8 +60,8 @@ def test_experiment_validation():
         Experiment("x", "d", "icrr", (m,), {"s": scale()})
     with pytest.raises(ValueError, match=r"sweep of max_centroids names unknown model\(s\) \['b'\]"):
         Experiment("x", "d", "icr", (m,), {"s": scale()}, sweeps=(EvalSweep("max_centroids", (1, 2), ("b",)),))
-    with pytest.raises(ValueError, match="EvalSweep.option must be a HybridConfig field"):
-        EvalSweep("centroids", (1, 2), ("a",))
+    with pytest.raises(ValueError, match="EvalSweep.option must be a mixer attribute name"):
+        EvalSweep("max-centroids", (1, 2), ("a",))
     with pytest.raises(ValueError, match="seeds must hold ints >= 0"):
         Experiment("x", "d", "icr", (m,), {"s": scale()}, seeds=(-1,))
     with pytest.raises(ValueError, match="'icr' is already registered"):

@@ -5,8 +5,8 @@ import torch
 
 from ovqflex.models import HybridConfig, HybridLM
 
-CONFIG = dict(vocab_size=64, d_model=32, n_heads=2, window=20, chunk_size=16, max_centroids=24, qk_conv=2,
-              backend="dense")
+CONFIG = dict(vocab_size=64, d_model=32, n_heads=2, window=20, chunk_size=16, qk_conv=2,
+              backend="dense", mixer_options={"ovq": {"max_centroids": 24}})
 
 
 def _model(pattern: str) -> HybridLM:

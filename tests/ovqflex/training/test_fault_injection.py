@@ -34,7 +34,7 @@ from ovqflex.training.checkpoint import FAULT_ENV, list_checkpoints, load_checkp
 from ovqflex.training.trainer import FAULT_KILL_ENV
 
 STEPS, CKPT_EVERY = 100, 2
-MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=32, block_size=16)
+MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
 ARGS = ["train", "--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64",
         "--batch-size", "4", "--steps", str(STEPS), "--warmup", "2", "--no-compile", "--log-every", "1",
         "--no-progress", "--ckpt-every", str(CKPT_EVERY), "--keep", "2",

@@ -1,4 +1,5 @@
 """Training loop: metrics and checkpoints, exact resume after a kill, refusals, eval report."""
+import hashlib
 import json
 import os
 import re
@@ -12,11 +13,12 @@ import torch
 
 from ovqflex.training import (CheckpointError, TrainConfig, evaluate, latest_checkpoint, load_checkpoint,
                               save_checkpoint, train)
+from ovqflex.training.evaluate import load_run
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
 from ovqflex.training.trainer import FAULT_KILL_ENV
 
 # a model small enough that a step takes milliseconds: the loop is under test, not learning
-MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, max_centroids=32, block_size=16)
+MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
 CLI_MODEL = [f"--model-opt={k}={v}" for k, v in MODEL.items()]
 
 
@@ -149,6 +151,36 @@ def test_eval_reports_lengths_and_overrides(tmp_path):
     assert json.loads((Path(c.out) / "eval.json").read_text())["overrides"] == {"max_centroids": 64}
     with pytest.raises(ValueError, match="name must be a non-empty file stem"):
         evaluate(c.out, [64], n_examples=1, name="../x")
+
+
+def _as_saved_by_an_earlier_release(checkpoint: Path) -> None:
+    """Rewrite the checkpoint's configs as releases with OVQ's max_centroids / growth / seeding as
+    HybridConfig fields wrote them (and re-sign its manifest, as that release did)."""
+    state_file, manifest_file = checkpoint / "state.json", checkpoint / "manifest.json"
+    state = json.loads(state_file.read_text())
+    model = state["model_config"]
+    ovq = model.pop("mixer_options").pop("ovq")
+    model.update(max_centroids=ovq["max_centroids"], growth="plateau", seeding="spread", mixer_options={})
+    options = state["train_config"]["model_options"]
+    options["max_centroids"] = options.pop("ovq.max_centroids")
+    state_file.write_text(json.dumps(state))
+    manifest = json.loads(manifest_file.read_text())
+    data = state_file.read_bytes()
+    manifest["files"]["state.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest_file.write_text(json.dumps(manifest))
+
+
+def test_a_run_saved_with_ovq_config_fields_still_evaluates(tmp_path):
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    before = evaluate(c.out, [64], n_examples=3, batch_size=3, name="before")
+    _as_saved_by_an_earlier_release(latest_checkpoint(c.out))
+    assert json.loads((latest_checkpoint(c.out) / "state.json").read_text())["model_config"]["max_centroids"] == 32
+    with pytest.warns(DeprecationWarning, match="max_centroids.* now OVQ options"):
+        _, _, model, _ = load_run(c.out)
+        after = evaluate(c.out, [64], n_examples=3, batch_size=3, name="after")
+    assert [b.mixer.max_centroids for b in model.blocks if b.mixer_name == "ovq"] == [32]
+    assert [(r["accuracy"], r["loss"]) for r in after["rows"]] == [(r["accuracy"], r["loss"]) for r in before["rows"]]
 
 
 @pytest.mark.slow

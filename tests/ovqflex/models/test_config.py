@@ -1,0 +1,138 @@
+"""HybridConfig and presets: checked by name, saved configs keep loading, method options in
+``mixer_options`` (validated against the method, merged option by option, dotted override keys)."""
+import warnings
+
+import pytest
+import torch
+
+import ovqflex
+from ovqflex.models import PRESETS, HybridConfig, HybridLM, preset
+from ovqflex.models.config import canonical_config, merge_config
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by n_heads=4"):
+        HybridConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 16"):
+        HybridConfig(chunk_size=24)
+    with pytest.raises(ValueError, match="preset must be one of"):
+        preset("huge")
+    with pytest.raises(ValueError, match="model config: unknown key 'colour'; known keys: backend, "):
+        HybridConfig.from_dict({"colour": "red"})
+
+
+@pytest.mark.parametrize("block", [48, 8, 100], ids=["48", "8", "100"])
+def test_a_block_size_flex_cannot_tile_is_refused_by_name(block):
+    """Flex tiles a block with powers of two that must divide it: 48 or 100 cannot be served."""
+    match = f"block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got {block}"
+    with pytest.raises(ValueError, match=match):
+        HybridConfig(block_size=block)
+    for make in (lambda: ovqflex.SlidingWindowAttention(32, 2, window=8, block_size=block),
+                 lambda: ovqflex.OVQAttention(32, 2, chunk_size=16, block_size=block),
+                 lambda: ovqflex.KVMAttention(32, 2, chunk_size=16, block_size=block),
+                 lambda: ovqflex.VQAttention(32, 2, chunk_size=16, block_size=block),
+                 lambda: ovqflex.LongVQBlock(32, 2, chunk_size=16, block_size=block)):
+        with pytest.raises(ValueError, match=match):
+            make()
+    q = torch.randn(1, 1, 20, 16)
+    with pytest.raises(ValueError, match=match):
+        ovqflex.sliding_window_attention(q, q, q, window=4, block_size=block)
+
+
+@pytest.mark.parametrize("d, error, match", [
+    ({"n_head": 4}, ValueError, "model config: unknown key 'n_head' \\(did you mean 'n_heads'\\?\\)"),
+    ({"d_model": "128"}, TypeError, "model config: d_model must be int, got str '128'"),
+    ({"head_dim": 1.5}, TypeError, "head_dim must be int \\| None, got float"),
+], ids=["misspelt", "type", "optional"])
+def test_config_dicts_are_checked_by_name(d, error, match):
+    with pytest.raises(error, match=match):
+        HybridConfig.from_dict(d)
+    with pytest.raises(error, match=match.replace("model config", "model config \\(preset 'tiny'\\)")):
+        preset("tiny", **d)
+
+
+def test_presets_build_and_roundtrip():
+    for name in PRESETS:
+        cfg = preset(name)
+        assert HybridConfig.from_dict(cfg.to_dict()) == cfg
+    paper = preset("paper-icr")
+    assert (paper.n_layers, paper.d_model, paper.head_dim, paper.vocab_size) == (8, 768, 128, 10000)
+
+
+def test_configs_saved_with_bswa_chunks_still_load():
+    """``bswa_chunks`` was renamed ``n_bswa_chunks``; saved configs (checkpoints) keep loading for a release."""
+    saved = {**HybridConfig().to_dict(), "bswa_chunks": 3}
+    del saved["n_bswa_chunks"]
+    with pytest.warns(DeprecationWarning, match="bswa_chunks is renamed n_bswa_chunks"):
+        assert HybridConfig.from_dict(saved) == HybridConfig(n_bswa_chunks=3)
+
+
+def _ovq_caps(cfg: HybridConfig) -> list[int]:
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    return [b.mixer.max_centroids for b in model.blocks if b.mixer_name == "ovq"]
+
+
+def test_method_options_live_in_mixer_options_and_reach_the_layer():
+    assert preset("tiny").mixer_options == {}  # the OVQ default cap, N = 2048
+    assert _ovq_caps(preset("tiny", vocab_size=64)) == [2048]
+    assert preset("small").mixer_options == {"ovq": {"max_centroids": 1024}}
+    assert _ovq_caps(preset("small", vocab_size=64)) == [1024, 1024]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"ovq.growth": "full"}, {"ovq": {"max_centroids": 1024, "growth": "full"}}),
+    ({"mixer_options": {"ovq": {"seeding": "random"}, "kvm": {"sink_len": 2}}},
+     {"ovq": {"max_centroids": 1024, "seeding": "random"}, "kvm": {"sink_len": 2}}),
+    ({"ovq.max_centroids": 64}, {"ovq": {"max_centroids": 64}}),
+], ids=["dotted", "nested", "replace"])
+def test_overrides_merge_into_the_preset_option_by_option(overrides, expected):
+    cfg = preset("small", **overrides)
+    assert cfg.mixer_options == expected
+    assert HybridConfig.from_dict(cfg.to_dict()) == cfg
+    assert PRESETS["small"]["mixer_options"] == {"ovq": {"max_centroids": 1024}}  # the preset is not modified
+
+
+def test_merge_config_keeps_both_sides_and_refuses_an_option_given_twice():
+    assert merge_config({"window": 8, "ovq.max_centroids": 8}, {"ovq.growth": "full", "window": 4}) == {
+        "window": 4, "mixer_options": {"ovq": {"max_centroids": 8, "growth": "full"}}}
+    with pytest.raises(ValueError, match=r"'ovq.max_centroids' sets mixer_options\['ovq'\]\['max_centroids'\], "
+                                         "which is given twice"):
+        canonical_config({"ovq.max_centroids": 8, "mixer_options": {"ovq": {"max_centroids": 16}}})
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"ovqq": {}}, TypeError, r"mixer_options: unknown key 'ovqq' \(did you mean 'ovq'\?\)"),
+    ({"sinks": {}}, TypeError, "mixer_options: unknown key 'sinks'"),  # a method, but not a HybridLM mixer
+    ({"ovq": {"max_centroid": 8}}, TypeError,
+     r"mixer_options\['ovq'\]: unknown key 'max_centroid' \(did you mean 'max_centroids'\?\)"),
+    ({"ovq": {"options": None}}, TypeError, r"mixer_options\['ovq'\]: unknown key 'options'"),
+    ({"ovq": {"max_centroids": 0}}, ValueError, r"mixer_options\['ovq'\]: max_centroids must be >= 1, got 0"),
+    ({"kvm": {"budget": "cubic"}}, ValueError, r"mixer_options\['kvm'\]: budget must be one of"),
+    ({"ovq": 8}, TypeError, r"mixer_options\['ovq'\] must be a dict of options, got int"),
+    ([], TypeError, "mixer_options must be a dict"),
+], ids=["mixer", "not-a-mixer", "option", "options-object", "value", "kvm-value", "entry-type", "type"])
+def test_bad_mixer_options_are_refused_when_the_config_is_made(options, error, match):
+    with pytest.raises(error, match=match):
+        HybridConfig(mixer_options=options)
+
+
+def test_a_mixer_option_is_checked_with_what_the_config_sets():
+    """chunk_size 16 comes from the config: an OVQ growth horizon is checked against the full options."""
+    with pytest.raises(ValueError, match=r"mixer_options\['ovq'\]: growth_horizon"):
+        HybridConfig(chunk_size=16, mixer_options={"ovq": {"growth": "linear", "growth_horizon": 0}})
+
+
+def test_configs_saved_with_ovq_fields_still_load_as_the_same_model():
+    """Earlier releases had ``max_centroids``, ``growth``, ``seeding`` as config fields: they move into
+    ``mixer_options["ovq"]`` (defaults dropped, so an old tiny run still equals today's tiny preset)."""
+    saved = {**preset("tiny").to_dict(), "max_centroids": 2048, "growth": "plateau", "seeding": "spread"}
+    with pytest.warns(DeprecationWarning, match=r"max_centroids, growth, seeding are now OVQ options"):
+        assert HybridConfig.from_dict(saved) == preset("tiny")
+    saved = {**preset("small").to_dict(), "max_centroids": 1024, "growth": "full", "seeding": "spread",
+             "mixer_options": {}}
+    with pytest.warns(DeprecationWarning):
+        assert HybridConfig.from_dict(saved) == preset("small", **{"ovq.growth": "full"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # today's keys: no warning
+        HybridConfig.from_dict(preset("small").to_dict())
