@@ -6,7 +6,6 @@ from ovqflex.layers.rope import apply_rope
 
 
 def rope_complex(x, pos, rope_dims, base, interleaved):
-    D = x.shape[-1]
     r = rope_dims
     xr = x[..., :r].double()
     if interleaved:
