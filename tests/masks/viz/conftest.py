@@ -1,6 +1,6 @@
 """The ``program`` fixture: one small program of each region kind (see viz_cases)."""
 import pytest
-from viz_cases import KINDS, make_program
+from tests.masks.viz.viz_cases import KINDS, make_program
 
 
 @pytest.fixture(params=KINDS)

@@ -4,7 +4,7 @@ import torch
 
 from masks.viz import inspect_query, segment_rows
 
-from viz_cases import dense_truth, make_program
+from tests.masks.viz.viz_cases import dense_truth, make_program
 
 
 @pytest.mark.parametrize("i", [0, 33, 79], ids=lambda i: f"q{i}")

@@ -7,7 +7,7 @@ import pytest
 
 from masks.viz import VizOptions, program_stats, render, token_view
 
-from viz_cases import make_program
+from tests.masks.viz.viz_cases import make_program
 
 
 def test_writes_png_svg_html_json_and_terminal(tmp_path):

@@ -3,7 +3,7 @@ import torch
 
 from masks.viz import program_stats, token_view, visible_per_query
 
-from viz_cases import dense_truth, make_program
+from tests.masks.viz.viz_cases import dense_truth, make_program
 
 
 def _dense_visible(program):

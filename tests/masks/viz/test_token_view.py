@@ -9,7 +9,7 @@ from masks.viz.figures import token_figure
 from masks.viz.labels import CHARS
 from masks.viz.terminal import token_text
 
-from viz_cases import dense_truth, make_program
+from tests.masks.viz.viz_cases import dense_truth, make_program
 
 
 def _counts(names, labels):
