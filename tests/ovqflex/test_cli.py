@@ -157,6 +157,56 @@ def test_a_new_train_config_field_appears_as_a_flag():
     assert (cfg.label_smoothing, cfg.keep_checkpoints, cfg.compile) == (0.1, 5, False)
 
 
+@dataclasses.dataclass
+class _Config:
+    """Every kind of field add_config_flags makes a flag of."""
+    name: str = dataclasses.field(default="a", metadata={"positional": True, "help": lambda: "a name"})
+    colors: tuple[str, ...] = dataclasses.field(default=("red",), metadata={
+        "flag": "--color", "choices": ("red", "green", "blue"), "help": "colours"})
+    sizes: tuple[int, ...] = dataclasses.field(default=(1, 2), metadata={"help": "sizes"})
+    picks: tuple[int, ...] = dataclasses.field(default=(), metadata={
+        "flag": "--pick", "repeatable": True, "help": "a pick"})
+    label: str | None = dataclasses.field(default=None, metadata={"help": "a label"})
+    options: dict = dataclasses.field(default_factory=dict, metadata={"flag": "--opt", "help": "an option"})
+    quiet: bool = dataclasses.field(default=False, metadata={"help": "say nothing"})
+
+
+def _parse(cls, argv):
+    parser = argparse.ArgumentParser(prog="p")
+    add_config_flags(parser, cls)
+    return config_from_args(cls, parser.parse_args(argv))
+
+
+def test_config_flags_of_every_field_kind():
+    assert _parse(_Config, ["b"]) == _Config(name="b")
+    cfg = _parse(_Config, ["c", "--color", "blue,red", "--sizes", "4,8", "--pick", "3", "--pick", "1", "--label", "x",
+                           "--opt", "k=2", "--quiet"])
+    assert cfg == _Config("c", ("blue", "red"), (4, 8), (3, 1), "x", {"k": 2}, True)
+    assert _parse(_Config, ["c"]).picks == () and _parse(_Config, ["c"]).colors == ("red",)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["c", "--color", "red,purple"], "argument --color: expected a comma-separated subset of red,green,blue, got "
+                                     "'red,purple'"),
+    (["c", "--sizes", "4,x"], "argument --sizes: expected comma-separated values of type int, got '4,x'"),
+    (["c", "--pick", "x"], "argument --pick: invalid int value: 'x'"),
+    ([], "the following arguments are required: name"),
+], ids=["choice", "int-list", "repeatable-int", "positional"])
+def test_bad_config_flag_values_are_argparse_errors(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        _parse(_Config, argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_a_field_without_a_flag_type_is_refused_by_name():
+    @dataclasses.dataclass
+    class Config:
+        sizes: list[int] = dataclasses.field(default_factory=list)
+
+    with pytest.raises(TypeError, match="Config.sizes: a field of type <class 'list'> has no command-line flag"):
+        add_config_flags(argparse.ArgumentParser(), Config)
+
+
 def test_train_flags_reach_the_config():
     cfg = config_from_args(TrainConfig, _train_args([
         "--beta1", "0.8", "--beta2", "0.99", "--keep", "3", "--no-compile", "--no-progress", "--deterministic",
