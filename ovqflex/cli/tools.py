@@ -5,7 +5,7 @@ import time
 
 from tabulate import tabulate
 
-from .flags import add_device, name_list, parse_options
+from .flags import add_config_flags, add_device, config_from_args, name_list, parse_options
 
 
 def _cmd_info(args) -> int:
@@ -97,13 +97,11 @@ def _cmd_viz(args) -> int:
 
 def _cmd_profile(args) -> int:
     """Profile a layer or model step: the per-stage table and a Chrome/Perfetto trace."""
-    from ..bench.profiler import ProfileConfig, profile_target
+    from ..bench.profiler import profile_target
     from ..devices import resolve_device
+    from ..profiling import ProfileConfig
 
-    cfg = ProfileConfig(target=args.target, seq_len=args.seq_len, batch=args.batch, heads=args.heads,
-                        head_dim=args.head_dim, options=parse_options(args.opt, "--opt"), preset=args.preset,
-                        pattern=args.pattern, modes=args.mode, steps=args.steps, warmup=args.warmup,
-                        seed=args.seed, device=args.device)
+    cfg = config_from_args(ProfileConfig, args)
     rows = profile_target(cfg, args.trace)
     what = f"model {cfg.preset} {cfg.pattern or ''}".rstrip() if cfg.target == "model" else f"layer {cfg.target}"
     print(f"{what}, x [{cfg.batch}, {cfg.seq_len}, ...], {cfg.steps} profiled steps per mode, "
@@ -176,25 +174,12 @@ def add_viz(sub) -> None:
 
 
 def add_profile(sub) -> None:
-    """The ``profile`` command under the subparsers ``sub``."""
-    from ..methods import method_names
-    from ..profiling import MODES  # (not ovqflex.bench: the CLI stays light for `train`)
+    """The ``profile`` command under the subparsers ``sub``: a flag per :class:`ovqflex.profiling.ProfileConfig`
+    field, and ``--trace``."""
+    from ..profiling import ProfileConfig  # (not ovqflex.bench: the CLI stays light for `train`)
 
     s = sub.add_parser("profile", help="run a layer or model step under torch.profiler: stage table + trace")
-    s.add_argument("target", help=f"'model' or a layer: one of {', '.join(method_names())}")
-    s.add_argument("--seq-len", type=int, default=1024)
-    s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--heads", type=int, default=4, help="layer targets: heads")
-    s.add_argument("--head-dim", type=int, default=32, help="layer targets: head dim")
-    s.add_argument("--opt", action="append", metavar="NAME=VALUE",
-                   help="layer option (e.g. backend=blocked, max_centroids=512) or model config override")
-    s.add_argument("--preset", default="tiny", help="model target: preset (default tiny)")
-    s.add_argument("--pattern", default=None, help="model target: mixer pattern, e.g. swa,ovq")
-    s.add_argument("--mode", type=name_list(MODES), default=MODES,
-                   help="comma-separated: fwd (no grad), fwd+bwd (default both)")
-    s.add_argument("--steps", type=int, default=2, help="profiled steps per mode")
-    s.add_argument("--warmup", type=int, default=1, help="unprofiled steps per mode first (compilation)")
-    s.add_argument("--seed", type=int, default=0)
-    add_device(s)
-    s.add_argument("--trace", default="profile-trace.json", help="Chrome/Perfetto trace file to write")
+    add_config_flags(s, ProfileConfig)
+    s.add_argument("--trace", default="profile-trace.json", help="Chrome/Perfetto trace file to write "
+                   "(default: profile-trace.json)")
     s.set_defaults(fn=_cmd_profile)

@@ -12,6 +12,7 @@ import torch
 from ovqflex.cli import build_parser, main, tools
 from ovqflex.cli.flags import add_config_flags, config_from_args
 from ovqflex.devices import NAMES
+from ovqflex.profiling import ProfileConfig
 from ovqflex.training import TrainConfig
 from recurrences.checks import ConfigTypeError
 
@@ -121,7 +122,10 @@ def test_readme_viz_and_profile_flags_exist():
     args = parser.parse_args(["profile", "model", "--seq-len", "64", "--batch", "2", "--heads", "2", "--head-dim",
                               "8", "--opt", "backend=blocked", "--pattern", "swa,ovq", "--preset", "tiny", "--mode",
                               "fwd,fwd+bwd", "--steps", "1", "--warmup", "0", "--trace", "t.json"])
-    assert args.mode == ("fwd", "fwd+bwd")
+    assert config_from_args(ProfileConfig, args) == ProfileConfig(
+        target="model", seq_len=64, batch=2, heads=2, head_dim=8, options={"backend": "blocked"}, pattern="swa,ovq",
+        preset="tiny", modes=("fwd", "fwd+bwd"), steps=1, warmup=0)
+    assert args.trace == "t.json"
 
 
 @pytest.mark.parametrize("argv", [["viz", "ovq", "--view", "pixels"], ["viz", "ovq", "--format", "gif"],
@@ -136,14 +140,20 @@ def _train_args(argv: list[str]):
     return build_parser().parse_args(["train", *argv])
 
 
-def test_every_train_config_field_is_a_train_flag():
-    """train's flags are derived from TrainConfig: each field has a flag, its default and a help."""
-    defaults = config_from_args(TrainConfig, _train_args([]))
-    assert defaults == TrainConfig()
-    actions = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
-    for f in dataclasses.fields(TrainConfig):
+@pytest.mark.parametrize("command, cls, argv", [("train", TrainConfig, []), ("profile", ProfileConfig, ["ovq"])])
+def test_every_config_field_is_a_flag(command, cls, argv):
+    """The flags of train and profile are derived from their configs: each field has a flag, its
+    default and a help; no flag is set by hand besides --resume/--resume-from (train) and --trace (profile)."""
+    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    assert config_from_args(cls, parser.parse_args(argv)) == cls()
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(cls):
         assert f.name in actions, f.name
-        assert f.metadata.get("help") and actions[f.name].help.startswith(("do not ", f.metadata["help"])), f.name
+        help = f.metadata.get("help")
+        help = help() if callable(help) else help
+        assert help and actions[f.name].help.startswith((help, f"do not {help}")), f.name
+    by_hand = {"train": {"resume", "resume_from"}, "profile": {"trace"}}.get(command, set())
+    assert set(actions) - {f.name for f in dataclasses.fields(cls)} == {"help"} | by_hand
 
 
 def test_a_new_train_config_field_appears_as_a_flag():
@@ -183,6 +193,16 @@ def test_config_flags_of_every_field_kind():
                            "--opt", "k=2", "--quiet"])
     assert cfg == _Config("c", ("blue", "red"), (4, 8), (3, 1), "x", {"k": 2}, True)
     assert _parse(_Config, ["c"]).picks == () and _parse(_Config, ["c"]).colors == ("red",)
+
+
+def test_a_new_config_field_appears_as_a_flag():
+    @dataclasses.dataclass
+    class Config(ProfileConfig):
+        dtypes: tuple[str, ...] = dataclasses.field(default=("fp32",), metadata={
+            "flag": "--dtype", "choices": ("fp32", "bf16"), "help": "compute dtypes"})
+
+    cfg = _parse(Config, ["swa", "--dtype", "bf16,fp32", "--mode", "fwd"])
+    assert (cfg.target, cfg.dtypes, cfg.modes) == ("swa", ("bf16", "fp32"), ("fwd",))
 
 
 @pytest.mark.parametrize("argv, match", [
