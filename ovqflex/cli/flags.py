@@ -77,11 +77,6 @@ def comma_list(item: type = str, allowed=None):
     return parse
 
 
-def name_list(allowed):
-    """A parser of a comma-separated, non-empty subset of ``allowed`` (returned as a tuple)."""
-    return comma_list(str, allowed)
-
-
 def parse_options(items: list[str] | None, flag: str) -> dict:
     """The ``NAME=VALUE`` items of the repeatable ``flag`` as a dict (values parsed as JSON where
     they are JSON, else strings); a malformed item is a ValueError naming ``flag``."""

@@ -1,19 +1,23 @@
-"""The command line: bench on a small profile, clear errors on bad input, train's flags derived
-from TrainConfig, one --device default, config errors (and only those) as exit 2."""
+"""The command line: bench on a small profile, clear errors on bad input, the flags of train, profile,
+viz and demo derived from their config dataclasses (every field kind add_config_flags knows), the
+README's flags, one --device default, config errors (and only those) as exit 2."""
 import argparse
 import dataclasses
 import json
 import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from ovqflex.cli import build_parser, main, tools
+from ovqflex.cli.tools import DemoConfig
 from ovqflex.cli.flags import add_config_flags, config_from_args
 from ovqflex.devices import NAMES
 from ovqflex.profiling import ProfileConfig
 from ovqflex.training import TrainConfig
+from ovqflex.viz import VizConfig
 from recurrences.checks import ConfigTypeError
 
 
@@ -117,8 +121,11 @@ def test_readme_viz_and_profile_flags_exist():
     parser = build_parser()
     args = parser.parse_args(["viz", "ovq", "--seq-len", "64", "--heads", "2", "--head-dim", "8", "--opt",
                               "max_centroids=32", "--view", "token,block", "--format", "png,svg,html,term",
-                              "--query", "3", "--head", "1", "--width", "80", "--color", "--out", "d"])
-    assert args.view == ("token", "block") and args.format == ("png", "svg", "html", "term")
+                              "--query", "3", "--query", "5", "--head", "1", "--width", "80", "--color", "--out", "d"])
+    cfg = config_from_args(VizConfig, args)
+    assert (cfg.method, cfg.seq_len, cfg.heads, cfg.head_dim, cfg.options) == ("ovq", 64, 2, 8, {"max_centroids": 32})
+    assert cfg.views == ("token", "block") and cfg.formats == ("png", "svg", "html", "term")
+    assert (cfg.queries, cfg.head, cfg.term_width, cfg.color, cfg.out) == ((3, 5), 1, 80, True, "d")
     args = parser.parse_args(["profile", "model", "--seq-len", "64", "--batch", "2", "--heads", "2", "--head-dim",
                               "8", "--opt", "backend=blocked", "--pattern", "swa,ovq", "--preset", "tiny", "--mode",
                               "fwd,fwd+bwd", "--steps", "1", "--warmup", "0", "--trace", "t.json"])
@@ -128,24 +135,46 @@ def test_readme_viz_and_profile_flags_exist():
     assert args.trace == "t.json"
 
 
-@pytest.mark.parametrize("argv", [["viz", "ovq", "--view", "pixels"], ["viz", "ovq", "--format", "gif"],
-                                  ["profile", "ovq", "--mode", "bwd"]], ids=["view", "format", "mode"])
-def test_bad_name_lists_are_argparse_errors(capsys, argv):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(argv)
-    assert "comma-separated subset" in capsys.readouterr().err
+def test_every_readme_flag_exists():
+    """Each ``ovqflex CMD ... --flag`` the README shows (command lines, the command table) is a flag of CMD."""
+    text = (Path(__file__).parents[2] / "README.md").read_text().replace("\\\n", " ")
+    commands = build_parser()._subparsers._group_actions[0].choices
+    shown = {}
+    for command, rest in re.findall(r"\bovqflex (\w+)([^`\n]*)", text):
+        flags = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest.split("&&")[0])
+        shown.setdefault(command, set()).update(flags)
+    assert {"viz", "profile", "demo", "train"} <= set(shown) <= set(commands)
+    assert {"--view", "--format", "--query", "--mode", "--opt", "--trace"} <= shown["viz"] | shown["profile"]
+    for command, flags in shown.items():
+        missing = flags - set(commands[command]._option_string_actions)
+        assert not missing, f"README shows ovqflex {command} {sorted(missing)}"
+
+
+@pytest.mark.parametrize("argv, flag", [(["viz", "ovq", "--view", "pixels"], "--view"),
+                                        (["viz", "ovq", "--format", "gif"], "--format"),
+                                        (["viz", "ovq", "--format", "png,,gif"], "--format"),
+                                        (["profile", "ovq", "--mode", "bwd"], "--mode"),
+                                        (["profile", "ovq", "--mode", ","], "--mode")],
+                         ids=["view", "format", "format-among-good", "mode", "mode-empty"])
+def test_bad_name_lists_are_argparse_errors(capsys, argv, flag):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}: expected a comma-separated subset" in capsys.readouterr().err
 
 
 def _train_args(argv: list[str]):
     return build_parser().parse_args(["train", *argv])
 
 
-@pytest.mark.parametrize("command, cls, argv", [("train", TrainConfig, []), ("profile", ProfileConfig, ["ovq"])])
+@pytest.mark.parametrize("command, cls, argv", [("train", TrainConfig, []), ("profile", ProfileConfig, ["ovq"]),
+                                                ("viz", VizConfig, ["ovq"]), ("demo", DemoConfig, [])])
 def test_every_config_field_is_a_flag(command, cls, argv):
-    """The flags of train and profile are derived from their configs: each field has a flag, its
+    """The flags of train, profile, viz and demo are derived from their configs: each field has a flag, its
     default and a help; no flag is set by hand besides --resume/--resume-from (train) and --trace (profile)."""
     parser = build_parser()._subparsers._group_actions[0].choices[command]
-    assert config_from_args(cls, parser.parse_args(argv)) == cls()
+    default = cls(**{"method": "ovq"} if cls is VizConfig else {})
+    assert config_from_args(cls, parser.parse_args(argv)) == default
     actions = {a.dest: a for a in parser._actions}
     for f in dataclasses.fields(cls):
         assert f.name in actions, f.name
