@@ -6,14 +6,20 @@ would treat ``record_function`` as a no-op context (no graph break in torch 2.13
 log a warning per graph, so while compiling ``stage`` returns a ``nullcontext``
 (``torch.compiler.is_compiling()`` is constant while tracing): compiled graphs carry
 no stage labels — profile eager layers to see stages. Layers of new methods reuse
-the same names.
+the same names. :class:`ProfileConfig` is what ``ovqflex profile`` runs (here, not in
+``ovqflex.bench.profiler``, so that the command line derives its flags without importing the bench).
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
+
+from recurrences.checks import check_int
+
+from . import devices
 
 #: The stages a layer forward is divided into, in data-flow order (docs/design.md §1).
 STAGES = ("proj", "routing", "state_build", "block_mask", "attention")
@@ -29,3 +35,42 @@ def stage(name: str) -> record_function | nullcontext:
     if torch.compiler.is_compiling():
         return nullcontext()
     return record_function(PREFIX + name)
+
+
+def _target_help() -> str:
+    from .methods import method_names  # (registered methods included: called when the flag is made)
+
+    return f"'model' or a layer: one of {', '.join(method_names())}"
+
+
+@dataclass
+class ProfileConfig:
+    """``target``: a method of :data:`ovqflex.methods.METHODS` (one layer, input
+    ``[batch, seq_len, heads * head_dim]``) or ``"model"`` (a ``HybridLM`` of ``preset`` and
+    ``pattern`` on random tokens, loss = cross-entropy). ``options``: layer options, or
+    model config overrides for ``"model"``. ``device``: see :func:`ovqflex.devices.resolve_device`.
+    Each field's ``metadata`` makes its ``ovqflex profile`` flag (``ovqflex/cli/flags.py``)."""
+
+    target: str = field(default="ovq", metadata={"positional": True, "help": _target_help})
+    seq_len: int = field(default=1024, metadata={"help": "tokens T of the input"})
+    batch: int = field(default=1, metadata={"help": "batch size of the input"})
+    heads: int = field(default=4, metadata={"help": "layer targets: heads"})
+    head_dim: int = field(default=32, metadata={"help": "layer targets: head dim"})
+    options: dict = field(default_factory=dict, metadata={
+        "flag": "--opt", "help": "layer option (e.g. backend=blocked, max_centroids=512) or model config override"})
+    preset: str = field(default="tiny", metadata={"help": "model target: preset"})
+    pattern: str | None = field(default=None, metadata={"help": "model target: mixer pattern, e.g. swa,ovq"})
+    modes: tuple[str, ...] = field(default=MODES, metadata={
+        "flag": "--mode", "choices": MODES, "help": "comma-separated: fwd (no grad), fwd+bwd"})
+    steps: int = field(default=2, metadata={"help": "profiled steps per mode"})
+    warmup: int = field(default=1, metadata={"help": "unprofiled steps per mode first (compilation)"})
+    seed: int = field(default=0, metadata={"help": "seed of the init and the input"})
+    device: str = field(default=devices.AUTO, metadata={"help": devices.NAMES})
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch", "heads", "head_dim", "steps"):
+            check_int(name, getattr(self, name))
+        check_int("warmup", self.warmup, minimum=0)
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(self.modes)!r}")

@@ -10,10 +10,10 @@ Generic over regions: a new method only supplies its program.
 from .block_view import BlockView, block_view
 from .inspect_query import Segment, inspect_query, segment_rows
 from .labels import MASKED, PALETTE, REGION_ORDER, label_cells, label_names
-from .render import FORMATS, VIEWS, VizOptions, VizResult, render
+from .render import DEFAULT_FORMATS, FORMATS, VIEWS, VizOptions, VizResult, render
 from .stats import ProgramStats, program_stats, visible_per_query
 from .token_view import MAX_TOKEN_CELLS, TokenView, token_view
 
-__all__ = ["BlockView", "FORMATS", "MASKED", "MAX_TOKEN_CELLS", "PALETTE", "ProgramStats", "REGION_ORDER", "Segment",
-           "TokenView", "VIEWS", "VizOptions", "VizResult", "block_view", "inspect_query", "label_cells",
-           "label_names", "program_stats", "render", "segment_rows", "token_view", "visible_per_query"]
+__all__ = ["BlockView", "DEFAULT_FORMATS", "FORMATS", "MASKED", "MAX_TOKEN_CELLS", "PALETTE", "ProgramStats",
+           "REGION_ORDER", "Segment", "TokenView", "VIEWS", "VizOptions", "VizResult", "block_view", "inspect_query",
+           "label_cells", "label_names", "program_stats", "render", "segment_rows", "token_view", "visible_per_query"]

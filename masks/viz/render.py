@@ -20,6 +20,8 @@ from .token_view import MAX_TOKEN_CELLS, TokenView, token_view
 
 VIEWS = ("token", "block")
 FORMATS = ("png", "svg", "html", "term")
+#: The outputs :class:`VizOptions` writes unless told otherwise.
+DEFAULT_FORMATS = ("png", "html", "term")
 
 
 @dataclass
@@ -31,7 +33,7 @@ class VizOptions:
     grouping of the state-rows-per-chunk statistic (default: the block size)."""
 
     views: tuple[str, ...] = VIEWS
-    formats: tuple[str, ...] = ("png", "html", "term")
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     batch: int = 0
     head: int = 0
     queries: tuple[int, ...] = ()

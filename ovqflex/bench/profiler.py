@@ -13,49 +13,16 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from recurrences.checks import check_int
-
-from ..devices import AUTO, resolve_device
-from ..profiling import MODES, PREFIX, STAGES
+from ..devices import resolve_device
+from ..profiling import MODES, PREFIX, STAGES, ProfileConfig
 
 STEP = PREFIX + "step"
 BACKWARD = PREFIX + "backward"
-
-
-@dataclass
-class ProfileConfig:
-    """``target``: a method of :data:`ovqflex.methods.METHODS` (one layer, input
-    ``[batch, seq_len, heads * head_dim]``) or ``"model"`` (a ``HybridLM`` of ``preset`` and
-    ``pattern`` on random tokens, loss = cross-entropy). ``options``: layer options, or
-    model config overrides for ``"model"``. ``device``: see :func:`ovqflex.devices.resolve_device`."""
-
-    target: str = "ovq"
-    seq_len: int = 1024
-    batch: int = 1
-    heads: int = 4
-    head_dim: int = 32
-    options: dict = field(default_factory=dict)
-    preset: str = "tiny"
-    pattern: str | None = None
-    modes: tuple[str, ...] = MODES
-    steps: int = 2
-    warmup: int = 1
-    seed: int = 0
-    device: str = AUTO
-
-    def __post_init__(self):
-        for name in ("seq_len", "batch", "heads", "head_dim", "steps"):
-            check_int(name, getattr(self, name))
-        check_int("warmup", self.warmup, minimum=0)
-        bad = [m for m in self.modes if m not in MODES]
-        if bad or not self.modes:
-            raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(self.modes)!r}")
 
 
 def _build(cfg: ProfileConfig):

@@ -2,8 +2,10 @@
 ``viz``, ``profile``.
 
 ``flags`` holds the value parsers, the ``--device`` flag and the flags derived from a config
-dataclass (``train``'s from :class:`ovqflex.training.TrainConfig`); ``runs`` the commands on
-training runs; ``tools`` the commands on layers and the machine.
+dataclass (``train``'s from :class:`ovqflex.training.TrainConfig`, ``profile``'s from
+:class:`ovqflex.profiling.ProfileConfig`, ``viz``'s from :class:`ovqflex.viz.VizConfig`, ``demo``'s
+from :class:`~ovqflex.cli.tools.DemoConfig`); ``runs`` the commands on training runs; ``tools`` the
+commands on layers and the machine.
 """
 from __future__ import annotations
 

@@ -2,11 +2,14 @@
 the one ``--device`` flag, and the flags of a config dataclass derived from its fields.
 
 :func:`add_config_flags` gives every field of a config dataclass a flag: ``--seq-len`` for
-``seq_len`` (``metadata["flag"]`` names it otherwise), of the field's type, defaulting to the
-field's default, with ``metadata["help"]`` as its help and ``metadata["choices"]`` (if any) as
-its choices. A bool field is a switch (``--no-NAME`` when its default is True), a dict field a
-repeatable ``NAME=VALUE``. :func:`config_from_args` builds the config from the parsed flags, so
-a new field is a new flag.
+``seq_len`` (``metadata["flag"]`` names it otherwise; ``metadata["positional"]`` makes it a
+positional argument named like the field), of the field's type, defaulting to the field's
+default, with ``metadata["help"]`` as its help (a callable is called when the flag is made,
+for lists that grow at run time) and ``metadata["choices"]`` (if any) as its choices. A bool
+field is a switch (``--no-NAME`` when its default is True), a dict field a repeatable
+``NAME=VALUE``, a ``tuple[X, ...]`` field a comma-separated list of X (of the choices, if
+any), or with ``metadata["repeatable"]`` one X per flag, the flag repeatable.
+:func:`config_from_args` builds the config from the parsed flags, so a new field is a new flag.
 """
 from __future__ import annotations
 
@@ -56,13 +59,19 @@ def label_list(text: str) -> list[str]:
     return values
 
 
-def name_list(allowed):
-    """A parser of a comma-separated, non-empty subset of ``allowed`` (returned as a tuple)."""
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        bad = [v for v in values if v not in allowed]
-        if not values or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+def comma_list(item: type = str, allowed=None):
+    """A parser of a non-empty comma-separated list of ``item`` values, a subset of ``allowed``
+    when that is given (returned as a tuple)."""
+    what = f"a comma-separated subset of {','.join(map(str, allowed))}" if allowed else \
+        f"comma-separated values of type {item.__name__}"
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(item(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values or (allowed and any(v not in allowed for v in values)):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return values
 
     return parse
@@ -80,6 +89,8 @@ def parse_options(items: list[str] | None, flag: str) -> dict:
 
 
 def _described(help: str, default) -> str:
+    if isinstance(default, tuple):
+        default = ",".join(map(str, default)) or None
     return help if default is None else f"{help} (default: {default})"
 
 
@@ -89,50 +100,89 @@ def add_device(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=devices.AUTO, help=_described(devices.NAMES, devices.AUTO))
 
 
-def _value_type(cls: type, name: str, hint) -> type:
-    """The flag's value type of a field annotated ``hint`` (``X | None`` -> ``X``)."""
+class _Flag(typing.NamedTuple):
+    field: dataclasses.Field
+    kind: type  # bool, int, float, str, dict or tuple
+    item: type | None  # the element type of a tuple
+    flag: str  # the flag (the field's name for a positional argument)
+
+
+def _value_type(cls: type, name: str, hint) -> tuple[type, type | None]:
+    """``(kind, item)``: the flag's value type of a field annotated ``hint`` (``X | None`` -> X,
+    ``tuple[X, ...]`` -> tuple of X)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(h for h in typing.get_args(hint) if h is not type(None))
+    args = typing.get_args(hint)
     hint = typing.get_origin(hint) or hint
+    if hint is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] in (int, float, str):
+        return tuple, args[0]
     if hint not in (bool, int, float, str, dict):
         raise TypeError(f"{cls.__name__}.{name}: a field of type {hint} has no command-line flag")
-    return hint
+    return hint, None
 
 
 def _flag(field: dataclasses.Field, kind: type) -> str:
+    if field.metadata.get("positional"):
+        return field.name
     default_on = kind is bool and field.default is True
     return field.metadata.get("flag") or ("--no-" if default_on else "--") + field.name.replace("_", "-")
 
 
-def _fields(cls: type) -> list[tuple[dataclasses.Field, type, str]]:
-    """(field, value type, flag) of every field of the config dataclass ``cls``."""
+def _fields(cls: type) -> list[_Flag]:
+    """The flag of every field of the config dataclass ``cls``."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        kind = _value_type(cls, f.name, hints[f.name])
-        out.append((f, kind, _flag(f, kind)))
+        kind, item = _value_type(cls, f.name, hints[f.name])
+        out.append(_Flag(f, kind, item, _flag(f, kind)))
     return out
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return None if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """A flag for every field of the config dataclass ``cls`` (see the module docstring); each
     flag stores under the field's name."""
-    for f, kind, flag in _fields(cls):
+    for f, kind, item, flag in _fields(cls):
         help = f.metadata.get("help", "")
-        if kind is bool:
+        help = help() if callable(help) else help
+        choices = f.metadata.get("choices")
+        name = flag[2:].upper().replace("-", "_")
+        if f.metadata.get("positional"):
+            if kind not in (int, float, str):
+                raise TypeError(f"{cls.__name__}.{f.name}: a positional argument must be an int, float or str")
+            parser.add_argument(flag, type=kind, choices=choices, help=help)
+        elif kind is bool:
             parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
                                 help=f"do not {help}" if f.default else help)
         elif kind is dict:
             parser.add_argument(flag, dest=f.name, action="append", metavar="NAME=VALUE", help=f"{help} (repeatable)")
+        elif kind is tuple and f.metadata.get("repeatable"):
+            parser.add_argument(flag, dest=f.name, type=item, action="append", choices=choices,
+                                metavar=None if choices else name, help=f"{help} (repeatable)")
+        elif kind is tuple:  # a comma list: its choices are checked (and shown) item by item
+            items = "{" + ",".join(map(str, choices)) + "}" if choices else name
+            parser.add_argument(flag, dest=f.name, type=comma_list(item, choices), default=_default(f),
+                                metavar=f"{items}[,...]", help=_described(help, _default(f)))
         else:
-            choices = f.metadata.get("choices")
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=choices,
-                                metavar=None if choices else flag[2:].upper().replace("-", "_"),
-                                help=_described(help, f.default))
+            parser.add_argument(flag, dest=f.name, type=kind, default=_default(f), choices=choices,
+                                metavar=None if choices else name, help=_described(help, _default(f)))
 
 
 def config_from_args(cls: type, args: argparse.Namespace):
     """The config ``cls`` of the flags :func:`add_config_flags` added (a dict field from its
-    ``NAME=VALUE`` items); its values are checked by ``cls``."""
-    return cls(**{f.name: parse_options(getattr(args, f.name), flag) if kind is dict else getattr(args, f.name)
-                  for f, kind, flag in _fields(cls)})
+    ``NAME=VALUE`` items, a repeatable field from its items, its default when none is given);
+    its values are checked by ``cls``."""
+    def value(f: dataclasses.Field, kind: type, flag: str):
+        given = getattr(args, f.name)
+        if kind is dict:
+            return parse_options(given, flag)
+        if kind is tuple:
+            return _default(f) if given is None else tuple(given)
+        return given
+
+    return cls(**{f.name: value(f, kind, flag) for f, kind, _, flag in _fields(cls)})

@@ -2,10 +2,25 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
-from .flags import add_device, name_list, parse_options
+from .flags import add_config_flags, add_device, config_from_args
+
+
+@dataclass
+class DemoConfig:
+    """What ``ovqflex demo`` runs: a :class:`ovqflex.SlidingWindowAttention` layer on ``x [batch, seq_len,
+    hidden]`` (one flag per field)."""
+
+    seq_len: int = field(default=1024, metadata={"help": "tokens T"})
+    batch: int = field(default=2, metadata={"help": "batch size"})
+    hidden: int = field(default=256, metadata={"help": "model width"})
+    heads: int = field(default=4, metadata={"help": "attention heads"})
+    window: int = field(default=256, metadata={"help": "sliding window (tokens)"})
+    sinks: int = field(default=4, metadata={"help": "attention sinks (first tokens every query sees)"})
+    seed: int = field(default=0, metadata={"help": "seed of the layer init and the input"})
 
 
 def _cmd_info(args) -> int:
@@ -23,9 +38,10 @@ def _cmd_demo(args) -> int:
     import ovqflex
     from ovqflex.attention import flex_trains_on
 
-    torch.manual_seed(args.seed)
-    layer = ovqflex.SlidingWindowAttention(args.hidden, args.heads, window=args.window, n_sinks=args.sinks)
-    x = torch.randn(args.batch, args.seq_len, args.hidden)
+    cfg = config_from_args(DemoConfig, args)
+    torch.manual_seed(cfg.seed)
+    layer = ovqflex.SlidingWindowAttention(cfg.hidden, cfg.heads, window=cfg.window, n_sinks=cfg.sinks)
+    x = torch.randn(cfg.batch, cfg.seq_len, cfg.hidden)
     with torch.no_grad():
         t0 = time.perf_counter()
         y = layer(x)
@@ -57,26 +73,17 @@ def _cmd_bench(args) -> int:
 
 def _cmd_viz(args) -> int:
     """Draw a method's attention program: token and block views, statistics, per-query tables."""
-    from masks.viz import VizOptions, render
+    from masks.viz import render
 
-    from ..viz import VizShape, method_program
+    from ..viz import VizConfig, method_program
 
-    shape = VizShape(seq_len=args.seq_len, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-                     seed=args.seed)
-    options = parse_options(args.opt, "--opt")
+    cfg = config_from_args(VizConfig, args)
     t0 = time.perf_counter()
-    program, layer, temps = method_program(args.method, shape, options)
+    program, layer, temps = method_program(cfg.method, cfg, cfg.options)
     t_program = time.perf_counter() - t0
-    meta = {"method": args.method, "layer": repr(layer).replace("\n", " "), "seq_len": args.seq_len,
-            "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "seed": args.seed,
-            "drawn batch, head": f"{args.batch_index}, {args.head}", "options": options or "defaults"}
-    opts = VizOptions(views=args.view, formats=args.format, batch=args.batch_index, head=args.head,
-                      queries=tuple(args.query or ()), max_token_cells=args.max_cells,
-                      chunk=args.chunk or getattr(layer, "chunk_size", None),
-                      title=f"{args.method}, T={args.seq_len}", meta=meta, temperatures=temps,
-                      term_width=args.width, term_height=args.height, color=args.color)
+    opts = cfg.render_options(layer, temps)
     t0 = time.perf_counter()
-    result = render(program, opts, args.out, stem=f"{args.method}-T{args.seq_len}")
+    result = render(program, opts, cfg.out, stem=cfg.stem)
     t_render = time.perf_counter() - t0
     if result.text:
         print(result.text)
@@ -97,13 +104,11 @@ def _cmd_viz(args) -> int:
 
 def _cmd_profile(args) -> int:
     """Profile a layer or model step: the per-stage table and a Chrome/Perfetto trace."""
-    from ..bench.profiler import ProfileConfig, profile_target
+    from ..bench.profiler import profile_target
     from ..devices import resolve_device
+    from ..profiling import ProfileConfig
 
-    cfg = ProfileConfig(target=args.target, seq_len=args.seq_len, batch=args.batch, heads=args.heads,
-                        head_dim=args.head_dim, options=parse_options(args.opt, "--opt"), preset=args.preset,
-                        pattern=args.pattern, modes=args.mode, steps=args.steps, warmup=args.warmup,
-                        seed=args.seed, device=args.device)
+    cfg = config_from_args(ProfileConfig, args)
     rows = profile_target(cfg, args.trace)
     what = f"model {cfg.preset} {cfg.pattern or ''}".rstrip() if cfg.target == "model" else f"layer {cfg.target}"
     print(f"{what}, x [{cfg.batch}, {cfg.seq_len}, ...], {cfg.steps} profiled steps per mode, "
@@ -123,13 +128,7 @@ def add_info(sub) -> None:
 def add_demo(sub) -> None:
     """The ``demo`` command under the subparsers ``sub``."""
     s = sub.add_parser("demo", help="run a sliding-window attention layer forward and one training step")
-    s.add_argument("--seq-len", type=int, default=1024)
-    s.add_argument("--batch", type=int, default=2)
-    s.add_argument("--hidden", type=int, default=256)
-    s.add_argument("--heads", type=int, default=4)
-    s.add_argument("--window", type=int, default=256)
-    s.add_argument("--sinks", type=int, default=4)
-    s.add_argument("--seed", type=int, default=0)
+    add_config_flags(s, DemoConfig)
     s.set_defaults(fn=_cmd_demo)
 
 
@@ -144,57 +143,21 @@ def add_bench(sub) -> None:
 
 
 def add_viz(sub) -> None:
-    """The ``viz`` command under the subparsers ``sub``."""
-    from masks.viz import FORMATS, MAX_TOKEN_CELLS, VIEWS
-
-    from ..viz import drawable_methods
+    """The ``viz`` command under the subparsers ``sub``: a flag per :class:`ovqflex.viz.VizConfig` field."""
+    from ..viz import VizConfig
 
     s = sub.add_parser("viz", help="draw the attention program of a layer: token, block and per-query views")
-    s.add_argument("method", help=f"one of {', '.join(drawable_methods())}")
-    s.add_argument("--seq-len", type=int, default=512, help="tokens T (default 512)")
-    s.add_argument("--heads", type=int, default=1)
-    s.add_argument("--head-dim", type=int, default=16)
-    s.add_argument("--batch", type=int, default=1, help="batch size of the random input")
-    s.add_argument("--seed", type=int, default=0, help="seed of the layer init and the input")
-    s.add_argument("--opt", action="append", metavar="NAME=VALUE",
-                   help="layer option, e.g. max_centroids=256, chunk_size=64, window=64 (repeatable)")
-    s.add_argument("--view", type=name_list(VIEWS), default=VIEWS,
-                   help="comma-separated views: token,block (default both; token only if small enough)")
-    s.add_argument("--format", type=name_list(FORMATS), default=("png", "html", "term"),
-                   help="comma-separated outputs: png,svg,html,term (default png,html,term)")
-    s.add_argument("--query", type=int, action="append", help="inspect this query index (repeatable)")
-    s.add_argument("--head", type=int, default=0, help="head whose bias is drawn (default 0)")
-    s.add_argument("--batch-index", type=int, default=0, help="batch element whose bias is drawn")
-    s.add_argument("--chunk", type=int, default=None, help="query grouping of the state-rows-per-chunk "
-                   "statistic (default: the layer's chunk_size, else the block size)")
-    s.add_argument("--max-cells", type=int, default=MAX_TOKEN_CELLS, help="largest token view drawn (cells)")
-    s.add_argument("--width", type=int, default=120, help="terminal columns")
-    s.add_argument("--height", type=int, default=48, help="terminal rows per view")
-    s.add_argument("--color", action="store_true", help="ANSI colours in the terminal view")
-    s.add_argument("--out", default="viz-out", help="directory for PNG/SVG/HTML/JSON (default viz-out)")
+    add_config_flags(s, VizConfig)
     s.set_defaults(fn=_cmd_viz)
 
 
 def add_profile(sub) -> None:
-    """The ``profile`` command under the subparsers ``sub``."""
-    from ..methods import method_names
-    from ..profiling import MODES  # (not ovqflex.bench: the CLI stays light for `train`)
+    """The ``profile`` command under the subparsers ``sub``: a flag per :class:`ovqflex.profiling.ProfileConfig`
+    field, and ``--trace``."""
+    from ..profiling import ProfileConfig  # (not ovqflex.bench: the CLI stays light for `train`)
 
     s = sub.add_parser("profile", help="run a layer or model step under torch.profiler: stage table + trace")
-    s.add_argument("target", help=f"'model' or a layer: one of {', '.join(method_names())}")
-    s.add_argument("--seq-len", type=int, default=1024)
-    s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--heads", type=int, default=4, help="layer targets: heads")
-    s.add_argument("--head-dim", type=int, default=32, help="layer targets: head dim")
-    s.add_argument("--opt", action="append", metavar="NAME=VALUE",
-                   help="layer option (e.g. backend=blocked, max_centroids=512) or model config override")
-    s.add_argument("--preset", default="tiny", help="model target: preset (default tiny)")
-    s.add_argument("--pattern", default=None, help="model target: mixer pattern, e.g. swa,ovq")
-    s.add_argument("--mode", type=name_list(MODES), default=MODES,
-                   help="comma-separated: fwd (no grad), fwd+bwd (default both)")
-    s.add_argument("--steps", type=int, default=2, help="profiled steps per mode")
-    s.add_argument("--warmup", type=int, default=1, help="unprofiled steps per mode first (compilation)")
-    s.add_argument("--seed", type=int, default=0)
-    add_device(s)
-    s.add_argument("--trace", default="profile-trace.json", help="Chrome/Perfetto trace file to write")
+    add_config_flags(s, ProfileConfig)
+    s.add_argument("--trace", default="profile-trace.json", help="Chrome/Perfetto trace file to write "
+                   "(default: profile-trace.json)")
     s.set_defaults(fn=_cmd_profile)

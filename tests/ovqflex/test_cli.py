@@ -1,18 +1,23 @@
-"""The command line: bench on a small profile, clear errors on bad input, train's flags derived
-from TrainConfig, one --device default, config errors (and only those) as exit 2."""
+"""The command line: bench on a small profile, clear errors on bad input, the flags of train, profile,
+viz and demo derived from their config dataclasses (every field kind add_config_flags knows), the
+README's flags, one --device default, config errors (and only those) as exit 2."""
 import argparse
 import dataclasses
 import json
 import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from ovqflex.cli import build_parser, main, tools
+from ovqflex.cli.tools import DemoConfig
 from ovqflex.cli.flags import add_config_flags, config_from_args
 from ovqflex.devices import NAMES
+from ovqflex.profiling import ProfileConfig
 from ovqflex.training import TrainConfig
+from ovqflex.viz import VizConfig
 from recurrences.checks import ConfigTypeError
 
 
@@ -116,34 +121,68 @@ def test_readme_viz_and_profile_flags_exist():
     parser = build_parser()
     args = parser.parse_args(["viz", "ovq", "--seq-len", "64", "--heads", "2", "--head-dim", "8", "--opt",
                               "max_centroids=32", "--view", "token,block", "--format", "png,svg,html,term",
-                              "--query", "3", "--head", "1", "--width", "80", "--color", "--out", "d"])
-    assert args.view == ("token", "block") and args.format == ("png", "svg", "html", "term")
+                              "--query", "3", "--query", "5", "--head", "1", "--width", "80", "--color", "--out", "d"])
+    cfg = config_from_args(VizConfig, args)
+    assert (cfg.method, cfg.seq_len, cfg.heads, cfg.head_dim, cfg.options) == ("ovq", 64, 2, 8, {"max_centroids": 32})
+    assert cfg.views == ("token", "block") and cfg.formats == ("png", "svg", "html", "term")
+    assert (cfg.queries, cfg.head, cfg.term_width, cfg.color, cfg.out) == ((3, 5), 1, 80, True, "d")
     args = parser.parse_args(["profile", "model", "--seq-len", "64", "--batch", "2", "--heads", "2", "--head-dim",
                               "8", "--opt", "backend=blocked", "--pattern", "swa,ovq", "--preset", "tiny", "--mode",
                               "fwd,fwd+bwd", "--steps", "1", "--warmup", "0", "--trace", "t.json"])
-    assert args.mode == ("fwd", "fwd+bwd")
+    assert config_from_args(ProfileConfig, args) == ProfileConfig(
+        target="model", seq_len=64, batch=2, heads=2, head_dim=8, options={"backend": "blocked"}, pattern="swa,ovq",
+        preset="tiny", modes=("fwd", "fwd+bwd"), steps=1, warmup=0)
+    assert args.trace == "t.json"
 
 
-@pytest.mark.parametrize("argv", [["viz", "ovq", "--view", "pixels"], ["viz", "ovq", "--format", "gif"],
-                                  ["profile", "ovq", "--mode", "bwd"]], ids=["view", "format", "mode"])
-def test_bad_name_lists_are_argparse_errors(capsys, argv):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(argv)
-    assert "comma-separated subset" in capsys.readouterr().err
+def test_every_readme_flag_exists():
+    """Each ``ovqflex CMD ... --flag`` the README shows (command lines, the command table) is a flag of CMD."""
+    text = (Path(__file__).parents[2] / "README.md").read_text().replace("\\\n", " ")
+    commands = build_parser()._subparsers._group_actions[0].choices
+    shown = {}
+    for command, rest in re.findall(r"\bovqflex (\w+)([^`\n]*)", text):
+        flags = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest.split("&&")[0])
+        shown.setdefault(command, set()).update(flags)
+    assert {"viz", "profile", "demo", "train"} <= set(shown) <= set(commands)
+    assert {"--view", "--format", "--query", "--mode", "--opt", "--trace"} <= shown["viz"] | shown["profile"]
+    for command, flags in shown.items():
+        missing = flags - set(commands[command]._option_string_actions)
+        assert not missing, f"README shows ovqflex {command} {sorted(missing)}"
+
+
+@pytest.mark.parametrize("argv, flag", [(["viz", "ovq", "--view", "pixels"], "--view"),
+                                        (["viz", "ovq", "--format", "gif"], "--format"),
+                                        (["viz", "ovq", "--format", "png,,gif"], "--format"),
+                                        (["profile", "ovq", "--mode", "bwd"], "--mode"),
+                                        (["profile", "ovq", "--mode", ","], "--mode")],
+                         ids=["view", "format", "format-among-good", "mode", "mode-empty"])
+def test_bad_name_lists_are_argparse_errors(capsys, argv, flag):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}: expected a comma-separated subset" in capsys.readouterr().err
 
 
 def _train_args(argv: list[str]):
     return build_parser().parse_args(["train", *argv])
 
 
-def test_every_train_config_field_is_a_train_flag():
-    """train's flags are derived from TrainConfig: each field has a flag, its default and a help."""
-    defaults = config_from_args(TrainConfig, _train_args([]))
-    assert defaults == TrainConfig()
-    actions = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
-    for f in dataclasses.fields(TrainConfig):
+@pytest.mark.parametrize("command, cls, argv", [("train", TrainConfig, []), ("profile", ProfileConfig, ["ovq"]),
+                                                ("viz", VizConfig, ["ovq"]), ("demo", DemoConfig, [])])
+def test_every_config_field_is_a_flag(command, cls, argv):
+    """The flags of train, profile, viz and demo are derived from their configs: each field has a flag, its
+    default and a help; no flag is set by hand besides --resume/--resume-from (train) and --trace (profile)."""
+    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    default = cls(**{"method": "ovq"} if cls is VizConfig else {})
+    assert config_from_args(cls, parser.parse_args(argv)) == default
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(cls):
         assert f.name in actions, f.name
-        assert f.metadata.get("help") and actions[f.name].help.startswith(("do not ", f.metadata["help"])), f.name
+        help = f.metadata.get("help")
+        help = help() if callable(help) else help
+        assert help and actions[f.name].help.startswith((help, f"do not {help}")), f.name
+    by_hand = {"train": {"resume", "resume_from"}, "profile": {"trace"}}.get(command, set())
+    assert set(actions) - {f.name for f in dataclasses.fields(cls)} == {"help"} | by_hand
 
 
 def test_a_new_train_config_field_appears_as_a_flag():
@@ -155,6 +194,66 @@ def test_a_new_train_config_field_appears_as_a_flag():
     add_config_flags(parser, Config)
     cfg = config_from_args(Config, parser.parse_args(["--label-smoothing", "0.1", "--keep", "5", "--no-compile"]))
     assert (cfg.label_smoothing, cfg.keep_checkpoints, cfg.compile) == (0.1, 5, False)
+
+
+@dataclasses.dataclass
+class _Config:
+    """Every kind of field add_config_flags makes a flag of."""
+    name: str = dataclasses.field(default="a", metadata={"positional": True, "help": lambda: "a name"})
+    colors: tuple[str, ...] = dataclasses.field(default=("red",), metadata={
+        "flag": "--color", "choices": ("red", "green", "blue"), "help": "colours"})
+    sizes: tuple[int, ...] = dataclasses.field(default=(1, 2), metadata={"help": "sizes"})
+    picks: tuple[int, ...] = dataclasses.field(default=(), metadata={
+        "flag": "--pick", "repeatable": True, "help": "a pick"})
+    label: str | None = dataclasses.field(default=None, metadata={"help": "a label"})
+    options: dict = dataclasses.field(default_factory=dict, metadata={"flag": "--opt", "help": "an option"})
+    quiet: bool = dataclasses.field(default=False, metadata={"help": "say nothing"})
+
+
+def _parse(cls, argv):
+    parser = argparse.ArgumentParser(prog="p")
+    add_config_flags(parser, cls)
+    return config_from_args(cls, parser.parse_args(argv))
+
+
+def test_config_flags_of_every_field_kind():
+    assert _parse(_Config, ["b"]) == _Config(name="b")
+    cfg = _parse(_Config, ["c", "--color", "blue,red", "--sizes", "4,8", "--pick", "3", "--pick", "1", "--label", "x",
+                           "--opt", "k=2", "--quiet"])
+    assert cfg == _Config("c", ("blue", "red"), (4, 8), (3, 1), "x", {"k": 2}, True)
+    assert _parse(_Config, ["c"]).picks == () and _parse(_Config, ["c"]).colors == ("red",)
+
+
+def test_a_new_config_field_appears_as_a_flag():
+    @dataclasses.dataclass
+    class Config(ProfileConfig):
+        dtypes: tuple[str, ...] = dataclasses.field(default=("fp32",), metadata={
+            "flag": "--dtype", "choices": ("fp32", "bf16"), "help": "compute dtypes"})
+
+    cfg = _parse(Config, ["swa", "--dtype", "bf16,fp32", "--mode", "fwd"])
+    assert (cfg.target, cfg.dtypes, cfg.modes) == ("swa", ("bf16", "fp32"), ("fwd",))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["c", "--color", "red,purple"], "argument --color: expected a comma-separated subset of red,green,blue, got "
+                                     "'red,purple'"),
+    (["c", "--sizes", "4,x"], "argument --sizes: expected comma-separated values of type int, got '4,x'"),
+    (["c", "--pick", "x"], "argument --pick: invalid int value: 'x'"),
+    ([], "the following arguments are required: name"),
+], ids=["choice", "int-list", "repeatable-int", "positional"])
+def test_bad_config_flag_values_are_argparse_errors(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        _parse(_Config, argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_a_field_without_a_flag_type_is_refused_by_name():
+    @dataclasses.dataclass
+    class Config:
+        sizes: list[int] = dataclasses.field(default_factory=list)
+
+    with pytest.raises(TypeError, match="Config.sizes: a field of type <class 'list'> has no command-line flag"):
+        add_config_flags(argparse.ArgumentParser(), Config)
 
 
 def test_train_flags_reach_the_config():

@@ -1,5 +1,6 @@
 """Snapshot layout == versioned layout through the layers (docs/design.md §5, §9.5; the ops:
 tests/ovqflex/ops/test_state_layout.py)."""
+import pytest
 import torch
 
 import ovqflex
@@ -30,3 +31,14 @@ def test_kvm_layer_versioned_equals_snapshot():
     ver = layer(x)
     layer.state_layout = "snapshot"
     assert_close(ver, layer(x), FWD_TOL[torch.float32], "layer")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ovqflex.OVQAttention(32, 2, state_layout="versioned-ish"), "state_layout"),
+    (lambda: ovqflex.OVQAttention(32, 2, checkpoint_every=1.5), "checkpoint_every"),
+    (lambda: ovqflex.KVMAttention(32, 2, state_layout=None), "state_layout"),
+    (lambda: ovqflex.VQAttention(32, 2, state_layout="chunked"), "state_layout"),
+], ids=["ovq-layer-layout", "ovq-layer-every", "kvm-layer-layout", "vq-layer-layout"])
+def test_bad_state_layout_raises(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()

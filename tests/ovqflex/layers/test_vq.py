@@ -26,6 +26,11 @@ def test_layer_ema_mode_updates_codebook_in_train_only_and_returns_aux():
     assert torch.equal(layer.quantizer.codebook, frozen), "eval forward must not touch the codebook"
 
 
+def test_layer_bad_codebook_size():
+    with pytest.raises(ValueError, match="codebook_size"):
+        ovqflex.VQAttention(32, 2, codebook_size=0)
+
+
 def test_layer_diveq_trains_codebook_by_gradient():
     torch.manual_seed(0)
     layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq", backend="blocked")
