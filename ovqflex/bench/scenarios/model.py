@@ -5,11 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recurrences.checks import check_choice, check_keys
+from recurrences.checks import check_choice, check_int, check_keys
 
 from ...methods import METHODS, Method, method_names
 from ...models.hybrid import DECODES
-from ..measure import measure
+from ..measure import measure, sync
 from .base import Scenario, register
 
 
@@ -75,6 +75,14 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
     return rows
 
 
+def _check_sizes(where: str, sizes: list[int]) -> None:
+    """``sizes`` (batch sizes, lengths): a non-empty list of positive ints."""
+    if not sizes:
+        raise ValueError(f"{where} must list at least one size, got {sizes!r}")
+    for i, n in enumerate(sizes):
+        check_int(f"{where}[{i}]", n)
+
+
 def _decode_method(case: dict, where: str) -> tuple[Method, dict, str]:
     """The method of a decode ``case`` table (``name``, ``kind``: a method that decodes, ``decode``:
     one of ``DECODES``, default ``"functional"``, and the options of its layer, checked by name);
@@ -105,8 +113,10 @@ class DecodeScenario(Scenario):
     heads: int = 4
     decode_tokens: int = 64
     repeats: int = 2
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # sequences decoded together
 
     def __post_init__(self):
+        _check_sizes(f"scenario {self.name!r}: batch_sizes", self.batch_sizes)
         if not self.cases:
             raise ValueError(f"scenario {self.name!r}: cases must list at least one [[scenario.cases]] table")
         for i, case in enumerate(self.cases):
@@ -119,11 +129,14 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     fused forward, flex, no grad) and then decodes ``decode_tokens`` tokens one per call
     through its cache — the functional one, or (case ``decode = "static"`` / ``"compiled"``) the
     in-place static cache made after the prefill, eager or compiled (compiled in the warm-up run,
-    not timed; each timed run continues the same cache). Rows: decode tokens/s, seconds per
-    token (``time_s``, whose slope vs T is ~0 for a bounded cache and ~1 for a growing KV cache),
-    the cache's own bytes
-    (``cache_mb``) and the RSS growth while decoding (``peak_mb``). The last case is the
-    baseline of ``x_vs_<name>``.
+    not timed; each timed run continues the same cache). Every case runs at every ``batch`` of
+    ``batch_sizes`` (that many sequences decoded together, one token each per call) and every
+    ``T``. Rows: ``batch``, decode tokens/s (``tokens_per_s``: the tokens of all ``batch`` rows,
+    ``batch * decode_tokens / seconds``), seconds per decode step (``time_s``: per token at batch
+    1, per ``batch`` tokens otherwise; its slope vs T is ~0 for a bounded cache and ~1 for a
+    growing KV cache), the cache's own bytes (``cache_mb``, all rows of the batch) and the RSS
+    growth while decoding (``peak_mb``). The last case is the baseline of ``x_vs_<name>``, at the
+    same ``batch`` and ``T``.
     """
     import time
 
@@ -136,31 +149,33 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
         if "backend" in method.option_names():
             options["backend"] = "flex"
         layer = method.build(hidden, heads, **options).to(dev).eval()
-        for T in sc.seq_lens:
-            x = torch.randn(1, T + n_dec, hidden, device=dev)
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                _, cache = layer(x[:, :T], use_cache=True)
-                prefill = time.perf_counter() - t0
+        for batch in sc.batch_sizes:
+            for T in sc.seq_lens:
+                x = torch.randn(batch, T + n_dec, hidden, device=dev)
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    _, cache = layer(x[:, :T], use_cache=True)
+                    sync(dev)
+                    prefill = time.perf_counter() - t0
 
-                if mode == "functional":
-                    def run():
-                        c = cache
-                        for i in range(n_dec):
-                            _, c = layer(x[:, T + i:T + i + 1], cache=c)
-                        return c
-                else:
-                    run = _static_run(layer, cache, x, T, n_dec, sc.repeats, compiled=mode == "compiled")
+                    if mode == "functional":
+                        def run():
+                            c = cache
+                            for i in range(n_dec):
+                                _, c = layer(x[:, T + i:T + i + 1], cache=c)
+                            return c
+                    else:
+                        run = _static_run(layer, cache, x, T, n_dec, sc.repeats, compiled=mode == "compiled")
 
-                m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
-                end = run()
-            rows.append({"case": case["name"], "decode": mode, "T": T, "prefill_s": prefill,
-                         "tokens_per_s": n_dec / m.seconds,
-                         "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
-                         "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
+                    m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
+                    end = run()
+                rows.append({"case": case["name"], "decode": mode, "batch": batch, "T": T, "prefill_s": prefill,
+                             "tokens_per_s": batch * n_dec / m.seconds,
+                             "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
+                             "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
     by_t = {}
     for r in rows:
-        by_t.setdefault(r["T"], []).append(r)
+        by_t.setdefault((r["batch"], r["T"]), []).append(r)
     base = sc.cases[-1]["name"]  # the last case is the baseline (full attention's KV cache)
     for rs in by_t.values():
         ref = next((r for r in rs if r["case"] == base), None)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from ovqflex.bench.runner import load_profile
-from ovqflex.bench.scenarios import KINDS, Scenario
+from ovqflex.bench.scenarios import KINDS, Scenario, parse_scenario
 from ovqflex.cli import main
 
 PROFILES = sorted((Path(__file__).parents[3] / "profiles").glob("*.toml"))
@@ -46,8 +46,15 @@ DECODE = ('[[scenario]]\nname = "d"\nkind = "decode"\nseq_lens = [64]\n'
      r"case 0: decode='static' needs a static cache, which VQAttention has not"),
     ('[[scenario]]\nkind = "kvm"\nseq_lens = [64]\nbudget = "power_law"\ngrowth_factr = 4.0\n',
      r"unknown key 'growth_factr' \(did you mean 'growth_factor'\?\)"),
+    (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_sizes = [0]\n"),
+     r"scenario 'd': batch_sizes\[0\] must be >= 1, got 0"),
+    (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_sizes = []\n"),
+     r"scenario 'd': batch_sizes must list at least one size"),
+    (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_size = [2]\n"),
+     r"unknown key 'batch_size' \(did you mean 'batch_sizes'\?\)"),
 ], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
-        "decode-kind", "decode-mode", "decode-static-vq", "kvm-budget"])
+        "decode-kind", "decode-mode", "decode-static-vq", "kvm-budget", "decode-batch-0", "decode-batch-empty",
+        "decode-batch-key"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)
@@ -56,3 +63,26 @@ def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     assert main(["bench", str(prof), "--out", str(tmp_path / "out")]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def _run(table: dict) -> list[dict]:
+    sc = parse_scenario(table, "test")
+    return KINDS[sc.kind][1](sc, "cpu")
+
+
+def test_decode_runs_every_case_at_every_batch():
+    """Rows for each (case, batch, T); tokens/s counts the tokens of all rows of the batch, and the
+    speed-up is against the baseline at the same batch and T."""
+    rows = _run({"kind": "decode", "name": "d", "seq_lens": [48], "batch_sizes": [1, 2], "hidden": 32, "heads": 2,
+                 "decode_tokens": 4, "repeats": 1,
+                 "cases": [{"name": "linear", "kind": "linear"}, {"name": "full", "kind": "full"}]})
+    assert [(r["case"], r["batch"], r["T"]) for r in rows] == [
+        ("linear", 1, 48), ("linear", 2, 48), ("full", 1, 48), ("full", 2, 48)]
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 4 / (4 * r["time_s"]))
+        assert r["prefill_s"] > 0 and r["cache_mb"] > 0 and r["peak_mb"] >= 0
+        full = next(f for f in rows if f["case"] == "full" and f["batch"] == r["batch"])
+        assert r["x_vs_full"] == pytest.approx(r["tokens_per_s"] / full["tokens_per_s"])
+    for case in ("linear", "full"):  # a state / KV cache per row of the batch
+        one, two = (next(r for r in rows if r["case"] == case and r["batch"] == b) for b in (1, 2))
+        assert two["cache_mb"] == pytest.approx(2 * one["cache_mb"], rel=0.05), case
