@@ -1,7 +1,7 @@
 """Log-log fits and plots of benchmark rows: time and peak memory vs T.
 
-Rows of one series share ``series`` (a scenario's ``series`` key, default its name) and
-``case``; a series with at least two
+Rows of one series share ``series`` (a scenario's ``series`` key, default its name), ``case``
+and ``batch`` (rows without one: None); a series with at least two
 lengths gets the least-squares slope of ``log y`` on ``log T`` (1: linear, 2: quadratic).
 """
 from __future__ import annotations
@@ -13,11 +13,12 @@ import numpy as np
 METRICS = ("time_s", "peak_mb")
 
 
-def _series(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    out: dict[tuple[str, str], list[dict]] = {}
+def _series(rows: list[dict]) -> dict[tuple[str, str, int | None], list[dict]]:
+    out: dict[tuple[str, str, int | None], list[dict]] = {}
     for r in rows:
         if "T" in r and any(isinstance(r.get(m), (int, float)) for m in METRICS):
-            out.setdefault((str(r.get("series", r.get("scenario", ""))), str(r.get("case", ""))), []).append(r)
+            key = (str(r.get("series", r.get("scenario", ""))), str(r.get("case", "")), r.get("batch"))
+            out.setdefault(key, []).append(r)
     return out
 
 
@@ -31,13 +32,15 @@ def loglog_slope(xs, ys) -> float | None:
 
 
 def fit_rows(rows: list[dict]) -> list[dict]:
-    """One row per series: series, case, lengths, slope of time and of peak memory."""
+    """One row per series: series, case, batch (where the rows have one), lengths, slope of time
+    and of peak memory."""
     fits = []
-    for (series, case), rs in _series(rows).items():
+    for (series, case, batch), rs in _series(rows).items():
         ts = [r["T"] for r in rs]
         slopes = {f"slope_{m}": loglog_slope(ts, [r.get(m) for r in rs]) for m in METRICS}
         if any(v is not None for v in slopes.values()):
-            fits.append({"series": series, "case": case, "T": f"{min(ts)}..{max(ts)}", **slopes})
+            fits.append({"series": series, "case": case, **({} if batch is None else {"batch": batch}),
+                         "T": f"{min(ts)}..{max(ts)}", **slopes})
     return fits
 
 
@@ -52,12 +55,12 @@ def plot_loglog(rows: list[dict], path: str | Path, title: str = "") -> Path | N
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, metric, label in zip(axes, METRICS, ("time (s)", "peak memory (MB)")):
-        for (scenario, case), rs in series.items():
+        for (scenario, case, batch), rs in series.items():
             pts = sorted((r["T"], r[metric]) for r in rs if isinstance(r.get(metric), (int, float)) and r[metric] > 0)
             if len(pts) < 2:
                 continue
             slope = loglog_slope(*zip(*pts))
-            name = " / ".join(s for s in (scenario, case) if s)
+            name = " / ".join(s for s in (scenario, case, None if batch is None else f"batch {batch}") if s)
             ax.loglog(*zip(*pts), marker="o", label=f"{name} (slope {slope:.2f})")
         ax.set_xlabel("T (tokens)")
         ax.set_ylabel(label)

@@ -86,7 +86,8 @@ class Measurement:
     peak_mb: float  # peak memory growth during one run
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op elsewhere. Call it before reading a clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -96,18 +97,18 @@ def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup:
     device = torch.device(device)
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         fn()
-        _sync(device)
+        sync(device)
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     else:
         with _RssSampler() as s:

@@ -18,6 +18,15 @@ def test_slopes_of_power_laws():
     assert loglog_slope([1, 2], [5, None]) is None
 
 
+def test_batches_are_separate_series():
+    """Decode rows of several batch sizes: one fit per (case, batch), never one across batches."""
+    rows = [{"scenario": "d", "case": "full", "batch": b, "T": t, "time_s": b * 1e-6 * t} for b in (1, 16)
+            for t in (1024, 4096)]
+    fits = fit_rows(rows)
+    assert [f["batch"] for f in fits] == [1, 16]
+    assert all(f["slope_time_s"] == pytest.approx(1.0) for f in fits)
+
+
 def test_plot_written_only_with_two_lengths(tmp_path):
     assert plot_loglog([{"scenario": "a", "T": 8, "time_s": 1.0}], tmp_path / "none.png") is None
     rows = [{"scenario": "a", "case": "c", "T": t, "time_s": t * 1e-3, "peak_mb": 1.0 + t} for t in (64, 256)]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from ovqflex.bench.runner import load_profile
-from ovqflex.bench.scenarios import KINDS, Scenario
+from ovqflex.bench.scenarios import KINDS, Scenario, parse_scenario
 from ovqflex.cli import main
 
 PROFILES = sorted((Path(__file__).parents[3] / "profiles").glob("*.toml"))
@@ -19,13 +19,14 @@ def test_shipped_profiles_parse(path):
 
 def test_every_kind_has_a_schema():
     assert {"blockmask", "ovq", "kvm", "vq", "train", "viz", "recurrent", "state_layout", "routing", "decode",
-            "quantized"} <= set(KINDS)
+            "quantized", "generate"} <= set(KINDS)
     assert all(issubclass(schema, Scenario) and callable(fn) for schema, fn in KINDS.values())
 
 
 OVQ = 'name = "p"\n[[scenario]]\nname = "s"\nkind = "ovq"\n'
 DECODE = ('[[scenario]]\nname = "d"\nkind = "decode"\nseq_lens = [64]\n'
           '[[scenario.cases]]\nname = "ovq"\nkind = "ovq"\nchunk_size = 16\n')
+GENERATE = '[[scenario]]\nname = "g"\nkind = "generate"\n'
 
 
 @pytest.mark.parametrize("text, match", [
@@ -46,8 +47,26 @@ DECODE = ('[[scenario]]\nname = "d"\nkind = "decode"\nseq_lens = [64]\n'
      r"case 0: decode='static' needs a static cache, which VQAttention has not"),
     ('[[scenario]]\nkind = "kvm"\nseq_lens = [64]\nbudget = "power_law"\ngrowth_factr = 4.0\n',
      r"unknown key 'growth_factr' \(did you mean 'growth_factor'\?\)"),
+    (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_sizes = [0]\n"),
+     r"scenario 'd': batch_sizes\[0\] must be >= 1, got 0"),
+    (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_sizes = []\n"),
+     r"scenario 'd': batch_sizes must list at least one size"),
+    (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_size = [2]\n"),
+     r"unknown key 'batch_size' \(did you mean 'batch_sizes'\?\)"),
+    (GENERATE + "batch_sizes = [0]\n", r"scenario 'g': batch_sizes\[0\] must be >= 1, got 0"),
+    (GENERATE + "prompt_lens = [64, -1]\n", r"scenario 'g': prompt_lens\[1\] must be >= 1, got -1"),
+    (GENERATE + 'decodes = ["functional", "fast"]\n',
+     r"scenario 'g': decodes must be one of \['compiled', 'functional', 'static'\], got 'fast'"),
+    (GENERATE + 'decodes = ["static", "static"]\n', r"scenario 'g': decodes must list distinct decodes"),
+    (GENERATE + "new_tokens = 1\n", r"scenario 'g': new_tokens must be >= 2, got 1"),
+    (GENERATE + "new_tokns = 8\n", r"unknown key 'new_tokns' \(did you mean 'new_tokens'\?\)"),
+    (GENERATE + 'preset = "huge"\n', r"scenario 'g': preset must be one of \["),
+    (GENERATE + 'pattern = "swa,vq"\ndecodes = ["functional", "static"]\n',
+     r"scenario 'g': decodes \['functional', 'static'\] need a static cache, which mixer 'vq' \(VQAttention\) has not"),
 ], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
-        "decode-kind", "decode-mode", "decode-static-vq", "kvm-budget"])
+        "decode-kind", "decode-mode", "decode-static-vq", "kvm-budget", "decode-batch-0", "decode-batch-empty",
+        "decode-batch-key", "generate-batch-0", "generate-prompt", "generate-decode", "generate-decode-twice",
+        "generate-new-tokens", "generate-key", "generate-preset", "generate-static-vq"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)
@@ -56,3 +75,58 @@ def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     assert main(["bench", str(prof), "--out", str(tmp_path / "out")]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def _run(table: dict) -> list[dict]:
+    sc = parse_scenario(table, "test")
+    return KINDS[sc.kind][1](sc, "cpu")
+
+
+def test_decode_runs_every_case_at_every_batch():
+    """Rows for each (case, batch, T); tokens/s counts the tokens of all rows of the batch, and the
+    speed-up is against the baseline at the same batch and T."""
+    rows = _run({"kind": "decode", "name": "d", "seq_lens": [48], "batch_sizes": [1, 2], "hidden": 32, "heads": 2,
+                 "decode_tokens": 4, "repeats": 1,
+                 "cases": [{"name": "linear", "kind": "linear"}, {"name": "full", "kind": "full"}]})
+    assert [(r["case"], r["batch"], r["T"]) for r in rows] == [
+        ("linear", 1, 48), ("linear", 2, 48), ("full", 1, 48), ("full", 2, 48)]
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 4 / (4 * r["time_s"]))
+        assert r["prefill_s"] > 0 and r["cache_mb"] > 0 and r["peak_mb"] >= 0
+        full = next(f for f in rows if f["case"] == "full" and f["batch"] == r["batch"])
+        assert r["x_vs_full"] == pytest.approx(r["tokens_per_s"] / full["tokens_per_s"])
+    for case in ("linear", "full"):  # a state / KV cache per row of the batch
+        one, two = (next(r for r in rows if r["case"] == case and r["batch"] == b) for b in (1, 2))
+        assert two["cache_mb"] == pytest.approx(2 * one["cache_mb"], rel=0.05), case
+
+
+def test_generate_times_prefill_and_new_tokens_and_compares_the_tokens():
+    rows = _run({"kind": "generate", "name": "g", "preset": "tiny", "vocab_size": 64, "prompt_lens": [40],
+                 "batch_sizes": [1, 2], "new_tokens": 3, "decodes": ["functional", "static"], "repeats": 1,
+                 "model_options": {"backend": "dense"}})
+    assert [(r["decode"], r["batch"], r["prompt"]) for r in rows] == [
+        ("functional", 1, 40), ("functional", 2, 40), ("static", 1, 40), ("static", 2, 40)]
+    for r in rows:
+        assert r["prefill_s"] > 0 and r["decode_s"] > 0
+        assert r["new_tokens_per_s"] == pytest.approx(r["batch"] * 2 / r["decode_s"])
+        ref = next(f for f in rows if f["decode"] == "functional" and f["batch"] == r["batch"])
+        assert r["x_vs_functional"] == pytest.approx(r["new_tokens_per_s"] / ref["new_tokens_per_s"])
+        assert r["same_tokens"] is True
+
+
+def test_generate_reports_different_tokens(monkeypatch):
+    """same_tokens compares the tokens, it does not assume them equal: a static path that
+    answers other tokens is reported False (and without the functional run, None)."""
+    from ovqflex.models import HybridLM
+
+    generate = HybridLM.generate
+
+    def off_by_one(self, prompt, n, **kw):
+        out = generate(self, prompt, n, **kw)
+        return out if kw.get("decode") == "functional" else (out + 1) % self.config.vocab_size
+
+    monkeypatch.setattr(HybridLM, "generate", off_by_one)
+    table = {"kind": "generate", "name": "g", "preset": "tiny", "vocab_size": 64, "prompt_lens": [20],
+             "new_tokens": 2, "decodes": ["functional", "static"], "repeats": 1, "model_options": {"backend": "dense"}}
+    assert [r["same_tokens"] for r in _run(table)] == [True, False]
+    assert [r["same_tokens"] for r in _run({**table, "decodes": ["static"]})] == [None]
