@@ -185,9 +185,15 @@ def test_a_run_saved_with_ovq_config_fields_still_evaluates(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process(tmp_path):
-    """gloo data parallel over 2 CPU processes == 1 process with the same global batch."""
-    common = ["--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64",
-              "--batch-size", "8", "--steps", "6", "--warmup", "2", "--no-compile", "--log-every", "1",
+    """gloo data parallel over 2 CPU processes == 1 process with the same global batch.
+
+    Without the tiny preset's training mix (``min_pairs``): with it, the two runs agree at step 1
+    but differ by ~4e-5 in the loss from step 2 on, for swa,ovq only (swa,nope stays equal to 6
+    digits): apparently the mix's left padding brings OVQ's discrete routing near ties, where the
+    rounding difference of a batch of 8 vs two of 4 flips a route. The loop's data-parallel
+    arithmetic is what is tested here."""
+    common = ["--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--task-opt", "min_pairs=null",
+              "--seq-len", "64", "--batch-size", "8", "--steps", "6", "--warmup", "2", "--no-compile", "--log-every", "1",
               "--no-progress", *CLI_MODEL]
     _cli(["train", *common, "--out", str(tmp_path / "one")])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
