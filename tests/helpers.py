@@ -39,3 +39,36 @@ def assert_trains_compiled_once(layer, loss_of, steps: int = 3, after_step=None)
             graphs = counters["stats"]["unique_graphs"]
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
+
+
+def checked_square_loss(layer, x0: torch.Tensor):
+    """A ``loss_of`` for :func:`assert_trains_compiled_once`: step 0 runs on ``x0`` and its output is
+    checked against the eager layer's; later steps run on fresh N(0, 1) inputs of the same shape."""
+    want = layer(x0).detach()
+
+    def loss(compiled, step):
+        out = compiled(x0 if step == 0 else torch.randn_like(x0))
+        if step == 0:
+            assert_close(out, want, FWD_TOL[torch.float32], "compiled == eager")
+        return out.square().mean()
+
+    return loss
+
+
+def assert_compiled_training_matches_eager(layer, eager, x: torch.Tensor, steps: int = 2, what: str = "") -> None:
+    """``torch.compile(layer, fullgraph=True)`` and ``eager`` (a copy with the same weights) take
+    ``steps`` AdamW steps (lr 1e-2) on ``mean(layer(x)^2)``: no graph break, and the parameters
+    agree to the fp32 gradient tolerance."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (layer, eager)]
+    for _ in range(steps):
+        for model, opt in zip((compiled, eager), opts):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    assert not counters["graph_break"], what
+    for a, b in zip(layer.parameters(), eager.parameters()):
+        assert_close(a, b, 1e-5, f"{what} params after {steps} compiled vs eager steps")

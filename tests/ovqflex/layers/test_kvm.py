@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import ovqflex
 from recurrences.reference import kvm_attention_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, assert_trains_compiled_once
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, assert_trains_compiled_once, checked_square_loss
 
 
 def _layer_reference(layer, x):
@@ -60,13 +60,4 @@ def test_layer_compiles_without_graph_break_or_recompile():
     torch.manual_seed(0)
     layer = ovqflex.KVMAttention(64, 2, chunk_size=32, budget="power_law", growth_factor=8.0, max_state_chunks=None,
                                  backend="blocked")
-    x0 = torch.randn(2, 200, 64)
-    eager = layer(x0)
-
-    def loss(compiled, step):
-        out = compiled(x0 if step == 0 else torch.randn(2, 200, 64))
-        if step == 0:
-            assert_close(out, eager, FWD_TOL[torch.float32], "compiled == eager")
-        return out.square().mean()
-
-    assert_trains_compiled_once(layer, loss)
+    assert_trains_compiled_once(layer, checked_square_loss(layer, torch.randn(2, 200, 64)))

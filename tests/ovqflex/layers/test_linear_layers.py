@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 import ovqflex
 from ovqflex.models import HybridLM, preset
 from recurrences.reference import delta_rule_reference, linear_attention_reference, vla_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, assert_compiled_training_matches_eager
 from tests.recurrences.recurrent_cases import one_thread  # noqa: F401
 
 
@@ -98,18 +98,7 @@ def test_compile_fullgraph_traces_forward_and_backward(name):
 def test_inductor_compiled_training_steps_match_eager():
     """``torch.compile(layer, fullgraph=True)`` with inductor (~10-50 s per layer on CPU)."""
     for name, (make, _) in LAYERS.items():
-        counters.clear()
         torch.manual_seed(0)
         layer, eager = make(), make()
         eager.load_state_dict(layer.state_dict())
-        compiled = torch.compile(layer, fullgraph=True)
-        x = torch.randn(2, 40, 24)
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (layer, eager)]
-        for _ in range(2):
-            for model, opt in zip((compiled, eager), opts):
-                opt.zero_grad()
-                model(x).square().mean().backward()
-                opt.step()
-        assert not counters["graph_break"], name
-        for a, b in zip(layer.parameters(), eager.parameters()):
-            assert_close(a, b, 1e-5, f"{name}: params after 2 compiled vs eager steps")
+        assert_compiled_training_matches_eager(layer, eager, torch.randn(2, 40, 24), what=name)

@@ -4,7 +4,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import ovqflex
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, assert_compiled_training_matches_eager
 from tests.ovqflex.test_attention import explicit_mask
 
 LAYERS = {
@@ -60,22 +60,11 @@ def test_compiled_layer_forward_flex_no_graph_break():
 
 
 def test_compiled_training_step_blocked():
-    counters.clear()
     torch.manual_seed(0)
     layer = ovqflex.CausalAttention(64, 4, rope=True, backend="blocked")
     eager = ovqflex.CausalAttention(64, 4, rope=True, backend="blocked")
     eager.load_state_dict(layer.state_dict())
-    compiled = torch.compile(layer, fullgraph=True)
-    x = torch.randn(2, 130, 64)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (layer, eager)]
-    for _ in range(2):
-        for model, opt in zip((compiled, eager), opts):
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
-    assert not counters["graph_break"]
-    for a, b in zip(layer.parameters(), eager.parameters()):
-        assert_close(a, b, 1e-5, "params after 2 compiled vs eager steps")
+    assert_compiled_training_matches_eager(layer, eager, torch.randn(2, 130, 64))
 
 
 @pytest.mark.parametrize(

@@ -4,23 +4,14 @@ import pytest
 import torch
 
 import ovqflex
-from tests.helpers import FWD_TOL, assert_close, assert_trains_compiled_once
+from tests.helpers import FWD_TOL, assert_close, assert_trains_compiled_once, checked_square_loss
 
 
 def test_layer_compiles_versioned_without_graph_break_or_recompile():
     torch.manual_seed(0)
     layer = ovqflex.OVQAttention(64, 2, chunk_size=32, max_centroids=48, backend="blocked", state_layout="versioned",
                                  checkpoint_every=2)
-    x = torch.randn(2, 200, 64)
-    want = layer(x)
-
-    def loss(compiled, step):
-        out = compiled(x if step == 0 else torch.randn(2, 200, 64))
-        if step == 0:
-            assert_close(out, want, FWD_TOL[torch.float32], "compiled == eager")
-        return out.square().mean()
-
-    assert_trains_compiled_once(layer, loss)
+    assert_trains_compiled_once(layer, checked_square_loss(layer, torch.randn(2, 200, 64)))
 
 
 def test_kvm_layer_versioned_equals_snapshot():
