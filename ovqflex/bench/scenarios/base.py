@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from recurrences.checks import from_dict
+from recurrences.checks import check_int, from_dict
 
 
 @dataclass(kw_only=True)
@@ -34,3 +34,11 @@ def parse_scenario(table: dict, where: str) -> Scenario:
     if kind not in KINDS:
         raise ValueError(f"{where}: kind must be one of {sorted(KINDS)}, got {kind!r}")
     return from_dict(KINDS[kind][0], table, f"{where} (kind {kind!r})")
+
+
+def check_sizes(where: str, sizes: list[int]) -> None:
+    """``sizes`` (batch sizes, lengths): a non-empty list of positive ints."""
+    if not sizes:
+        raise ValueError(f"{where} must list at least one size, got {sizes!r}")
+    for i, n in enumerate(sizes):
+        check_int(f"{where}[{i}]", n)

@@ -1,0 +1,133 @@
+"""Decode scenario: streaming decode of single layers after a prefill, functional or static caches."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from recurrences.checks import check_choice, check_keys
+
+from ...methods import METHODS, Method, method_names
+from ...models.hybrid import DECODES
+from ..measure import measure, sync
+from .base import Scenario, check_sizes, register
+
+
+def _decode_method(case: dict, where: str) -> tuple[Method, dict, str]:
+    """The method of a decode ``case`` table (``name``, ``kind``: a method that decodes, ``decode``:
+    one of ``DECODES``, default ``"functional"``, and the options of its layer, checked by name);
+    returns (method, layer options, decode)."""
+    if not isinstance(case, dict) or not isinstance(case.get("name"), str):
+        raise ValueError(f"{where}: must be a table with a string name, got {case!r}")
+    decoding = method_names(_decodes)
+    if case.get("kind") not in decoding:
+        raise ValueError(f"{where}: kind must be one of {decoding}, got {case.get('kind')!r}")
+    method = METHODS[case["kind"]]
+    check_keys(f"{where} (a {method.layer.__name__})", case,
+               method.option_names() - {"backend"} | {"name", "kind", "decode"})
+    decode = check_choice(f"{where}: decode", case.get("decode", "functional"), DECODES)
+    if decode != "functional" and method.layer.static_cache_type is None:
+        raise ValueError(f"{where}: decode={decode!r} needs a static cache, which {method.layer.__name__} has not")
+    return method, {k: v for k, v in case.items() if k not in ("kind", "name", "decode")}, decode
+
+
+def _decodes(m: Method) -> bool:
+    return m.decodes
+
+
+@dataclass(kw_only=True)
+class DecodeScenario(Scenario):
+    seq_lens: list[int]
+    cases: list[dict]             # tables: name, kind (a method that decodes) and its layer's options
+    hidden: int = 256
+    heads: int = 4
+    decode_tokens: int = 64
+    repeats: int = 2
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # sequences decoded together
+
+    def __post_init__(self):
+        check_sizes(f"scenario {self.name!r}: batch_sizes", self.batch_sizes)
+        if not self.cases:
+            raise ValueError(f"scenario {self.name!r}: cases must list at least one [[scenario.cases]] table")
+        for i, case in enumerate(self.cases):
+            _decode_method(case, f"scenario {self.name!r}, case {i}")
+
+
+@register("decode", DecodeScenario)
+def decode(sc: DecodeScenario, device: str) -> list[dict]:
+    """Streaming decode at long contexts: each layer ``case`` prefills ``T`` tokens (the
+    fused forward, flex, no grad) and then decodes ``decode_tokens`` tokens one per call
+    through its cache — the functional one, or (case ``decode = "static"`` / ``"compiled"``) the
+    in-place static cache made after the prefill, eager or compiled (compiled in the warm-up run,
+    not timed; each timed run continues the same cache). Every case runs at every ``batch`` of
+    ``batch_sizes`` (that many sequences decoded together, one token each per call) and every
+    ``T``. Rows: ``batch``, decode tokens/s (``tokens_per_s``: the tokens of all ``batch`` rows,
+    ``batch * decode_tokens / seconds``), seconds per decode step (``time_s``: per token at batch
+    1, per ``batch`` tokens otherwise; its slope vs T is ~0 for a bounded cache and ~1 for a
+    growing KV cache), the cache's own bytes (``cache_mb``, all rows of the batch) and the RSS
+    growth while decoding (``peak_mb``). The last case is the baseline of ``x_vs_<name>``, at the
+    same ``batch`` and ``T``.
+    """
+    import time
+
+    dev = torch.device(device)
+    hidden, heads, n_dec = sc.hidden, sc.heads, sc.decode_tokens
+    rows = []
+    for i, case in enumerate(sc.cases):
+        torch.manual_seed(0)
+        method, options, mode = _decode_method(case, f"scenario {sc.name!r}, case {i}")
+        if "backend" in method.option_names():
+            options["backend"] = "flex"
+        layer = method.build(hidden, heads, **options).to(dev).eval()
+        for batch in sc.batch_sizes:
+            for T in sc.seq_lens:
+                x = torch.randn(batch, T + n_dec, hidden, device=dev)
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    _, cache = layer(x[:, :T], use_cache=True)
+                    sync(dev)
+                    prefill = time.perf_counter() - t0
+
+                    if mode == "functional":
+                        def run():
+                            c = cache
+                            for i in range(n_dec):
+                                _, c = layer(x[:, T + i:T + i + 1], cache=c)
+                            return c
+                    else:
+                        run = _static_run(layer, cache, x, T, n_dec, sc.repeats, compiled=mode == "compiled")
+
+                    m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
+                    end = run()
+                rows.append({"case": case["name"], "decode": mode, "batch": batch, "T": T, "prefill_s": prefill,
+                             "tokens_per_s": batch * n_dec / m.seconds,
+                             "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
+                             "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
+    by_t = {}
+    for r in rows:
+        by_t.setdefault((r["batch"], r["T"]), []).append(r)
+    base = sc.cases[-1]["name"]  # the last case is the baseline (full attention's KV cache)
+    for rs in by_t.values():
+        ref = next((r for r in rs if r["case"] == base), None)
+        for r in rs:
+            if ref is not None:
+                r["x_vs_" + base] = r["tokens_per_s"] / ref["tokens_per_s"]
+    return rows
+
+
+def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, *, compiled: bool):
+    """A run of ``n_dec`` static decode steps continuing one static cache made from ``cache``
+    (room for ``measure``'s warm-up, ``repeats`` and memory runs and the final one), eager or
+    compiled; returns the static cache."""
+    static = layer.static_cache(cache, T + n_dec * (repeats + 3))
+    step = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer
+    position = [T]
+
+    def run():
+        for i in range(n_dec):
+            step(x[:, T + i:T + i + 1], cache=static)
+            position[0] += 1
+            layer.static_boundary(static, position[0], compile=compiled)
+        return static
+
+    return run

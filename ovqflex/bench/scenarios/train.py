@@ -1,0 +1,71 @@
+"""Training scenario: throughput of whole models, one row per mixer pattern."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..measure import measure
+from .base import Scenario, register
+
+
+@dataclass(kw_only=True)
+class TrainScenario(Scenario):
+    patterns: list[str]          # the first is the baseline of x_vs_baseline
+    seq_len: int
+    preset: str = "tiny"
+    batch_size: int = 8
+    task: str = "icr"
+    task_options: dict = field(default_factory=dict)
+    model_options: dict = field(default_factory=dict)
+    steps: int = 10              # timed steps
+    warmup_steps: int = 3        # untimed, include compile
+    compile: bool = True
+
+
+@register("train", TrainScenario)
+def train(sc: TrainScenario, device: str) -> list[dict]:
+    """Training throughput of whole models: ``torch.compile(model)`` AdamW steps on a task's
+    batches, for each mixer ``patterns`` entry."""
+    import time
+
+    from ...tasks import make_batch
+    from ...training import TrainConfig
+    from ...training.setup import autocast_dtype, build_model, build_optimizer, build_task
+    from ...training.trainer import forward_loss
+
+    dev = torch.device(device)
+    steps, warm = sc.steps, sc.warmup_steps
+    rows = []
+    for pattern in sc.patterns:
+        cfg = TrainConfig(task=sc.task, preset=sc.preset, pattern=pattern, seq_len=sc.seq_len,
+                          batch_size=sc.batch_size, compile=sc.compile, model_options=dict(sc.model_options),
+                          task_options=dict(sc.task_options))
+        torch.manual_seed(0)
+        task = build_task(cfg)
+        model = build_model(cfg, task).to(dev)
+        opt = build_optimizer(model, cfg)
+        fwd = torch.compile(model) if cfg.compile else model
+        amp = autocast_dtype(cfg, dev)
+
+        def step(i):
+            x, y = make_batch(task, seed=0, step=i, start=0, count=cfg.batch_size, seq_len=cfg.seq_len)
+            x, y = x.to(dev), y.to(dev)
+            forward_loss(fwd, x, y, amp)[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        step(0)
+        first = time.perf_counter() - t0
+        for i in range(1, warm):
+            step(i)
+        m = measure(lambda: [step(warm + i) for i in range(steps)], device=dev, repeats=1, warmup=0)
+        rows.append({"pattern": pattern, "T": cfg.seq_len, "batch": cfg.batch_size,
+                     "params_m": model.num_parameters() / 1e6, "first_step_s": first,
+                     "step_s": m.seconds / steps, "tokens_per_s": steps * cfg.batch_size * cfg.seq_len / m.seconds,
+                     "peak_mb": m.peak_mb})
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["x_vs_baseline"] = r["tokens_per_s"] / base
+    return rows
