@@ -179,18 +179,35 @@ def _flag_nonfinite(v: Tensor) -> Tensor:
     return torch.cat([torch.where(finite, v, torch.zeros_like(v)), flag], dim=-1)
 
 
-def _safe_softmax_av(s: Tensor, v_flagged: Tensor) -> Tensor:
-    """softmax(s) @ v with fully masked rows giving 0 (no NaN in forward or backward).
-
-    s ``[..., Q, S]`` (``-inf``: not visible), ``v_flagged`` from :func:`_flag_nonfinite`: a query
-    that gives a non-finite row weight gets NaN, one that does not is untouched."""
+def _softmax_weights(s: Tensor) -> tuple[Tensor, Tensor]:
+    """Unnormalised softmax weights of s ``[..., Q, S]`` (``-inf``: not visible) and their row sums
+    (1 for a fully masked row, so it gives 0 and no NaN in forward or backward)."""
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
-    out = torch.matmul(e.to(v_flagged.dtype), v_flagged)
+    return e, torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _safe_softmax_av(s: Tensor, v: Tensor) -> Tensor:
+    """softmax(s) @ v ``[..., Q, Dv]`` for s ``[..., Q, S]`` (``-inf``: not visible), v ``[..., S, Dv]``:
+    a fully masked row gives 0, a query that gives a non-finite value row weight gets NaN, one
+    that does not is untouched (the module docstring's rule).
+
+    The rule costs a pass over v (:func:`_flag_nonfinite`). Any non-finite entry of v makes its
+    column of ``e @ v`` non-finite for every query (``0 * nan`` and ``0 * inf`` are NaN), so a
+    finite plain product proves v finite, and then it is the answer: eager CPU code (decode
+    steps over a whole KV cache, the blocked training backend) takes the plain product and pays
+    the pass only when the product is not finite. Compiled code, and accelerators (where the
+    check would be a host sync), always flag."""
+    e, denom = _softmax_weights(s)
+    if v.device.type == "cpu" and not torch.compiler.is_compiling():
+        out = torch.matmul(e.to(v.dtype), v) / denom.to(v.dtype)
+        if bool(torch.isfinite(out).all()):
+            return out
+    out = torch.matmul(e.to(v.dtype), _flag_nonfinite(v))
     out, bad_weight = out[..., :-1], out[..., -1:]
-    out = out / torch.where(denom > 0, denom, torch.ones_like(denom)).to(out.dtype)
+    out = out / denom.to(out.dtype)
     return torch.where(bad_weight > 0, torch.full_like(out, float("nan")), out)
 
 
@@ -213,7 +230,7 @@ def _blocked(p: AttentionProgram) -> Tensor:
     row_valid = valid[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     row_full = full[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     kg = p.k[:, :, rows]  # [B, H, nqb, W*bk, D]
-    vg = _flag_nonfinite(p.v)[:, :, rows]  # flagged before the gather: once per kv row
+    vg = p.v[:, :, rows]
     qb = p.q.view(B, H, nqb, bq, D)
     s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk]
     q_idx = torch.arange(Qp, device=dev).view(1, 1, nqb, bq, 1)
@@ -239,7 +256,7 @@ def _dense(p: AttentionProgram) -> Tensor:
     if p.score_mod is not None:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     s = torch.where(p.mask_mod(b, h, q_idx, kv_idx), s, float("-inf"))
-    return _safe_softmax_av(s, _flag_nonfinite(p.v.float())).to(p.q.dtype)
+    return _safe_softmax_av(s, p.v.float()).to(p.q.dtype)
 
 
 def attend_rows(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: float,
@@ -254,4 +271,4 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: floa
     if bias is not None:
         s = s + bias[:, :, None, :].float()
     s = torch.where(visible, s, float("-inf"))
-    return _safe_softmax_av(s, _flag_nonfinite(v.float())).to(q.dtype)
+    return _safe_softmax_av(s, v.float()).to(q.dtype)

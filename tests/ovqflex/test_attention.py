@@ -264,6 +264,28 @@ def test_a_masked_non_finite_value_gets_no_gradient_nan(backend):
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+def test_eager_cpu_attention_flags_non_finite_values_only_when_there_are_some(monkeypatch):
+    """The non-finite rule's pass over v (a copy of a whole KV cache per decode step) is paid on
+    eager CPU only when the plain product is not finite: a clean decode step makes no flagged copy;
+    a NaN in the cache makes one, and reaches the new query."""
+    import ovqflex.attention as attention
+
+    calls = []
+    flag = attention._flag_nonfinite
+    monkeypatch.setattr(attention, "_flag_nonfinite", lambda v: calls.append(v.shape) or flag(v))
+    torch.manual_seed(0)
+    layer = ovqflex.CausalAttention(32, 2, rope=True, backend="dense")
+    x = torch.randn(1, 41, 32)
+    with torch.no_grad():
+        _, cache = layer(x[:, :40], use_cache=True)
+        calls.clear()
+        y, _ = layer(x[:, 40:], cache=cache)
+        assert calls == [] and torch.isfinite(y).all()
+        cache.v[:, :, 7] = float("nan")
+        y, _ = layer(x[:, 40:], cache=cache)
+    assert len(calls) == 1 and y.isnan().all()
+
+
 @pytest.mark.slow
 def test_flex_keeps_a_non_finite_value_out_of_earlier_query_blocks():
     """flex (compiled) is block-causal for non-finite values: query blocks before t's block are
