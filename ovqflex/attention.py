@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from masks.program import AttentionProgram
-from recurrences.checks import check_choice
+from recurrences.checks import check_choice, host_check_is_free
 
 log = logging.getLogger("ovqflex")
 
@@ -201,7 +201,7 @@ def _safe_softmax_av(s: Tensor, v: Tensor) -> Tensor:
     the pass only when the product is not finite. Compiled code, and accelerators (where the
     check would be a host sync), always flag."""
     e, denom = _softmax_weights(s)
-    if v.device.type == "cpu" and not torch.compiler.is_compiling():
+    if host_check_is_free(v):
         out = torch.matmul(e.to(v.dtype), v) / denom.to(v.dtype)
         if bool(torch.isfinite(out).all()):
             return out

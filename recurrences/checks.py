@@ -100,6 +100,14 @@ def check_choice(name: str, value: object, choices) -> str:
     return value
 
 
+def host_check_is_free(x: Tensor) -> bool:
+    """Whether a data-dependent branch on ``x`` costs nothing: eager code (not being traced by
+    ``torch.compile``) on the CPU, where reading a value needs no device sync. Fast paths that
+    are exact only for finite inputs branch on a cheap finiteness check there, and take the
+    branch-free general path elsewhere."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def check_finite(name: str, x: Tensor) -> None:
     """Opt-in (host-syncing) check used when ``check_finite=True``."""
     if not torch.isfinite(x).all():

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_block_size, check_choice, check_int
+from .checks import check_block_size, check_choice, check_int, host_check_is_free
 from .segments import segment_snapshot_sums
 
 STATE_LAYOUTS = ("snapshot", "versioned", "auto")
@@ -194,15 +194,20 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         D = x.shape[-1]
         xs_ = x.gather(2, order[..., None].expand(B, H, Tp, D)).double()
         # the cumsum runs across slots: a non-finite token would reach every later slot's rows (also
-        # rows of earlier tokens), so it is summed as 0 and marks the rows of its own slot from it on
-        finite = torch.isfinite(xs_)
-        xs_ = torch.where(finite, xs_, torch.zeros_like(xs_))
+        # rows of earlier tokens), so it is summed as 0 and marks the rows of its own slot from it on.
+        # Eager on the CPU, a finite total proves every token finite (fp32 values cannot overflow
+        # fp64) and that pass is skipped.
+        marked = not (host_check_is_free(xs_) and bool(torch.isfinite(xs_.sum(2)).all()))
+        if marked:
+            finite = torch.isfinite(xs_)
+            xs_ = torch.where(finite, xs_, torch.zeros_like(xs_))
         cs = xs_.cumsum(2)
-        before = (cs - xs_).gather(2, seg_start[..., None].expand(B, H, Tp, D))  # running sum before the slot
-        bad = (~finite.all(-1)).long()
-        bad_cs = bad.cumsum(2)
-        bad_so_far = bad_cs - (bad_cs - bad).gather(2, seg_start)  # non-finite tokens of the slot up to here
-        sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(cs, float("nan")), cs - before)
+        sums = cs - (cs - xs_).gather(2, seg_start[..., None].expand(B, H, Tp, D))  # minus the sum before the slot
+        if marked:
+            bad = (~finite.all(-1)).long()
+            bad_cs = bad.cumsum(2)
+            bad_so_far = bad_cs - (bad_cs - bad).gather(2, seg_start)  # non-finite tokens of the slot up to here
+            sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(cs, float("nan")), sums)
         ver.append(sums.to(x.dtype).gather(2, inv[..., None].expand(B, H, Tp, D)))
     return VersionedSums(ckpt, ckpt_counts, ver, ver_counts, slot, born, dies)
 
