@@ -189,7 +189,7 @@ def _softmax_weights(s: Tensor) -> tuple[Tensor, Tensor]:
     return e, torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
-def _safe_softmax_av(s: Tensor, v: Tensor) -> Tensor:
+def _safe_softmax_av(s: Tensor, v: Tensor, flagged=None) -> Tensor:
     """softmax(s) @ v ``[..., Q, Dv]`` for s ``[..., Q, S]`` (``-inf``: not visible), v ``[..., S, Dv]``:
     a fully masked row gives 0, a query that gives a non-finite value row weight gets NaN, one
     that does not is untouched (the module docstring's rule).
@@ -199,13 +199,15 @@ def _safe_softmax_av(s: Tensor, v: Tensor) -> Tensor:
     finite plain product proves v finite, and then it is the answer: eager CPU code (decode
     steps over a whole KV cache, the blocked training backend) takes the plain product and pays
     the pass only when the product is not finite. Compiled code, and accelerators (where the
-    check would be a host sync), always flag."""
+    check would be a host sync), always flag. ``flagged``: a callable giving
+    ``_flag_nonfinite(v)`` more cheaply (the blocked backend flags its kv rows before gathering
+    them per query block), default ``_flag_nonfinite(v)``."""
     e, denom = _softmax_weights(s)
     if host_check_is_free(v):
         out = torch.matmul(e.to(v.dtype), v) / denom.to(v.dtype)
         if bool(torch.isfinite(out).all()):
             return out
-    out = torch.matmul(e.to(v.dtype), _flag_nonfinite(v))
+    out = torch.matmul(e.to(v.dtype), _flag_nonfinite(v) if flagged is None else flagged())
     out, bad_weight = out[..., :-1], out[..., -1:]
     out = out / denom.to(out.dtype)
     return torch.where(bad_weight > 0, torch.full_like(out, float("nan")), out)
@@ -240,7 +242,8 @@ def _blocked(p: AttentionProgram) -> Tensor:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     visible = row_valid[:, None, :] & (row_full[:, None, :] | p.mask_mod(b, h, q_idx, kv_idx))
     s = torch.where(visible, s, float("-inf"))
-    out = _safe_softmax_av(s.float(), vg.float())  # [B, H, nqb, bq, Dv]
+    out = _safe_softmax_av(s.float(), vg.float(),  # [B, H, nqb, bq, Dv]; flagged once per kv row
+                           flagged=lambda: _flag_nonfinite(p.v.float())[:, :, rows])
     return out.reshape(B, H, Qp, Dv).to(p.q.dtype)
 
 
