@@ -1,13 +1,13 @@
 """Long in-context learning of linear functions (OVQ paper, arXiv 2602.03922, §4.1, §8.5)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from .base import PAD, Task, check_fields, labels_from_targets, pad_start
+from .base import PAD, TRAIN_ONLY, Task, check_fields, labels_from_targets, pad_start
 
 NEXT = 1
 FN0 = 2  # function-id tokens are FN0 .. FN0 + n_function_tokens - 1
@@ -36,6 +36,12 @@ class ICL(Task):
     output token, and the remainder is padded at the start.
 
     Special tokens: ``pad=0, next=1 (|), fn_i = 2 + i`` for ``i < n_function_tokens``.
+
+    ``min_functions`` (training only; :meth:`Task.evaluation` drops it): each example instead
+    draws its number of functions uniformly from ``[min_functions, n_functions]`` (same
+    length, same layout). With one or two functions most examples repeat a function seen
+    one or two examples earlier, so the in-context part (read ``a``, ``b``, ``P`` off an
+    earlier example of the same function) gets a strong gradient from the first steps.
     """
 
     name: ClassVar[str] = "icl"
@@ -46,12 +52,17 @@ class ICL(Task):
     a_max: int = 5
     b_max: int = 5
     x_max: int | None = None
+    min_functions: int | None = field(default=None, metadata={TRAIN_ONLY: True})
 
     def __post_init__(self) -> None:
         check_fields(self, {"vocab_size": 1, "n_functions": 1, "n_function_tokens": 1, "io_len": 1,
                             "a_max": 1, "b_max": 1})
         if self.n_functions > self.n_function_tokens:
             raise ValueError(f"n_functions={self.n_functions} must be <= n_function_tokens={self.n_function_tokens}")
+        if self.min_functions is not None:
+            check_fields(self, {"min_functions": 1})
+            if self.min_functions > self.n_functions:
+                raise ValueError(f"min_functions={self.min_functions} must be <= n_functions={self.n_functions}")
         fit = (self.vocab_size - self.content0 - 1 - self.b_max) // self.a_max  # largest x with y in vocab
         if self.x_max is None:
             if fit < 1:
@@ -84,12 +95,15 @@ class ICL(Task):
         return (seq_len + 1) // self._example_len()
 
     def describe(self) -> str:
+        mix = "" if self.min_functions is None else f" (training mix: >= {self.min_functions} functions)"
         return (f"long ICL: {self.n_functions} functions y = b + a·P·x in context "
                 f"(a≤{self.a_max}, b≤{self.b_max}, P a permutation), {self.io_len}-token inputs in "
-                f"[1, {self.x_max}], vocab {self.vocab_size}")
+                f"[1, {self.x_max}], vocab {self.vocab_size}{mix}")
 
     def _example(self, seq_len: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
         f, L, n = self.n_functions, self.io_len, self.n_examples(seq_len)
+        if self.min_functions is not None:
+            f = int(torch.randint(self.min_functions, f + 1, (), generator=gen))
         ids = torch.randperm(self.n_function_tokens, generator=gen)[:f]
         a = torch.randint(1, self.a_max + 1, (f,), generator=gen)
         b = torch.randint(1, self.b_max + 1, (f,), generator=gen)
