@@ -128,9 +128,9 @@ register_experiment(Experiment(
         "cpu": Scale(preset="tiny", seq_len=128, steps=2000, batch_size=16,
                      eval_lengths=(128, 256, 512, 1024, 2048), task_options=_ICL_CPU_TASK, lr=5e-3, warmup=100,
                      ckpt_every=200, eval_examples=64, eval_batch_size=16,
-                     budget="4.1M training tokens per run; a tiny sw-nope run took 4.3 min at ~16.5k tokens/s on a "
-                            "shared 2-core CPU (~3 min quiet); ~60 min estimated for 5 models x 2 seeds with evaluations "
-                            "(which read twice the tokens of icr's)"),
+                     budget="4.1M training tokens per run; measured 67 min for 5 models x 2 seeds with evaluations on "
+                            "a shared (not quiet) 2-core CPU: sw-nope / sw-linear 3.3-4.1 min per run (17-24k tokens/s), "
+                            "sw-ovq / sw-vq / sw-kvm 6.7-8.6 min (8-10k tokens/s); likely under 60 min quiet"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
                      task_options=dict(vocab_size=10000, io_len=12, n_functions=16), model_options=_GPU_MODEL,
