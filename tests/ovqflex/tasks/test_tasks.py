@@ -398,6 +398,40 @@ def test_icl_structure(extra, seed):
     assert all(found[f] for f in found), found
 
 
+@given(extra=st.integers(0, 600), seed=st.integers(0, 2**31), min_functions=st.integers(1, 3))
+def test_icl_min_functions_mixes_function_counts(extra, seed, min_functions):
+    L = 3
+    t = make_task("icl", **SMALL["icl"], min_functions=min_functions)
+    T = t.min_len() + extra
+    x, y = one(t, T, seed)
+    npad, examples = parse_icl(x, y, L, 8)  # the same layout and length
+    assert npad < 2 * L + 2 and len(examples) == (T + 1) // (2 * L + 2)
+    assert len({f for f, _, _ in examples}) <= 3
+    assert all(1 <= v <= t.x_max for _, xs, _ in examples for v in xs)
+    found = consistent_functions(examples, L, 5, 5)
+    assert all(found[f] for f in found), found
+
+
+def test_icl_min_functions_spread_and_evaluation():
+    t = make_task("icl", **SMALL["icl"], min_functions=1)
+    x, y = make_batch(t, seed=0, step=0, start=0, count=256, seq_len=400)  # 50 examples each
+    counts = [len({f for f, _, _ in parse_icl(xr, yr, 3, 8)[1]}) for xr, yr in zip(x.tolist(), y.tolist())]
+    assert min(counts) == 1 and max(counts) == 3  # uniform over 1..3 functions: both ends drawn
+    assert 40 < counts.count(1) < 130  # ~85 of 256 (50 examples of 3 functions all show up)
+    # evaluation drops the training-only option: n_functions per sequence, as without it
+    e = t.evaluation()
+    assert e.min_functions is None and e.options() == {**t.options(), "min_functions": None}
+    ref = make_task("icl", **SMALL["icl"])
+    assert e == ref and ref.evaluation() == ref
+    assert torch.equal(make_batch(e, seed=0, step=0, start=0, count=4, seq_len=400)[0],
+                       make_batch(ref, seed=0, step=0, start=0, count=4, seq_len=400)[0])
+    assert "training mix" in t.describe() and "training mix" not in e.describe()
+    with pytest.raises(ValueError, match="min_functions must be >= 1"):
+        make_task("icl", min_functions=0)
+    with pytest.raises(ValueError, match="min_functions=4 must be <= n_functions=3"):
+        make_task("icl", **SMALL["icl"], min_functions=4)
+
+
 def test_icl_paper_size_and_function_count():
     t = make_task("icl", n_functions=128)
     x, y = one(t, 2048 * 4)
