@@ -320,3 +320,17 @@ def test_a_bug_is_not_turned_into_exit_2(monkeypatch):
     monkeypatch.setattr(tools, "_cmd_info", buggy)
     with pytest.raises(TypeError, match="unsupported operand"):
         main(["info"])
+
+
+@pytest.mark.parametrize("module", ["ovqflex", "ovqflex.cli"])
+def test_python_dash_m_runs_the_command_line(module):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, "experiment", "icr", "--dry-run"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("experiment icr, scale cpu")
+    bad = subprocess.run([sys.executable, "-m", module, "experiment", "icx"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "icx" in bad.stderr
