@@ -189,25 +189,25 @@ def _softmax_weights(s: Tensor) -> tuple[Tensor, Tensor]:
     return e, torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
-def _safe_softmax_av(s: Tensor, v: Tensor, flagged=None) -> Tensor:
+def _safe_softmax_av(s: Tensor, v: Tensor, pick=None) -> Tensor:
     """softmax(s) @ v ``[..., Q, Dv]`` for s ``[..., Q, S]`` (``-inf``: not visible), v ``[..., S, Dv]``:
     a fully masked row gives 0, a query that gives a non-finite value row weight gets NaN, one
-    that does not is untouched (the module docstring's rule).
+    that does not is untouched (the module docstring's rule). ``pick``: selects the rows s scores
+    from v's rows (the blocked backend's per-query-block gather), so v is flagged once per row.
 
     The rule costs a pass over v (:func:`_flag_nonfinite`). Any non-finite entry of v makes its
     column of ``e @ v`` non-finite for every query (``0 * nan`` and ``0 * inf`` are NaN), so a
     finite plain product proves v finite, and then it is the answer: eager CPU code (decode
     steps over a whole KV cache, the blocked training backend) takes the plain product and pays
     the pass only when the product is not finite. Compiled code, and accelerators (where the
-    check would be a host sync), always flag. ``flagged``: a callable giving
-    ``_flag_nonfinite(v)`` more cheaply (the blocked backend flags its kv rows before gathering
-    them per query block), default ``_flag_nonfinite(v)``."""
+    check would be a host sync), always flag."""
+    pick = pick or (lambda rows: rows)
     e, denom = _softmax_weights(s)
     if host_check_is_free(v):
-        out = torch.matmul(e.to(v.dtype), v) / denom.to(v.dtype)
+        out = torch.matmul(e.to(v.dtype), pick(v)) / denom.to(v.dtype)
         if bool(torch.isfinite(out).all()):
             return out
-    out = torch.matmul(e.to(v.dtype), _flag_nonfinite(v) if flagged is None else flagged())
+    out = torch.matmul(e.to(v.dtype), pick(_flag_nonfinite(v)))
     out, bad_weight = out[..., :-1], out[..., -1:]
     out = out / denom.to(out.dtype)
     return torch.where(bad_weight > 0, torch.full_like(out, float("nan")), out)
@@ -232,7 +232,6 @@ def _blocked(p: AttentionProgram) -> Tensor:
     row_valid = valid[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     row_full = full[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     kg = p.k[:, :, rows]  # [B, H, nqb, W*bk, D]
-    vg = p.v[:, :, rows]
     qb = p.q.view(B, H, nqb, bq, D)
     s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk]
     q_idx = torch.arange(Qp, device=dev).view(1, 1, nqb, bq, 1)
@@ -242,8 +241,7 @@ def _blocked(p: AttentionProgram) -> Tensor:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     visible = row_valid[:, None, :] & (row_full[:, None, :] | p.mask_mod(b, h, q_idx, kv_idx))
     s = torch.where(visible, s, float("-inf"))
-    out = _safe_softmax_av(s.float(), vg.float(),  # [B, H, nqb, bq, Dv]; flagged once per kv row
-                           flagged=lambda: _flag_nonfinite(p.v.float())[:, :, rows])
+    out = _safe_softmax_av(s.float(), p.v.float(), pick=lambda v: v[:, :, rows])  # [B, H, nqb, bq, Dv]
     return out.reshape(B, H, Qp, Dv).to(p.q.dtype)
 
 
