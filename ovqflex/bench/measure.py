@@ -150,6 +150,7 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
                "x_vs_reference": ref.seconds / m.seconds if ref else None,
                "x_vs_sdpa": base.seconds / m.seconds if base else None}
         if flops and peak_gflops:
-            row.update(gflops=flops[0] / m.seconds / 1e9, pct_matmul_peak=100 * flops[0] / m.seconds / 1e9 / peak_gflops)
+            gflops = flops[0] / m.seconds / 1e9
+            row.update(gflops=gflops, pct_matmul_peak=100 * gflops / peak_gflops)
         rows.append(row)
     return rows

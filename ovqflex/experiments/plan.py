@@ -214,7 +214,8 @@ def plan(experiment: Experiment, scale: str, out: str | Path, *, seeds=None, mod
     for m in chosen:
         train = sc.train_config(out=str(out / f"{m.label}-s{seeds[0]}"), seed=seeds[0], task=exp.task,
                                 task_options=options, pattern=m.pattern,
-                                model_options=merge_config(sc.model_options, m.model_options, f"model {m.label!r} options"),
+                                model_options=merge_config(sc.model_options, m.model_options,
+                                                           f"model {m.label!r} options"),
                                 device=device,
                                 progress=progress)
         try:

@@ -102,7 +102,8 @@ class EvalSweep:
 
     def __post_init__(self):
         if not isinstance(self.option, str) or not self.option.isidentifier():
-            raise ValueError(f"EvalSweep.option must be a mixer attribute name (e.g. max_centroids), got {self.option!r}")
+            raise ValueError(f"EvalSweep.option must be a mixer attribute name (e.g. max_centroids), "
+                             f"got {self.option!r}")
         _check_positive_ints("EvalSweep.factors", self.factors, increasing=True)
         if not isinstance(self.models, tuple) or not self.models or not all(isinstance(m, str) for m in self.models):
             raise TypeError(f"EvalSweep.models must be a non-empty tuple of model labels, got {self.models!r}")

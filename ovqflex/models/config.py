@@ -11,7 +11,8 @@ import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
-from recurrences.checks import ConfigError, ConfigTypeError, check_block_size, check_chunk, check_int, check_keys, from_dict
+from recurrences.checks import (ConfigError, ConfigTypeError, check_block_size, check_chunk, check_int, check_keys,
+                                from_dict)
 
 from ..ops.ovq import OVQOptions
 
