@@ -118,9 +118,9 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
         return kvm_decode_static(cache, q, k, v, kbar32, gate, self.options, self._readout(), tail)
 
     def static_boundary(self, cache: StaticKVMCache, position: int, *, compile: bool = False) -> None:
-        """At a query chunk ``>= Nb``'s start, absorb the oldest window chunk in place (eagerly:
-        KVM's routing op takes host ints; ``compile`` changes nothing)."""
-        kvm_static_boundary(cache, self.options, self._readout(), position)
+        """At a query chunk ``>= Nb``'s start, absorb the oldest window chunk in place
+        (:func:`~ovqflex.ops.kvm_decode.kvm_static_boundary`; ``compile``: its compiled routing step)."""
+        kvm_static_boundary(cache, self.options, self._readout(), position, compile=compile)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
