@@ -22,11 +22,13 @@ founder write and its own :func:`~recurrences.kvm.routing.kvm_merge_add` (the st
 What remains are the two products ``kbar @ LN_s(s)^T`` and ``(g kbar) @ LN_s(s+)^T``: the padded
 ``[C, S+1]`` ones may round a logit differently from the loop's ``[C, m]`` and ``[C, m + n_app]``
 ones where the library picks another kernel by shape. On the CPU ATen takes its naive bmm below
-``D * C * cols = 400`` and BLAS above; KVM's ``m >= C >= 16`` (a chunk is a multiple of 16) puts both
-above it from ``D = 2`` on, and on the shapes tested (tests/recurrences/test_kvm_routing_static.py,
-exact ties from duplicated keys included) logits and routes are bit-identical. On CUDA, cuBLAS
-picks its kernel by shape too, and the loop's ``scatter_add_`` is an unordered atomic sum, so
-there near-ties can differ, as between two runs of the loop (§4.2 "Near ties").
+``D * C * cols = 400`` and BLAS above; KVM's ``m >= C >= 16`` (``kvm_state_sizes`` wants a chunk
+that is a multiple of 16) puts both above it from ``D = 2`` on (at ``D = 1`` a logit is one
+product, exact in either), and on every shape tested (tests/recurrences/test_kvm_routing_static.py,
+exact ties from duplicated keys included; the ``routing`` bench's ``same_routes`` at 2048 rows)
+routes and state are bit-identical, compiled or not. On CUDA, cuBLAS picks its kernel by shape too,
+and the loop's ``scatter_add_`` is an unordered atomic sum, so there near-ties can differ, as
+between two runs of the loop (§4.2 "Near ties").
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def route_kvm_static(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Ten
 
     kbar ``[B, H, T, D]`` memory keys, gate ``[B, H, T]``, ``ln_weight, ln_bias [D]`` (any float
     dtype; routing in fp32); ``sizes``: ``kvm_state_sizes(...)``; ``compile``: the step compiled
-    (``compiled_static_step``, once per input shape and ``(sink_len, ln_eps)``). One
+    (``compiled_static_step``, once per input shape and ``(sink_len, ln_eps)``; dynamo's
+    ``recompile_limit`` bounds how many such variants one process may use). One
     :class:`StaticKVMRouter` call. No grad.
     """
     router = StaticKVMRouter(tuple(kbar.shape), chunk_size=chunk_size, n_bswa_chunks=n_bswa_chunks, sizes=sizes,
