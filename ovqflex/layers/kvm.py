@@ -39,7 +39,7 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
     (``chunk_size``, ``n_bswa_chunks``, ``sink_len``, ``rope_dims``, the budget ``budget``,
     ``state_min_len``, ``growth_factor``, ``growth_exponent``, ``round_down``, ``saturation_n``,
     ``max_state_chunks``, and ``use_vlens``, ``ln_eps``, ``state_layout``, ``checkpoint_every``,
-    ``block_size``); none is a parameter, so each may be changed at test time as an attribute
+    ``block_size``, ``routing``); none is a parameter, so each may be changed at test time as an attribute
     (``layer.max_state_chunks = None``, or ``HybridLM.set_overrides(max_state_chunks=...)``).
     ``rope_base`` and the ablation switches ``use_gate``, ``use_temperatures`` decide the parameters.
     """
