@@ -43,7 +43,8 @@ class KVMCache(LayerCache):
 @dataclass
 class StaticKVMCache(StaticLayerCache):
     """state ``[B, H, R, D]``, value_sums ``[B, H, R, Dv]``, radius, counts ``[B, H, R]`` fp32 as
-    :class:`KVMCache` (``R``: the most rows any chunk up to the capacity reads); rows ``[n_chunks]``
+    :class:`KVMCache` (``R``: the most rows any chunk up to the capacity reads, plus the spare row
+    of the static routing step, never live); rows ``[n_chunks]``
     int64: the state rows query chunk ``c`` reads (0 for ``c < Nb``). Window ring of ``W = Nb * C``
     slots, position ``p`` in slot ``p % W``: win_k ``[B, H, W, D]`` (normalized, rotated), win_v
     ``[B, H, W, Dv]``, win_kbar ``[B, H, W, D]`` fp32, win_gate ``[B, H, W]`` fp32, win_pos ``[W]``

@@ -39,7 +39,7 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
     (``chunk_size``, ``n_bswa_chunks``, ``sink_len``, ``rope_dims``, the budget ``budget``,
     ``state_min_len``, ``growth_factor``, ``growth_exponent``, ``round_down``, ``saturation_n``,
     ``max_state_chunks``, and ``use_vlens``, ``ln_eps``, ``state_layout``, ``checkpoint_every``,
-    ``block_size``); none is a parameter, so each may be changed at test time as an attribute
+    ``block_size``, ``routing``); none is a parameter, so each may be changed at test time as an attribute
     (``layer.max_state_chunks = None``, or ``HybridLM.set_overrides(max_state_chunks=...)``).
     ``rope_base`` and the ablation switches ``use_gate``, ``use_temperatures`` decide the parameters.
     """
@@ -118,9 +118,9 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
         return kvm_decode_static(cache, q, k, v, kbar32, gate, self.options, self._readout(), tail)
 
     def static_boundary(self, cache: StaticKVMCache, position: int, *, compile: bool = False) -> None:
-        """At a query chunk ``>= Nb``'s start, absorb the oldest window chunk in place (eagerly:
-        KVM's routing op takes host ints; ``compile`` changes nothing)."""
-        kvm_static_boundary(cache, self.options, self._readout(), position)
+        """At a query chunk ``>= Nb``'s start, absorb the oldest window chunk in place
+        (:func:`~ovqflex.ops.kvm_decode.kvm_static_boundary`; ``compile``: its compiled routing step)."""
+        kvm_static_boundary(cache, self.options, self._readout(), position, compile=compile)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

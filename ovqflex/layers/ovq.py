@@ -25,7 +25,7 @@ class OVQAttention(OptionAttributes, MultiHeadProjection):
 
     Options: an :class:`~ovqflex.ops.ovq.OVQOptions` (``options=``), or its fields as keywords
     (``chunk_size``, ``max_centroids``, ``growth``, ``growth_horizon``, ``seeding``, ``seed``,
-    ``normalize_centroids``, ``state_layout``, ``checkpoint_every``, ``block_size``); each reads and
+    ``normalize_centroids``, ``state_layout``, ``checkpoint_every``, ``block_size``, ``routing``); each reads and
     sets as an attribute. ``max_centroids`` is the training dictionary cap; it may be raised at
     inference (the paper trains N=2k and tests up to 20k) by setting ``layer.max_centroids`` or
     passing ``forward(x, max_centroids=...)`` — no parameter depends on it.

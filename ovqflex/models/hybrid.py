@@ -178,7 +178,8 @@ class HybridLM(nn.Module):
 
     def static_boundary(self, caches: list, position: int, *, compile: bool = False) -> None:
         """The host-side work after a :meth:`decode_static` step that left ``position`` tokens
-        (OVQ: route and absorb a completed chunk; ``compile``: its compiled step)."""
+        (OVQ: route and absorb a completed chunk, KVM: the oldest window chunk; ``compile``: their
+        compiled routing steps)."""
         for block, cache in zip(self.blocks, caches):
             block.mixer.static_boundary(cache, position, compile=compile)
 

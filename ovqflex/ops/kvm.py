@@ -13,9 +13,10 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import BlockWindow
-from recurrences.checks import check_chunk, check_companion, check_int, check_qkv, check_tensor, options_of
-from recurrences.kvm import (KVMBudget, build_kvm_snapshots, build_kvm_versioned, kvm_state_sizes, memory_keys,
-                             route_kvm, routing_memory_keys)
+from recurrences.checks import (check_choice, check_chunk, check_companion, check_int, check_qkv, check_tensor,
+                                options_of)
+from recurrences.kvm import (ROUTING_IMPLS, KVMBudget, build_kvm_snapshots, build_kvm_versioned, kvm_state_sizes,
+                             memory_keys, route_kvm, routing_memory_keys)
 from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout
 
@@ -57,7 +58,9 @@ class KVMOptions(KVMBudget):
     (False: state values ``s_v / count`` instead of the founder's radius); ``ln_eps`` of ``LN_s``; ``state_layout``
     (``"snapshot"``: one state per query chunk; ``"versioned"``: checkpoints every
     ``checkpoint_every`` chunks plus one version row per token, memory-linear; ``"auto"``: fewer
-    rows; docs/design.md §5); ``block_size``, the attention block (a power of two >= 16).
+    rows; docs/design.md §5); ``block_size``, the attention block (a power of two >= 16); ``routing``:
+    ``"loop"`` or ``"static"`` (the same routes from a compiled static-shape chunk step, the CUDA-graph
+    path; docs/design.md §4.3).
     """
 
     chunk_size: int = 128
@@ -69,9 +72,11 @@ class KVMOptions(KVMBudget):
     state_layout: str = "auto"
     checkpoint_every: int | None = None
     block_size: int = DEFAULT_BLOCK
+    routing: str = "loop"
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("routing", self.routing, ROUTING_IMPLS)
         check_state_layout(self.state_layout, self.checkpoint_every, self.block_size)
         check_chunk("chunk_size", self.chunk_size)
         check_int("n_bswa_chunks", self.n_bswa_chunks)
@@ -125,7 +130,8 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
         kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
         kbar32 = routing_memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)  # fp32, whatever the dtype
         routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk_size=chunk_size,
-                                    n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=o.sink_len, ln_eps=ln_eps)
+                                    n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=o.sink_len, ln_eps=ln_eps,
+                                    impl=o.routing)
     k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)
     readout = dict(ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps, use_vlens=o.use_vlens)
     program = build_state_program(

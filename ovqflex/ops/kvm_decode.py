@@ -9,8 +9,10 @@ then reads the state and its window causally, as the full forward does.
 The static form (:class:`~ovqflex.cache.kvm.StaticKVMCache`, docs/design.md §6 "Static decode"): a
 step (:func:`kvm_decode_static`) writes the token into the window ring and reads every state row,
 the dead ones masked; when a query chunk ``c >= Nb`` is next, :func:`kvm_static_boundary` (called by
-the host) absorbs chunk ``c - Nb`` from the ring in place with the same :func:`_absorb` — eagerly:
-KVM's routing op takes host ints (once per chunk).
+the host) absorbs chunk ``c - Nb`` from the ring in place: the initial state (``c = Nb``, once) with
+the same :func:`_absorb`, every later chunk with the static routing step
+(:func:`recurrences.kvm.routing_static.kvm_static_step`: fixed shapes, the ring's slots and the
+state sizes looked up on the device, no host sync).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from masks.regions import BlockWindow, token_visibility
 from recurrences.kvm import kvm_absorb, kvm_route_chunk
+from recurrences.kvm.routing_static import compiled_static_step, kvm_static_step
 
 from ..attention import attend_rows
 from ..cache.kvm import KVMCache, StaticKVMCache
@@ -75,11 +78,17 @@ def _absorb(st: dict, c: int, opts: KVMOptions, readout: KVMReadout, ok: Tensor,
             target, appended = kvm_route_chunk(st["state"], m, n_app, ok, og, readout.ln_s_weight.float(),
                                                readout.ln_s_bias.float(), opts.sink_len, opts.ln_eps)
         kvm_absorb(st["state"], ok, og, target, appended, n_app)
+    _absorb_values(st, og, vc, target, appended)
+    return target, appended
+
+
+def _absorb_values(st: dict, og: Tensor, vc: Tensor, target: Tensor, appended: Tensor) -> None:
+    """The rest of an absorb once the routing state holds the chunk: values ``vc [B, H, C, Dv]`` (a
+    founder's with weight 1, the others' with their gate ``og [B, H, C]``), founder radii and counts."""
     weight = torch.where(appended, 1.0, og)
-    st["value_sums"].scatter_add_(2, target[..., None].expand(B, H, C, vc.shape[-1]), weight[..., None] * vc)
+    st["value_sums"].scatter_add_(2, target[..., None].expand(*target.shape, vc.shape[-1]), weight[..., None] * vc)
     st["radius"].scatter_add_(2, target, torch.linalg.vector_norm(vc, dim=-1) * appended)
     st["counts"].scatter_add_(2, target, torch.ones_like(weight))
-    return target, appended
 
 
 def _state_rows(st: dict, rows: int, opts: KVMOptions, readout: KVMReadout) -> tuple[Tensor, Tensor]:
@@ -173,11 +182,12 @@ _WINDOW = ("win_k", "win_v", "win_kbar", "win_gate")
 
 def kvm_static(cache: KVMCache, opts: KVMOptions, readout: KVMReadout, capacity: int) -> StaticKVMCache:
     """The static cache continuing ``cache`` (not changed) for sequences of at most ``capacity``
-    tokens; if the next token starts a query chunk ``>= Nb``, its absorb is done here."""
+    tokens (state rows: the most any chunk reads, plus the static routing step's spare); if the next
+    token starts a query chunk ``>= Nb``, its absorb is done here."""
     C, Nb = opts.chunk_size, opts.n_bswa_chunks
     W, n_chunks = Nb * C, -(-capacity // C)
     sizes = [_size(opts, c) if c >= Nb else 0 for c in range(n_chunks)]
-    st = _grow({name: getattr(cache, name).clone() for name in _STATE}, _capacity(opts, max(sizes)))
+    st = _grow({name: getattr(cache, name).clone() for name in _STATE}, _capacity(opts, max(sizes)) + 1)
     w = cache.win_k.shape[2]
     pos = positions(cache.position - w, w, cache.win_k.device)
     ring = {name: _padded_ring(getattr(cache, name), W, pos % W) for name in _WINDOW}
@@ -217,14 +227,27 @@ def kvm_decode_static(cache: StaticKVMCache, q: Tensor, k: Tensor, v: Tensor, kb
     return out.to(v.dtype)
 
 
-def kvm_static_boundary(cache: StaticKVMCache, opts: KVMOptions, readout: KVMReadout, position: int) -> None:
-    """After a static step left ``position`` tokens (counted on the host): if the next token starts
-    a query chunk ``c >= Nb``, absorb window chunk ``c - Nb`` (still whole in the ring) in place."""
+def kvm_static_boundary(cache: StaticKVMCache, opts: KVMOptions, readout: KVMReadout, position: int, *,
+                        compile: bool = False) -> None:
+    """After a static step left ``position`` tokens (``cache.position``, counted on the host): if the
+    next token starts a query chunk ``c >= Nb``, absorb window chunk ``c - Nb`` (still whole in the
+    ring) in place. The initial state (``c = Nb``, once) is :func:`_absorb`'s copy; a later chunk is
+    routed by the static step (``compile``: its compiled form, one graph for every chunk) on the
+    ring's slots of the chunk and ``(rows[c-1], rows[c])``, both looked up from ``cache.position``."""
     C, Nb = opts.chunk_size, opts.n_bswa_chunks
     c = position // C
     if position % C or c < Nb:
         return
-    lo = (c - Nb) * C % cache.win_pos.shape[0]
-    sl = slice(lo, lo + C)
-    _absorb({name: getattr(cache, name) for name in _STATE}, c, opts, readout, cache.win_kbar[:, :, sl],
-            cache.win_gate[:, :, sl], cache.win_v[:, :, sl].float())
+    st = {name: getattr(cache, name) for name in _STATE}
+    if c == Nb:  # chunk 0, in ring slots 0..C-1
+        _absorb(st, c, opts, readout, cache.win_kbar[:, :, :C], cache.win_gate[:, :, :C],
+                cache.win_v[:, :, :C].float())
+        return
+    chunk, offsets = cache.position // C, torch.arange(C, device=cache.position.device)  # c as a device scalar
+    slots = ((chunk - Nb) * C + offsets) % cache.win_pos.shape[0]                       # [C]
+    ok, og = cache.win_kbar.index_select(2, slots), cache.win_gate.index_select(2, slots)
+    bounds = cache.rows.index_select(0, chunk - 1 + offsets[:2])                         # (rows[c-1], rows[c])
+    step = compiled_static_step if compile else kvm_static_step
+    target, appended = step(ok, og, st["state"], bounds, readout.ln_s_weight.detach().float(),
+                            readout.ln_s_bias.detach().float(), sink_len=opts.sink_len, ln_eps=opts.ln_eps)
+    _absorb_values(st, og, cache.win_v.index_select(2, slots).float(), target, appended)

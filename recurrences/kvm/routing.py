@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ovq.routing import ROUTING_IMPLS
 from ..precision import no_autocast
 
 
 def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk_size: int, n_bswa_chunks: int,
-              sizes: list[int], sink_len: int, ln_eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+              sizes: list[int], sink_len: int, ln_eps: float = 1e-5, impl: str = "loop") -> tuple[Tensor, Tensor]:
     """Routes of every token.
 
     kbar ``[B, H, T, D]`` memory keys ``LN_s(k with the rope dims zeroed)``; gate ``[B, H, T]``
@@ -30,22 +31,31 @@ def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
     :func:`~recurrences.kvm.budget.kvm_state_sizes`.
     Returns ``routes [B, H, T]`` int64 (state row; -1: not absorbed) and
     ``founder [B, H, T]`` bool (the token created its row: weight 1, radius ``||v||``).
+    ``impl``: ``"loop"``, the chunk loop below; ``"static"``, the same routes from a compiled
+    static-shape chunk step (:func:`~recurrences.kvm.routing_static.route_kvm_static`, the CUDA-graph path).
 
     An opaque custom op: ``torch.compile`` keeps it as one call, run eagerly without grad.
     """
+    if impl not in ROUTING_IMPLS:
+        raise ValueError(f"impl must be one of {list(ROUTING_IMPLS)}, got {impl!r}")
     return _route_op(kbar.detach(), gate.detach(), ln_weight.detach(), ln_bias.detach(), chunk_size, n_bswa_chunks,
-                     list(sizes), sink_len, ln_eps)
+                     list(sizes), sink_len, ln_eps, impl)
 
 
 @torch.library.custom_op("ovqflex::route_kvm", mutates_args=())
 def _route_op(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, chunk_size: int, n_bswa_chunks: int,
-              sizes: list[int], sink_len: int, ln_eps: float) -> tuple[Tensor, Tensor]:
+              sizes: list[int], sink_len: int, ln_eps: float, impl: str) -> tuple[Tensor, Tensor]:
+    if impl == "static":
+        from .routing_static import route_kvm_static  # routing_static builds on this module
+
+        return route_kvm_static(kbar, gate, ln_weight, ln_bias, chunk_size=chunk_size, n_bswa_chunks=n_bswa_chunks,
+                                sizes=sizes, sink_len=sink_len, ln_eps=ln_eps)
     with torch.no_grad():
         return _route(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa_chunks, sizes, sink_len, ln_eps)
 
 
 @_route_op.register_fake
-def _(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa_chunks, sizes, sink_len, ln_eps):
+def _(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa_chunks, sizes, sink_len, ln_eps, impl):
     return kbar.new_empty(kbar.shape[:3], dtype=torch.long), kbar.new_empty(kbar.shape[:3], dtype=torch.bool)
 
 
@@ -88,8 +98,24 @@ def kvm_absorb(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appended: 
         founders = torch.sort((~appended).to(torch.uint8), dim=-1, stable=True).indices[..., :n_app]
         state.scatter_(2, target.gather(2, founders)[..., None].expand(B, H, n_app, D),
                        ok.gather(2, founders[..., None].expand(B, H, n_app, D)))
+    kvm_merge_add(state, ok, og, target, appended)
+
+
+def kvm_merge_add(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appended: Tensor) -> None:
+    """The merge half of :func:`kvm_absorb`, after the founders' rows are written: every token of
+    the chunk (``ok [B, H, C, D]``) adds ``g * kbar`` to its target row of ``state [B, H, S, D]``,
+    a founder ``0 * kbar`` (in token order, so the sums round as the loop's)."""
     merged_keys = torch.where(appended, 0.0, og)[..., None] * ok
-    state.scatter_add_(2, target[..., None].expand(B, H, C, D), merged_keys)
+    state.scatter_add_(2, target[..., None].expand(*target.shape, ok.shape[-1]), merged_keys)
+
+
+def found_first_chunk(state: Tensor, routes: Tensor, founder: Tensor, kf: Tensor, chunk_size: int) -> None:
+    """The initial state in place: the ``C = chunk_size`` tokens of chunk 0 (``kf [B, H, T, D]``
+    fp32) found rows ``0..C-1`` of ``state [B, H, S, D]`` (routes ``[B, H, T]``, founder ``[B, H, T]``)."""
+    C = chunk_size
+    state[:, :, :C] = kf[:, :, :C]
+    routes[:, :, :C] = torch.arange(C, device=kf.device)
+    founder[:, :, :C] = True
 
 
 def _route(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa, sizes, sink_len, ln_eps):
@@ -102,9 +128,7 @@ def _route(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa, sizes, sink_len, 
     kf, gf = kbar.float(), gate.float()
     w, b = ln_weight.float(), ln_bias.float()
     state = kf.new_zeros(B, H, max(sizes), D)  # fp32 row sums of (gated) memory keys
-    state[:, :, :C] = kf[:, :, :C]
-    routes[:, :, :C] = torch.arange(C, device=dev)
-    founder[:, :, :C] = True
+    found_first_chunk(state, routes, founder, kf, C)
     for c in range(n_bswa + 1, len(sizes)):
         u, m = c - n_bswa, sizes[c - 1]
         ok, og = kf[:, :, u * C:(u + 1) * C], gf[:, :, u * C:(u + 1) * C]  # [B, H, C, D], [B, H, C]

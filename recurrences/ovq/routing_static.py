@@ -159,7 +159,7 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
     ``N_{c+1} - N_c`` tokens first in the stable order of their best similarity (or of u) found
     slots ``N_c, N_c + 1, …``; the others join their best live slot (first index on ties).
     """
-    L, R = kc.shape[2], sums.shape[2]
+    R = sums.shape[2]
     n_old, n_new = bounds[0], bounds[1] - bounds[0]
     live = torch.arange(R, device=kc.device) < n_old                        # [S+1]
     d = sums / torch.where(live, counts, 1.0)[..., None]
@@ -167,11 +167,18 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
         d = _unit_rows(d)
     sim = (kc @ d.transpose(-1, -2)).masked_fill(~live, float("-inf"))       # [B, H, L, S+1]
     best_sim, route = sim.max(dim=-1)
-    order = torch.sort(best_sim if u is None else u, dim=-1, stable=True).indices
-    rank = torch.empty_like(order).scatter_(2, order, torch.arange(L, device=kc.device).expand_as(order))
+    rank = stable_rank(best_sim if u is None else u)
     route = torch.where(rank < n_new, n_old + rank, route)
     ovq_absorb(sums, counts, kc, route, value_sums, vc)
     return route
+
+
+def stable_rank(key: Tensor) -> Tensor:
+    """Rank ``[..., L]`` int64 of each entry of ``key [..., L]`` in its stable ascending sort along
+    the last dim: ``rank < n`` marks the loop's ``sort(stable).indices[..., :n]`` with ``n`` a device value."""
+    order = torch.sort(key, dim=-1, stable=True).indices
+    arange = torch.arange(key.shape[-1], device=key.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, arange)
 
 
 @torch.library.custom_op("ovqflex::ovq_unit_rows", mutates_args=())

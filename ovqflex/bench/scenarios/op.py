@@ -88,9 +88,10 @@ def ovq(sc: OVQScenario, device: str) -> list[dict]:
 
 
 @dataclass(kw_only=True)
-class KVMScenario(OpScenario):
-    """The budget keys are :func:`ovqflex.kvm_attention`'s options, with its defaults (TOML has
-    no null: ``state_min_len = 0`` is the default one chunk, ``max_state_chunks = 0`` uncapped)."""
+class KVMStateKeys:
+    """The KVM keys of a scenario: :func:`ovqflex.kvm_attention`'s window, sink and budget options,
+    with its defaults (TOML has no null: ``state_min_len = 0`` is the default one chunk,
+    ``max_state_chunks = 0`` uncapped)."""
 
     n_bswa_chunks: int = 2
     sink_len: int = 1
@@ -102,6 +103,18 @@ class KVMScenario(OpScenario):
     saturation_n: int = 1024
     max_state_chunks: int = 1
 
+    def kvm_options(self, chunk_size: int) -> dict:
+        """The :class:`~ovqflex.ops.kvm.KVMOptions` keywords of these keys and ``chunk_size``."""
+        return dict(chunk_size=chunk_size, n_bswa_chunks=self.n_bswa_chunks, sink_len=self.sink_len,
+                    budget=self.budget, state_min_len=self.state_min_len or None, growth_factor=self.growth_factor,
+                    growth_exponent=self.growth_exponent, round_down=self.round_down,
+                    saturation_n=self.saturation_n, max_state_chunks=self.max_state_chunks or None)
+
+
+@dataclass(kw_only=True)
+class KVMScenario(OpScenario, KVMStateKeys):
+    """An op scenario with the KVM keys (:class:`KVMStateKeys`)."""
+
 
 @register("kvm", KVMScenario)
 def kvm(sc: KVMScenario, device: str) -> list[dict]:
@@ -112,10 +125,7 @@ def kvm(sc: KVMScenario, device: str) -> list[dict]:
 
     from ...ops.kvm import KVMOptions, kvm_attention
 
-    options = dict(chunk_size=sc.chunk_size, n_bswa_chunks=sc.n_bswa_chunks, sink_len=sc.sink_len, budget=sc.budget,
-                   state_min_len=sc.state_min_len or None, growth_factor=sc.growth_factor,
-                   growth_exponent=sc.growth_exponent, round_down=sc.round_down, saturation_n=sc.saturation_n,
-                   max_state_chunks=sc.max_state_chunks or None)
+    options = sc.kvm_options(sc.chunk_size)
     opts, method = KVMOptions(**options), get_method("kvm")
     sizes = functools.cache(opts.state_sizes)  # state rows of each chunk at length T
 

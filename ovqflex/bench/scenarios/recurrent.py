@@ -1,13 +1,17 @@
 """The non-softmax recurrences vs their loops, OVQ and SDPA (``recurrent``); OVQ's state layouts (``state_layout``)
-and routing implementations (``routing``)."""
+and OVQ's and KVM's routing implementations (``routing``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+
+from recurrences.checks import check_choice
 
 from ..measure import compare_cases, measure
 from .base import Scenario, register
+from .op import KVMStateKeys
 
 
 @dataclass(kw_only=True)
@@ -32,8 +36,6 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
     OVQ (``ovq_backend``, forward) and full causal SDPA, at each ``seq_len`` of ``seq_lens``.
     The runner fits the log-log slope of time and memory vs T of each case.
     """
-    import torch.nn.functional as F
-
     from recurrences.reference import delta_rule_reference, linear_attention_reference, vla_reference
 
     from ...ops.linear import delta_rule, linear_attention, vla_attention
@@ -152,9 +154,16 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
     return rows
 
 
+ROUTING_METHODS = ("ovq", "kvm")
+
+
 @dataclass(kw_only=True)
-class RoutingScenario(Scenario):
+class RoutingScenario(Scenario, KVMStateKeys):
+    """``method``: ``"ovq"`` (``max_centroids``, plateau growth) or ``"kvm"`` (the KVM keys of
+    :class:`~ovqflex.bench.scenarios.op.KVMStateKeys`); the shape keys serve both."""
+
     seq_lens: list[int]
+    method: str = "ovq"
     max_centroids: int = 2048
     batch: int = 1
     heads: int = 8
@@ -162,32 +171,67 @@ class RoutingScenario(Scenario):
     chunk_size: int = 128
     repeats: int = 3
 
+    def __post_init__(self):
+        check_choice(f"scenario {self.name!r}: method", self.method, ROUTING_METHODS)
+
 
 @register("routing", RoutingScenario)
 def routing(sc: RoutingScenario, device: str) -> list[dict]:
-    """OVQ routing alone (docs/design.md §4.2): the chunk loop (``route_ovq``) vs the compiled
-    static-shape step (``StaticOVQRouter``), and on CUDA that run captured in one CUDA graph, at
-    each ``seq_len`` of ``seq_lens``. ``x_vs_reference``: speed-up over the loop; ``same_routes``:
-    routes equal to the loop's. The first call (compile, capture) is outside the timing.
+    """Routing alone (docs/design.md §4.2, §4.3) of ``method``: the chunk loop (``route_ovq``,
+    ``route_kvm``) vs the compiled static-shape step (``StaticOVQRouter``, ``StaticKVMRouter``), and on
+    CUDA that run captured in one CUDA graph, at each ``seq_len`` of ``seq_lens``. ``x_vs_reference``:
+    speed-up over the loop; ``same_routes``: routes (and KVM's founders) equal to the loop's. The
+    first call (compile, capture) is outside the timing.
     """
+    dev = torch.device(device)
+    rows: list[dict] = []
+    for T in sc.seq_lens:
+        g = torch.Generator().manual_seed(0)
+        cases = (_ovq_routings if sc.method == "ovq" else _kvm_routings)(sc, T, g, dev)
+        loop = cases["loop"]()
+        timed = compare_cases(T, list(cases.items()), dev, sc.repeats, reference_of=lambda name: "loop")
+        rows += [{**row, "same_routes": "error" not in row and all(map(torch.equal, cases[row["case"]](), loop))}
+                 for row in timed]
+    return rows
+
+
+def _static_routers(make, dev: torch.device) -> dict:
+    """``make(cuda_graph=...)``, a static router: compiled, and on CUDA also captured in a CUDA graph."""
+    routers = {"static compiled": make(cuda_graph=False)}
+    if dev.type == "cuda":
+        routers["static cuda graph"] = make(cuda_graph=True)
+    return routers
+
+
+def _ovq_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.device) -> dict:
+    """OVQ routing cases: name -> a call returning ``(routes,)``, of unit keys ``[B, H, T, D]``."""
     from recurrences.ovq import dictionary_sizes, route_ovq
     from recurrences.ovq.routing_static import StaticOVQRouter
 
-    dev = torch.device(device)
-    B, H, D, L, N = sc.batch, sc.heads, sc.head_dim, sc.chunk_size, sc.max_centroids
-    rows: list[dict] = []
-    for T in sc.seq_lens:
-        k = torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(0)), dim=-1)
-        k = k.to(dev)
-        sizes = dictionary_sizes(-(-T // L), L, N)
-        loop = route_ovq(k, chunk_size=L, sizes=sizes)
-        cases = {"loop": lambda k: route_ovq(k, chunk_size=L, sizes=sizes),
-                 "static compiled": StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=sizes, device=dev)}
-        if dev.type == "cuda":
-            cases["static cuda graph"] = StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=sizes, device=dev,
-                                                         cuda_graph=True)
-        timed = compare_cases(T, [(name, lambda fn=fn: fn(k)) for name, fn in cases.items()], dev, sc.repeats,
-                              reference_of=lambda name: "loop")
-        rows += [{**row, "same_routes": "error" not in row and torch.equal(cases[row["case"]](k), loop)}
-                 for row in timed]
-    return rows
+    L = sc.chunk_size
+    k = F.normalize(torch.randn(sc.batch, sc.heads, T, sc.head_dim, generator=g), dim=-1).to(dev)
+    kw = dict(chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, sc.max_centroids))
+    routers = _static_routers(lambda cuda_graph: StaticOVQRouter(tuple(k.shape), **kw, device=dev,
+                                                                 cuda_graph=cuda_graph), dev)
+    return {"loop": lambda: (route_ovq(k, **kw),), **{name: lambda r=r: (r(k),) for name, r in routers.items()}}
+
+
+def _kvm_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.device) -> dict:
+    """KVM routing cases: name -> a call returning ``(routes, founder)``, of memory keys ``LN(x)``
+    ``[B, H, T, D]``, gates ``1 + elu(x)`` and ``LN_s`` at its initialisation (weight 1, bias 0)."""
+    from recurrences.kvm import route_kvm
+    from recurrences.kvm.routing_static import StaticKVMRouter
+
+    from ...ops.kvm import KVMOptions
+
+    B, H, D = sc.batch, sc.heads, sc.head_dim
+    o = KVMOptions(**sc.kvm_options(sc.chunk_size))
+    kbar = F.layer_norm(torch.randn(B, H, T, D, generator=g), (D,)).to(dev)
+    gate = (1 + F.elu(torch.randn(B, H, T, generator=g))).to(dev)
+    ln = (torch.ones(D, device=dev), torch.zeros(D, device=dev))
+    kw = dict(chunk_size=o.chunk_size, n_bswa_chunks=o.n_bswa_chunks, sizes=o.state_sizes(T), sink_len=o.sink_len,
+              ln_eps=o.ln_eps)
+    routers = _static_routers(lambda cuda_graph: StaticKVMRouter(tuple(kbar.shape), **kw, device=dev,
+                                                                 cuda_graph=cuda_graph), dev)
+    return {"loop": lambda: route_kvm(kbar, gate, *ln, **kw),
+            **{name: lambda r=r: r(kbar, gate, *ln) for name, r in routers.items()}}

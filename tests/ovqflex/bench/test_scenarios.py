@@ -27,6 +27,7 @@ OVQ = 'name = "p"\n[[scenario]]\nname = "s"\nkind = "ovq"\n'
 DECODE = ('[[scenario]]\nname = "d"\nkind = "decode"\nseq_lens = [64]\n'
           '[[scenario.cases]]\nname = "ovq"\nkind = "ovq"\nchunk_size = 16\n')
 GENERATE = '[[scenario]]\nname = "g"\nkind = "generate"\n'
+ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
 
 
 @pytest.mark.parametrize("text, match", [
@@ -63,10 +64,13 @@ GENERATE = '[[scenario]]\nname = "g"\nkind = "generate"\n'
     (GENERATE + 'preset = "huge"\n', r"scenario 'g': preset must be one of \["),
     (GENERATE + 'pattern = "swa,vq"\ndecodes = ["functional", "static"]\n',
      r"scenario 'g': decodes \['functional', 'static'\] need a static cache, which mixer 'vq' \(VQAttention\) has not"),
+    (ROUTING + 'method = "vq"\n', r"scenario 'r': method must be one of \['kvm', 'ovq'\], got 'vq'"),
+    (ROUTING + 'method = "kvm"\nbudgt = "power_law"\n', r"unknown key 'budgt' \(did you mean 'budget'\?\)"),
 ], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
         "decode-kind", "decode-mode", "decode-static-vq", "kvm-budget", "decode-batch-0", "decode-batch-empty",
         "decode-batch-key", "generate-batch-0", "generate-prompt", "generate-decode", "generate-decode-twice",
-        "generate-new-tokens", "generate-key", "generate-preset", "generate-static-vq"])
+        "generate-new-tokens", "generate-key", "generate-preset", "generate-static-vq", "routing-method",
+                                 "routing-kvm-key"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)
@@ -98,6 +102,13 @@ def test_decode_runs_every_case_at_every_batch():
     for case in ("linear", "full"):  # a state / KV cache per row of the batch
         one, two = (next(r for r in rows if r["case"] == case and r["batch"] == b) for b in (1, 2))
         assert two["cache_mb"] == pytest.approx(2 * one["cache_mb"], rel=0.05), case
+
+
+def test_routing_times_the_kvm_loop_and_static_router_and_compares_the_routes():
+    rows = _run({"kind": "routing", "name": "r", "method": "kvm", "seq_lens": [160], "heads": 2, "head_dim": 8,
+                 "chunk_size": 16, "budget": "power_law", "growth_factor": 4.0, "max_state_chunks": 0, "repeats": 1})
+    assert [r["case"] for r in rows] == ["loop", "static compiled"]
+    assert all(r["time_s"] > 0 and r["same_routes"] is True for r in rows)
 
 
 def test_generate_times_prefill_and_new_tokens_and_compares_the_tokens():

@@ -1,0 +1,202 @@
+"""KVM routing with static shapes (docs/design.md §4.3): the overflow-chunk loop of
+:func:`~recurrences.kvm.routing.route_kvm`, every chunk step on tensors of one shape.
+
+The loop's routing state is one fixed buffer (fp32 row sums ``[B, H, S, D]``, ``S = max(sizes)``);
+what changes per chunk is the number of live rows ``m`` it reads and the number ``n_app`` of
+tokens that found new rows. Here the state has a spare row ``S`` and a step reads all ``S+1``
+rows: ``LN_s`` of every row, append scores over the live ones (``arange(S+1) < m``, the others
+``-inf``), ``m, m + n_app`` from a device tensor, the founders the tokens whose rank in the stable
+sort of their scores is below ``n_app`` (a mask, not a slice), their new rows ``LN_s`` of their
+keys scattered to rows ``m, m+1, …`` in temporal order (the other tokens to the spare), merge
+logits over all rows with rows ``< sink_len`` and ``>= m + n_app`` at ``-inf``. So
+``torch.compile(fullgraph=True, dynamic=False)`` compiles the step once for every chunk, and the
+loop over chunks (:func:`route_overflow_static`) has no host sync and no data-dependent shape:
+the target of one CUDA-graph capture (:class:`StaticKVMRouter`, ``cuda_graph=True``).
+
+Same routes as the loop: ``LN_s`` is the eager kernel on every row (:func:`_ln_rows`; a row's
+result does not depend on the other rows), dead scores are ``-inf`` (they never win a max; the max
+and the argmax's first index over the live logits are the loop's), the founders are the loop's
+``sort(stable)[:n_app]`` and get the loop's rows (``m`` + their count among the founders before
+them: the loop's ascending ``chosen``), and the write is :func:`kvm_absorb_static`: the loop's
+founder write and its own :func:`~recurrences.kvm.routing.kvm_merge_add` (the state bit for bit).
+What remains are the two products ``kbar @ LN_s(s)^T`` and ``(g kbar) @ LN_s(s+)^T``: the padded
+``[C, S+1]`` ones may round a logit differently from the loop's ``[C, m]`` and ``[C, m + n_app]``
+ones where the library picks another kernel by shape. On the CPU ATen takes its naive bmm below
+``D * C * cols = 400`` and BLAS above; KVM's ``m >= C >= 16`` (``kvm_state_sizes`` wants a chunk
+that is a multiple of 16) puts both above it from ``D = 2`` on (at ``D = 1`` a logit is one
+product, exact in either), and on every shape tested (tests/recurrences/test_kvm_routing_static.py,
+exact ties from duplicated keys included; the ``routing`` bench's ``same_routes`` at 2048 rows)
+routes and state are bit-identical, compiled or not. On CUDA, cuBLAS picks its kernel by shape too,
+and the loop's ``scatter_add_`` is an unordered atomic sum, so there near-ties can differ, as
+between two runs of the loop (§4.2 "Near ties").
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..checks import check_int
+from ..ovq.routing_static import chunk_bounds, stable_rank
+from ..precision import no_autocast
+from .routing import found_first_chunk, kvm_merge_add
+
+
+def route_kvm_static(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk_size: int,
+                     n_bswa_chunks: int, sizes: list[int], sink_len: int, ln_eps: float = 1e-5,
+                     compile: bool = True) -> tuple[Tensor, Tensor]:
+    """``routes [B, H, T]`` int64 and ``founder [B, H, T]`` bool: what ``route_kvm`` returns.
+
+    kbar ``[B, H, T, D]`` memory keys, gate ``[B, H, T]``, ``ln_weight, ln_bias [D]`` (any float
+    dtype; routing in fp32); ``sizes``: ``kvm_state_sizes(...)``; ``compile``: the step compiled
+    (``compiled_static_step``, once per input shape and ``(sink_len, ln_eps)``; dynamo's
+    ``recompile_limit`` bounds how many such variants one process may use). One
+    :class:`StaticKVMRouter` call. No grad.
+    """
+    router = StaticKVMRouter(tuple(kbar.shape), chunk_size=chunk_size, n_bswa_chunks=n_bswa_chunks, sizes=sizes,
+                             sink_len=sink_len, ln_eps=ln_eps, device=kbar.device, compile=compile)
+    return router(kbar, gate, ln_weight, ln_bias)
+
+
+class StaticKVMRouter:
+    """Static-shape KVM routing of one input shape ``[B, H, T, D]``, its buffers allocated once.
+
+    A call copies kbar, gate and the ``LN_s`` parameters into fp32 buffers and runs :meth:`run`:
+    zero the state (``[B, H, S+1, D]``, row ``S`` the spare), found rows ``0..C-1`` with chunk 0,
+    then route every overflow chunk ``u = 1..len(sizes) - Nb - 1`` with one static step
+    (:func:`route_overflow_static`).
+
+    ``cuda_graph=True`` (CUDA only): :meth:`run` is warmed up (which compiles the step) and
+    captured in one CUDA graph at construction; a call is then four copies, one replay and two copies.
+    """
+
+    def __init__(self, shape: tuple[int, int, int, int], *, chunk_size: int, n_bswa_chunks: int, sizes: list[int],
+                 sink_len: int, ln_eps: float = 1e-5, device: torch.device | str = "cpu", compile: bool = True,
+                 cuda_graph: bool = False):
+        B, H, T, D = shape
+        C, Nb = chunk_size, check_int("n_bswa_chunks", n_bswa_chunks)
+        device = torch.device(device)
+        self.chunk_size, self.sizes = C, list(sizes)
+        self.n_overflow = max(len(self.sizes) - Nb - 1, 0)
+        if len(self.sizes) > -(-T // C):  # the overflow chunks, u <= len(sizes) - Nb - 1, must be whole
+            raise ValueError(f"sizes must list at most ceil(T / chunk_size) = {-(-T // C)} chunks, "
+                             f"got {len(self.sizes)}")
+        self.kf = torch.zeros(B, H, T, D, device=device)
+        self.gf = torch.zeros(B, H, T, device=device)
+        self.ln = torch.zeros(2, D, device=device)  # LN_s weight, bias
+        self.state = torch.zeros(B, H, max(self.sizes, default=0) + 1, D, device=device)
+        self.routes = torch.full((B, H, T), -1, dtype=torch.long, device=device)
+        self.founder = torch.zeros(B, H, T, dtype=torch.bool, device=device)
+        self.bounds = chunk_bounds(self.sizes[Nb:], self.n_overflow, device)  # [n_overflow, 2]: (m, m + n_app)
+        self.step = functools.partial(compiled_static_step if compile else kvm_static_step, sink_len=sink_len,
+                                      ln_eps=ln_eps)
+        self.graph = None
+        if cuda_graph:
+            if device.type != "cuda":
+                raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self.run()  # warm-up: compiles the step outside the capture
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.run()
+
+    def __call__(self, kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor) -> tuple[Tensor, Tensor]:
+        """``routes [B, H, T]`` int64 and ``founder [B, H, T]`` bool of memory keys kbar ``[B, H, T, D]``,
+        gates ``[B, H, T]`` and ``LN_s`` parameters ``[D]`` (copies: the buffers are reused)."""
+        with torch.no_grad(), no_autocast(kbar):
+            self.kf.copy_(kbar.detach())
+            self.gf.copy_(gate.detach())
+            self.ln[0].copy_(ln_weight.detach())
+            self.ln[1].copy_(ln_bias.detach())
+            if self.graph is None:
+                self.run()
+            else:
+                self.graph.replay()
+            return self.routes.clone(), self.founder.clone()
+
+    def run(self) -> None:
+        """Routes ``self.kf`` into ``self.routes``/``self.founder`` in place: fixed buffers, no host sync
+        (the captured work)."""
+        self.state.zero_()
+        self.routes.fill_(-1)
+        self.founder.zero_()
+        if max(self.sizes, default=0) == 0:  # T <= Nb * C: nothing is absorbed
+            return
+        found_first_chunk(self.state, self.routes, self.founder, self.kf, self.chunk_size)
+        route_overflow_static(self.routes, self.founder, self.kf, self.gf, self.state, self.bounds, self.ln,
+                              chunk_size=self.chunk_size, step=self.step)
+
+
+def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, gf: Tensor, state: Tensor, bounds: Tensor,
+                          ln: Tensor, *, chunk_size: int, step) -> None:
+    """Routes and absorbs the overflow chunks ``u = 1..len(bounds)`` in place.
+
+    routes ``[B, H, T]`` int64 and founder ``[B, H, T]`` bool (each chunk's slice written), kf
+    ``[B, H, T, D]`` fp32 memory keys, gf ``[B, H, T]`` fp32 gates, state ``[B, H, S+1, D]`` fp32
+    (updated; chunk 0 already founded), bounds ``[n_overflow, 2]`` int64 ``(m, m + n_app)`` of chunk
+    ``u`` at row ``u - 1`` on kf's device, ln ``[2, D]`` fp32 ``LN_s`` weight and bias;
+    ``step(ok, og, state, bounds_u, ln_weight, ln_bias)``: :func:`kvm_static_step` (or
+    ``compiled_static_step``) with ``sink_len, ln_eps`` bound. Every launch reads and writes fixed
+    buffers at fixed offsets, with no host sync.
+    """
+    C = chunk_size
+    for u in range(1, bounds.shape[0] + 1):
+        sl = slice(u * C, (u + 1) * C)
+        routes[:, :, sl], founder[:, :, sl] = step(kf[:, :, sl], gf[:, :, sl], state, bounds[u - 1], ln[0], ln[1])
+
+
+def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
+                    sink_len: int, ln_eps: float) -> tuple[Tensor, Tensor]:
+    """One overflow chunk against a state of ``m = bounds[0]`` live rows: ``target [B, H, C]`` int64 and
+    ``appended [B, H, C]`` bool (what :func:`~recurrences.kvm.routing.kvm_route_chunk` returns), then absorbed.
+
+    ok ``[B, H, C, D]`` fp32 memory keys, og ``[B, H, C]`` fp32 gates; state ``[B, H, S+1, D]`` fp32
+    (row ``S`` the spare; updated in place by :func:`kvm_absorb_static`); bounds ``[2]`` int64 ``(m,
+    m + n_app)``; ``ln_weight, ln_bias [D]`` fp32 of ``LN_s``. The ``n_app`` tokens first in the
+    stable order of their best score over the live rows found rows ``m, m+1, …`` in temporal order;
+    the others join their argmax row ``>= sink_len`` over the ``m + n_app`` rows (first index on ties).
+    """
+    R = state.shape[2]
+    m, n_rows = bounds[0], bounds[1]
+    col = torch.arange(R, device=ok.device)                                              # [S+1]
+    rows = _ln_rows(state, ln_weight, ln_bias, ln_eps)                                   # [B, H, S+1, D]
+    score = (ok @ rows.transpose(-1, -2)).masked_fill(col >= m, float("-inf")).amax(-1)  # [B, H, C]
+    appended = stable_rank(score) < n_rows - m
+    slot = torch.where(appended, m + appended.cumsum(-1) - 1, R - 1)  # founders' new rows; the others the spare
+    rows = rows.scatter(2, slot[..., None].expand_as(ok), _ln_rows(ok, ln_weight, ln_bias, ln_eps))
+    logits = (og[..., None] * ok) @ rows.transpose(-1, -2)                               # [B, H, C, S+1]
+    logits = logits.masked_fill((col < sink_len) | (col >= n_rows), float("-inf"))
+    target = torch.where(appended, slot, logits.argmax(-1))
+    kvm_absorb_static(state, ok, og, target, appended)
+    return target, appended
+
+
+def kvm_absorb_static(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appended: Tensor) -> None:
+    """:func:`~recurrences.kvm.routing.kvm_absorb` without its host int ``n_app`` (which slices the
+    founders out of a sort): every token writes its key, a founder to its fresh row, the others to
+    the spare last row of ``state [B, H, S+1, D]``; then the same merge add. The founders' rows get
+    the keys bit for bit as in the loop (rows are distinct), and the spare is never read live."""
+    spare = state.shape[2] - 1
+    state.scatter_(2, torch.where(appended, target, spare)[..., None].expand_as(ok), ok)
+    kvm_merge_add(state, ok, og, target, appended)
+
+
+@torch.library.custom_op("ovqflex::kvm_ln_rows", mutates_args=())
+def _ln_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """``F.layer_norm(x, (D,), weight, bias, eps)`` by the eager kernel: inductor's own mean and
+    variance round differently, and routing must read the loop's ``LN_s`` rows bit for bit."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+@_ln_rows.register_fake
+def _(x, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+# compiled once per input shape and (sink_len, ln_eps): one graph serves every overflow chunk
+compiled_static_step = torch.compile(kvm_static_step, fullgraph=True, dynamic=False)

@@ -1,0 +1,136 @@
+"""Static-shape KVM routing (recurrences/kvm/routing_static.py) gives the loop's routes bit for bit."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch._dynamo.utils import counters
+
+from recurrences.kvm import KVMBudget, kvm_absorb, kvm_state_sizes, route_kvm
+from recurrences.kvm.routing_static import StaticKVMRouter, route_kvm_static
+
+BUDGETS = {  # power-law growth (uncapped, or capped at a few chunks), saturation, the fixed default (one chunk)
+    "fixed": KVMBudget(),
+    "fixed-min": KVMBudget("fixed", state_min_len=40, max_state_chunks=3),
+    "power_law": KVMBudget("power_law", growth_factor=4.0, growth_exponent=0.5, max_state_chunks=None),
+    "power_law-capped": KVMBudget("power_law", growth_factor=4.0, growth_exponent=0.5, max_state_chunks=3),
+    "power_law-round": KVMBudget("power_law", growth_factor=6.0, growth_exponent=0.6, round_down=8,
+                                 state_min_len=20, max_state_chunks=4),
+    "saturation": KVMBudget("saturation", saturation_n=48, max_state_chunks=None),
+}
+
+
+def _inputs(seed, B, H, T, D, n_distinct, gated, dtype):
+    """Memory keys ``[B, H, T, D]`` (``LN`` of random keys; with ``n_distinct``, of that many vectors:
+    exact ties everywhere), gates ``[B, H, T]`` (ones without ``gated``), ``LN_s`` weight and bias ``[D]``."""
+    g = torch.Generator().manual_seed(seed)
+    if n_distinct:
+        pick = torch.randint(n_distinct, (B, H, T), generator=g)
+        k = torch.randn(n_distinct, D, generator=g, dtype=torch.float64)[pick]
+    else:
+        k = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    kbar = F.layer_norm(k, (D,)).to(dtype)
+    gate = (1.0 + F.elu(torch.randn(B, H, T, generator=g))).to(dtype) if gated else torch.ones(B, H, T, dtype=dtype)
+    w, b = 1.0 + 0.2 * torch.randn(D, generator=g), 0.2 * torch.randn(D, generator=g)
+    return kbar, gate, w.to(dtype), b.to(dtype)
+
+
+def _check_equal(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, n_distinct, dtype):
+    T = n_chunks * C + seed % C  # a ragged last chunk when seed % C > 0
+    kbar, gate, w, b = _inputs(seed, B, H, T, D, n_distinct, gated, dtype)
+    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sizes=kvm_state_sizes(T, C, Nb, BUDGETS[budget]), sink_len=sink_len)
+    routes, founder = route_kvm(kbar, gate, w, b, **kw)
+    s_routes, s_founder = route_kvm_static(kbar, gate, w, b, compile=False, **kw)
+    assert s_routes.dtype == routes.dtype and s_founder.dtype == founder.dtype and s_routes.shape == routes.shape
+    assert torch.equal(s_routes, routes) and torch.equal(s_founder, founder)
+
+
+CONFIGS = dict(B=st.integers(1, 2), H=st.integers(1, 3), Nb=st.integers(1, 3), budget=st.sampled_from(sorted(BUDGETS)),
+               sink_len=st.sampled_from([0, 1]), gated=st.booleans(), dtype=st.sampled_from([torch.float32,
+                                                                                              torch.float64]))
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 2**16), n_chunks=st.integers(0, 14), C=st.sampled_from([16, 32]),
+       D=st.sampled_from([1, 2, 4, 8, 16]), **CONFIGS)
+def test_static_routes_equal_the_loop(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, dtype):
+    """Any shape (the front only, T <= Nb * C, included), generic keys; D = 1 makes every ``LN_s`` row
+    the bias: all scores tie, every decision is a tie rule."""
+    _check_equal(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, 0, dtype)
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 2**16), n_chunks=st.integers(4, 14), C=st.sampled_from([16, 32]),
+       D=st.sampled_from([8, 16]), n_distinct=st.sampled_from([2, 5]), **CONFIGS)
+def test_static_routes_equal_the_loop_on_exact_ties(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated,
+                                                     n_distinct, dtype):
+    """Keys drawn from 2 or 5 vectors: exact ties between rows (argmax's first index) and between
+    tokens' append scores (the stable sort)."""
+    _check_equal(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, n_distinct, dtype)
+
+
+@pytest.mark.parametrize("sink_len", [0, 1])
+def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_len):
+    B, H, D, C, Nb = 2, 3, 16, 16, 2
+    T = 17 * C + 5
+    kbar, gate, w, b = _inputs(1, B, H, T, D, 0, True, torch.float32)
+    kbar[:, :, 100:140] = kbar[:, :, 20:60]  # duplicated keys: tied scores and tied rows
+    sizes = kvm_state_sizes(T, C, Nb, BUDGETS["power_law-capped"])  # grows by 3..11 rows a chunk, then stops (48)
+    assert len(set(b - a for a, b in zip(sizes[Nb:], sizes[Nb + 1:]))) > 2
+    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sizes=sizes, sink_len=sink_len)
+    router = StaticKVMRouter(tuple(kbar.shape), **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert all(map(torch.equal, router(kbar, gate, w, b), route_kvm(kbar, gate, w, b, **kw)))
+        flipped = route_kvm(kbar.flip(2), gate, w, b, **kw)
+        assert all(map(torch.equal, router(kbar.flip(2), gate, w, b), flipped))  # the buffers are reset
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for all 2 x 14 overflow chunk steps
+    # the state the compiled steps built is the loop's absorb of the loop's routes, bit for bit
+    routes, founder = flipped
+    state = torch.zeros_like(router.state[:, :, :-1])
+    state[:, :, :C] = router.kf[:, :, :C]
+    for c in range(Nb + 1, len(sizes)):
+        sl = slice((c - Nb) * C, (c - Nb + 1) * C)
+        kvm_absorb(state, router.kf[:, :, sl], gate[:, :, sl], routes[:, :, sl], founder[:, :, sl],
+                   sizes[c] - sizes[c - 1])
+    assert torch.equal(router.state[:, :, :-1], state)
+
+
+def test_route_kvm_impl_static_and_the_op_option():
+    from ovqflex.ops.kvm import KVMOptions, kvm_attention
+
+    assert KVMOptions().routing == "loop"
+    kbar, gate, w, b = _inputs(2, 1, 2, 100, 16, 0, True, torch.float32)
+    kw = dict(chunk_size=16, n_bswa_chunks=1, sizes=kvm_state_sizes(100, 16, 1), sink_len=1)
+    assert all(map(torch.equal, route_kvm(kbar, gate, w, b, impl="static", **kw), route_kvm(kbar, gate, w, b, **kw)))
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D = 2, 2, 150, 16
+    q, k, v = (torch.randn(B, H, T, D, generator=g, requires_grad=True) for _ in range(3))
+    params = dict(gate=1.0 + F.elu(torch.randn(B, H, T, generator=g)),
+                  ln_s_weight=1.0 + 0.2 * torch.randn(D, generator=g), ln_s_bias=0.2 * torch.randn(D, generator=g),
+                  tau_state=0.5 + torch.rand(H, generator=g))
+    leaves = [q, k, v] + [p.requires_grad_() for p in params.values()]
+    opts = dict(chunk_size=16, n_bswa_chunks=2, budget="power_law", growth_factor=4.0, max_state_chunks=None)
+    results = []
+    for routing in ("loop", "static"):
+        out, state = kvm_attention(q, k, v, backend="blocked", return_state=True, routing=routing, **params, **opts)
+        results.append((out, state, torch.autograd.grad(out.square().sum(), leaves)))
+    (out, state, grads), (out_s, state_s, grads_s) = results
+    assert torch.equal(state_s.routes, state.routes) and torch.equal(state_s.founder, state.founder)
+    assert torch.equal(out_s, out) and all(map(torch.equal, grads_s, grads))
+
+
+def test_bad_routing_is_refused_by_name():
+    from ovqflex.ops.kvm import KVMOptions
+
+    with pytest.raises(ValueError, match=r"routing must be one of \['loop', 'static'\], got 'graph'"):
+        KVMOptions(routing="graph")
+    kbar, gate, w, b = _inputs(0, 1, 1, 48, 16, 0, True, torch.float32)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        route_kvm(kbar, gate, w, b, chunk_size=16, n_bswa_chunks=1, sizes=[0, 16, 16], sink_len=1, impl="graph")
+
+
+def test_cuda_graph_needs_cuda():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        StaticKVMRouter((1, 1, 48, 4), chunk_size=16, n_bswa_chunks=1, sizes=[0, 16, 16], sink_len=1, device="cpu",
+                        cuda_graph=True)
