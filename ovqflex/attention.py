@@ -59,13 +59,12 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from masks.program import AttentionProgram
 from recurrences.checks import check_choice, host_check_is_free
+from recurrences.compiling import raise_recompile_limit
 
 log = logging.getLogger("ovqflex")
 
 BACKENDS = ("auto", "flex", "blocked", "dense")
 
-
-FLEX_RECOMPILE_LIMIT = 64
 
 #: Smallest BlockMask block flex's Triton kernels get (see the module doc).
 FLEX_TRITON_MIN_BLOCK = 128
@@ -81,10 +80,9 @@ def flex_block_size(device_type: str, block_size: int) -> int:
 def _compiled_flex():
     """The compiled flex kernel, shared by every program. Each new shape or region
     structure is a new graph; past dynamo's recompile limit (8 by default) it would
-    silently fall back to the unfused eager path, so the limit is raised."""
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    silently fall back to the unfused eager path, so the limit is raised
+    (:func:`recurrences.compiling.raise_recompile_limit`)."""
+    raise_recompile_limit()
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
+from ..compiling import compile_fixed_shapes
 from ..ovq.routing_static import chunk_bounds, stable_rank
 from ..precision import no_autocast
 from .routing import found_first_chunk, kvm_merge_add
@@ -51,8 +52,8 @@ def route_kvm_static(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Ten
 
     kbar ``[B, H, T, D]`` memory keys, gate ``[B, H, T]``, ``ln_weight, ln_bias [D]`` (any float
     dtype; routing in fp32); ``sizes``: ``kvm_state_sizes(...)``; ``compile``: the step compiled
-    (``compiled_static_step``, once per input shape and ``(sink_len, ln_eps)``; dynamo's
-    ``recompile_limit`` bounds how many such variants one process may use). One
+    (``compiled_static_step``, once per input shape and ``(sink_len, ln_eps)``; at most
+    :data:`~recurrences.compiling.RECOMPILE_LIMIT` such variants per process). One
     :class:`StaticKVMRouter` call. No grad.
     """
     router = StaticKVMRouter(tuple(kbar.shape), chunk_size=chunk_size, n_bswa_chunks=n_bswa_chunks, sizes=sizes,
@@ -199,4 +200,4 @@ def _(x, weight, bias, eps):
 
 
 # compiled once per input shape and (sink_len, ln_eps): one graph serves every overflow chunk
-compiled_static_step = torch.compile(kvm_static_step, fullgraph=True, dynamic=False)
+compiled_static_step = compile_fixed_shapes(kvm_static_step)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..compiling import compile_fixed_shapes
 from ..precision import no_autocast
 from .routing import ovq_absorb, ovq_route_chunk, seeding_draw
 
@@ -44,8 +45,9 @@ def route_ovq_static(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: s
 
     k: ``[B, H, T, D]`` unit keys (any float dtype; routing in fp32); ``sizes``:
     ``dictionary_sizes(...)``; ``compile``: the step compiled (``compiled_static_step``, once
-    per input shape and per ``(seeding, normalize_centroids)``; dynamo's ``recompile_limit``
-    bounds how many such variants one process may use). One :class:`StaticOVQRouter` call. No grad.
+    per input shape and per ``(seeding, normalize_centroids)``; at most
+    :data:`~recurrences.compiling.RECOMPILE_LIMIT` such variants per process). One :class:`StaticOVQRouter`
+    call. No grad.
     """
     router = StaticOVQRouter(tuple(k.shape), chunk_size=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
                              normalize_centroids=normalize_centroids, device=k.device, compile=compile)
@@ -194,4 +196,4 @@ def _(d):
 
 
 # compiled once per input shape, seeding (u or None) and normalize_centroids: one graph serves every chunk
-compiled_static_step = torch.compile(ovq_static_step, fullgraph=True, dynamic=False)
+compiled_static_step = compile_fixed_shapes(ovq_static_step)

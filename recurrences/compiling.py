@@ -1,0 +1,43 @@
+"""Compiling fixed-shape code (docs/design.md §3 backends, §4.2 static-shape routing).
+
+``torch.compile(..., dynamic=False)`` makes one graph per input shape, and dynamo allows a
+function only ``recompile_limit`` graphs (8 by default). Past it, a ``fullgraph=True`` function
+raises ``FailOnRecompileLimitHit`` and any other falls back to eager, unfused code without an
+error. The project's compiled code meets a new shape for every context length (a static
+routing step's state buffer grows with it; a flex program's block count does), so an
+evaluation over several lengths would pass 8. The limit is raised process-wide to
+:data:`RECOMPILE_LIMIT` the first time such code compiles.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+#: dynamo's process-wide recompile limit once the project's compiled code has run
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit() -> None:
+    """Raise dynamo's ``recompile_limit`` to at least :data:`RECOMPILE_LIMIT` (never lower it)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def compile_fixed_shapes(fn: Callable) -> Callable:
+    """``fn`` compiled with ``fullgraph=True, dynamic=False``: one graph per input shape (and per
+    value of its non-tensor arguments), at most :data:`RECOMPILE_LIMIT` of them. Compiles on the
+    first call, which raises the limit; later calls cost one check on the host."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            raise_recompile_limit()
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        return compiled(*args, **kwargs)
+
+    return call
