@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from ..compiling import compile_fixed_shapes
+from ..compiling import capture_cuda_graph, compile_fixed_shapes
 from ..ovq.routing_static import chunk_bounds, stable_rank
 from ..precision import no_autocast
 from .routing import found_first_chunk, kvm_merge_add
@@ -93,18 +93,7 @@ class StaticKVMRouter:
         self.bounds = chunk_bounds(self.sizes[Nb:], self.n_overflow, device)  # [n_overflow, 2]: (m, m + n_app)
         self.step = functools.partial(compiled_static_step if compile else kvm_static_step, sink_len=sink_len,
                                       ln_eps=ln_eps)
-        self.graph = None
-        if cuda_graph:
-            if device.type != "cuda":
-                raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                self.run()  # warm-up: compiles the step outside the capture
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.run()
+        self.graph = capture_cuda_graph(self.run, device) if cuda_graph else None
 
     def __call__(self, kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor) -> tuple[Tensor, Tensor]:
         """``routes [B, H, T]`` int64 and ``founder [B, H, T]`` bool of memory keys kbar ``[B, H, T, D]``,

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import compile_fixed_shapes
+from ..compiling import capture_cuda_graph, compile_fixed_shapes
 from ..precision import no_autocast
 from .routing import ovq_absorb, ovq_route_chunk, seeding_draw
 
@@ -86,18 +86,7 @@ class StaticOVQRouter:
         self.u = torch.stack(draws).to(device) if draws else None  # [n_full, B, H, L]
         self.step = functools.partial(compiled_static_step if compile else ovq_static_step,
                                       normalize_centroids=normalize_centroids)
-        self.graph = None
-        if cuda_graph:
-            if device.type != "cuda":
-                raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                self.run()  # warm-up: compiles the step outside the capture
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.run()
+        self.graph = capture_cuda_graph(self.run, device) if cuda_graph else None
 
     def __call__(self, k: Tensor) -> Tensor:
         """Routes ``[B, H, T]`` int64 of keys k ``[B, H, T, D]`` (a copy: the buffers are reused)."""
