@@ -50,7 +50,8 @@ class TrainConfig:
     ckpt_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: only at the end)"})
     keep_checkpoints: int = field(default=2, metadata={"flag": "--keep", "help": "checkpoints to keep"})
     deterministic: bool = field(default=False, metadata={
-        "help": "deterministic algorithms (exact resume on GPU)"})
+        "help": "deterministic algorithms: a run repeats bit for bit (on CPU at no measured cost; "
+                "exact resume on GPU)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self):
