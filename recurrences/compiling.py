@@ -1,4 +1,5 @@
-"""Compiling fixed-shape code (docs/design.md §3 backends, §4.2 static-shape routing).
+"""Compiling fixed-shape code (docs/design.md §3 backends, §4.2-4.3 static-shape routing), and what
+OVQ's and KVM's static routing steps share: ``ROUTING_IMPLS``, :func:`stable_rank`, :func:`chunk_bounds`.
 
 ``torch.compile(..., dynamic=False)`` makes one graph per input shape, and dynamo allows a
 function only ``recompile_limit`` graphs (8 by default). Past it, a ``fullgraph=True`` function
@@ -14,6 +15,10 @@ import functools
 from typing import Callable
 
 import torch
+from torch import Tensor
+
+#: Routing implementations of OVQ and KVM: the chunk loop, or the compiled static-shape step.
+ROUTING_IMPLS = ("loop", "static")
 
 #: dynamo's process-wide recompile limit once the project's compiled code has run
 RECOMPILE_LIMIT = 64
@@ -58,3 +63,17 @@ def capture_cuda_graph(run: Callable[[], None], device: torch.device) -> "torch.
     with torch.cuda.graph(graph):
         run()
     return graph
+
+
+def stable_rank(key: Tensor) -> Tensor:
+    """Rank ``[..., L]`` int64 of each entry of ``key [..., L]`` in its stable ascending sort along
+    the last dim: ``rank < n`` marks the loop's ``sort(stable).indices[..., :n]`` with ``n`` a device value."""
+    order = torch.sort(key, dim=-1, stable=True).indices
+    arange = torch.arange(key.shape[-1], device=key.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, arange)
+
+
+def chunk_bounds(sizes: list[int], n_chunks: int, device) -> Tensor:
+    """``[n_chunks, 2]`` int64 ``(N_c, N_{c+1})`` per chunk on ``device`` (``sizes``: at least
+    ``n_chunks + 1`` entries): one 16-byte row each, so every step reads an aligned input."""
+    return torch.tensor([sizes[c:c + 2] for c in range(n_chunks)], dtype=torch.long, device=device).view(n_chunks, 2)

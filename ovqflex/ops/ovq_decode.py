@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from masks.regions import OwnChunk, token_visibility
+from recurrences.compiling import chunk_bounds
 from recurrences.ovq import ovq_absorb, ovq_route_chunk, seeding_draw
-from recurrences.ovq.routing_static import chunk_bounds, compiled_static_step, ovq_static_step
+from recurrences.ovq.routing_static import compiled_static_step, ovq_static_step
 
 from ..attention import attend_rows
 from ..cache.ovq import OVQCache, StaticOVQCache

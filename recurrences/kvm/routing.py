@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ovq.routing import ROUTING_IMPLS
+from ..compiling import ROUTING_IMPLS
 from ..precision import no_autocast
 
 

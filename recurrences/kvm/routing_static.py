@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from ..compiling import capture_cuda_graph, compile_fixed_shapes
-from ..ovq.routing_static import chunk_bounds, stable_rank
+from ..compiling import capture_cuda_graph, chunk_bounds, compile_fixed_shapes, stable_rank
 from ..precision import no_autocast
 from .routing import found_first_chunk, kvm_merge_add
 

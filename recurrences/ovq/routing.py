@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..compiling import ROUTING_IMPLS
 from ..precision import no_autocast
 
 GROWTHS = ("plateau", "linear", "full")
 SEEDINGS = ("spread", "random")
-ROUTING_IMPLS = ("loop", "static")
 
 
 def dictionary_sizes(n_chunks: int, chunk_size: int, max_centroids: int, growth: str = "plateau",

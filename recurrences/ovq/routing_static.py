@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import capture_cuda_graph, compile_fixed_shapes
+from ..compiling import capture_cuda_graph, chunk_bounds, compile_fixed_shapes, stable_rank
 from ..precision import no_autocast
 from .routing import ovq_absorb, ovq_route_chunk, seeding_draw
 
@@ -116,12 +116,6 @@ class StaticOVQRouter:
                             first=first, step=self.step)
 
 
-def chunk_bounds(sizes: list[int], n_chunks: int, device) -> Tensor:
-    """``[n_chunks, 2]`` int64 ``(N_c, N_{c+1})`` per chunk on ``device`` (``sizes``: at least
-    ``n_chunks + 1`` entries): one 16-byte row each, so every step reads an aligned input."""
-    return torch.tensor([sizes[c:c + 2] for c in range(n_chunks)], dtype=torch.long, device=device).view(n_chunks, 2)
-
-
 def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None,
                         *, chunk_size: int, first: int, step) -> None:
     """Routes and absorbs the complete chunks ``first..T // chunk_size - 1`` in place.
@@ -163,13 +157,6 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
     ovq_absorb(sums, counts, kc, route, value_sums, vc)
     return route
 
-
-def stable_rank(key: Tensor) -> Tensor:
-    """Rank ``[..., L]`` int64 of each entry of ``key [..., L]`` in its stable ascending sort along
-    the last dim: ``rank < n`` marks the loop's ``sort(stable).indices[..., :n]`` with ``n`` a device value."""
-    order = torch.sort(key, dim=-1, stable=True).indices
-    arange = torch.arange(key.shape[-1], device=key.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, arange)
 
 
 @torch.library.custom_op("ovqflex::ovq_unit_rows", mutates_args=())
