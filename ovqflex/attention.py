@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -187,11 +188,14 @@ def _softmax_weights(s: Tensor) -> tuple[Tensor, Tensor]:
     return e, torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
-def _safe_softmax_av(s: Tensor, v: Tensor, pick=None) -> Tensor:
+def _safe_softmax_av(s: Tensor, v: Tensor | Sequence[Tensor], pick=None) -> Tensor:
     """softmax(s) @ v ``[..., Q, Dv]`` for s ``[..., Q, S]`` (``-inf``: not visible), v ``[..., S, Dv]``:
     a fully masked row gives 0, a query that gives a non-finite value row weight gets NaN, one
     that does not is untouched (the module docstring's rule). ``pick``: selects the rows s scores
     from v's rows (the blocked backend's per-query-block gather), so v is flagged once per row.
+    v may also be a sequence of parts ``[..., S_i, Dv]`` whose rows follow each other along s's
+    last axis (``sum S_i = S``): the plain product is then a sum of per-part products, so a decode
+    step over a cached state and a few new rows never copies the state into one tensor.
 
     The rule costs a pass over v (:func:`_flag_nonfinite`). Any non-finite entry of v makes its
     column of ``e @ v`` non-finite for every query (``0 * nan`` and ``0 * inf`` are NaN), so a
@@ -200,11 +204,15 @@ def _safe_softmax_av(s: Tensor, v: Tensor, pick=None) -> Tensor:
     the pass only when the product is not finite. Compiled code, and accelerators (where the
     check would be a host sync), always flag."""
     pick = pick or (lambda rows: rows)
+    parts = list(v) if isinstance(v, (tuple, list)) else [v]
     e, denom = _softmax_weights(s)
-    if host_check_is_free(v):
-        out = torch.matmul(e.to(v.dtype), pick(v)) / denom.to(v.dtype)
+    if host_check_is_free(parts[0]):
+        weights = e.split([p.shape[-2] for p in parts], dim=-1) if len(parts) > 1 else (e,)
+        out = functools.reduce(torch.add, (torch.matmul(w.to(p.dtype), pick(p)) for w, p in zip(weights, parts)))
+        out = out / denom.to(out.dtype)
         if bool(torch.isfinite(out).all()):
             return out
+    v = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
     out = torch.matmul(e.to(v.dtype), pick(_flag_nonfinite(v)))
     out, bad_weight = out[..., :-1], out[..., -1:]
     out = out / denom.to(out.dtype)
@@ -258,16 +266,24 @@ def _dense(p: AttentionProgram) -> Tensor:
     return _safe_softmax_av(s, p.v.float()).to(p.q.dtype)
 
 
-def attend_rows(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: float,
-                bias: Tensor | None = None) -> Tensor:
+def attend_rows(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Tensor], visible: Tensor, *,
+                scale: float, bias: Tensor | None = None) -> Tensor:
     """Attention of a few queries over explicit kv rows (the decode path of the caches).
 
     q ``[B, H, Tq, D]``, k ``[B, H, S, D]``, v ``[B, H, S, Dv]``, visible ``[Tq, S]`` bool
     (or broadcastable to ``[B, H, Tq, S]``), bias ``[B, H, S]`` fp32 -> ``[B, H, Tq, Dv]`` in
-    q's dtype. Softmax in fp32, as the ``dense`` and ``blocked`` backends.
+    q's dtype. Softmax in fp32, as the ``dense`` and ``blocked`` backends. k and v may be
+    sequences of parts (``[B, H, S_i, *]``, the same split for both, rows in that order): a
+    decode step reads a cached state and its few newest rows without concatenating them.
     """
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    ks = list(k) if isinstance(k, (tuple, list)) else [k]
+    vs = list(v) if isinstance(v, (tuple, list)) else [v]
+    if [t.shape[-2] for t in ks] != [t.shape[-2] for t in vs]:
+        raise ValueError(f"k and v parts must have the same rows, got {[t.shape[-2] for t in ks]} and "
+                         f"{[t.shape[-2] for t in vs]}")
+    qf = q.float()
+    s = torch.cat([torch.matmul(qf, t.float().transpose(-1, -2)) for t in ks], dim=-1) * scale
     if bias is not None:
         s = s + bias[:, :, None, :].float()
     s = torch.where(visible, s, float("-inf"))
-    return _safe_softmax_av(s, v.float()).to(q.dtype)
+    return _safe_softmax_av(s, [t.float() for t in vs]).to(q.dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -35,17 +36,60 @@ class LayerCache:
                 setattr(self, f.name, value.detach())
 
     def tensors(self) -> list[Tensor]:
+        """The cache's tensors: its tensor fields and the tensors of its tuple fields (a
+        :class:`StateView`)."""
         out = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, Tensor):
-                out.append(value)
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, Tensor):
+                    out.append(t)
         return out
 
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (its own accounting; the bound each cache
         type documents is on this number)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class StateView(NamedTuple):
+    """What decode queries read from a compressed state — keys ``[B, H, n, D]``, values
+    ``[B, H, n, Dv]`` and a score bias ``[B, H, n]`` (or None), fp32 — kept in a functional cache
+    while the state does not change (between two absorbed chunks), so that a decode step does not
+    re-derive it from the state's running sums (docs/design.md §6). ``key``: what it was derived
+    with (rows, options, the versions of the parameters it read); a step whose own key differs
+    derives a new one."""
+
+    keys: Tensor
+    values: Tensor
+    bias: Tensor | None
+    key: tuple
+
+
+def current_view(view: StateView | None, key: tuple, derive) -> StateView:
+    """``view`` when it was derived with ``key``, else ``StateView(*derive(), key)``."""
+    if view is not None and view.key == key:
+        return view
+    return StateView(*derive(), key)
+
+
+def tensor_key(t: Tensor | None) -> tuple | object:
+    """A part of a view's key that changes whenever ``t`` (a parameter the view reads) is written:
+    its storage, version counter and dtype. Inference tensors keep no version counter: their key
+    is a new object each time, so a view that reads one is derived anew at every step."""
+    if t is None:
+        return None
+    if t.is_inference():
+        return object()
+    return t.data_ptr(), t._version, t.dtype
+
+
+def kept(view: StateView | None) -> StateView | None:
+    """The view a new cache keeps: None for one that carries an autograd graph (a decode step run
+    with gradients through parameters the view reads; caches hold no graph)."""
+    if view is None or any(isinstance(t, Tensor) and t.requires_grad for t in view):
+        return None
+    return view
 
 
 @dataclass

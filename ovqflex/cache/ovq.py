@@ -2,10 +2,13 @@
 
 Holds the routing dictionary as fp32 running sums and counts — exactly what routing
 keeps — plus the unit keys and values of the current, incomplete chunk. The prefill and
-decode steps that fill it are :mod:`ovqflex.ops.ovq_decode`.
+decode steps that fill it are :mod:`ovqflex.ops.ovq_decode`. While decoding, it also keeps the
+read form of the ``N_c`` rows the current chunk reads (mean keys, mean values, ``log(count)``
+bias: a :class:`~ovqflex.cache.base.StateView`), derived once per chunk instead of once per token.
 
-Bound: ``B*H*(N+1)*(D+Dv+1)`` fp32 for the dictionary (``N`` = ``max_centroids``) plus fewer
-than ``chunk_size`` raw tokens, whatever the context. The dictionary is allocated for the rows
+Bound: ``B*H*(N+1)*(D+Dv+1)`` fp32 for the dictionary (``N`` = ``max_centroids``), as much
+again for its read form while decoding, plus fewer than ``chunk_size`` raw tokens, whatever
+the context. The dictionary is allocated for the rows
 the next chunk can fill (``N_{c+1}``, never more than the tokens seen) and grows by doubling,
 capped at ``N``: a huge ``max_centroids`` costs only what is used.
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .base import LayerCache, StaticLayerCache
+from .base import LayerCache, StateView, StaticLayerCache
 
 
 @dataclass
@@ -28,7 +31,9 @@ class OVQCache(LayerCache):
     (``S <= max_centroids`` rows allocated so far; row ``S`` a spare that collects nothing);
     buf_k ``[B, H, b, D]`` unit keys and buf_v ``[B, H, b, Dv]`` of the ``b < chunk_size`` tokens
     of the current chunk; rng: the random seeding generator's state (``seeding="random"``), else
-    None; max_centroids: the dictionary cap ``N`` the cache was made for."""
+    None; max_centroids: the dictionary cap ``N`` the cache was made for; view: the read form of
+    the rows the current chunk reads (None until a decode step derives it; dropped when a chunk
+    is absorbed)."""
 
     key_sums: Tensor
     value_sums: Tensor
@@ -37,6 +42,7 @@ class OVQCache(LayerCache):
     buf_v: Tensor
     rng: Tensor | None
     max_centroids: int
+    view: StateView | None = None
 
     @property
     def rows(self) -> int:

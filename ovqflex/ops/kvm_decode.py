@@ -27,6 +27,7 @@ from recurrences.kvm import kvm_absorb, kvm_route_chunk
 from recurrences.kvm.routing_static import compiled_static_step, kvm_static_step
 
 from ..attention import attend_rows
+from ..cache.base import current_view, kept, tensor_key
 from ..cache.kvm import KVMCache, StaticKVMCache
 from .decode import chunk_segments, positions
 from .kvm import KVMOptions
@@ -146,7 +147,7 @@ def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor,
     st = {name: getattr(cache, name) for name in ("state", "value_sums", "radius", "counts")}
     copied = False  # the given cache stays valid: copy the state before the first write of this call
     win = dict(k=cache.win_k, v=cache.win_v, kbar=cache.win_kbar, gate=cache.win_gate)
-    rows, state_chunk, pos, outs = cache.rows, cache.state_chunk, cache.position, []
+    rows, state_chunk, pos, outs, view = cache.rows, cache.state_chunk, cache.position, [], cache.view
     window = (BlockWindow(Nb, C),)
     for off, take in chunk_segments(pos, T2, C):
         c = pos // C
@@ -156,23 +157,24 @@ def kvm_decode(cache: KVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor,
                 st, copied = {name: t.clone() for name, t in st.items()}, True
             _absorb(st, c, opts, readout, win["kbar"][:, :, :C], win["gate"][:, :, :C], win["v"][:, :, :C].float())
             win = {name: t[:, :, C:] for name, t in win.items()}
-            rows = _size(opts, c)
+            rows, view = _size(opts, c), None
         state_chunk = c
         new = dict(k=k, v=v, kbar=kbar32, gate=gate.float())
         win = {name: torch.cat([win[name], new[name][:, :, off:off + take].detach()], dim=2) for name in win}
         w = win["k"].shape[2]
-        win_keys = _window_keys(win["k"], readout)
         q_pos, kv_pos = positions(pos, take, q.device), positions(pos + take - w, w, q.device)
         visible = token_visibility(window, q_pos, kv_pos)
-        keys, values = win_keys.float(), win["v"].float()
+        keys, values = [_window_keys(win["k"], readout).float()], [win["v"].float()]
         if rows:
-            s_keys, s_vals = _state_rows(st, rows, opts, readout)
-            keys, values = torch.cat([s_keys, keys], dim=2), torch.cat([s_vals, values], dim=2)
+            with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in readout)
+            key = (rows, opts.use_vlens, opts.ln_eps, with_grad, *map(tensor_key, readout))
+            view = current_view(view, key, lambda: (*_state_rows(st, rows, opts, readout), None))
+            keys, values = [view.keys, *keys], [view.values, *values]
             visible = torch.cat([torch.ones(take, rows, dtype=torch.bool, device=q.device), visible], dim=1)
         outs.append(attend_rows(q[:, :, off:off + take], keys, values, visible, scale=D ** -0.5))
         pos += take
     new_cache = KVMCache(position=pos, conv=conv, rows=rows, state_chunk=state_chunk, win_k=win["k"],
-                         win_v=win["v"], win_kbar=win["kbar"], win_gate=win["gate"], **st)
+                         win_v=win["v"], win_kbar=win["kbar"], win_gate=win["gate"], **st, view=kept(view))
     return torch.cat(outs, dim=2).to(v.dtype), new_cache
 
 

@@ -24,6 +24,7 @@ from recurrences.ovq import ovq_absorb, ovq_route_chunk, seeding_draw
 from recurrences.ovq.routing_static import compiled_static_step, ovq_static_step
 
 from ..attention import attend_rows
+from ..cache.base import current_view
 from ..cache.ovq import OVQCache, StaticOVQCache
 from .decode import chunk_segments, positions
 from .ovq import OVQOptions
@@ -103,21 +104,22 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
     copied = False
     buf_k, buf_v = cache.buf_k, cache.buf_v
     gen = _generator(opts, cache.rng)
-    outs, pos = [], cache.position
+    outs, pos, view = [], cache.position, cache.view
     for off, take in chunk_segments(pos, T2, C):
         c = pos // C
         n = opts.size(c)
         buf_k = torch.cat([buf_k, kn[:, :, off:off + take].detach()], dim=2)
         buf_v = torch.cat([buf_v, v[:, :, off:off + take].detach()], dim=2)
-        keys, values, bias = _dictionary(sums[:, :, :n], vsums[:, :, :n], counts[:, :, :n], opts.normalize_centroids)
-        bias = torch.cat([bias, bias.new_zeros(B, H, buf_k.shape[2])], dim=2)
+        view = current_view(view, (n, opts.normalize_centroids), lambda: _dictionary(
+            sums[:, :, :n], vsums[:, :, :n], counts[:, :, :n], opts.normalize_centroids))
+        bias = torch.cat([view.bias, view.bias.new_zeros(B, H, buf_k.shape[2])], dim=2)
         q_pos, kv_pos = positions(pos, take, kn.device), positions(c * C, buf_k.shape[2], kn.device)
         visible = torch.cat([torch.ones(take, n, dtype=torch.bool, device=kn.device),
                              token_visibility((OwnChunk(C),), q_pos, kv_pos)], dim=1)
-        outs.append(attend_rows(q_scaled[:, :, off:off + take], torch.cat([keys, buf_k.float()], dim=2),
-                                torch.cat([values, buf_v.float()], dim=2), visible, scale=1.0, bias=bias))
+        outs.append(attend_rows(q_scaled[:, :, off:off + take], (view.keys, buf_k.float()),
+                                (view.values, buf_v.float()), visible, scale=1.0, bias=bias))
         pos += take
-        if pos % C == 0:  # the chunk is complete: route it, absorb it, drop its raw tokens
+        if pos % C == 0:  # the chunk is complete: route it, absorb it, drop its raw tokens and read form
             u = seeding_draw(gen, B, H, C, kn.device)
             kc = buf_k.float()
             need = opts.size(c + 1)
@@ -128,9 +130,10 @@ def ovq_decode(cache: OVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: O
                 sums, vsums, counts, copied = sums.clone(), vsums.clone(), counts.clone(), True
             route = ovq_route_chunk(kc, sums, counts, n, need - n, u, opts.normalize_centroids)
             ovq_absorb(sums, counts, kc, route, vsums, buf_v.float())
-            buf_k, buf_v = buf_k[:, :, :0], buf_v[:, :, :0]
+            buf_k, buf_v, view = buf_k[:, :, :0], buf_v[:, :, :0], None
     new = OVQCache(position=pos, conv=conv, key_sums=sums, value_sums=vsums, counts=counts, buf_k=buf_k,
-                   buf_v=buf_v, rng=None if gen is None else gen.get_state(), max_centroids=opts.max_centroids)
+                   buf_v=buf_v, rng=None if gen is None else gen.get_state(), max_centroids=opts.max_centroids,
+                   view=view)
     return torch.cat(outs, dim=2).to(v.dtype), new
 
 

@@ -59,8 +59,8 @@ def vq_decode(cache: VQCache, q_scaled: Tensor, k_hat: Tensor, v: Tensor, codes:
         bias = torch.where(counts > 0, counts.log(), float("-inf"))
         if state_bias is not None:
             bias = bias - state_bias.float().view(1, H, 1)
-        keys = torch.cat([code_keys.float().expand(B, -1, -1, -1), win["k"].float()], dim=2)
-        values = torch.cat([value_sums / counts.clamp_min(1.0)[..., None], win["v"].float()], dim=2)
+        keys = (code_keys.float().expand(B, -1, -1, -1), win["k"].float())  # parts: the codebook is not copied
+        values = (value_sums / counts.clamp_min(1.0)[..., None], win["v"].float())
         bias = torch.cat([bias, bias.new_zeros(B, H, w)], dim=2)
         q_pos, kv_pos = positions(pos, take, v.device), positions(pos + take - w, w, v.device)
         visible = torch.cat([torch.ones(take, counts.shape[2], dtype=torch.bool, device=v.device),

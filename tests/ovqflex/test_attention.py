@@ -298,3 +298,34 @@ def test_flex_keeps_a_non_finite_value_out_of_earlier_query_blocks():
                                                block_size=32)
     assert torch.equal(out[:, :, :32], clean[:, :, :32])
     assert out[:, :, t:t + 20].isnan().all()
+
+
+@pytest.mark.parametrize("split", [[5], [3, 2], [1, 0, 4]], ids=["one-part", "two-parts", "with-an-empty-part"])
+@pytest.mark.parametrize("poison", [None, 0, 1, 4], ids=["finite", "nan-seen-by-both", "nan-seen-by-q0", "nan-seen-by-q1"])
+def test_attend_rows_over_parts_equals_attend_rows_over_their_concatenation(split, poison):
+    """A decode step reads a cached state and its newest rows as parts, never concatenated: the
+    same outputs as over the concatenated rows, the non-finite rule included (a NaN value row
+    reaches exactly the queries that see it)."""
+    from ovqflex.attention import attend_rows
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (2, 5, 5))
+    if poison is not None:
+        v[:, :, poison, 1] = float("nan")
+    visible = torch.tensor([[True, True, True, True, False], [True, False, True, True, True]])
+    bias = torch.randn(2, 3, 5, generator=g)
+    whole = attend_rows(q, k, v, visible, scale=0.3, bias=bias)
+    parts = attend_rows(q, k.split(split, dim=2), v.split(split, dim=2), visible, scale=0.3, bias=bias)
+    assert torch.equal(whole.isnan(), parts.isnan())
+    assert_close(parts.nan_to_num(), whole.nan_to_num(), FWD_TOL[torch.float32])
+    for i in range(2):
+        sees = poison is not None and bool(visible[i, poison])
+        assert bool(parts[:, :, i].isnan().all()) == sees and bool(parts[:, :, i].isnan().any()) == sees
+
+
+def test_attend_rows_refuses_parts_that_do_not_pair_up():
+    from ovqflex.attention import attend_rows
+
+    q, k, v = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
+    with pytest.raises(ValueError, match="k and v parts must have the same rows"):
+        attend_rows(q, k.split([2, 3], dim=2), v.split([3, 2], dim=2), torch.ones(1, 5, dtype=torch.bool), scale=1.0)

@@ -1,0 +1,120 @@
+"""The read form of a compressed state kept in a functional cache (``StateView``, docs/design.md §6):
+a pure memo. Decoding from a cache with its view equals decoding from the same cache without it, bit
+for bit; the view is derived once per chunk; a view that read parameters is derived anew after they
+change, and none is kept when it carries an autograd graph."""
+import dataclasses
+
+import pytest
+import torch
+
+import ovqflex
+import ovqflex.ops.kvm_decode as kvm_decode
+import ovqflex.ops.ovq_decode as ovq_decode
+
+HIDDEN, HEADS, C = 32, 2, 16
+
+LAYERS = {
+    "ovq": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=C, max_centroids=24, backend="dense"),
+    "ovq-normalized": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=C, max_centroids=24,
+                                                   normalize_centroids=True, backend="dense"),
+    "kvm-powerlaw": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=C, budget="power_law", growth_factor=4.0,
+                                                 max_state_chunks=None, backend="dense"),
+    "kvm-no-vlens": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=C, use_vlens=False, backend="dense"),
+}
+
+
+def _layer(name):
+    torch.manual_seed(0)
+    layer = LAYERS[name]()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # off the init, so LN_s and the temperatures matter
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return layer.eval()
+
+
+def _decoded(layer, x, t0: int):
+    """Prefill ``x[:, :t0]``, then decode one token at a time up to ``x``'s end: the caches after each."""
+    _, cache = layer(x[:, :t0], use_cache=True)
+    caches = [cache]
+    for i in range(t0, x.shape[1]):
+        caches.append(layer(x[:, i:i + 1], cache=caches[-1])[1])
+    return caches
+
+
+def _assert_same_step(layer, cache, x1):
+    """One step from ``cache`` equals the step from the same cache without its view, bit for bit."""
+    y, new = layer(x1, cache=cache)
+    y0, new0 = layer(x1, cache=dataclasses.replace(cache, view=None))
+    assert torch.equal(y, y0)
+    assert [f.name for f in dataclasses.fields(new)] == [f.name for f in dataclasses.fields(new0)]
+    for a, b in zip(new.tensors(), new0.tensors()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_cached_view_decodes_like_a_derived_one(name):
+    layer = _layer(name)
+    x = torch.randn(1, 3 * C + 12, HIDDEN)
+    with torch.no_grad():
+        caches = _decoded(layer, x, 2 * C + 3)
+        with_view = [c for c in caches if c.view is not None]
+        assert len(with_view) >= C // 2, "the decode steps kept no view"
+        for i, cache in enumerate(caches[:-1]):
+            _assert_same_step(layer, cache, x[:, 2 * C + 3 + i:2 * C + 4 + i])
+
+
+@pytest.mark.parametrize("name, derive", [("ovq", (ovq_decode, "_dictionary")),
+                                          ("kvm-powerlaw", (kvm_decode, "_state_rows"))], ids=["ovq", "kvm"])
+def test_the_view_is_derived_once_per_chunk(name, derive, monkeypatch):
+    module, fn = derive
+    calls = []
+    original = getattr(module, fn)
+    monkeypatch.setattr(module, fn, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    layer = _layer(name)
+    x = torch.randn(1, 5 * C, HIDDEN)
+    with torch.no_grad():
+        _decoded(layer, x, 2 * C)  # 3 chunks decoded token by token
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("change", ["ln_s.weight", "ln_s.bias", "tau_state", "load_state_dict"])
+def test_a_kvm_view_is_derived_anew_after_its_parameters_change(change):
+    """The view reads LN_s and tau_state: written in place (an optimizer step, load_state_dict),
+    the next step must not read the stale view."""
+    layer = _layer("kvm-powerlaw")
+    x = torch.randn(1, 3 * C, HIDDEN)
+    with torch.no_grad():
+        cache = _decoded(layer, x[:, :2 * C + 6], 2 * C + 2)[-1]
+        assert cache.view is not None
+        x1 = x[:, 2 * C + 6:2 * C + 7]
+        y_before, _ = layer(x1, cache=cache)
+        if change == "load_state_dict":
+            layer.load_state_dict({k: v + 0.05 for k, v in layer.state_dict().items()})
+        else:
+            layer.get_parameter(change).mul_(1.5)
+        _assert_same_step(layer, cache, x1)
+        assert not torch.equal(layer(x1, cache=cache)[0], y_before)
+
+
+def test_an_ovq_view_follows_the_normalize_option():
+    layer = _layer("ovq")
+    x = torch.randn(1, 3 * C, HIDDEN)
+    with torch.no_grad():
+        cache = _decoded(layer, x[:, :2 * C + 6], 2 * C + 2)[-1]
+        assert cache.view is not None
+        layer.normalize_centroids = True
+        _assert_same_step(layer, cache, x[:, 2 * C + 6:2 * C + 7])
+
+
+def test_a_kvm_decode_with_gradients_keeps_no_view():
+    """With gradients on, the view reads LN_s with its graph: the new cache keeps none (caches hold
+    no graph), and the step's output still reaches the parameters."""
+    layer = _layer("kvm-powerlaw")
+    x = torch.randn(1, 2 * C + 4, HIDDEN)
+    with torch.no_grad():
+        cache = _decoded(layer, x[:, :2 * C + 3], 2 * C + 2)[-1]
+    y, new = layer(x[:, 2 * C + 3:], cache=cache)
+    assert new.view is None and all(not t.requires_grad for t in new.tensors())
+    y.sum().backward()
+    assert layer.ln_s.weight.grad is not None and layer.ln_s.weight.grad.abs().sum() > 0
