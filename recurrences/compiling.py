@@ -65,6 +65,44 @@ def capture_cuda_graph(run: Callable[[], None], device: torch.device) -> "torch.
     return graph
 
 
+def graphed(step: Callable[..., Tensor], device: torch.device) -> Callable[..., Tensor]:
+    """``step(*args) -> Tensor`` (fixed shapes, no host sync, its other buffers written in place)
+    replayed from one CUDA graph on ``device``: ``fn(*args)`` with the same argument shapes.
+
+    The first call runs ``step`` once for real (the warm-up of :func:`capture_cuda_graph`, which
+    compiles a compiled ``step``) on copies of its tensor arguments, captures it and returns the
+    warm-up's result. Each later call copies its tensor arguments into those copies and replays the
+    graph; its other arguments (e.g. a list of caches, whose buffers the graph reads and writes)
+    must be the very objects of the first call (``ValueError`` otherwise). The tensor returned by a
+    replay is the graph's output buffer: the next call overwrites it. Whatever changes the buffers
+    between calls must write them in place (a new tensor in their place is not seen by the graph)."""
+    captured: dict = {}
+
+    def run(*args) -> Tensor:
+        if not captured:
+            inputs = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
+            outputs = []
+            graph = capture_cuda_graph(lambda: outputs.append(step(*inputs)), device)
+            captured.update(graph=graph, inputs=inputs, output=outputs[1])
+            return outputs[0]  # the capture records without running: the warm-up ran the step
+        if len(args) != len(captured["inputs"]):
+            raise ValueError(f"a graphed step takes the {len(captured['inputs'])} arguments it was captured with, "
+                             f"got {len(args)}")
+        for i, (kept, a) in enumerate(zip(captured["inputs"], args)):
+            if isinstance(kept, Tensor):
+                if not isinstance(a, Tensor) or a.shape != kept.shape or a.dtype != kept.dtype:
+                    raise ValueError(f"a graphed step's argument {i} must be a {kept.dtype} tensor of shape "
+                                     f"{tuple(kept.shape)} (as captured), got {a!r:.80}")
+                kept.copy_(a)
+            elif a is not kept:
+                raise ValueError(f"a graphed step's argument {i} must be the object it was captured with "
+                                 f"(the graph reads and writes its buffers), got another {type(a).__name__}")
+        captured["graph"].replay()
+        return captured["output"]
+
+    return run
+
+
 def stable_rank(key: Tensor) -> Tensor:
     """Rank ``[..., L]`` int64 of each entry of ``key [..., L]`` in its stable ascending sort along
     the last dim: ``rank < n`` marks the loop's ``sort(stable).indices[..., :n]`` with ``n`` a device value."""

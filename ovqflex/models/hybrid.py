@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrences.checks import check_choice, check_int, check_tensor
+from recurrences.compiling import graphed
 
 from .config import HybridConfig
 from .mixers import build_mixer
@@ -35,7 +36,7 @@ class ModelCache:
         return sum(c.nbytes() for c in self.layers)
 
 
-DECODES = ("functional", "static", "compiled")
+DECODES = ("functional", "static", "compiled", "graph")
 
 
 def sample_next(logits: Tensor, temperature: float, top_k: int | None,
@@ -193,10 +194,15 @@ class HybridLM(nn.Module):
         ``top_k`` keeps the k most likely tokens before sampling. ``decode``: ``"functional"``
         (the caches of ``forward(..., cache=)``), ``"static"`` (the fast path: in-place caches
         allocated once after the prefill, :meth:`decode_static`; every mixer must have one) or
-        ``"compiled"`` (the static step compiled once, ``fullgraph=True, dynamic=False``). The
-        tokens are the same up to float rounding (docs/design.md §6, "Static decode").
+        ``"compiled"`` (the static step compiled once, ``fullgraph=True, dynamic=False``) or
+        ``"graph"`` (CUDA only: the compiled step captured in one CUDA graph and replayed, so a step
+        costs one launch; :func:`recurrences.compiling.graphed`). The tokens are the same up to float
+        rounding (docs/design.md §6, "Static decode").
         """
         check_choice("decode", decode, DECODES)
+        if decode == "graph" and prompt.device.type != "cuda":
+            raise ValueError(f"decode='graph' replays the decode step from a CUDA graph: it needs the model and "
+                             f"prompt on a CUDA device, got {prompt.device}; use decode='compiled'")
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
@@ -211,10 +217,12 @@ class HybridLM(nn.Module):
             logits, cache = self(prompt, use_cache=True)
             if decode != "functional":
                 caches = self.static_caches(cache, prompt.shape[1] + max_new_tokens)
-                compiled = decode == "compiled"
+                compiled = decode in ("compiled", "graph")
                 step_fn = self.decode_static
                 if compiled:
                     step_fn = torch.compile(step_fn, fullgraph=True, dynamic=False)
+                if decode == "graph":
+                    step_fn = graphed(step_fn, prompt.device)
             for step in range(max_new_tokens):
                 nxt = sample_next(logits[:, -1], temperature, top_k, generator)
                 out = torch.cat([out, nxt], dim=1)

@@ -1,6 +1,7 @@
 """cuda tier: ``torch.compile(HybridLM)`` trains every mixer pattern of the ``tiny`` preset for 20
 steps in fp32 and under bf16 autocast and its loss falls; the compiled model's no-grad forward
-equals the eager one; prefill + decode == full forward with flex on CUDA."""
+equals the eager one; prefill + decode == full forward with flex on CUDA; ``generate`` with the
+static, compiled and CUDA-graph decodes gives the functional decode's greedy tokens."""
 import pytest
 import torch
 
@@ -84,3 +85,18 @@ def test_hybrid_lm_prefill_then_decode_equals_full_forward():
         streamed, cache = _stream(model, tokens, 70, [1, 5, 17])
     assert cache.position == 110
     assert_close(streamed.cpu(), full.cpu(), FWD_TOL[torch.float32] * 10, "HybridLM prefill 70 + decode 40")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device (a dry run on the CPU)")
+@pytest.mark.parametrize("prompt_len", [5, 21])
+def test_graph_generate_gives_the_functional_greedy_tokens(prompt_len):
+    """The compiled static step replayed from one CUDA graph (``decode="graph"``), 60 tokens at B = 2
+    through OVQ chunk ends, window wrap-around, block windows, full attention and KVM absorbs (host
+    work between replays), against the functional decode; static and compiled alike."""
+    from tests.ovqflex.models.test_static_generate import _model as small_model
+
+    model = small_model("swa,ovq,nope,bswa,kvm").to(DEVICE)
+    prompt = torch.randint(0, 64, (2, prompt_len), generator=seeded(1)).to(DEVICE)
+    want = model.generate(prompt, 60, temperature=0)
+    for decode in ("static", "compiled", "graph"):
+        assert torch.equal(model.generate(prompt, 60, temperature=0, decode=decode), want), decode

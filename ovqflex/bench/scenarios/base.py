@@ -42,3 +42,12 @@ def check_sizes(where: str, sizes: list[int]) -> None:
         raise ValueError(f"{where} must list at least one size, got {sizes!r}")
     for i, n in enumerate(sizes):
         check_int(f"{where}[{i}]", n)
+
+
+def runs_on(decode: str, device, where: str) -> bool:
+    """Whether a ``decode`` path runs on ``device``: ``"graph"`` (a CUDA graph) needs a CUDA device;
+    elsewhere its rows are left out, with one printed line saying so."""
+    if decode == "graph" and getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        print(f"{where}: decode 'graph' replays a CUDA graph, left out on {device}")
+        return False
+    return True

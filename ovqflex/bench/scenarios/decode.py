@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 import torch
 
 from recurrences.checks import check_choice, check_keys
+from recurrences.compiling import graphed
 
 from ...methods import METHODS, Method, method_names
 from ...models.hybrid import DECODES
 from ..measure import measure, sync
-from .base import Scenario, check_sizes, register
+from .base import Scenario, check_sizes, register, runs_on
 
 
 def _decode_method(case: dict, where: str) -> tuple[Method, dict, str]:
@@ -57,9 +58,10 @@ class DecodeScenario(Scenario):
 def decode(sc: DecodeScenario, device: str) -> list[dict]:
     """Streaming decode at long contexts: each layer ``case`` prefills ``T`` tokens (the
     fused forward, flex, no grad) and then decodes ``decode_tokens`` tokens one per call
-    through its cache — the functional one, or (case ``decode = "static"`` / ``"compiled"``) the
-    in-place static cache made after the prefill, eager or compiled (compiled in the warm-up run,
-    not timed; each timed run continues the same cache). Every case runs at every ``batch`` of
+    through its cache — the functional one, or (case ``decode = "static"`` / ``"compiled"`` /
+    ``"graph"``) the in-place static cache made after the prefill, eager, compiled, or compiled and
+    replayed from one CUDA graph (compiled and captured in the warm-up run, not timed; each timed run
+    continues the same cache; ``"graph"`` needs CUDA and is left out elsewhere). Every case runs at every ``batch`` of
     ``batch_sizes`` (that many sequences decoded together, one token each per call) and every
     ``T``. Rows: ``batch``, decode tokens/s (``tokens_per_s``: the tokens of all ``batch`` rows,
     ``batch * decode_tokens / seconds``), seconds per decode step (``time_s``: per token at batch
@@ -76,6 +78,8 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     for i, case in enumerate(sc.cases):
         torch.manual_seed(0)
         method, options, mode = _decode_method(case, f"scenario {sc.name!r}, case {i}")
+        if not runs_on(mode, dev, f"scenario {sc.name!r}, case {case['name']!r}"):
+            continue
         if "backend" in method.option_names():
             options["backend"] = "flex"
         layer = method.build(hidden, heads, **options).to(dev).eval()
@@ -95,7 +99,7 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
                                 _, c = layer(x[:, T + i:T + i + 1], cache=c)
                             return c
                     else:
-                        run = _static_run(layer, cache, x, T, n_dec, sc.repeats, compiled=mode == "compiled")
+                        run = _static_run(layer, cache, x, T, n_dec, sc.repeats, mode)
 
                     m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
                     end = run()
@@ -115,12 +119,17 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     return rows
 
 
-def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, *, compiled: bool):
+def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, mode: str):
     """A run of ``n_dec`` static decode steps continuing one static cache made from ``cache``
-    (room for ``measure``'s warm-up, ``repeats`` and memory runs and the final one), eager or
-    compiled; returns the static cache."""
+    (room for ``measure``'s warm-up, ``repeats`` and memory runs and the final one): eager
+    (``mode="static"``), compiled, or the compiled step replayed from one CUDA graph (``"graph"``);
+    returns the static cache."""
     static = layer.static_cache(cache, T + n_dec * (repeats + 3))
+    compiled = mode in ("compiled", "graph")
     step = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer
+    if mode == "graph":
+        replay = graphed(lambda xt, c, compiled_layer=step: compiled_layer(xt, cache=c)[0], x.device)
+        step = lambda xt, cache: (replay(xt, cache), cache)  # noqa: E731
     position = [T]
 
     def run():

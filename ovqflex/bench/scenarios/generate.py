@@ -11,7 +11,7 @@ from recurrences.checks import check_choice, check_int
 from ...methods import METHODS
 from ...models.hybrid import DECODES
 from ..measure import measure, sync
-from .base import Scenario, check_sizes, register
+from .base import Scenario, check_sizes, register, runs_on
 
 
 @dataclass(kw_only=True)
@@ -76,11 +76,12 @@ def generate(sc: GenerateScenario, device: str) -> list[dict]:
     does not change it; ``prefill_peak_mb``: its memory growth); ``decode_s``, the rest of a ``generate`` call,
     measured directly inside it: from the end of its prefill forward (a forward hook on the model
     reads the clock, after a device sync, when the first forward of the call returns) to its
-    return — the static caches' allocation (static / compiled), ``new_tokens - 1`` decode steps
+    return — the static caches' allocation (static / compiled / graph), for ``"graph"`` the
+    capture of the step (one step run for real, then recorded), ``new_tokens - 1`` decode steps
     and the sampling; ``new_tokens_per_s = batch * (new_tokens - 1) / decode_s`` (tokens of all
     rows of the batch; the first new token comes with the prefill's logits); ``x_vs_<first
-    decode>`` at the same batch and prompt; ``same_tokens``: whether the generated tokens equal
-    the functional decode's (None without ``"functional"`` in ``decodes``; equal up to float
+    decode>`` at the same batch and prompt (``"graph"`` needs CUDA and is left out elsewhere);
+    ``same_tokens``: whether the generated tokens equal the functional decode's (None without ``"functional"`` in ``decodes``; equal up to float
     rounding, so reported, not asserted).
     """
     from ...models import HybridLM
@@ -90,7 +91,10 @@ def generate(sc: GenerateScenario, device: str) -> list[dict]:
     torch.manual_seed(0)
     model = HybridLM(cfg).to(dev).eval()
     rows, outputs, prefills = [], {}, {}
-    for mode in sc.decodes:
+    modes = [m for m in sc.decodes if runs_on(m, dev, f"scenario {sc.name!r}")]
+    if not modes:
+        return []
+    for mode in modes:
         for batch in sc.batch_sizes:
             for n_prompt in sc.prompt_lens:
                 g = torch.Generator().manual_seed(batch * 1_000_003 + n_prompt)  # one prompt for every decode
@@ -105,7 +109,7 @@ def generate(sc: GenerateScenario, device: str) -> list[dict]:
                 rows.append({"decode": mode, "batch": batch, "prompt": n_prompt, "prefill_s": prefill.seconds,
                              "prefill_peak_mb": prefill.peak_mb, "decode_s": decode_s,
                              "new_tokens_per_s": batch * (sc.new_tokens - 1) / decode_s})
-    first = sc.decodes[0]
+    first = modes[0]
     for r in rows:
         key = (r["batch"], r["prompt"])
         r["x_vs_" + first] = r["new_tokens_per_s"] / next(

@@ -43,7 +43,7 @@ ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
     (DECODE + "max_centriods = 8\n", r"case 0 \(a OVQAttention\): unknown key 'max_centriods' "
                                      r"\(did you mean 'max_centroids'\?\)"),
     (DECODE.replace('kind = "ovq"\nchunk', 'kind = "lstm"\nchunk'), r"case 0: kind must be one of"),
-    (DECODE + 'decode = "fast"\n', r"case 0: decode must be one of \['compiled', 'functional', 'static'\]"),
+    (DECODE + 'decode = "fast"\n', r"case 0: decode must be one of \['compiled', 'functional', 'graph', 'static'\]"),
     (DECODE.replace('kind = "ovq"\nchunk', 'kind = "vq"\nchunk') + 'decode = "static"\n',
      r"case 0: decode='static' needs a static cache, which VQAttention has not"),
     ('[[scenario]]\nkind = "kvm"\nseq_lens = [64]\nbudget = "power_law"\ngrowth_factr = 4.0\n',
@@ -57,7 +57,7 @@ ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
     (GENERATE + "batch_sizes = [0]\n", r"scenario 'g': batch_sizes\[0\] must be >= 1, got 0"),
     (GENERATE + "prompt_lens = [64, -1]\n", r"scenario 'g': prompt_lens\[1\] must be >= 1, got -1"),
     (GENERATE + 'decodes = ["functional", "fast"]\n',
-     r"scenario 'g': decodes must be one of \['compiled', 'functional', 'static'\], got 'fast'"),
+     r"scenario 'g': decodes must be one of \['compiled', 'functional', 'graph', 'static'\], got 'fast'"),
     (GENERATE + 'decodes = ["static", "static"]\n', r"scenario 'g': decodes must list distinct decodes"),
     (GENERATE + "new_tokens = 1\n", r"scenario 'g': new_tokens must be >= 2, got 1"),
     (GENERATE + "new_tokns = 8\n", r"unknown key 'new_tokns' \(did you mean 'new_tokens'\?\)"),
@@ -86,12 +86,16 @@ def _run(table: dict) -> list[dict]:
     return KINDS[sc.kind][1](sc, "cpu")
 
 
-def test_decode_runs_every_case_at_every_batch():
+def test_decode_runs_every_case_at_every_batch(capsys):
     """Rows for each (case, batch, T); tokens/s counts the tokens of all rows of the batch, and the
-    speed-up is against the baseline at the same batch and T."""
+    speed-up is against the baseline at the same batch and T. A CUDA-graph case is left out on the CPU."""
     rows = _run({"kind": "decode", "name": "d", "seq_lens": [48], "batch_sizes": [1, 2], "hidden": 32, "heads": 2,
                  "decode_tokens": 4, "repeats": 1,
-                 "cases": [{"name": "linear", "kind": "linear"}, {"name": "full", "kind": "full"}]})
+                 "cases": [{"name": "linear", "kind": "linear"},
+                           {"name": "full-graph", "kind": "full", "decode": "graph"},
+                           {"name": "full", "kind": "full"}]})
+    left_out = "scenario 'd', case 'full-graph': decode 'graph' replays a CUDA graph, left out on cpu"
+    assert left_out in capsys.readouterr().out
     assert [(r["case"], r["batch"], r["T"]) for r in rows] == [
         ("linear", 1, 48), ("linear", 2, 48), ("full", 1, 48), ("full", 2, 48)]
     for r in rows:
@@ -111,12 +115,14 @@ def test_routing_times_the_kvm_loop_and_static_router_and_compares_the_routes():
     assert all(r["time_s"] > 0 and r["same_routes"] is True for r in rows)
 
 
-def test_generate_times_prefill_and_new_tokens_and_compares_the_tokens():
+def test_generate_times_prefill_and_new_tokens_and_compares_the_tokens(capsys):
+    """... and leaves the CUDA-graph decode out on the CPU, saying so."""
     rows = _run({"kind": "generate", "name": "g", "preset": "tiny", "vocab_size": 64, "prompt_lens": [40],
-                 "batch_sizes": [1, 2], "new_tokens": 3, "decodes": ["functional", "static"], "repeats": 1,
+                 "batch_sizes": [1, 2], "new_tokens": 3, "decodes": ["functional", "graph", "static"], "repeats": 1,
                  "model_options": {"backend": "dense"}})
     assert [(r["decode"], r["batch"], r["prompt"]) for r in rows] == [
         ("functional", 1, 40), ("functional", 2, 40), ("static", 1, 40), ("static", 2, 40)]
+    assert "scenario 'g': decode 'graph' replays a CUDA graph, left out on cpu" in capsys.readouterr().out
     for r in rows:
         assert r["prefill_s"] > 0 and r["decode_s"] > 0
         assert r["new_tokens_per_s"] == pytest.approx(r["batch"] * 2 / r["decode_s"])

@@ -10,6 +10,8 @@ KVM's first absorb is the functional one, every later one the static routing ste
 slots of the chunk, whose routes and state are the loop's (tests/recurrences/test_kvm_routing_static.py):
 its state, counts and sums are equal bit for bit, and compiled equal to the eager step's.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,11 +46,13 @@ LAYERS = {
 def _decode_both(layer, x: torch.Tensor, split: int, step=None, compile_boundary: bool = False):
     """Prefill ``x[:, :split]``, then decode the rest one token per call functionally and through a
     static cache (``step``: the callable that runs the layer on it) -> (functional ys, static ys,
-    functional cache, static cache)."""
+    functional cache, static cache). Every step and boundary writes the static cache's buffers in
+    place (the same storage, shape and dtype throughout: what a CUDA graph of the step relies on)."""
     step = layer if step is None else step
     with torch.no_grad():
         _, cache = layer(x[:, :split], use_cache=True)
         static = layer.static_cache(cache, x.shape[1])
+        buffers = _buffers(static)
         yf, ys = [], []
         for t in range(split, x.shape[1]):
             y, cache = layer(x[:, t:t + 1], cache=cache)
@@ -57,7 +61,14 @@ def _decode_both(layer, x: torch.Tensor, split: int, step=None, compile_boundary
             assert same is static
             ys.append(y)
             layer.static_boundary(static, t + 1, compile=compile_boundary)
+            assert _buffers(static) == buffers, f"step {t}: a static cache buffer was replaced"
     return torch.cat(yf, 1), torch.cat(ys, 1), cache, static
+
+
+def _buffers(static) -> list[tuple]:
+    """Each field of a static cache: (name, storage address, shape, dtype) of a tensor, else its value."""
+    return [(f.name, *((v.data_ptr(), v.shape, v.dtype) if isinstance(v, torch.Tensor) else (v,)))
+            for f in dataclasses.fields(static) for v in [getattr(static, f.name)]]
 
 
 def _dictionaries_agree(cache, static, exact: bool) -> None:

@@ -1,5 +1,6 @@
 """``HybridLM.generate(decode="static" | "compiled")``: the in-place fast path gives the functional
-path's greedy tokens (docs/design.md §6, "Static decode")."""
+path's greedy tokens (docs/design.md §6, "Static decode"). ``decode="graph"`` needs CUDA: its
+tokens are checked in the cuda tier (``tests/cuda/test_cuda_models.py``), its refusal here."""
 import pytest
 import torch
 
@@ -39,3 +40,9 @@ def test_static_generate_refuses_what_it_cannot_do():
         _model("swa").generate(prompt, 2, decode="fast")
     with pytest.raises(NotImplementedError, match="mixer 'vq'"):
         _model("swa,vq").generate(prompt, 2, decode="static")
+
+
+def test_graph_generate_needs_cuda():
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="decode='graph' .* CUDA device, got cpu; use decode='compiled'"):
+        _model("swa,ovq").generate(prompt, 2, decode="graph")
