@@ -60,7 +60,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from masks.program import AttentionProgram
 from recurrences.checks import check_choice, host_check_is_free
-from recurrences.compiling import raise_recompile_limit
+from recurrences.compiling import prepare_compile
 
 log = logging.getLogger("ovqflex")
 
@@ -82,8 +82,8 @@ def _compiled_flex():
     """The compiled flex kernel, shared by every program. Each new shape or region
     structure is a new graph; past dynamo's recompile limit (8 by default) it would
     silently fall back to the unfused eager path, so the limit is raised
-    (:func:`recurrences.compiling.raise_recompile_limit`)."""
-    raise_recompile_limit()
+    (:func:`recurrences.compiling.prepare_compile`)."""
+    prepare_compile()
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -7,7 +7,10 @@ raises ``FailOnRecompileLimitHit`` and any other falls back to eager, unfused co
 error. The project's compiled code meets a new shape for every context length (a static
 routing step's state buffer grows with it; a flex program's block count does), so an
 evaluation over several lengths would pass 8. The limit is raised process-wide to
-:data:`RECOMPILE_LIMIT` the first time such code compiles.
+:data:`RECOMPILE_LIMIT` the first time such code compiles or a layer is made
+(:func:`prepare_compile`, which also mends a CPU code-generation bug of inductor's threaded
+scatter-add, :func:`patch_inductor_cpu_atomic_add`). :func:`graphed` replays a fixed-buffer step
+from one CUDA graph (the static decode's ``"graph"`` path).
 """
 from __future__ import annotations
 
@@ -31,6 +34,68 @@ def raise_recompile_limit() -> None:
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
 
 
+_INDUCTOR_PATCHED = False
+
+
+def patch_inductor_cpu_atomic_add() -> bool:
+    """Mend a CPU code-generation bug of torch's inductor (seen in torch 2.13; pytorch/pytorch#191837):
+    in a 2-D tiled (transposing) CPU kernel, a scatter-add run by several threads (``atomic_add``: an
+    embedding's or an ``index_add``'s backward fused with pointwise work whose buffers are laid out
+    another way, e.g. a LongVQ block's EMA gradient in ``[D, B*T]`` meeting the token embedding's)
+    maps its index into the tile twice, so it adds at wrong rows and past the end of the buffer:
+    heap corruption (``double free or corruption``) or silently wrong gradients.
+
+    ``CppTile2DKernel.store`` maps the index and hands it to the vector kernel's store, whose threaded
+    ``atomic_add`` path re-derives it through the tile's ``index_expr``, which maps it again. The
+    mended store hands that path the unmapped index (mapped once, there); every other store is
+    unchanged, and a torch whose store maps once already computes the same. Applied once per process
+    (:func:`prepare_compile`); returns whether it is in place (False when this torch's inductor lacks
+    the parts it mends: nothing is changed then)."""
+    global _INDUCTOR_PATCHED
+    if _INDUCTOR_PATCHED:
+        return True
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.codegen.cpp import CppTile2DKernel, CppVecKernel
+    except ImportError:
+        return False
+    store = CppTile2DKernel.__dict__.get("store")
+    if store is None or not all(hasattr(CppTile2DKernel, a) for a in ("need_vec_transpose", "rename_indexing")):
+        return False
+
+    def mended_store(self, name, index, value, mode=None):
+        threaded = inductor_config.cpp.dynamic_threads or getattr(self, "num_threads", 1) != 1
+        if mode == "atomic_add" and threaded and not self.need_vec_transpose(self.rename_indexing(index)):
+            return CppVecKernel.store(self, name, index, value, mode)  # maps the index once, in index_expr
+        return store(self, name, index, value, mode)
+
+    CppTile2DKernel.store = mended_store
+    if inductor_config.post_grad_custom_post_pass is None:
+        # kernels compiled and cached on disk before the mend keep the bug: a no-op pass whose uuid
+        # enters inductor's cache key sends this process's graphs to fresh entries
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        class MendedCacheKey(CustomGraphPass):
+            def __call__(self, graph) -> None:
+                return None
+
+            def uuid(self) -> str:
+                return "ovqflex: CppTile2DKernel atomic_add index mapped once (pytorch/pytorch#191837)"
+
+        inductor_config.post_grad_custom_post_pass = MendedCacheKey()
+    _INDUCTOR_PATCHED = True
+    return True
+
+
+def prepare_compile() -> None:
+    """What the project's compiled code needs from torch before it compiles, done once per process:
+    dynamo's recompile limit raised (:func:`raise_recompile_limit`) and inductor's CPU scatter-add
+    mended (:func:`patch_inductor_cpu_atomic_add`). Layers call it when made, the fixed-shape
+    helpers when they first compile."""
+    raise_recompile_limit()
+    patch_inductor_cpu_atomic_add()
+
+
 def compile_fixed_shapes(fn: Callable) -> Callable:
     """``fn`` compiled with ``fullgraph=True, dynamic=False``: one graph per input shape (and per
     value of its non-tensor arguments), at most :data:`RECOMPILE_LIMIT` of them. Compiles on the
@@ -41,7 +106,7 @@ def compile_fixed_shapes(fn: Callable) -> Callable:
     def call(*args, **kwargs):
         nonlocal compiled
         if compiled is None:
-            raise_recompile_limit()
+            prepare_compile()
             compiled = torch.compile(fn, fullgraph=True, dynamic=False)
         return compiled(*args, **kwargs)
 

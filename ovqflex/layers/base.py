@@ -40,6 +40,7 @@ from typing import ClassVar
 from torch import Tensor, nn
 
 from recurrences.checks import check_int
+from recurrences.compiling import prepare_compile
 
 from ..cache.base import LayerCache, StaticLayerCache, check_cache
 
@@ -57,6 +58,14 @@ class AttentionLayer(nn.Module):
         cls.supports_cache = cls.cache_type is not None
         if "forward" not in cls.__dict__:
             cls.forward = _forward_of(cls)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A layer is made to be compiled, alone or in a model (recurrences.compiling.prepare_compile):
+        # each structure (pattern, options, dtype) is a graph of the same forward code, and past
+        # dynamo's default 8 a process that builds many (an experiment, a sweep, the cuda tier)
+        # would fall back to eager silently; on CPU, inductor's threaded scatter-add is mended.
+        prepare_compile()
 
     def forward(self, x: Tensor, cache: LayerCache | None = None, use_cache: bool = False, *,
                 return_aux: bool = False, **call):

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ovqflex.models import HybridConfig, HybridLM, available_mixers
+from tests.helpers import assert_close
 
 SMALL = dict(vocab_size=64, d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, backend="blocked",
              mixer_options={"ovq": {"max_centroids": 16}})
@@ -129,3 +130,28 @@ def test_compiled_train_step_has_no_graph_break_and_matches_eager():
     assert torch.allclose(loss_c, loss_e, rtol=1e-5)
     for gc, p in zip(grads_c, model.parameters()):
         assert torch.allclose(gc, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_longvq_training_on_two_threads_equals_eager():
+    """A LongVQ model's compiled backward on two CPU threads fuses the token embedding's scatter-add
+    with the EMA's ``[D, B*T]`` gradient in a transposing kernel: with torch 2.13's inductor it wrote
+    past the embedding gradient (heap corruption) until ``recurrences.compiling.patch_inductor_cpu_atomic_add``
+    (applied when a layer is made). The gradients equal the eager ones."""
+    import copy
+
+    from ovqflex.models import preset
+
+    torch.manual_seed(0)
+    eager = HybridLM(preset("tiny", pattern="longvq", vocab_size=64, backend="blocked", n_layers=1))
+    model = copy.deepcopy(eager)
+    x = torch.randint(0, 64, (8, 64), generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m in (eager, torch.compile(model)):
+            F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    finally:
+        torch.set_num_threads(threads)
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        if p.grad is not None:
+            assert_close(q.grad, p.grad, 1e-4, name)
