@@ -87,13 +87,27 @@ def patch_inductor_cpu_atomic_add() -> bool:
     return True
 
 
+_MEND_AT_COMPILE = False
+
+
 def prepare_compile() -> None:
-    """What the project's compiled code needs from torch before it compiles, done once per process:
-    dynamo's recompile limit raised (:func:`raise_recompile_limit`) and inductor's CPU scatter-add
-    mended (:func:`patch_inductor_cpu_atomic_add`). Layers call it when made, the fixed-shape
-    helpers when they first compile."""
+    """What the project's compiled code needs from torch before it compiles: dynamo's recompile limit
+    raised (:func:`raise_recompile_limit`) and inductor's CPU scatter-add mended
+    (:func:`patch_inductor_cpu_atomic_add`) when the process first compiles anything (a dynamo
+    compile-start callback: importing inductor's code generator takes ~1.5 s, which a process that
+    never compiles does not pay). Layers call it when made, the fixed-shape helpers when they first
+    compile; cheap after the first call."""
+    global _MEND_AT_COMPILE
     raise_recompile_limit()
-    patch_inductor_cpu_atomic_add()
+    if _MEND_AT_COMPILE:
+        return
+    try:
+        from torch._dynamo.callback import on_compile_start
+    except ImportError:  # a torch without compile callbacks: mend now
+        patch_inductor_cpu_atomic_add()
+    else:
+        on_compile_start(lambda _args: patch_inductor_cpu_atomic_add())  # a no-op once mended
+    _MEND_AT_COMPILE = True
 
 
 def compile_fixed_shapes(fn: Callable) -> Callable:

@@ -64,7 +64,7 @@ class AttentionLayer(nn.Module):
         # A layer is made to be compiled, alone or in a model (recurrences.compiling.prepare_compile):
         # each structure (pattern, options, dtype) is a graph of the same forward code, and past
         # dynamo's default 8 a process that builds many (an experiment, a sweep, the cuda tier)
-        # would fall back to eager silently; on CPU, inductor's threaded scatter-add is mended.
+        # would fall back to eager silently; inductor's CPU scatter-add is mended at the first compile.
         prepare_compile()
 
     def forward(self, x: Tensor, cache: LayerCache | None = None, use_cache: bool = False, *,

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from recurrences.checks import check_int, from_dict
 
 
@@ -44,10 +46,10 @@ def check_sizes(where: str, sizes: list[int]) -> None:
         check_int(f"{where}[{i}]", n)
 
 
-def runs_on(decode: str, device, where: str) -> bool:
+def runs_on(decode: str, device: torch.device, where: str) -> bool:
     """Whether a ``decode`` path runs on ``device``: ``"graph"`` (a CUDA graph) needs a CUDA device;
     elsewhere its rows are left out, with one printed line saying so."""
-    if decode == "graph" and getattr(device, "type", str(device).split(":")[0]) != "cuda":
+    if decode == "graph" and device.type != "cuda":
         print(f"{where}: decode 'graph' replays a CUDA graph, left out on {device}")
         return False
     return True

@@ -61,9 +61,9 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     through its cache — the functional one, or (case ``decode = "static"`` / ``"compiled"`` /
     ``"graph"``) the in-place static cache made after the prefill, eager, compiled, or compiled and
     replayed from one CUDA graph (compiled and captured in the warm-up run, not timed; each timed run
-    continues the same cache; ``"graph"`` needs CUDA and is left out elsewhere). Every case runs at every ``batch`` of
-    ``batch_sizes`` (that many sequences decoded together, one token each per call) and every
-    ``T``. Rows: ``batch``, decode tokens/s (``tokens_per_s``: the tokens of all ``batch`` rows,
+    continues the same cache; ``"graph"`` needs CUDA and is left out elsewhere). Every case runs at
+    every ``batch`` of ``batch_sizes`` (that many sequences decoded together, one token each per
+    call) and every ``T``. Rows: ``batch``, decode tokens/s (``tokens_per_s``: the tokens of all ``batch`` rows,
     ``batch * decode_tokens / seconds``), seconds per decode step (``time_s``: per token at batch
     1, per ``batch`` tokens otherwise; its slope vs T is ~0 for a bounded cache and ~1 for a
     growing KV cache), the cache's own bytes (``cache_mb``, all rows of the batch) and the RSS

@@ -81,8 +81,8 @@ def generate(sc: GenerateScenario, device: str) -> list[dict]:
     and the sampling; ``new_tokens_per_s = batch * (new_tokens - 1) / decode_s`` (tokens of all
     rows of the batch; the first new token comes with the prefill's logits); ``x_vs_<first
     decode>`` at the same batch and prompt (``"graph"`` needs CUDA and is left out elsewhere);
-    ``same_tokens``: whether the generated tokens equal the functional decode's (None without ``"functional"`` in ``decodes``; equal up to float
-    rounding, so reported, not asserted).
+    ``same_tokens``: whether the generated tokens equal the functional decode's (None without
+    ``"functional"`` in ``decodes``; equal up to float rounding, so reported, not asserted).
     """
     from ...models import HybridLM
 

@@ -136,7 +136,7 @@ def test_compiled_longvq_training_on_two_threads_equals_eager():
     """A LongVQ model's compiled backward on two CPU threads fuses the token embedding's scatter-add
     with the EMA's ``[D, B*T]`` gradient in a transposing kernel: with torch 2.13's inductor it wrote
     past the embedding gradient (heap corruption) until ``recurrences.compiling.patch_inductor_cpu_atomic_add``
-    (applied when a layer is made). The gradients equal the eager ones."""
+    (applied at the first compile of a process that made a layer). The gradients equal the eager ones."""
     import copy
 
     from ovqflex.models import preset
