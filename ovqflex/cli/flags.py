@@ -6,7 +6,8 @@ the one ``--device`` flag, and the flags of a config dataclass derived from its 
 positional argument named like the field), of the field's type, defaulting to the field's
 default, with ``metadata["help"]`` as its help (a callable is called when the flag is made,
 for lists that grow at run time) and ``metadata["choices"]`` (if any) as its choices. A bool
-field is a switch (``--no-NAME`` when its default is True), a dict field a repeatable
+field is a switch (``--no-NAME`` when its default is True; a ``bool | None`` field defaulting to
+None, which means "decided by the run", gets both ``--NAME`` and ``--no-NAME``), a dict field a repeatable
 ``NAME=VALUE``, a ``tuple[X, ...]`` field a comma-separated list of X (of the choices, if
 any), or with ``metadata["repeatable"]`` one X per flag, the flag repeatable.
 :func:`config_from_args` builds the config from the parsed flags, so a new field is a new flag.
@@ -156,6 +157,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             if kind not in (int, float, str):
                 raise TypeError(f"{cls.__name__}.{f.name}: a positional argument must be an int, float or str")
             parser.add_argument(flag, type=kind, choices=choices, help=help)
+        elif kind is bool and f.default is None:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help)
         elif kind is bool:
             parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
                                 help=f"do not {help}" if f.default else help)

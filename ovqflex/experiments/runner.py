@@ -11,9 +11,9 @@ Layout of ``OUT`` (the plan's ``out``)::
 Units run in order (per seed, per model: train, then its evaluations). A unit whose output
 exists and is complete is skipped: a run whose latest checkpoint is at the final step, an
 evaluation report with the planned lengths, examples, overrides and checkpoint step. A run
-with an earlier checkpoint continues from it (``train(..., resume=True)``: the same result
-as an uninterrupted run up to the nondeterminism of compiled CPU kernels); one that died
-before its first checkpoint starts again.
+with an earlier checkpoint continues from it (``train(..., resume=True)``: the same result as
+an uninterrupted run, bit for bit where the run is deterministic, by default on the CPU); one that
+died before its first checkpoint starts again.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ with the holder named.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -64,12 +65,27 @@ class TrainResult:
     tokens_per_s: float | None
 
 
-def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
+def deterministic_on(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether a run of ``cfg`` on ``device`` uses deterministic algorithms: ``cfg.deterministic``,
+    or when that is None, on for the CPU (threaded float sums, e.g. inductor's scatter-adds, then
+    add in a fixed order, at no measured cost) and off for CUDA."""
+    return device.type != "cuda" if cfg.deterministic is None else cfg.deterministic
+
+
+@contextlib.contextmanager
+def _determinism(cfg: TrainConfig, device: torch.device):
+    """Seed, and switch deterministic algorithms on or off per :func:`deterministic_on` for the
+    run; the process's setting is restored after it (a Python caller's own code is not changed)."""
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.manual_seed(cfg.seed)
-    if cfg.deterministic:
-        if device.type == "cuda":
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    on = deterministic_on(cfg, device)
+    if on and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
 def _check_resumable(cfg: TrainConfig, saved: dict, path: Path) -> None:
@@ -116,8 +132,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathL
     info = init_distributed("cuda" if resolve_device(cfg.device).type == "cuda" else "cpu")
     lock, created = RunLock(out), not out.exists()
     try:
-        _lock_on_rank0(lock, out, info, resolve_device(cfg.device, info.local_rank))
-        return _train(cfg, info, resume, resume_from)
+        device = resolve_device(cfg.device, info.local_rank)
+        _lock_on_rank0(lock, out, info, device)
+        with _determinism(cfg, device):
+            return _train(cfg, info, device, resume, resume_from)
     finally:
         lock.release()
         if info.is_main and created and out.is_dir() and not any(out.iterdir()):
@@ -145,13 +163,11 @@ def _lock_on_rank0(lock: RunLock, out: Path, info: DistInfo, device: torch.devic
         raise error
 
 
-def _train(cfg: TrainConfig, info: DistInfo, resume: bool, resume_from) -> TrainResult:
+def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, resume_from) -> TrainResult:
     out = Path(cfg.out)
-    device = resolve_device(cfg.device, info.local_rank)
     if cfg.batch_size % info.world_size:
         raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the number of ranks {info.world_size}")
     local_bs = cfg.batch_size // info.world_size
-    _set_determinism(cfg, device)
     task = build_task(cfg)
 
     ckpt_path = Path(resume_from) if resume_from else (latest_checkpoint(out) if resume else None)

@@ -208,6 +208,7 @@ class _Config:
     label: str | None = dataclasses.field(default=None, metadata={"help": "a label"})
     options: dict = dataclasses.field(default_factory=dict, metadata={"flag": "--opt", "help": "an option"})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "say nothing"})
+    exact: bool | None = dataclasses.field(default=None, metadata={"help": "exact (default: decided later)"})
 
 
 def _parse(cls, argv):
@@ -219,9 +220,10 @@ def _parse(cls, argv):
 def test_config_flags_of_every_field_kind():
     assert _parse(_Config, ["b"]) == _Config(name="b")
     cfg = _parse(_Config, ["c", "--color", "blue,red", "--sizes", "4,8", "--pick", "3", "--pick", "1", "--label", "x",
-                           "--opt", "k=2", "--quiet"])
-    assert cfg == _Config("c", ("blue", "red"), (4, 8), (3, 1), "x", {"k": 2}, True)
+                           "--opt", "k=2", "--quiet", "--exact"])
+    assert cfg == _Config("c", ("blue", "red"), (4, 8), (3, 1), "x", {"k": 2}, True, True)
     assert _parse(_Config, ["c"]).picks == () and _parse(_Config, ["c"]).colors == ("red",)
+    assert [_parse(_Config, argv).exact for argv in (["c"], ["c", "--exact"], ["c", "--no-exact"])] == [None, True, False]
 
 
 def test_a_new_config_field_appears_as_a_flag():
@@ -262,6 +264,8 @@ def test_train_flags_reach_the_config():
         "--task-opt", "key_len=2", "--model-opt", "d_model=32", "--dtype", "fp32", "--ckpt-every", "5"]))
     assert (cfg.beta1, cfg.beta2, cfg.keep_checkpoints, cfg.compile, cfg.progress, cfg.deterministic) == \
         (0.8, 0.99, 3, False, False, True)
+    assert config_from_args(TrainConfig, _train_args([])).deterministic is None  # on for CPU, off for CUDA
+    assert config_from_args(TrainConfig, _train_args(["--no-deterministic"])).deterministic is False
     assert (cfg.task_options, cfg.model_options, cfg.dtype, cfg.ckpt_every) == ({"key_len": 2}, {"d_model": 32},
                                                                                  "fp32", 5)
 

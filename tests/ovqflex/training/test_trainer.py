@@ -72,6 +72,34 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path):
     assert metrics(Path(straight.out))[-1]["loss"] == metrics(Path(resumed.out))[-1]["loss"]
 
 
+@pytest.mark.parametrize("deterministic", [None, True], ids=["default", "on"])
+def test_compiled_cpu_training_repeats_bit_for_bit(tmp_path, deterministic):
+    """On the CPU a run is deterministic by default: two compiled runs on two threads end with equal
+    parameters, bit for bit (with ``deterministic=False`` they differ, at the 7th digit, after a
+    step or two: threaded scatter-adds sum in a varying order); the process's own setting is kept."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        states = []
+        for name in ("a", "b"):
+            c = cfg(tmp_path / name, compile=True, steps=4, batch_size=8, deterministic=deterministic)
+            train(c)
+            states.append(load_checkpoint(latest_checkpoint(c.out)).model)
+            assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_deterministic_defaults_to_on_for_the_cpu_only():
+    from ovqflex.training.trainer import deterministic_on
+
+    on = {(det, dev): deterministic_on(TrainConfig(deterministic=det), torch.device(dev))
+          for det in (None, True, False) for dev in ("cpu", "cuda")}
+    assert on == {(None, "cpu"): True, (None, "cuda"): False, (True, "cpu"): True, (True, "cuda"): True,
+                  (False, "cpu"): False, (False, "cuda"): False}
+
+
 def _cli(args, env=None, check=True):
     proc = subprocess.run([sys.executable, "-m", "ovqflex.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=600)
