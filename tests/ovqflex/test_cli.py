@@ -223,7 +223,8 @@ def test_config_flags_of_every_field_kind():
                            "--opt", "k=2", "--quiet", "--exact"])
     assert cfg == _Config("c", ("blue", "red"), (4, 8), (3, 1), "x", {"k": 2}, True, True)
     assert _parse(_Config, ["c"]).picks == () and _parse(_Config, ["c"]).colors == ("red",)
-    assert [_parse(_Config, argv).exact for argv in (["c"], ["c", "--exact"], ["c", "--no-exact"])] == [None, True, False]
+    exact = [_parse(_Config, argv).exact for argv in (["c"], ["c", "--exact"], ["c", "--no-exact"])]
+    assert exact == [None, True, False]
 
 
 def test_a_new_config_field_appears_as_a_flag():
