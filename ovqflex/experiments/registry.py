@@ -34,8 +34,10 @@ distinct keys and values) with the training-only mix of context sizes ``min_pair
 (:class:`ovqflex.tasks.recall.ICR`). 2-token keys of the same vocabulary (the paper's
 multi-token layout) are slower to learn at this size: sw-ovq seed 0 with ``min_pairs=1`` ended
 a 2,000-step run at training accuracy 0.49 (0.37 at step 1,400), while with 1-token keys the
-same seed passed 0.5 at step 1,050 of 4,000 and the others at 440-1,370. At the ``gpu`` scale keys and values are 2 tokens of
-a 1,024 vocabulary (5,455 pairs at 32k), also with ``min_pairs=1``.
+same seed passed 0.5 at step 1,050 of 4,000 and the others at 440-1,370 (runs made before CPU
+training was deterministic by default; the main job's deterministic runs: 630, and 370-860). At
+the ``gpu`` scale keys and values are 2 tokens of a 1,024 vocabulary (5,455 pairs at 32k), also
+with ``min_pairs=1``.
 
 ``icl`` at the ``cpu`` scale: 2-token inputs (the smallest ``io_len`` with a permutation to
 infer), 4 functions out of 16 id tokens, ``a, b <= 3`` and ``x <= 16`` (outputs <= 51) in a

@@ -92,7 +92,8 @@ class ICR(_KVTask):
     ~1,000-2,500 on full contexts (seed 1: ~2,500 on a 4,000-step schedule; seed 0: ~1,000
     on a 2,000-step one). With vocab 256 (the ``tiny`` preset's task, which reaches 1,024
     tokens with distinct keys): 1,050 / 440 / 1,370 / 440 for seeds 0-3, against none of 3
-    seeds by step 1,700 on full contexts.
+    seeds by step 1,700 on full contexts (these runs predate deterministic CPU training; the
+    main job's deterministic runs, in the README: 630 / 370 / 860 for seeds 0-2).
     """
 
     name: ClassVar[str] = "icr"
