@@ -39,6 +39,17 @@ class ModelCache:
 DECODES = ("functional", "static", "compiled", "graph")
 
 
+def static_step(step, decode: str, device: torch.device):
+    """A static-cache decode ``step`` (fixed shapes, caches written in place) as ``decode`` runs it:
+    ``"static"`` eager, ``"compiled"`` compiled once (``fullgraph=True, dynamic=False``), ``"graph"``
+    compiled and replayed from one CUDA graph on ``device`` (:func:`recurrences.compiling.graphed`)."""
+    check_choice("decode", decode, DECODES[1:])
+    if decode == "static":
+        return step
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    return graphed(compiled, device) if decode == "graph" else compiled
+
+
 def sample_next(logits: Tensor, temperature: float, top_k: int | None,
                 generator: torch.Generator | None = None) -> Tensor:
     """logits ``[B, V]`` -> next tokens ``[B, 1]`` int64: greedy at temperature 0, else a
@@ -217,12 +228,8 @@ class HybridLM(nn.Module):
             logits, cache = self(prompt, use_cache=True)
             if decode != "functional":
                 caches = self.static_caches(cache, prompt.shape[1] + max_new_tokens)
-                compiled = decode in ("compiled", "graph")
-                step_fn = self.decode_static
-                if compiled:
-                    step_fn = torch.compile(step_fn, fullgraph=True, dynamic=False)
-                if decode == "graph":
-                    step_fn = graphed(step_fn, prompt.device)
+                compiled = decode != "static"
+                step_fn = static_step(self.decode_static, decode, prompt.device)
             for step in range(max_new_tokens):
                 nxt = sample_next(logits[:, -1], temperature, top_k, generator)
                 out = torch.cat([out, nxt], dim=1)

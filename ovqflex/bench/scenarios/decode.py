@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 import torch
 
 from recurrences.checks import check_choice, check_keys
-from recurrences.compiling import graphed
 
 from ...methods import METHODS, Method, method_names
-from ...models.hybrid import DECODES
+from ...models.hybrid import DECODES, static_step
 from ..measure import measure, sync
 from .base import Scenario, check_sizes, register, runs_on
 
@@ -125,16 +124,13 @@ def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, mode: str):
     (``mode="static"``), compiled, or the compiled step replayed from one CUDA graph (``"graph"``);
     returns the static cache."""
     static = layer.static_cache(cache, T + n_dec * (repeats + 3))
-    compiled = mode in ("compiled", "graph")
-    step = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer
-    if mode == "graph":
-        replay = graphed(lambda xt, c, compiled_layer=step: compiled_layer(xt, cache=c)[0], x.device)
-        step = lambda xt, cache: (replay(xt, cache), cache)  # noqa: E731
+    compiled = mode != "static"
+    step = static_step(lambda xt, c: layer(xt, cache=c)[0], mode, x.device)
     position = [T]
 
     def run():
         for i in range(n_dec):
-            step(x[:, T + i:T + i + 1], cache=static)
+            step(x[:, T + i:T + i + 1], static)
             position[0] += 1
             layer.static_boundary(static, position[0], compile=compiled)
         return static

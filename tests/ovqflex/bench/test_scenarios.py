@@ -108,6 +108,18 @@ def test_decode_runs_every_case_at_every_batch(capsys):
         assert two["cache_mb"] == pytest.approx(2 * one["cache_mb"], rel=0.05), case
 
 
+def test_decode_times_the_static_cache_eager_and_compiled():
+    ovq = {"kind": "ovq", "chunk_size": 16, "max_centroids": 32}
+    rows = _run({"kind": "decode", "name": "d", "seq_lens": [48], "batch_sizes": [1], "hidden": 32, "heads": 2,
+                 "decode_tokens": 4, "repeats": 1,
+                 "cases": [{"name": "ovq-static", **ovq, "decode": "static"},
+                           {"name": "ovq-compiled", **ovq, "decode": "compiled"}, {"name": "full", "kind": "full"}]})
+    assert [(r["case"], r["decode"]) for r in rows] == [("ovq-static", "static"), ("ovq-compiled", "compiled"),
+                                                        ("full", "functional")]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["cache_mb"] == rows[1]["cache_mb"]
+
+
 def test_routing_times_the_kvm_loop_and_static_router_and_compares_the_routes():
     rows = _run({"kind": "routing", "name": "r", "method": "kvm", "seq_lens": [160], "heads": 2, "head_dim": 8,
                  "chunk_size": 16, "budget": "power_law", "growth_factor": 4.0, "max_state_chunks": 0, "repeats": 1})
