@@ -188,6 +188,10 @@ def _softmax_weights(s: Tensor) -> tuple[Tensor, Tensor]:
     return e, torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
+def _all_rows(rows: Tensor) -> Tensor:
+    return rows
+
+
 def _safe_softmax_av(s: Tensor, v: Tensor | Sequence[Tensor], pick=None) -> Tensor:
     """softmax(s) @ v ``[..., Q, Dv]`` for s ``[..., Q, S]`` (``-inf``: not visible), v ``[..., S, Dv]``:
     a fully masked row gives 0, a query that gives a non-finite value row weight gets NaN, one
@@ -203,7 +207,8 @@ def _safe_softmax_av(s: Tensor, v: Tensor | Sequence[Tensor], pick=None) -> Tens
     steps over a whole KV cache, the blocked training backend) takes the plain product and pays
     the pass only when the product is not finite. Compiled code, and accelerators (where the
     check would be a host sync), always flag."""
-    pick = pick or (lambda rows: rows)
+    if pick is None:  # (not `pick or ...`: torch 2.11's dynamo cannot take a function's truth value)
+        pick = _all_rows
     parts = list(v) if isinstance(v, (tuple, list)) else [v]
     e, denom = _softmax_weights(s)
     if host_check_is_free(parts[0]):

@@ -140,7 +140,8 @@ class VLAAttention(_Recurrent):
     def recur(self, x, q, k, v, *, decoding=False, **state_options):
         # a one-token decode step runs with chunk_size=1 (one Sherman-Morrison step; 1 divides
         # every refresh period); longer continuations keep the layer's chunk, aligned by the op
-        options = dataclasses.asdict(self.options)
+        # the fields as they are (dataclasses.asdict deep-copies them, which torch 2.11's dynamo cannot trace)
+        options = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
         if decoding and x.shape[1] == 1:
             options["chunk_size"] = 1
         return vla_attention(q, k, v, self.penalty_proj(k), **options, **state_options)

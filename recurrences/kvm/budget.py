@@ -68,7 +68,7 @@ def kvm_state_sizes(seq_len: int, chunk_size: int, n_bswa_chunks: int, budget: K
     budget = budget or KVMBudget()
     n_chunks = -(-seq_len // chunk_size)
     cap = math.inf if budget.max_state_chunks is None else chunk_size * budget.max_state_chunks
-    sizes = [0] * min(n_chunks, n_bswa_chunks)
+    sizes = [0 for _ in range(min(n_chunks, n_bswa_chunks))]  # (torch 2.11's dynamo cannot append to `[0] * n`)
     for c in range(n_bswa_chunks, n_chunks):
         if c == n_bswa_chunks:
             sizes.append(chunk_size)  # the initial state: the first chunk, one row per token
