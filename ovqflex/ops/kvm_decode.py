@@ -231,14 +231,15 @@ def kvm_decode_static(cache: StaticKVMCache, q: Tensor, k: Tensor, v: Tensor, kb
 
 def kvm_static_boundary(cache: StaticKVMCache, opts: KVMOptions, readout: KVMReadout, position: int, *,
                         compile: bool = False) -> None:
-    """After a static step left ``position`` tokens (``cache.position``, counted on the host): if the
-    next token starts a query chunk ``c >= Nb``, absorb window chunk ``c - Nb`` (still whole in the
-    ring) in place. The initial state (``c = Nb``, once) is :func:`_absorb`'s copy; a later chunk is
-    routed by the static step (``compile``: its compiled form, one graph for every chunk) on the
-    ring's slots of the chunk and ``(rows[c-1], rows[c])``, both looked up from ``cache.position``."""
+    """After a static step left ``position`` tokens (``cache.position``, counted on the host): if the next
+    token starts a query chunk ``c >= Nb``, absorb window chunk ``c - Nb`` (still whole in the ring) in
+    place; nothing once the cache is full (``position`` = its capacity at a chunk end). The initial state
+    (``c = Nb``, once) is :func:`_absorb`'s copy; a later chunk is routed by the static step (``compile``:
+    its compiled form, one graph for every chunk) on the ring's slots of the chunk and
+    ``(rows[c-1], rows[c])``, both looked up from ``cache.position``."""
     C, Nb = opts.chunk_size, opts.n_bswa_chunks
     c = position // C
-    if position % C or c < Nb:
+    if position % C or c < Nb or c >= cache.rows.shape[0]:  # (the last: the cache is full, chunk c never comes)
         return
     st = {name: getattr(cache, name) for name in _STATE}
     if c == Nb:  # chunk 0, in ring slots 0..C-1

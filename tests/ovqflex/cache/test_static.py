@@ -104,6 +104,19 @@ def test_static_decode_equals_functional_decode(name, split):
         assert isinstance(static, StaticPlainCache)
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_static_decode_fills_its_capacity_at_a_chunk_end(name):
+    """A capacity that ends a chunk (64 tokens, chunks of 16): the boundary after the last step
+    finds the cache full and prepares no next chunk (KVM's lookup of that chunk's rows once fell
+    off the end of its table here); the outputs still equal the functional decode's."""
+    torch.manual_seed(0)
+    layer = LAYERS[name]()
+    x = torch.randn(2, 64, HIDDEN)
+    yf, ys, cache, static = _decode_both(layer, x, 37)
+    assert_close(ys, yf, STATIC_TOL, name)
+    assert int(static.position) == cache.position == 64
+
+
 @pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv", "kvm-powerlaw-uncapped-conv"])
 def test_static_step_compiles_once(name):
     """``torch.compile(fullgraph=True, dynamic=False)`` of the layer on a static cache: one graph
