@@ -126,11 +126,12 @@ def matmul_gflops(device: torch.device | str = "cpu", n: int = 1024, dtype=torch
 
 
 def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int, *, peak_gflops: float | None = None,
-                  reference_of=lambda name: "reference loop fwd", baseline: str = "sdpa causal fwd") -> list[dict]:
+                  reference_of=lambda name: "reference loop fwd",
+                  baseline_of=lambda name: "sdpa causal fwd") -> list[dict]:
     """Time ``cases`` — ``(name, fn)`` or ``(name, fn, model FLOPs)`` — in this process, one row each.
 
-    Every row carries its speed-up over the ``baseline`` case (``x_vs_sdpa``) and over its
-    reference case ``reference_of(name)`` (``x_vs_reference``; None where that case is absent or
+    Every row carries its speed-up over its baseline case ``baseline_of(name)`` (``x_vs_sdpa``) and
+    over its reference case ``reference_of(name)`` (``x_vs_reference``; None where that case is absent or
     None); with FLOPs and ``peak_gflops`` (the matmul rate measured on the spot) also its GFLOP/s
     and FLOP efficiency. A case that fails (e.g. a compile error) is a row with its ``error``,
     not a crash."""
@@ -140,12 +141,11 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
             results[name] = measure(fn, device=device, repeats=repeats)
         except Exception as e:  # a compile failure is a result to report, not a crash
             failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:60]}"
-    base = results.get(baseline)
     for name, _, *flops in cases:
         if name in failed:
             rows.append({"T": T, "case": name, "error": failed[name]})
             continue
-        m, ref = results[name], results.get(reference_of(name))
+        m, ref, base = results[name], results.get(reference_of(name)), results.get(baseline_of(name))
         row = {"T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
                "x_vs_reference": ref.seconds / m.seconds if ref else None,
                "x_vs_sdpa": base.seconds / m.seconds if base else None}

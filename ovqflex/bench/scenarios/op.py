@@ -1,53 +1,80 @@
-"""Op scenarios: a method's fused op vs its reference loop vs causal SDPA, with FLOP efficiency."""
+"""Op scenarios: a method's fused op vs its reference loop vs causal SDPA, forward and
+forward+backward, in fp32 or bf16, with FLOP efficiency."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from recurrences.checks import check_choice
+
+from ...attention import flex_trains_on
 from ...methods import Method, get_method
 from ..measure import compare_cases
-from .base import Scenario, register
+from .base import Scenario, check_sizes, register
+
+#: an op scenario's ``dtype`` key -> the dtype of every floating input of its cases
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(kw_only=True)
 class OpScenario(Scenario):
-    """Keys of every per-method op scenario (:func:`_op_scenario`)."""
+    """Keys of every per-method op scenario (:func:`_op_scenario`). ``dtype``: every floating input
+    (q, k, v and the method's own, as a model cast to that dtype holds them) in ``"fp32"`` or
+    ``"bf16"``; the forward+backward cases run up to ``max_backward_len`` tokens, the reference
+    loop up to ``max_reference_len``."""
 
     seq_lens: list[int]
     heads: int = 4
     head_dim: int = 64
     chunk_size: int = 128
-    max_backward_len: int = 1 << 30  # the blocked fwd+bwd case runs up to this length
+    dtype: str = "fp32"
+    max_backward_len: int = 1 << 30
+    max_reference_len: int = 1 << 30
     repeats: int = 3
+
+    def __post_init__(self):
+        check_sizes("seq_lens", self.seq_lens)
+        check_choice("dtype", self.dtype, DTYPES)
+
+
+def _baseline_of(name: str) -> str:
+    """The SDPA case a case is compared with (``x_vs_sdpa``): the forward+backward one for a
+    forward+backward case."""
+    return "sdpa causal fwd+bwd" if "fwd+bwd" in name else "sdpa causal fwd"
 
 
 def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, options: dict, flops) -> list[dict]:
-    """Shared driver of the per-method op scenarios, at each ``seq_len`` of ``seq_lens``:
-    the fused op (flex forward, compiled and eager; blocked forward+backward up to
-    ``max_backward_len``) vs the method's sequential ``reference`` loop vs causal SDPA.
+    """Shared driver of the per-method op scenarios, at each ``seq_len`` of ``seq_lens``: the fused op
+    (flex forward compiled and eager; forward+backward compiled and eager through the backend that
+    trains on the device: flex on CUDA, blocked on the CPU) vs the method's sequential
+    ``reference`` loop vs causal SDPA (forward, and forward+backward for the backward cases:
+    ``x_vs_sdpa`` compares like with like). Inputs ``[1, heads, T, head_dim]`` in ``sc.dtype``.
 
     ``op(q=, k=, v=, **extra, backend=, **options)`` and ``method.reference(...)`` take the same
     keyword tensors; ``extra(T, H, D, generator, device)`` makes the method's extra inputs;
-    ``flops(T, H, D)`` its model FLOPs.
+    ``flops(T, H, D)`` its model FLOPs (forward; a backward counts twice that).
     """
     import torch.nn.functional as F
 
     from ..measure import matmul_gflops
 
-    dev = torch.device(device)
+    dev, dtype = torch.device(device), DTYPES[sc.dtype]
     H, D = sc.heads, sc.head_dim
     repeats, peak = sc.repeats, matmul_gflops(dev)
+    trains = "flex" if flex_trains_on(dev) else "blocked"
     rows = []
     for T in sc.seq_lens:
         g = torch.Generator().manual_seed(0)
-        t = dict(zip("qkv", (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))))
-        t.update(extra(T, H, D, g, dev))
-        grad_t = {n: x.clone().requires_grad_() for n, x in t.items()}
+        t = dict(zip("qkv", (torch.randn(1, H, T, D, generator=g) for _ in range(3))))
+        t.update(extra(T, H, D, g, torch.device("cpu")))
+        t = {n: x.to(dev, dtype) if x.is_floating_point() else x.to(dev) for n, x in t.items()}
+        grad_t = {n: x.clone().requires_grad_(x.is_floating_point()) for n, x in t.items()}
+        sdpa_grad = [grad_t[n].detach().clone().requires_grad_() for n in "qkv"]
         # dynamic=False: a second length would otherwise trace dynamic shapes, which CPU flex
         # codegen rejects (docs/design.md §11)
-        compiled = torch.compile(lambda inputs: op(**inputs, backend="flex", **options), fullgraph=True,
-                                 dynamic=False)
+        compiled = {backend: torch.compile(lambda inputs, b=backend: op(**inputs, backend=b, **options),
+                                           fullgraph=True, dynamic=False) for backend in {"flex", trains}}
 
         def no_grad(fn):
             def run():
@@ -55,17 +82,25 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
                     return fn()
             return run
 
-        fl = flops(T, H, D)
-        cases = [("fused flex fwd, compiled op", no_grad(lambda: compiled(t)), fl),
+        fl, sdpa_fl = flops(T, H, D), 4.0 * H * D * T * (T + 1) / 2
+        cases = [("fused flex fwd, compiled op", no_grad(lambda: compiled["flex"](t)), fl),
                  ("fused flex fwd, eager op", no_grad(lambda: op(**t, backend="flex", **options)), fl),
-                 ("reference loop fwd", no_grad(lambda: method.reference(**t, **options).out), fl),
                  ("sdpa causal fwd", no_grad(lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"],
-                                                                                    is_causal=True)),
-                  4.0 * H * D * T * (T + 1) / 2)]
+                                                                                    is_causal=True)), sdpa_fl)]
+        if T <= sc.max_reference_len:
+            cases.append(("reference loop fwd", no_grad(lambda: method.reference(**t, **options).out), fl))
         if T <= sc.max_backward_len:
-            cases.append(("fused blocked fwd+bwd",
-                          lambda: op(**grad_t, backend="blocked", **options).sum().backward(), 3 * fl))
-        rows += compare_cases(T, cases, dev, repeats, peak_gflops=peak)
+            cases += [(f"fused {trains} fwd+bwd, compiled op", lambda: compiled[trains](grad_t).sum().backward(),
+                       3 * fl),
+                      (f"fused {trains} fwd+bwd, eager op",
+                       lambda: op(**grad_t, backend=trains, **options).sum().backward(), 3 * fl),
+                      ("sdpa causal fwd+bwd",
+                       lambda: F.scaled_dot_product_attention(*sdpa_grad, is_causal=True).sum().backward(),
+                       3 * sdpa_fl)]
+        rows += compare_cases(T, cases, dev, repeats, peak_gflops=peak, baseline_of=_baseline_of,
+                              reference_of=lambda name: None if "fwd+bwd" in name else "reference loop fwd")
+        for row in rows[-len(cases):]:
+            row["dtype"] = sc.dtype
     return rows
 
 

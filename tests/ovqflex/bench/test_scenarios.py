@@ -66,11 +66,13 @@ ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
      r"scenario 'g': decodes \['functional', 'static'\] need a static cache, which mixer 'vq' \(VQAttention\) has not"),
     (ROUTING + 'method = "vq"\n', r"scenario 'r': method must be one of \['kvm', 'ovq'\], got 'vq'"),
     (ROUTING + 'method = "kvm"\nbudgt = "power_law"\n', r"unknown key 'budgt' \(did you mean 'budget'\?\)"),
+    (OVQ + 'seq_lens = [64]\nmax_centroids = 8\ndtype = "fp16"\n', r"dtype must be one of \['bf16', 'fp32'\], got 'fp16'"),
+    (OVQ + "seq_lens = []\nmax_centroids = 8\n", r"seq_lens must list at least one size"),
 ], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
         "decode-kind", "decode-mode", "decode-static-vq", "kvm-budget", "decode-batch-0", "decode-batch-empty",
         "decode-batch-key", "generate-batch-0", "generate-prompt", "generate-decode", "generate-decode-twice",
         "generate-new-tokens", "generate-key", "generate-preset", "generate-static-vq", "routing-method",
-                                 "routing-kvm-key"])
+                                 "routing-kvm-key", "op-dtype", "op-no-lengths"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)
@@ -84,6 +86,29 @@ def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
 def _run(table: dict) -> list[dict]:
     sc = parse_scenario(table, "test")
     return KINDS[sc.kind][1](sc, "cpu")
+
+
+def test_op_scenario_times_forward_and_backward_against_sdpa_like_for_like():
+    """bf16 inputs; the fwd+bwd cases (compiled through the backend that trains on the device: blocked
+    on the CPU) are compared with SDPA's fwd+bwd and have no reference ratio (the loop is forward only)."""
+    rows = _run({"kind": "ovq", "name": "o", "seq_lens": [64], "heads": 2, "head_dim": 16, "chunk_size": 16,
+                 "max_centroids": 8, "dtype": "bf16", "repeats": 1})
+    by = {r["case"]: r for r in rows}
+    assert list(by) == ["fused flex fwd, compiled op", "fused flex fwd, eager op", "sdpa causal fwd",
+                        "reference loop fwd", "fused blocked fwd+bwd, compiled op", "fused blocked fwd+bwd, eager op",
+                        "sdpa causal fwd+bwd"]
+    assert all("error" not in r and r["dtype"] == "bf16" and r["T"] == 64 for r in rows), rows
+    for name, r in by.items():
+        sdpa = by["sdpa causal fwd+bwd" if "fwd+bwd" in name else "sdpa causal fwd"]
+        assert r["x_vs_sdpa"] == pytest.approx(sdpa["time_s"] / r["time_s"]), name
+        if "fwd+bwd" in name:
+            assert r["x_vs_reference"] is None, name
+        elif name != "sdpa causal fwd":
+            assert r["x_vs_reference"] == pytest.approx(by["reference loop fwd"]["time_s"] / r["time_s"]), name
+    short = _run({"kind": "ovq", "name": "o", "seq_lens": [64], "heads": 2, "head_dim": 16, "chunk_size": 16,
+                  "max_centroids": 8, "dtype": "bf16", "max_backward_len": 32, "max_reference_len": 32,
+                  "repeats": 1})
+    assert [r["case"] for r in short] == ["fused flex fwd, compiled op", "fused flex fwd, eager op", "sdpa causal fwd"]
 
 
 def test_decode_runs_every_case_at_every_batch(capsys):
