@@ -98,6 +98,12 @@ def flex_trains_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def training_backend(device: torch.device) -> str:
+    """The backend ``auto`` picks on ``device`` when a gradient is needed: ``flex`` where flex
+    trains (:func:`flex_trains_on`), else ``blocked``."""
+    return "flex" if flex_trains_on(device) else "blocked"
+
+
 _reported: set[tuple[str, str, bool]] = set()
 
 
@@ -108,7 +114,7 @@ def resolve_backend(backend: str, program: AttentionProgram) -> str:
         return backend
     dev = program.q.device
     grad = _needs_grad(program)
-    choice = "flex" if (not grad or flex_trains_on(dev)) else "blocked"
+    choice = training_backend(dev) if grad else "flex"
     key = (dev.type, choice, grad)
     if key not in _reported and not torch.compiler.is_compiling():
         _reported.add(key)

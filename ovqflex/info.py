@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .attention import flex_trains_on
+from .attention import training_backend
 from .devices import AUTO, resolve_device
 from .ops.plain import sliding_window_attention
 
@@ -42,5 +42,5 @@ def collect(device: str = AUTO) -> list[tuple[str, str]]:
         rows.append((f"{backend} forward", _probe(backend, dev, False)))
         rows.append((f"{backend} backward", _probe(backend, dev, True)))
     rows.append(("auto (no grad)", "flex"))
-    rows.append(("auto (training)", "flex" if flex_trains_on(dev) else "blocked"))
+    rows.append(("auto (training)", training_backend(dev)))
     return rows

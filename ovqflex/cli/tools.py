@@ -36,7 +36,7 @@ def _cmd_demo(args) -> int:
     import torch
 
     import ovqflex
-    from ovqflex.attention import flex_trains_on
+    from ovqflex.attention import training_backend
 
     cfg = config_from_args(DemoConfig, args)
     torch.manual_seed(cfg.seed)
@@ -57,7 +57,7 @@ def _cmd_demo(args) -> int:
         ("input x", tuple(x.shape)),
         ("output y", tuple(y.shape)),
         ("forward (no grad)", f"auto -> flex, {t_fwd:.2f} s (first call includes compile)"),
-        ("train step", f"auto -> {'flex' if flex_trains_on(x.device) else 'blocked'}, {t_step:.2f} s, "
+        ("train step", f"auto -> {training_backend(x.device)}, {t_step:.2f} s, "
                        f"loss {loss.item():.4f}"),
     ], tablefmt="simple"))
     return 0

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from ovqflex.attention import flex_trains_on
+from ovqflex.attention import training_backend
 
 DEVICE = torch.device(os.environ.get("OVQFLEX_CUDA_TIER_DEVICE", "cuda"))
 CUDA_TIER = [
@@ -23,9 +23,9 @@ CUDA_TIER = [
 ]
 # a CPU dry run under torch < 2.13 (the GPU machine's 2.11 installed on a CPU machine): its inductor's CPU
 # code generator has faults 2.13 does not (README, "Torch versions"); a case that kills the process skips
-OLD_CPU_INDUCTOR = DEVICE.type == "cpu" and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+OLD_CPU_INDUCTOR = DEVICE.type == "cpu" and torch.__version__ < "2.13"  # (TorchVersion compares as a version)
 # the backend whose training path the tier checks: flex on CUDA (blocked in a CPU dry run)
-TRAIN_BACKEND = "flex" if flex_trains_on(DEVICE) else "blocked"
+TRAIN_BACKEND = training_backend(DEVICE)
 
 # fp32 forward / gradient bounds of flex on CUDA against the references: every op met them against
 # fp64 references in the GPU measurements of the CUDA issue (H100, torch 2.11)

@@ -8,7 +8,7 @@ import torch
 
 from recurrences.checks import check_choice
 
-from ...attention import flex_trains_on
+from ...attention import training_backend
 from ...methods import Method, get_method
 from ..measure import compare_cases
 from .base import Scenario, check_sizes, register
@@ -62,7 +62,7 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
     dev, dtype = torch.device(device), DTYPES[sc.dtype]
     H, D = sc.heads, sc.head_dim
     repeats, peak = sc.repeats, matmul_gflops(dev)
-    trains = "flex" if flex_trains_on(dev) else "blocked"
+    trains = training_backend(dev)
     rows = []
     for T in sc.seq_lens:
         g = torch.Generator().manual_seed(0)
