@@ -39,7 +39,7 @@ only on the kv rows its query sees. A query that gives weight to a row whose val
 inf gets NaN in every output dim (a visible row's weight is > 0 unless ``exp`` underflows, more
 than ~87 below the query's top score); a query that does not see it is unchanged, bit for bit,
 whatever that row holds (masked entries get zero weight, and ``0 * nan`` must not leak, so value
-rows are split into their finite part and a "non-finite" flag column, :func:`_flag_nonfinite`).
+rows are split into their finite part and a "non-finite" flag, :func:`split_nonfinite`).
 A NaN or inf key reaches exactly the queries that see it through their score. So a NaN at position ``t`` never changes an output
 before ``t`` (nor, in a window, past the window). ``flex`` skips kv blocks a query block does
 not list but, inside a partially visible block, still multiplies masked values by zero weight:
@@ -174,14 +174,22 @@ def _flex(p: AttentionProgram) -> Tensor:
     return fn(p.q, p.k, p.v, score_mod=p.score_mod, block_mask=bm, scale=p.scale)
 
 
-def _flag_nonfinite(v: Tensor) -> Tensor:
-    """Value rows ``v [..., S, Dv]`` -> ``[..., S, Dv + 1]``: v with its non-finite entries zeroed,
-    then a column that is 1 where the row held a NaN or inf (see the module docstring for why).
-    The product with the weights then carries, in its last column, the weight a query gives to
-    non-finite rows — one more column of the same matmul, no extra pass over the scores."""
+def split_nonfinite(v: Tensor) -> tuple[Tensor, Tensor]:
+    """Value rows ``v [..., S, Dv]`` -> (v with its non-finite entries zeroed ``[..., S, Dv]``,
+    ``[..., S]`` bool: the row held a NaN or inf). What the non-finite rule (module docstring) needs
+    of a row; a decode cache whose rows do not change stores it once (:func:`attend_rows`'s
+    ``v_nonfinite``) instead of paying this pass over its values at every step."""
     finite = torch.isfinite(v)
-    flag = (~finite.all(dim=-1, keepdim=True)).to(v.dtype)
-    return torch.cat([torch.where(finite, v, torch.zeros_like(v)), flag], dim=-1)
+    return torch.where(finite, v, torch.zeros_like(v)), ~finite.all(dim=-1)
+
+
+def _flag_nonfinite(v: Tensor) -> Tensor:
+    """Value rows ``v [..., S, Dv]`` -> ``[..., S, Dv + 1]``: :func:`split_nonfinite`'s finite part,
+    then its flag as a column (1: the row held a NaN or inf). The product with the weights then
+    carries, in its last column, the weight a query gives to non-finite rows — one more column of
+    the same matmul, no extra pass over the scores."""
+    clean, flag = split_nonfinite(v)
+    return torch.cat([clean, flag.unsqueeze(-1).to(v.dtype)], dim=-1)
 
 
 def _softmax_weights(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -198,7 +206,7 @@ def _all_rows(rows: Tensor) -> Tensor:
     return rows
 
 
-def _safe_softmax_av(s: Tensor, v: Tensor | Sequence[Tensor], pick=None) -> Tensor:
+def _safe_softmax_av(s: Tensor, v: Tensor | Sequence[Tensor], pick=None, nonfinite: Tensor | None = None) -> Tensor:
     """softmax(s) @ v ``[..., Q, Dv]`` for s ``[..., Q, S]`` (``-inf``: not visible), v ``[..., S, Dv]``:
     a fully masked row gives 0, a query that gives a non-finite value row weight gets NaN, one
     that does not is untouched (the module docstring's rule). ``pick``: selects the rows s scores
@@ -212,15 +220,29 @@ def _safe_softmax_av(s: Tensor, v: Tensor | Sequence[Tensor], pick=None) -> Tens
     finite plain product proves v finite, and then it is the answer: eager CPU code (decode
     steps over a whole KV cache, the blocked training backend) takes the plain product and pays
     the pass only when the product is not finite. Compiled code, and accelerators (where the
-    check would be a host sync), always flag."""
+    check would be a host sync), always flag — unless the caller made the pass once already:
+    ``nonfinite`` ``[..., S]`` bool gives the flags of v's rows (all parts, in order), whose
+    non-finite entries are then zeroed already (:func:`split_nonfinite`, as a static decode cache
+    stores its values): the plain product plus the flagged rows' weight (eager CPU: the plain
+    product alone while no row is flagged), no pass over v."""
     if pick is None:  # (not `pick or ...`: torch 2.11's dynamo cannot take a function's truth value)
         pick = _all_rows
     parts = list(v) if isinstance(v, (tuple, list)) else [v]
     e, denom = _softmax_weights(s)
-    if host_check_is_free(parts[0]):
+
+    def plain_product() -> Tensor:
         weights = e.split([p.shape[-2] for p in parts], dim=-1) if len(parts) > 1 else (e,)
         out = functools.reduce(torch.add, (torch.matmul(w.to(p.dtype), pick(p)) for w, p in zip(weights, parts)))
-        out = out / denom.to(out.dtype)
+        return out / denom.to(out.dtype)
+
+    if nonfinite is not None:
+        out = plain_product()
+        if host_check_is_free(parts[0]) and not bool(nonfinite.any()):
+            return out
+        bad_weight = torch.matmul(e, pick(nonfinite.unsqueeze(-1).to(e.dtype)))
+        return torch.where(bad_weight > 0, torch.full_like(out, float("nan")), out)
+    if host_check_is_free(parts[0]):
+        out = plain_product()
         if bool(torch.isfinite(out).all()):
             return out
     v = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
@@ -278,7 +300,7 @@ def _dense(p: AttentionProgram) -> Tensor:
 
 
 def attend_rows(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Tensor], visible: Tensor, *,
-                scale: float, bias: Tensor | None = None) -> Tensor:
+                scale: float, bias: Tensor | None = None, v_nonfinite: Tensor | None = None) -> Tensor:
     """Attention of a few queries over explicit kv rows (the decode path of the caches).
 
     q ``[B, H, Tq, D]``, k ``[B, H, S, D]``, v ``[B, H, S, Dv]``, visible ``[Tq, S]`` bool
@@ -286,6 +308,9 @@ def attend_rows(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Te
     q's dtype. Softmax in fp32, as the ``dense`` and ``blocked`` backends. k and v may be
     sequences of parts (``[B, H, S_i, *]``, the same split for both, rows in that order): a
     decode step reads a cached state and its few newest rows without concatenating them.
+    ``v_nonfinite`` ``[B, H, S]`` bool: v's rows were stored by :func:`split_nonfinite` (non-finite
+    entries zeroed), these are their flags; the step then makes no pass over v for the non-finite
+    rule (module docstring), which otherwise copies every value row at every compiled step.
     """
     ks = list(k) if isinstance(k, (tuple, list)) else [k]
     vs = list(v) if isinstance(v, (tuple, list)) else [v]
@@ -297,4 +322,4 @@ def attend_rows(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Te
     if bias is not None:
         s = s + bias[:, :, None, :].float()
     s = torch.where(visible, s, float("-inf"))
-    return _safe_softmax_av(s, [t.float() for t in vs]).to(q.dtype)
+    return _safe_softmax_av(s, [t.float() for t in vs], nonfinite=v_nonfinite).to(q.dtype)

@@ -34,10 +34,14 @@ class StaticPlainCache(StaticLayerCache):
     """k ``[B, H, S, D]``, v ``[B, H, S, Dv]``, pos ``[S]`` int64 (-1: an empty slot), written in
     place; ``S = n_sinks + ring``. Position ``p`` lives in slot ``p`` if ``p < n_sinks``, else
     ``n_sinks + (p - n_sinks) % ring`` (full attention: ``n_sinks = 0``, ``ring`` = the capacity).
-    position ``[]`` int64 and conv as :class:`~ovqflex.cache.base.StaticLayerCache`."""
+    v holds the values with their non-finite entries zeroed and v_nonfinite ``[B, H, S]`` bool
+    which rows held a NaN or inf (``ovqflex.attention.split_nonfinite``, done once per token when
+    it is written, not by every step over the whole cache). position ``[]`` int64 and conv as
+    :class:`~ovqflex.cache.base.StaticLayerCache`."""
 
     k: Tensor
     v: Tensor
+    v_nonfinite: Tensor
     pos: Tensor
     n_sinks: int
     ring: int

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from masks.regions import BlockWindow, Causal, Sinks, TokenWindow, token_visibility
 
-from ..attention import attend_rows
+from ..attention import attend_rows, split_nonfinite
 from ..cache.plain import PlainCache, StaticPlainCache
 from .decode import positions
 
@@ -66,12 +66,14 @@ def plain_static(cache: PlainCache, regions, capacity: int) -> StaticPlainCache:
     B, H, _, D = cache.k.shape
     S = n_sinks + ring
     slots = _slot(cache.pos, n_sinks, ring)
+    clean, nonfinite = split_nonfinite(cache.v)
     k = cache.k.new_zeros(B, H, S, D).index_copy_(2, slots, cache.k)
-    v = cache.v.new_zeros(B, H, S, cache.v.shape[-1]).index_copy_(2, slots, cache.v)
+    v = cache.v.new_zeros(B, H, S, cache.v.shape[-1]).index_copy_(2, slots, clean)
+    v_nonfinite = nonfinite.new_zeros(B, H, S).index_copy_(2, slots, nonfinite)
     pos = torch.full((S,), -1, dtype=torch.long, device=cache.pos.device).index_copy_(0, slots, cache.pos)
     return StaticPlainCache(position=torch.tensor(cache.position, device=cache.pos.device),
-                            conv=None if cache.conv is None else cache.conv.clone(), k=k, v=v, pos=pos,
-                            n_sinks=n_sinks, ring=ring)
+                            conv=None if cache.conv is None else cache.conv.clone(), k=k, v=v,
+                            v_nonfinite=v_nonfinite, pos=pos, n_sinks=n_sinks, ring=ring)
 
 
 def plain_decode_static(cache: StaticPlainCache, regions, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
@@ -81,10 +83,12 @@ def plain_decode_static(cache: StaticPlainCache, regions, q: Tensor, k: Tensor, 
     ``cache.position``."""
     p = cache.position.view(1)
     slot = _slot(p, cache.n_sinks, cache.ring)
+    clean, nonfinite = split_nonfinite(v.detach())
     cache.k.index_copy_(2, slot, k.detach())
-    cache.v.index_copy_(2, slot, v.detach())
+    cache.v.index_copy_(2, slot, clean)
+    cache.v_nonfinite.index_copy_(2, slot, nonfinite)
     cache.pos.index_copy_(0, slot, p)
     if conv is not None:
         cache.conv.copy_(conv)
     visible = token_visibility(regions, p, cache.pos) & (cache.pos >= 0)
-    return attend_rows(q, cache.k, cache.v, visible, scale=scale)
+    return attend_rows(q, cache.k, cache.v, visible, scale=scale, v_nonfinite=cache.v_nonfinite)

@@ -300,27 +300,56 @@ def test_flex_keeps_a_non_finite_value_out_of_earlier_query_blocks():
     assert out[:, :, t:t + 20].isnan().all()
 
 
-@pytest.mark.parametrize("split", [[5], [3, 2], [1, 0, 4]], ids=["one-part", "two-parts", "with-an-empty-part"])
-@pytest.mark.parametrize("poison", [None, 0, 1, 4], ids=["finite", "nan-seen-by-both", "nan-seen-by-q0", "nan-seen-by-q1"])
-def test_attend_rows_over_parts_equals_attend_rows_over_their_concatenation(split, poison):
-    """A decode step reads a cached state and its newest rows as parts, never concatenated: the
-    same outputs as over the concatenated rows, the non-finite rule included (a NaN value row
-    reaches exactly the queries that see it)."""
-    from ovqflex.attention import attend_rows
-
+def _rows_case(poison: int | None):
+    """q ``[2, 3, 2, 8]``, k, v ``[2, 3, 5, 8]`` (v's row ``poison`` holding a NaN), visible
+    ``[2, 5]``, bias ``[2, 3, 5]``."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (2, 5, 5))
     if poison is not None:
         v[:, :, poison, 1] = float("nan")
     visible = torch.tensor([[True, True, True, True, False], [True, False, True, True, True]])
-    bias = torch.randn(2, 3, 5, generator=g)
+    return q, k, v, visible, torch.randn(2, 3, 5, generator=g)
+
+
+@pytest.mark.parametrize("values", ["raw", "split"])
+@pytest.mark.parametrize("split", [[5], [3, 2], [1, 0, 4]], ids=["one-part", "two-parts", "with-an-empty-part"])
+@pytest.mark.parametrize("poison", [None, 0, 1, 4], ids=["finite", "nan-seen-by-both", "nan-seen-by-q0", "nan-seen-by-q1"])
+def test_attend_rows_over_parts_equals_attend_rows_over_their_concatenation(split, poison, values):
+    """A decode step reads a cached state and its newest rows as parts, never concatenated: the
+    same outputs as over the concatenated rows, the non-finite rule included (a NaN value row
+    reaches exactly the queries that see it) — also when the values come split already
+    (``values="split"``: finite parts and row flags, as a static cache stores them)."""
+    from ovqflex.attention import attend_rows, split_nonfinite
+
+    q, k, v, visible, bias = _rows_case(poison)
     whole = attend_rows(q, k, v, visible, scale=0.3, bias=bias)
-    parts = attend_rows(q, k.split(split, dim=2), v.split(split, dim=2), visible, scale=0.3, bias=bias)
+    flags = None
+    if values == "split":
+        v, flags = split_nonfinite(v)
+    parts = attend_rows(q, k.split(split, dim=2), v.split(split, dim=2), visible, scale=0.3, bias=bias,
+                        v_nonfinite=flags)
     assert torch.equal(whole.isnan(), parts.isnan())
     assert_close(parts.nan_to_num(), whole.nan_to_num(), FWD_TOL[torch.float32])
     for i in range(2):
         sees = poison is not None and bool(visible[i, poison])
         assert bool(parts[:, :, i].isnan().all()) == sees and bool(parts[:, :, i].isnan().any()) == sees
+
+
+def test_compiled_attend_rows_over_split_values_keeps_the_non_finite_rule():
+    """Compiled (no host check: the flagged rows' weight is always computed), values split once
+    as a static cache stores them == eager attention over the raw values, with and without a NaN."""
+    from ovqflex.attention import attend_rows, split_nonfinite
+
+    step = torch.compile(lambda q, k, v, visible, bias, flags: attend_rows(q, k, v, visible, scale=0.3, bias=bias,
+                                                                            v_nonfinite=flags),
+                         fullgraph=True, dynamic=False)
+    for poison in (None, 1):
+        q, k, v, visible, bias = _rows_case(poison)
+        ref = attend_rows(q, k, v, visible, scale=0.3, bias=bias)
+        clean, flags = split_nonfinite(v)
+        out = step(q, k, clean, visible, bias, flags)
+        assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any() == (poison is not None)
+        assert_close(out.nan_to_num(), ref.nan_to_num(), FWD_TOL[torch.float32])
 
 
 def test_attend_rows_refuses_parts_that_do_not_pair_up():

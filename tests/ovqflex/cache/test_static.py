@@ -117,6 +117,45 @@ def test_static_decode_fills_its_capacity_at_a_chunk_end(name):
     assert int(static.position) == cache.position == 64
 
 
+def _poison_values(layer, value: float, at: dict[int, int]) -> None:
+    """Make ``layer`` write ``value`` into the values of head 1 of batch ``b`` at position ``t``
+    for each ``t: b`` of ``at`` (whether that token is in a prefill or a decode step)."""
+    project = layer._project
+
+    def poisoned(x, cache, use_cache=False):
+        q, k, v, *rest = project(x, cache, use_cache)
+        start = 0 if cache is None else int(cache.position)
+        v = v.clone()
+        for t, b in at.items():
+            if start <= t < start + v.shape[2]:
+                v[b, 1, t - start] = value
+        return q, k, v, *rest
+
+    layer._project = poisoned
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["swa-7-conv", "swa-5-sinks", "bswa-2x16", "full-rope-qknorm"])
+def test_a_non_finite_value_reaches_the_same_queries_through_a_static_cache(name, value):
+    """The non-finite rule (``ovqflex.attention``) on the static path, whose cache stores each
+    value row's flag once: a NaN/inf value written by the prefill (batch 1, position 10) and by a
+    decode step (batch 0, position 40) makes exactly the functional decode's outputs NaN, and the
+    others equal; a window's queries past the poisoned token are finite again."""
+    torch.manual_seed(0)
+    layer = LAYERS[name]()
+    _poison_values(layer, value, {10: 1, 40: 0})
+    x = torch.randn(3, 96, HIDDEN)
+    yf, ys, _, _ = _decode_both(layer, x, 16)
+    bad = yf.isnan().any(-1)  # [B, T - 16]: outputs mix the heads, so a NaN head fills the row
+    assert torch.equal(ys.isnan().any(-1), bad)
+    assert bad[0, 40 - 16] and not bad[2].any()
+    assert_close(ys[~bad], yf[~bad], STATIC_TOL, name)
+    if "window" in name or "swa" in name:
+        assert not bad[:, -1].any(), "past the window every query is finite again"
+    else:
+        assert bad[:2, 40 - 16:].all(), "full attention: every later query sees both"
+
+
 @pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv", "kvm-powerlaw-uncapped-conv"])
 def test_static_step_compiles_once(name):
     """``torch.compile(fullgraph=True, dynamic=False)`` of the layer on a static cache: one graph
