@@ -53,17 +53,32 @@ class OVQCache(LayerCache):
 @dataclass
 class StaticOVQCache(StaticLayerCache):
     """key_sums ``[B, H, S+1, D]``, value_sums ``[B, H, S+1, Dv]``, counts ``[B, H, S+1]`` fp32
-    (``S``: the most rows any chunk up to the capacity reads; row ``S`` the spare); buf_k
-    ``[B, H, L, D]`` fp32 unit keys and buf_v ``[B, H, L, Dv]`` fp32 of the current chunk, slot
-    ``j`` holding token ``(position // L) * L + j`` (the first ``position % L`` slots are live);
+    (``S``: the most rows any chunk up to the capacity reads; row ``S`` the spare); buf_v
+    ``[B, H, L, Dv]`` fp32 values of the current chunk as given (what its absorb sums), slot ``j``
+    holding token ``(position // L) * L + j`` (the first ``position % L`` slots are live);
     bounds ``[n_chunks, 2]`` int64 ``(N_c, N_{c+1})`` for ``c = 0 .. n_chunks - 1``;
     max_centroids: the dictionary cap ``N``. position ``[]`` int64 and conv as
-    :class:`~ovqflex.cache.base.StaticLayerCache`."""
+    :class:`~ovqflex.cache.base.StaticLayerCache`.
+
+    What a step reads, ``S + 1 + L`` rows (the dictionary's read form, then the chunk's slots):
+    keys ``[B, H, S+1+L, D]`` (mean keys, then the chunk's fp32 unit keys — :attr:`chunk_keys`,
+    what routing reads), values ``[B, H, S+1+L, Dv]`` with non-finite entries zeroed and
+    nonfinite ``[B, H, S+1+L]`` their rows' flags (``ovqflex.attention.split_nonfinite``), bias
+    ``[B, H, S+1+L]`` (``log(count)``, 0 for the chunk). The dictionary rows are derived once per
+    chunk, when it is absorbed (the functional cache's view), not by every step."""
 
     key_sums: Tensor
     value_sums: Tensor
     counts: Tensor
-    buf_k: Tensor
     buf_v: Tensor
     bounds: Tensor
+    keys: Tensor
+    values: Tensor
+    nonfinite: Tensor
+    bias: Tensor
     max_centroids: int
+
+    @property
+    def chunk_keys(self) -> Tensor:
+        """``[B, H, L, D]``: the current chunk's unit keys (a view of :attr:`keys`' last rows)."""
+        return self.keys[:, :, self.key_sums.shape[2]:]

@@ -23,7 +23,7 @@ from recurrences.compiling import chunk_bounds
 from recurrences.ovq import ovq_absorb, ovq_route_chunk, seeding_draw
 from recurrences.ovq.routing_static import compiled_static_step, ovq_static_step
 
-from ..attention import attend_rows
+from ..attention import attend_rows, split_nonfinite
 from ..cache.base import current_view
 from ..cache.ovq import OVQCache, StaticOVQCache
 from .decode import chunk_segments, positions
@@ -152,11 +152,31 @@ def ovq_static(cache: OVQCache, opts: OVQOptions, capacity: int) -> StaticOVQCac
     rows, live, b = max(sizes), opts.size(cache.position // C), cache.buf_k.shape[2]
     sums, vsums, counts = (_padded(t, rows + 1, live) for t in (cache.key_sums, cache.value_sums, cache.counts))
     device = sums.device
-    return StaticOVQCache(position=torch.tensor(cache.position, device=device),
-                          conv=None if cache.conv is None else cache.conv.clone(), key_sums=sums,
-                          value_sums=vsums, counts=counts, buf_k=_padded(cache.buf_k.float(), C, b),
-                          buf_v=_padded(cache.buf_v.float(), C, b), bounds=chunk_bounds(sizes, n_chunks, device),
-                          max_centroids=opts.max_centroids)
+    buf_v = _padded(cache.buf_v.float(), C, b)
+    # what steps read: the dictionary's read form (derived just below) then the chunk's slots
+    chunk_values, chunk_nonfinite = split_nonfinite(buf_v)
+    keys = torch.cat([sums.new_zeros(sums.shape), _padded(cache.buf_k.float(), C, b)], dim=2)
+    values = torch.cat([vsums.new_zeros(vsums.shape), chunk_values], dim=2)
+    nonfinite = torch.cat([chunk_nonfinite.new_zeros(counts.shape), chunk_nonfinite], dim=2)
+    bias = counts.new_zeros(*counts.shape[:2], rows + 1 + C)
+    static = StaticOVQCache(position=torch.tensor(cache.position, device=device),
+                            conv=None if cache.conv is None else cache.conv.clone(), key_sums=sums,
+                            value_sums=vsums, counts=counts, buf_v=buf_v, bounds=chunk_bounds(sizes, n_chunks, device),
+                            keys=keys, values=values, nonfinite=nonfinite, bias=bias,
+                            max_centroids=opts.max_centroids)
+    _derive_static_dictionary(static, opts)
+    return static
+
+
+def _derive_static_dictionary(cache: StaticOVQCache, opts: OVQOptions) -> None:
+    """Write the read form of ``cache``'s dictionary rows (mean keys, values split for the
+    non-finite rule, ``log(count)`` bias) into the first ``S + 1`` rows its steps read: once per
+    absorbed chunk."""
+    n = cache.key_sums.shape[2]
+    keys, values, bias = _dictionary(cache.key_sums, cache.value_sums, cache.counts, opts.normalize_centroids)
+    values, nonfinite = split_nonfinite(values)
+    for buffer, t in ((cache.keys, keys), (cache.values, values), (cache.nonfinite, nonfinite), (cache.bias, bias)):
+        buffer[:, :, :n].copy_(t)
 
 
 def ovq_decode_static(cache: StaticOVQCache, q_scaled: Tensor, kn: Tensor, v: Tensor, opts: OVQOptions,
@@ -169,18 +189,21 @@ def ovq_decode_static(cache: StaticOVQCache, q_scaled: Tensor, kn: Tensor, v: Te
     C = opts.chunk_size
     p = cache.position
     j = (p % C).view(1)
-    cache.buf_k.index_copy_(2, j, kn.detach())
-    cache.buf_v.index_copy_(2, j, v.detach().float())
+    rows = cache.key_sums.shape[2]
+    slot = rows + j  # the token's row among those a step reads
+    v32 = v.detach().float()
+    cache.buf_v.index_copy_(2, j, v32)
+    clean, nonfinite = split_nonfinite(v32)
+    cache.keys.index_copy_(2, slot, kn.detach())
+    cache.values.index_copy_(2, slot, clean)
+    cache.nonfinite.index_copy_(2, slot, nonfinite)
     if conv is not None:
         cache.conv.copy_(conv)
-    keys, values, bias = _dictionary(cache.key_sums, cache.value_sums, cache.counts, opts.normalize_centroids)
     device = kn.device
     n = cache.bounds.index_select(0, (p // C).view(1))[0, 0]  # N_c (a tensor index: no host sync)
-    visible = torch.cat([torch.arange(keys.shape[2], device=device) < n,
-                         torch.arange(C, device=device) <= j])
-    bias = torch.cat([bias, bias.new_zeros(*bias.shape[:2], C)], dim=2)
-    out = attend_rows(q_scaled, torch.cat([keys, cache.buf_k], dim=2), torch.cat([values, cache.buf_v], dim=2),
-                      visible, scale=1.0, bias=bias)
+    visible = torch.cat([torch.arange(rows, device=device) < n, torch.arange(C, device=device) <= j])
+    out = attend_rows(q_scaled, cache.keys, cache.values, visible, scale=1.0, bias=cache.bias,
+                      v_nonfinite=cache.nonfinite)
     return out.to(v.dtype)
 
 
@@ -194,11 +217,12 @@ def ovq_static_boundary(cache: StaticOVQCache, opts: OVQOptions, position: int, 
         return
     c = position // C - 1
     if opts.size(c) == 0:
-        route = ovq_route_chunk(cache.buf_k, cache.key_sums, cache.counts, 0, opts.size(c + 1), None,
+        route = ovq_route_chunk(cache.chunk_keys, cache.key_sums, cache.counts, 0, opts.size(c + 1), None,
                                 opts.normalize_centroids)
-        ovq_absorb(cache.key_sums, cache.counts, cache.buf_k, route, cache.value_sums, cache.buf_v)
-        return
-    step = compiled_static_step if compile else ovq_static_step
-    bounds = cache.bounds.index_select(0, (cache.position // C - 1).view(1))[0]
-    step(cache.buf_k, cache.key_sums, cache.counts, bounds, None,
-         normalize_centroids=opts.normalize_centroids, value_sums=cache.value_sums, vc=cache.buf_v)
+        ovq_absorb(cache.key_sums, cache.counts, cache.chunk_keys, route, cache.value_sums, cache.buf_v)
+    else:
+        step = compiled_static_step if compile else ovq_static_step
+        bounds = cache.bounds.index_select(0, (cache.position // C - 1).view(1))[0]
+        step(cache.chunk_keys, cache.key_sums, cache.counts, bounds, None,
+             normalize_centroids=opts.normalize_centroids, value_sums=cache.value_sums, vc=cache.buf_v)
+    _derive_static_dictionary(cache, opts)

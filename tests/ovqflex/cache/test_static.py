@@ -135,12 +135,14 @@ def _poison_values(layer, value: float, at: dict[int, int]) -> None:
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("name", ["swa-7-conv", "swa-5-sinks", "bswa-2x16", "full-rope-qknorm"])
+@pytest.mark.parametrize("name", ["swa-7-conv", "swa-5-sinks", "bswa-2x16", "full-rope-qknorm", "ovq-plateau",
+                                  "kvm-fixed"])
 def test_a_non_finite_value_reaches_the_same_queries_through_a_static_cache(name, value):
-    """The non-finite rule (``ovqflex.attention``) on the static path, whose cache stores each
-    value row's flag once: a NaN/inf value written by the prefill (batch 1, position 10) and by a
-    decode step (batch 0, position 40) makes exactly the functional decode's outputs NaN, and the
-    others equal; a window's queries past the poisoned token are finite again."""
+    """The non-finite rule (``ovqflex.attention``) on the static path, whose plain and OVQ caches
+    store each value row's flag once: a NaN/inf value written by the prefill (batch 1, position
+    10) and by a decode step (batch 0, position 40) makes exactly the functional decode's outputs
+    NaN, and the others equal; a window's queries past the poisoned token are finite again, while
+    full attention's and a compressed state's (which absorbed it) stay NaN."""
     torch.manual_seed(0)
     layer = LAYERS[name]()
     _poison_values(layer, value, {10: 1, 40: 0})
@@ -153,7 +155,7 @@ def test_a_non_finite_value_reaches_the_same_queries_through_a_static_cache(name
     if "window" in name or "swa" in name:
         assert not bad[:, -1].any(), "past the window every query is finite again"
     else:
-        assert bad[:2, 40 - 16:].all(), "full attention: every later query sees both"
+        assert bad[:2, 40 - 16:].all(), "every later query sees both"
 
 
 @pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv", "kvm-powerlaw-uncapped-conv"])
