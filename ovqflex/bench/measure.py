@@ -19,27 +19,38 @@ import torch
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-_MMAP_FIXED = False
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_RSS_MMAP = 128 * 1024  # while RSS is sampled: every buffer above this in its own mapping
+# afterwards: glibc's own dynamic maxima (64-bit), what a warmed-up process converges to
+_WARM_MMAP, _WARM_TRIM = 32 * 2**20, 64 * 2**20
 
 
-def _fix_mmap_threshold() -> None:
-    """glibc raises its mmap threshold after large frees, after which big buffers come
-    from the heap and reuse pages already resident — RSS would then under-report. A
-    fixed threshold (128 KiB) keeps every large tensor in its own mapping.
-
-    Process-wide and costly (every large buffer is then mapped and faulted in anew: a
-    tiny model trains ~1/3 slower), so it is set on the first CPU memory measurement,
-    never on import — importing the bench package must not slow a training run."""
-    global _MMAP_FIXED
-    if _MMAP_FIXED:
-        return
-    _MMAP_FIXED = True
+def _mallopt(param: int, value: int) -> None:
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(param, value)
+    except (OSError, AttributeError):  # not glibc: RSS is what it is
         pass
+
+
+def _allocator_for_rss() -> None:
+    """glibc raises its mmap threshold after large frees, after which big buffers come from the
+    heap and reuse pages already resident — RSS would then under-report. While RSS is sampled the
+    threshold is fixed at 128 KiB, so every large tensor has its own mapping (and its free returns
+    the pages)."""
+    _mallopt(_M_MMAP_THRESHOLD, _RSS_MMAP)
+    _mallopt(_M_TRIM_THRESHOLD, _RSS_MMAP)
+
+
+def _allocator_for_timing() -> None:
+    """Undo :func:`_allocator_for_rss` for what is timed next. Its fixed threshold is costly: every
+    large buffer is mapped and faulted in anew (a decode step of one small layer ran 1.5-2x
+    slower, a tiny model trains ~1/3 slower), and glibc cannot go back to its dynamic threshold
+    once one is set, so the thresholds go to the values the dynamic one reaches in a warmed-up
+    process (mmap 32 MiB, trim twice that)."""
+    _mallopt(_M_MMAP_THRESHOLD, _WARM_MMAP)
+    _mallopt(_M_TRIM_THRESHOLD, _WARM_TRIM)
 
 
 def _rss_bytes() -> int:
@@ -57,7 +68,7 @@ class _RssSampler:
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
 
     def __enter__(self):
-        _fix_mmap_threshold()
+        _allocator_for_rss()
         gc.collect()
         self.base = self.peak = _rss_bytes()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -73,6 +84,7 @@ class _RssSampler:
         self._stop.set()
         self._t.join()
         self.peak = max(self.peak, _rss_bytes())
+        _allocator_for_timing()
 
     @property
     def growth_mb(self) -> float:

@@ -5,6 +5,7 @@ import torch
 import ovqflex.bench.measure as measure_mod
 from ovqflex.bench.measure import Measurement, compare_cases
 
+REAL_MEASURE = measure_mod.measure  # (the autouse fixture below replaces it in the other tests)
 SECONDS = {"op fwd": 0.01, "op reference loop fwd": 0.04, "sdpa causal fwd": 0.02, "a": 0.5}
 
 
@@ -45,3 +46,21 @@ def test_rows_carry_ratios_to_their_reference_and_the_baseline():
 def test_rows_without_flops_or_baseline_have_no_rates():
     rows = compare_cases(8, [("a", _case("a"))], torch.device("cpu"), repeats=1)
     assert rows[0]["x_vs_sdpa"] is None and rows[0]["x_vs_reference"] is None and "gflops" not in rows[0]
+
+
+def test_the_memory_run_hands_timing_back_a_warmed_up_allocator(monkeypatch):
+    """``measure``'s CPU memory run fixes glibc's mmap threshold at 128 KiB while it samples RSS
+    (so RSS follows the live tensors) and then sets the thresholds a warmed-up process reaches:
+    the 128 KiB threshold once stayed for the rest of the process, and every later timed run
+    faulted its large buffers in anew (a decode step after a profile's first memory measurement
+    ran 1.5-2x slower). The timed runs come first and set nothing."""
+    calls = []
+    monkeypatch.setattr(measure_mod, "_mallopt", lambda param, value: calls.append((param, value)))
+    timed = []
+    m = REAL_MEASURE(lambda: timed.append(list(calls)) or torch.ones(1 << 18).sum(), device="cpu", repeats=2,
+                     warmup=1)
+    assert timed[:3] == [[], [], []]
+    mmap, trim = measure_mod._M_MMAP_THRESHOLD, measure_mod._M_TRIM_THRESHOLD
+    assert calls == [(mmap, 128 * 1024), (trim, 128 * 1024),
+                     (mmap, measure_mod._WARM_MMAP), (trim, measure_mod._WARM_TRIM)]
+    assert m.peak_mb >= 0 and m.seconds > 0
