@@ -25,22 +25,30 @@ _RSS_MMAP = 128 * 1024  # while RSS is sampled: every buffer above this in its o
 _WARM_MMAP, _WARM_TRIM = 32 * 2**20, 64 * 2**20
 
 
-def _mallopt(param: int, value: int) -> None:
+def _glibc(name: str, *args: int) -> None:
+    """Call glibc's malloc tuning function ``name`` (``mallopt``, ``malloc_trim``); elsewhere
+    nothing (not glibc: RSS is what it is)."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(param, value)
-    except (OSError, AttributeError):  # not glibc: RSS is what it is
+        getattr(ctypes.CDLL("libc.so.6"), name)(*args)
+    except (OSError, AttributeError):
         pass
+
+
+def _mallopt(param: int, value: int) -> None:
+    _glibc("mallopt", param, value)
 
 
 def _allocator_for_rss() -> None:
     """glibc raises its mmap threshold after large frees, after which big buffers come from the
     heap and reuse pages already resident — RSS would then under-report. While RSS is sampled the
     threshold is fixed at 128 KiB, so every large tensor has its own mapping (and its free returns
-    the pages)."""
+    the pages), and the heap's free pages (kept by the timed runs) go back to the system first, so
+    the small buffers' pages count too."""
     _mallopt(_M_MMAP_THRESHOLD, _RSS_MMAP)
     _mallopt(_M_TRIM_THRESHOLD, _RSS_MMAP)
+    _glibc("malloc_trim", 0)
 
 
 def _allocator_for_timing() -> None:

@@ -53,14 +53,16 @@ def test_the_memory_run_hands_timing_back_a_warmed_up_allocator(monkeypatch):
     (so RSS follows the live tensors) and then sets the thresholds a warmed-up process reaches:
     the 128 KiB threshold once stayed for the rest of the process, and every later timed run
     faulted its large buffers in anew (a decode step after a profile's first memory measurement
-    ran 1.5-2x slower). The timed runs come first and set nothing."""
+    ran 1.5-2x slower). Before sampling, the heap's free pages go back to the system (the warm
+    thresholds keep them, and reused resident pages would not show in RSS). The timed runs come
+    first and set nothing."""
     calls = []
-    monkeypatch.setattr(measure_mod, "_mallopt", lambda param, value: calls.append((param, value)))
+    monkeypatch.setattr(measure_mod, "_glibc", lambda name, *args: calls.append((name, *args)))
     timed = []
     m = REAL_MEASURE(lambda: timed.append(list(calls)) or torch.ones(1 << 18).sum(), device="cpu", repeats=2,
                      warmup=1)
     assert timed[:3] == [[], [], []]
     mmap, trim = measure_mod._M_MMAP_THRESHOLD, measure_mod._M_TRIM_THRESHOLD
-    assert calls == [(mmap, 128 * 1024), (trim, 128 * 1024),
-                     (mmap, measure_mod._WARM_MMAP), (trim, measure_mod._WARM_TRIM)]
+    assert calls == [("mallopt", mmap, 128 * 1024), ("mallopt", trim, 128 * 1024), ("malloc_trim", 0),
+                     ("mallopt", mmap, measure_mod._WARM_MMAP), ("mallopt", trim, measure_mod._WARM_TRIM)]
     assert m.peak_mb >= 0 and m.seconds > 0
