@@ -53,7 +53,7 @@ def _allocator_for_rss() -> None:
 
 def _allocator_for_timing() -> None:
     """Undo :func:`_allocator_for_rss` for what is timed next. Its fixed threshold is costly: every
-    large buffer is mapped and faulted in anew (a decode step of one small layer ran 1.5-2x
+    large buffer is mapped and faulted in anew (a decode step of one small layer ran up to 3.5x
     slower, a tiny model trains ~1/3 slower), and glibc cannot go back to its dynamic threshold
     once one is set, so the thresholds go to the values the dynamic one reaches in a warmed-up
     process (mmap 32 MiB, trim twice that)."""

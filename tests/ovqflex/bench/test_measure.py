@@ -53,7 +53,7 @@ def test_the_memory_run_hands_timing_back_a_warmed_up_allocator(monkeypatch):
     (so RSS follows the live tensors) and then sets the thresholds a warmed-up process reaches:
     the 128 KiB threshold once stayed for the rest of the process, and every later timed run
     faulted its large buffers in anew (a decode step after a profile's first memory measurement
-    ran 1.5-2x slower). Before sampling, the heap's free pages go back to the system (the warm
+    ran up to 3.5x slower). Before sampling, the heap's free pages go back to the system (the warm
     thresholds keep them, and reused resident pages would not show in RSS). The timed runs come
     first and set nothing."""
     calls = []
