@@ -9,8 +9,10 @@ from .base import LayerCache, StaticLayerCache
 from .kvm import KVMCache, StaticKVMCache
 from .ovq import OVQCache, StaticOVQCache
 from .plain import PlainCache, StaticPlainCache
-from .recurrent import DeltaNetCache, LinearAttentionCache, VLACache
+from .recurrent import (DeltaNetCache, LinearAttentionCache, StaticDeltaNetCache, StaticLinearAttentionCache,
+                        StaticVLACache, VLACache)
 from .vq import LongVQCache, VQCache
 
 __all__ = ["DeltaNetCache", "KVMCache", "LayerCache", "LinearAttentionCache", "LongVQCache", "OVQCache", "PlainCache",
-           "StaticKVMCache", "StaticLayerCache", "StaticOVQCache", "StaticPlainCache", "VLACache", "VQCache"]
+           "StaticDeltaNetCache", "StaticKVMCache", "StaticLayerCache", "StaticLinearAttentionCache", "StaticOVQCache",
+           "StaticPlainCache", "StaticVLACache", "VLACache", "VQCache"]

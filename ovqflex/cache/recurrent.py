@@ -12,17 +12,23 @@ Bound, constant in the number of tokens seen (``Dk = Dv = head_dim``, 4-byte flo
 linear ``B*H*(Dv*Dk + Dk)``, DeltaNet ``B*H*Dv*Dk``, VLA ``B*H*(Dv*Dk + Dk*Dk + Dk)``
 values, plus the conv tail ``B*2*H*Dk*(qk_conv-1)`` in the projections' dtype.
 Decoding never mutates a cache: each call returns a new one.
+
+Their in-place forms (docs/design.md §6, "Static decode") hold the same tensors, written by each
+one-token step: :class:`StaticLinearAttentionCache`, :class:`StaticDeltaNetCache`,
+:class:`StaticVLACache` (made by :meth:`StaticRecurrentCache.of`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from recurrences.linear import LinearState
 from recurrences.vla import VLAState
 
-from .base import LayerCache
+from .base import LayerCache, StaticLayerCache
 
 
 @dataclass
@@ -75,3 +81,66 @@ class VLACache(LayerCache):
 
     def recurrence_state(self) -> VLAState:
         return VLAState(self.state, self.penalty, self.key_sum, self.position)
+
+
+@dataclass
+class StaticRecurrentCache(StaticLayerCache):
+    """A recurrence's state in buffers written in place by each one-token step; the fields (besides
+    ``position``, a 0-d int64 tensor) are the functional cache's of the same name and shape."""
+
+    @classmethod
+    def of(cls, cache: LayerCache) -> StaticRecurrentCache:
+        """The static cache holding a copy of the functional ``cache``'s state (``cache`` is not changed)."""
+        fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cls) if f.name != "position"}
+        device = cache.tensors()[0].device
+        return cls(position=torch.tensor(cache.position, device=device),
+                   **{name: None if t is None else t.clone() for name, t in fields.items()})
+
+    def write(self, conv: Tensor | None, **state: Tensor) -> None:
+        """Copy a step's new conv tail and state tensors (by field name) into the buffers."""
+        if conv is not None:
+            self.conv.copy_(conv)
+        for name, t in state.items():
+            getattr(self, name).copy_(t)
+
+
+@dataclass
+class StaticLinearAttentionCache(StaticRecurrentCache):
+    """state ``[B, H, Dv, Dk]``, key_sum ``[B, H, Dk]``, as :class:`LinearAttentionCache`."""
+
+    state: Tensor
+    key_sum: Tensor
+
+    def recurrence_state(self) -> LinearState:
+        return LinearState(self.state, self.key_sum)
+
+    def write_state(self, state: LinearState, conv: Tensor | None) -> None:
+        self.write(conv, state=state.S, key_sum=state.z)
+
+
+@dataclass
+class StaticDeltaNetCache(StaticRecurrentCache):
+    """state ``[B, H, Dv, Dk]``, as :class:`DeltaNetCache`."""
+
+    state: Tensor
+
+    def recurrence_state(self) -> Tensor:
+        return self.state
+
+    def write_state(self, state: Tensor, conv: Tensor | None) -> None:
+        self.write(conv, state=state)
+
+
+@dataclass
+class StaticVLACache(StaticRecurrentCache):
+    """state ``[B, H, Dv, Dk]``, penalty ``[B, H, Dk, Dk]`` (the refreshes up to ``position``
+    applied), key_sum ``[B, H, Dk]``, as :class:`VLACache`. The refresh schedule's position is
+    the tensor ``position``: the layer's step applies a due refresh with ``torch.where``."""
+
+    state: Tensor
+    penalty: Tensor
+    key_sum: Tensor
+
+    def write_state(self, state: VLAState, conv: Tensor | None) -> None:
+        """Copy a step's state (its refresh applied; ``state.position`` is not kept) into the buffers."""
+        self.write(conv, state=state.S, penalty=state.A, key_sum=state.z)

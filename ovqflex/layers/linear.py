@@ -2,7 +2,9 @@
 
 Like every attention layer they decode from a cache (docs/design.md §6): ``forward(x, use_cache=True)``
 returns ``(y, cache)`` after a prefill of any length and ``forward(x, cache=cache)`` continues;
-the caches (``ovqflex.cache.recurrent``) hold the recurrence's state, constant in size.
+the caches (``ovqflex.cache.recurrent``) hold the recurrence's state, constant in size. Their
+static forms (``layer.static_cache(cache, capacity)``, docs/design.md §6 "Static decode") hold it in
+buffers a one-token step runs the same op on and writes in place.
 
 Each owns the shared q/k/v/output projections (:class:`MultiHeadProjection`, with the
 optional causal q/k convolution) and calls one op of ``ovqflex.ops.linear``; ``out_norm=True``
@@ -23,16 +25,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrences.checks import check_int, check_number, options_of
-from recurrences.vla import VLAOptions
+from recurrences.vla import VLAOptions, VLAState
 
-from ..cache.recurrent import DeltaNetCache, LinearAttentionCache, VLACache
+from ..cache.recurrent import (DeltaNetCache, LinearAttentionCache, StaticDeltaNetCache, StaticLinearAttentionCache,
+                               StaticRecurrentCache, StaticVLACache, VLACache)
 from ..ops.linear import delta_rule, linear_attention, vla_attention
 from .heads import MultiHeadProjection
 
 
 class _Recurrent(MultiHeadProjection):
     """The recurrent layers' hooks: the full forward runs the op, a prefill or decode step runs it with
-    ``output_final_state=True`` from the cache's state; subclasses give ``cache_type`` and ``recur``."""
+    ``output_final_state=True`` from the cache's state, a static step the same on one token, writing
+    the state back in place; subclasses give ``cache_type``, ``static_cache_type`` and ``recur``."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, qk_conv: int, out_norm: bool):
         super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
@@ -63,6 +67,17 @@ class _Recurrent(MultiHeadProjection):
         position = (0 if cache is None else cache.position) + x.shape[1]
         return o, self.cache_type.of(state, position, tail)
 
+    def _static_cache(self, cache, capacity: int) -> StaticRecurrentCache:
+        return self.static_cache_type.of(cache)  # constant size: capacity does not matter
+
+    def _decode_static(self, inputs, cache: StaticRecurrentCache) -> Tensor:
+        """One token's step of the op from the buffers' state, then its new state written into them."""
+        x, q, k, v, tail = inputs
+        o, state = self.recur(x, q, k, v, decoding=True, output_final_state=True,
+                              initial_state=cache.recurrence_state())
+        cache.write_state(state, tail)
+        return o
+
     def recur(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, decoding: bool = False, **state_options):
         """The layer's op on q, k, v ``[B, H, T, head_dim]`` (x ``[B, T, hidden]`` for per-token
         gates); ``state_options``: ``initial_state`` / ``output_final_state`` of the op; ``decoding``:
@@ -77,6 +92,7 @@ class LinearAttention(_Recurrent):
     """
 
     cache_type = LinearAttentionCache
+    static_cache_type = StaticLinearAttentionCache
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 64,
                  eps: float = 1e-6, qk_conv: int = 0, out_norm: bool = False):
@@ -101,6 +117,7 @@ class DeltaNetAttention(_Recurrent):
     """
 
     cache_type = DeltaNetCache
+    static_cache_type = StaticDeltaNetCache
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, chunk_size: int = 64,
                  qk_conv: int = 0, out_norm: bool = False):
@@ -130,6 +147,7 @@ class VLAAttention(_Recurrent):
     """
 
     cache_type = VLACache
+    static_cache_type = StaticVLACache
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, qk_conv: int = 0,
                  out_norm: bool = False, options: VLAOptions | None = None, **option_kwargs):
@@ -140,11 +158,29 @@ class VLAAttention(_Recurrent):
     def recur(self, x, q, k, v, *, decoding=False, **state_options):
         # a one-token decode step runs with chunk_size=1 (one Sherman-Morrison step; 1 divides
         # every refresh period); longer continuations keep the layer's chunk, aligned by the op
-        # the fields as they are (dataclasses.asdict deep-copies them, which torch 2.11's dynamo cannot trace)
-        options = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+        options = self._option_fields()
         if decoding and x.shape[1] == 1:
             options["chunk_size"] = 1
         return vla_attention(q, k, v, self.penalty_proj(k), **options, **state_options)
+
+    def _option_fields(self) -> dict:
+        # the fields as they are (dataclasses.asdict deep-copies them, which torch 2.11's dynamo cannot trace)
+        return {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+
+    def _decode_static(self, inputs, cache: StaticVLACache) -> Tensor:
+        """The op's one-token step without its own refresh (its schedule reads an int position), then
+        the refresh due after this token (``A += refresh_eps I`` when ``position + 1`` is a multiple
+        of ``refresh_every``, the op's arithmetic) chosen on the device from the position tensor."""
+        x, q, k, v, tail = inputs
+        options = {**self._option_fields(), "chunk_size": 1, "refresh_every": 0}
+        o, state = vla_attention(q, k, v, self.penalty_proj(k), **options, output_final_state=True,
+                                 initial_state=VLAState(cache.state, cache.penalty, cache.key_sum, 0))
+        A, every = state.A, self.options.refresh_every
+        if every:
+            eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+            A = torch.where((cache.position + 1) % every == 0, A + self.options.refresh_eps * eye, A)
+        cache.write_state(state._replace(A=A), tail)
+        return o
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -35,7 +35,7 @@ from recurrences.checks import check_choice, check_int, check_layer_input, check
 from recurrences.ema import damped_ema
 
 from ..attention import BACKENDS
-from ..cache.vq import LongVQCache
+from ..cache.vq import LongVQCache, StaticLongVQCache
 from ..ops.vq import VQOptions, vq_program
 from ..profiling import stage
 from .base import AttentionLayer
@@ -60,6 +60,7 @@ class LongVQBlock(VQMemory, OptionAttributes, AttentionLayer):
 
     standalone_block = True
     cache_type = LongVQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    static_cache_type = StaticLongVQCache
     options_type = VQOptions
     fixed_options = ("estimator",)
 
@@ -127,7 +128,7 @@ class LongVQBlock(VQMemory, OptionAttributes, AttentionLayer):
                           code_bias=self.quantizer.code_bias(), options=self.options)[0]
 
     # forward(x, cache=None, use_cache=False, *, return_aux=False): AttentionLayer; the attention: VQMemory.
-    # The cache (LongVQCache) is the VQ cache plus the EMA state.
+    # The cache (LongVQCache; static: StaticLongVQCache) is the VQ cache plus the EMA state.
 
     def _project(self, x: Tensor, cache: LongVQCache | None, use_cache: bool) -> LongVQInputs:
         with stage("proj"):

@@ -31,9 +31,9 @@ from recurrences.checks import check_choice, check_int, check_number, options_of
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
 
-from ..cache.vq import VQCache
+from ..cache.vq import StaticVQCache, VQCache
 from ..ops.vq import VQOptions, vq_attention, vq_program
-from ..ops.vq_decode import vq_decode, vq_prefill
+from ..ops.vq_decode import vq_decode, vq_decode_static, vq_prefill, vq_static, vq_static_boundary
 from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes
@@ -144,14 +144,34 @@ class VQMemory:
         fields = vq_prefill(gather_codes(cb_v, codes), inputs.v, codes, cb.shape[1], self.options.chunk_size)
         return o, self.cache_type(**fields, **inputs.cache_fields)
 
+    def _decode_inputs(self, inputs: VQInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """New tokens' ``q_scaled = beta * q̂``, quantized unit keys ``[B, H, T, D]``, codes
+        ``[B, H, T]`` and the fp32 unit codebook ``[H, N, D]``: what a decode step reads."""
+        cb, cb_v = self._unit_codebook(inputs.v.dtype)
+        codes = assign_codes(inputs.k, cb, self.quantizer.code_bias())
+        q_scaled = F.normalize(inputs.q, dim=-1) * self.beta.to(inputs.q.dtype).view(1, -1, 1, 1)
+        return q_scaled, gather_codes(cb_v, codes), codes, cb
+
     def _decode_step(self, inputs: VQInputs, cache: VQCache) -> tuple[Tensor, VQCache]:
-        q, k, v = inputs.q, inputs.k, inputs.v
-        cb, cb_v = self._unit_codebook(v.dtype)
-        codes = assign_codes(k, cb, self.quantizer.code_bias())
-        q_scaled = F.normalize(q, dim=-1) * self.beta.to(q.dtype).view(1, -1, 1, 1)
-        o, fields = vq_decode(cache, q_scaled, gather_codes(cb_v, codes), v, codes, cb, self.local_bias,
-                              self.options.chunk_size)
+        q_scaled, k_hat, codes, cb = self._decode_inputs(inputs)
+        o, fields = vq_decode(cache, q_scaled, k_hat, inputs.v, codes, cb, self.local_bias, self.options.chunk_size)
         return o, self.cache_type(**fields, **inputs.cache_fields)
+
+    def _static_cache(self, cache: VQCache, capacity: int) -> StaticVQCache:
+        return vq_static(cache, self.static_cache_type, self.options.chunk_size)  # bounded: capacity does not matter
+
+    def _decode_static(self, inputs: VQInputs, cache: StaticVQCache) -> Tensor:
+        q_scaled, k_hat, codes, cb = self._decode_inputs(inputs)
+        o = vq_decode_static(cache, q_scaled, k_hat, inputs.v, codes, cb, self.local_bias, self.options.chunk_size)
+        for name, t in inputs.cache_fields.items():  # the conv tail, LongVQ's EMA state
+            if t is not None:
+                getattr(cache, name).copy_(t)
+        return o
+
+    def static_boundary(self, cache: StaticVQCache, position: int, *, compile: bool = False) -> None:
+        """When a query chunk ``>= 2`` is next, absorb the oldest window chunk in place
+        (:func:`~ovqflex.ops.vq_decode.vq_static_boundary`: a scatter-add, eager either way)."""
+        vq_static_boundary(cache, self.options.chunk_size, position)
 
 
 class VQAttention(VQMemory, OptionAttributes, MultiHeadProjection):
@@ -163,6 +183,7 @@ class VQAttention(VQMemory, OptionAttributes, MultiHeadProjection):
     attribute; ``estimator`` is fixed once built (the codebook is a buffer or a parameter by it)."""
 
     cache_type = VQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
+    static_cache_type = StaticVQCache
     options_type = VQOptions
     fixed_options = ("estimator",)
 

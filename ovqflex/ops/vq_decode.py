@@ -2,16 +2,24 @@
 the fields of a :class:`~ovqflex.cache.VQCache` after a prefill, and decode steps from it. When a
 query chunk starts, the oldest window chunk moves into the per-code counts and value sums and is
 dropped.
+
+The static form (:class:`~ovqflex.cache.vq.StaticVQCache`, docs/design.md §6 "Static decode"): a step
+(:func:`vq_decode_static`) writes the token into the window ring and reads every code row and ring
+slot, the unused codes and the slots out of the window masked; when a query chunk ``c >= 2`` is next,
+:func:`vq_static_boundary` (called by the host) absorbs chunk ``c - 2`` from the ring in place, with
+the same :func:`_absorb`, and derives the code rows' read form anew.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
 
 from masks.regions import BlockWindow, token_visibility
 
-from ..attention import attend_rows
-from ..cache.vq import VQCache
+from ..attention import attend_rows, split_nonfinite
+from ..cache.vq import StaticVQCache, VQCache
 from .decode import chunk_segments, positions
 
 WINDOW_CHUNKS = 2  # chunks c-1 and c are read as tokens (recurrences.vq.state.LAG)
@@ -70,3 +78,75 @@ def vq_decode(cache: VQCache, q_scaled: Tensor, k_hat: Tensor, v: Tensor, codes:
     fields = dict(position=pos, counts=counts, value_sums=value_sums, state_chunk=state_chunk, win_k=win["k"],
                   win_v=win["v"], win_codes=win["codes"])
     return torch.cat(outs, dim=2).to(v.dtype), fields
+
+
+def vq_static(cache: VQCache, static_type: type[StaticVQCache], chunk_size: int) -> StaticVQCache:
+    """The ``static_type`` cache (:class:`StaticVQCache` or a subclass) continuing ``cache`` (not
+    changed): the VQ state in its static layout, the conv tail and a subclass's own fields (LongVQ's
+    ema) copied; if the next token starts a query chunk ``>= 2``, its absorb is done here."""
+    B, H, N, Dv = cache.value_sums.shape
+    own = {f.name for f in dataclasses.fields(static_type)} - {f.name for f in dataclasses.fields(StaticVQCache)}
+    W, w, device = WINDOW_CHUNKS * chunk_size, cache.win_k.shape[2], cache.win_k.device
+    pos = positions(cache.position - w, w, device)
+    slots = pos % W
+    ring = lambda t: t.new_zeros(*t.shape[:2], W, *t.shape[3:]).index_copy_(2, slots, t)  # noqa: E731
+    clean, nonfinite = split_nonfinite(cache.win_v.float())
+    static = static_type(position=torch.tensor(cache.position, device=device), counts=cache.counts.clone(),
+                         value_sums=cache.value_sums.clone(), win_k=ring(cache.win_k), win_v=ring(cache.win_v),
+                         win_codes=ring(cache.win_codes),
+                         win_pos=torch.full((W,), -1, device=device).index_copy_(0, slots, pos),
+                         values=torch.cat([cache.value_sums.new_zeros(B, H, N, Dv), ring(clean)], dim=2),
+                         nonfinite=torch.cat([nonfinite.new_zeros(B, H, N), ring(nonfinite)], dim=2),
+                         bias=cache.counts.new_empty(B, H, N), conv=None if cache.conv is None else cache.conv.clone(),
+                         **{name: getattr(cache, name).clone() for name in own})
+    _derive_static_codes(static)
+    vq_static_boundary(static, chunk_size, cache.position)
+    return static
+
+
+def _derive_static_codes(cache: StaticVQCache) -> None:
+    """The code rows' read form from the statistics, in place: mean values (split for the
+    non-finite rule) and ``log(count)`` bias, as :func:`vq_decode` derives them."""
+    N = cache.counts.shape[2]
+    clean, nonfinite = split_nonfinite(cache.value_sums / cache.counts.clamp_min(1.0)[..., None])
+    cache.values[:, :, :N].copy_(clean)
+    cache.nonfinite[:, :, :N].copy_(nonfinite)
+    cache.bias.copy_(torch.where(cache.counts > 0, cache.counts.log(), float("-inf")))
+
+
+def vq_decode_static(cache: StaticVQCache, q_scaled: Tensor, k_hat: Tensor, v: Tensor, codes: Tensor,
+                     code_keys: Tensor, state_bias: Tensor | None, chunk_size: int) -> Tensor:
+    """One new token (``q_scaled``, quantized key, value ``[B, H, 1, *]``, code ``[B, H, 1]``, at
+    ``cache.position``) written into the ring, then reading every code row and the block window ->
+    ``[B, H, 1, Dv]``; ``code_keys``, ``state_bias`` as :func:`vq_decode`. Fixed shapes, no host sync;
+    the caller advances ``cache.position`` and calls :func:`vq_static_boundary`."""
+    (B, H, N), W = cache.counts.shape, cache.win_pos.shape[0]
+    p = cache.position.view(1)
+    slot = p % W
+    for name, t in (("win_k", k_hat), ("win_v", v), ("win_codes", codes)):
+        getattr(cache, name).index_copy_(2, slot, t.detach())
+    cache.win_pos.index_copy_(0, slot, p)
+    clean, nonfinite = split_nonfinite(v.detach().float())
+    cache.values.index_copy_(2, N + slot, clean)
+    cache.nonfinite.index_copy_(2, N + slot, nonfinite)
+    bias = cache.bias if state_bias is None else cache.bias - state_bias.float().view(1, H, 1)
+    bias = torch.cat([bias, bias.new_zeros(B, H, W)], dim=2)
+    window = token_visibility((BlockWindow(WINDOW_CHUNKS, chunk_size),), p, cache.win_pos)[0] & (cache.win_pos >= 0)
+    visible = torch.cat([window.new_ones(N), window])
+    keys = (code_keys.float().expand(B, -1, -1, -1), cache.win_k.float())
+    values = cache.values.split([N, W], dim=2)
+    out = attend_rows(q_scaled, keys, values, visible, scale=1.0, bias=bias, v_nonfinite=cache.nonfinite)
+    return out.to(v.dtype)
+
+
+def vq_static_boundary(cache: StaticVQCache, chunk_size: int, position: int) -> None:
+    """After a static step left ``position`` tokens (counted on the host): if the next token starts a
+    query chunk ``c >= 2``, absorb window chunk ``c - 2`` (still whole in the ring) into the code
+    statistics in place and derive the code rows' read form anew."""
+    c = position // chunk_size
+    if position % chunk_size or c < WINDOW_CHUNKS:
+        return
+    start = (c - WINDOW_CHUNKS) * chunk_size % cache.win_pos.shape[0]
+    chunk = slice(start, start + chunk_size)
+    _absorb(cache.counts, cache.value_sums, cache.win_codes[:, :, chunk], cache.win_v[:, :, chunk])
+    _derive_static_codes(cache)

@@ -90,14 +90,16 @@ def test_hybrid_lm_prefill_then_decode_equals_full_forward():
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device (a dry run on the CPU)")
+@pytest.mark.parametrize("pattern", ["swa,ovq,nope,bswa,kvm", "vq,linear,deltanet,vla,longvq"])
 @pytest.mark.parametrize("prompt_len", [5, 21])
-def test_graph_generate_gives_the_functional_greedy_tokens(prompt_len):
+def test_graph_generate_gives_the_functional_greedy_tokens(prompt_len, pattern):
     """The compiled static step replayed from one CUDA graph (``decode="graph"``), 60 tokens at B = 2
-    through OVQ chunk ends, window wrap-around, block windows, full attention and KVM absorbs (host
-    work between replays), against the functional decode; static and compiled alike."""
+    through OVQ chunk ends, window wrap-around, block windows, full attention, KVM and VQ absorbs (host
+    work between replays) and the recurrences' states (VLA's Cholesky step and refresh inside the
+    graph), against the functional decode; static and compiled alike."""
     from tests.ovqflex.models.test_static_generate import _model as small_model
 
-    model = small_model("swa,ovq,nope,bswa,kvm").to(DEVICE)
+    model = small_model(pattern).to(DEVICE)
     prompt = torch.randint(0, 64, (2, prompt_len), generator=seeded(1)).to(DEVICE)
     want = model.generate(prompt, 60, temperature=0)
     for decode in ("static", "compiled", "graph"):

@@ -8,7 +8,10 @@ its counts, and (eager) its dictionary sums, which go through the same ``ovq_abs
 inductor's own ``F.normalize`` rounds the unit keys differently, so the sums agree to rounding.
 KVM's first absorb is the functional one, every later one the static routing step on the ring's
 slots of the chunk, whose routes and state are the loop's (tests/recurrences/test_kvm_routing_static.py):
-its state, counts and sums are equal bit for bit, and compiled equal to the eager step's.
+its state, counts and sums are equal bit for bit, and compiled equal to the eager step's. VQ's
+absorb is the functional one on the ring's slots of the chunk: its counts and sums are equal bit for
+bit. A recurrence's static step is the functional step's op on the same state: outputs and states
+are equal bit for bit.
 """
 import dataclasses
 
@@ -19,6 +22,9 @@ import ovqflex
 from ovqflex.cache.kvm import StaticKVMCache
 from ovqflex.cache.ovq import StaticOVQCache
 from ovqflex.cache.plain import StaticPlainCache
+from ovqflex.cache.recurrent import StaticRecurrentCache
+from ovqflex.cache.vq import StaticVQCache
+from ovqflex.layers.vq import VQInputs
 from tests.helpers import assert_close
 
 HIDDEN, HEADS = 32, 2
@@ -40,7 +46,26 @@ LAYERS = {
                                                                max_state_chunks=None, qk_conv=2, backend="dense"),
     "kvm-nb3-cap2-means": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=3,
                                                        max_state_chunks=2, use_vlens=False, backend="dense"),
+    "vq-conv": lambda: ovqflex.VQAttention(HIDDEN, HEADS, codebook_size=24, chunk_size=16, qk_conv=2, backend="dense"),
+    "vq-diveq-localbias": lambda: _local_bias(ovqflex.VQAttention(HIDDEN, HEADS, codebook_size=24, chunk_size=16,
+                                                                 estimator="diveq", local_bias=True, backend="dense")),
+    "longvq": lambda: _local_bias(ovqflex.LongVQBlock(HIDDEN, HEADS, codebook_size=24, chunk_size=16,
+                                                      backend="dense")),
+    "linear-conv": lambda: ovqflex.LinearAttention(HIDDEN, HEADS, qk_conv=3),
+    "deltanet-outnorm": lambda: ovqflex.DeltaNetAttention(HIDDEN, HEADS, out_norm=True),
+    "vla-refresh4-conv": lambda: ovqflex.VLAAttention(HIDDEN, HEADS, refresh_every=4, qk_conv=2),
 }
+
+
+def _local_bias(layer):
+    """``layer`` with a non-zero local bias (its init is 0, which the static step's fold would not test)
+    and, with the DiVeQ estimator, non-zero idle steps (the codes' assignment bonus)."""
+    with torch.no_grad():
+        layer.local_bias.copy_(torch.linspace(-1.0, 1.5, layer.num_heads))
+        if layer.quantizer.estimator == "diveq":
+            layer.quantizer.idle_steps.copy_(torch.arange(layer.quantizer.idle_steps.numel()).view_as(
+                layer.quantizer.idle_steps) % 7 * 40.0)
+    return layer
 
 
 def _decode_both(layer, x: torch.Tensor, split: int, step=None, compile_boundary: bool = False):
@@ -100,6 +125,13 @@ def test_static_decode_equals_functional_decode(name, split):
         r = cache.rows
         for f in ("state", "value_sums", "radius", "counts"):
             assert torch.equal(getattr(cache, f)[:, :, :r], getattr(static, f)[:, :, :r]), f
+    elif isinstance(static, StaticVQCache):
+        for f in ("counts", "value_sums", "conv") + (("ema",) if name == "longvq" else ()):
+            a, b = getattr(cache, f), getattr(static, f)
+            assert (a is None and b is None) or torch.equal(a, b), f
+    elif isinstance(static, StaticRecurrentCache):
+        assert torch.equal(ys, yf)
+        assert all(torch.equal(f, s) for f, s in zip(cache.tensors(), static.tensors()[1:]))
     else:
         assert isinstance(static, StaticPlainCache)
 
@@ -123,22 +155,24 @@ def _poison_values(layer, value: float, at: dict[int, int]) -> None:
     project = layer._project
 
     def poisoned(x, cache, use_cache=False):
-        q, k, v, *rest = project(x, cache, use_cache)
+        inputs = project(x, cache, use_cache)  # q, k, v, ... or a VQ layer's VQInputs
+        v = (inputs.v if isinstance(inputs, VQInputs) else inputs[2]).clone()
         start = 0 if cache is None else int(cache.position)
-        v = v.clone()
         for t, b in at.items():
             if start <= t < start + v.shape[2]:
                 v[b, 1, t - start] = value
-        return q, k, v, *rest
+        if isinstance(inputs, VQInputs):
+            return dataclasses.replace(inputs, v=v)
+        return *inputs[:2], v, *inputs[3:]
 
     layer._project = poisoned
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("name", ["swa-7-conv", "swa-5-sinks", "bswa-2x16", "full-rope-qknorm", "ovq-plateau",
-                                  "kvm-fixed"])
+                                  "kvm-fixed", "vq-conv", "longvq"])
 def test_a_non_finite_value_reaches_the_same_queries_through_a_static_cache(name, value):
-    """The non-finite rule (``ovqflex.attention``) on the static path, whose plain and OVQ caches
+    """The non-finite rule (``ovqflex.attention``) on the static path, whose plain, OVQ and VQ caches
     store each value row's flag once: a NaN/inf value written by the prefill (batch 1, position
     10) and by a decode step (batch 0, position 40) makes exactly the functional decode's outputs
     NaN, and the others equal; a window's queries past the poisoned token are finite again, while
@@ -158,11 +192,12 @@ def test_a_non_finite_value_reaches_the_same_queries_through_a_static_cache(name
         assert bad[:2, 40 - 16:].all(), "every later query sees both"
 
 
-@pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv", "kvm-powerlaw-uncapped-conv"])
+@pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv", "kvm-powerlaw-uncapped-conv", "longvq",
+                                  "vla-refresh4-conv"])
 def test_static_step_compiles_once(name):
     """``torch.compile(fullgraph=True, dynamic=False)`` of the layer on a static cache: one graph
-    for every step — window wrap-around and OVQ chunk ends and KVM chunk starts (whose static routing
-    steps are compiled once too) included; recompiling raises."""
+    for every step — window wrap-around, OVQ chunk ends and KVM chunk starts (whose static routing
+    steps are compiled once too), VQ's absorbs and VLA's refreshes included; recompiling raises."""
     torch.manual_seed(0)
     layer = LAYERS[name]()
     x = torch.randn(2, 72, HIDDEN)
@@ -179,6 +214,9 @@ def test_static_step_compiles_once(name):
         eager = _decode_both(layer, x, 21, step=compiled)[3]
         for f in ("state", "value_sums", "radius", "counts"):  # all rows but the spare
             assert torch.equal(getattr(static, f)[:, :, :-1], getattr(eager, f)[:, :, :-1]), f
+    elif isinstance(static, StaticVQCache):  # the same codes; the values summed as the compiled step made them
+        assert torch.equal(static.counts, cache.counts)
+        assert_close(static.value_sums, cache.value_sums, STATIC_TOL)
 
 
 def test_static_cache_leaves_the_functional_cache_and_continues_twice():
@@ -218,6 +256,12 @@ def test_bad_static_arguments_are_refused():
         rnd = ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, seeding="random")
         with pytest.raises(ValueError, match="seeding='random'"):
             rnd.static_cache(rnd(x, use_cache=True)[1], 30)
-        vq = ovqflex.VQAttention(HIDDEN, HEADS, chunk_size=16, backend="dense")
-        with pytest.raises(NotImplementedError, match="VQAttention has no static"):
-            vq.static_cache(vq(x, use_cache=True)[1], 30)
+        no_static = _NoStatic(HIDDEN, HEADS, window=7, backend="dense")
+        with pytest.raises(NotImplementedError, match="_NoStatic has no static"):
+            no_static.static_cache(no_static(x, use_cache=True)[1], 30)
+
+
+class _NoStatic(ovqflex.SlidingWindowAttention):
+    """A layer with a functional cache and no static one (as a plugged-in method may be)."""
+
+    static_cache_type = None

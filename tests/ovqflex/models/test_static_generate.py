@@ -15,11 +15,12 @@ def _model(pattern: str) -> HybridLM:
     return HybridLM(HybridConfig(pattern=pattern, n_layers=len(pattern.split(",")), **CONFIG))
 
 
+@pytest.mark.parametrize("pattern", ["swa,ovq,nope,bswa,kvm", "vq,linear,deltanet,vla,longvq"])
 @pytest.mark.parametrize("prompt_len", [5, 21])
-def test_static_generate_gives_the_functional_greedy_tokens(prompt_len):
+def test_static_generate_gives_the_functional_greedy_tokens(prompt_len, pattern):
     """60 tokens, B = 2: OVQ chunk ends (and, after a 5-token prompt, the first seeding), window
-    wrap-around, block windows, full attention, KVM absorbs."""
-    model = _model("swa,ovq,nope,bswa,kvm")
+    wrap-around, block windows, full attention, KVM and VQ absorbs, the recurrences' states."""
+    model = _model(pattern)
     prompt = torch.randint(0, 64, (2, prompt_len), generator=torch.Generator().manual_seed(1))
     want = model.generate(prompt, 60, temperature=0)
     assert torch.equal(model.generate(prompt, 60, temperature=0, decode="static"), want)
@@ -38,8 +39,10 @@ def test_static_generate_refuses_what_it_cannot_do():
     prompt = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="decode must be one of"):
         _model("swa").generate(prompt, 2, decode="fast")
-    with pytest.raises(NotImplementedError, match="mixer 'vq'"):
-        _model("swa,vq").generate(prompt, 2, decode="static")
+    model = _model("swa,vq")
+    model.blocks[1].mixer.static_cache_type = None  # as a plugged-in method without a static cache
+    with pytest.raises(NotImplementedError, match="mixer 'vq' .* has no static"):
+        model.generate(prompt, 2, decode="static")
 
 
 def test_graph_generate_needs_cuda():
