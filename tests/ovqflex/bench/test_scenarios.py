@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+import ovqflex
 from ovqflex.bench.runner import load_profile
 from ovqflex.bench.scenarios import KINDS, Scenario, parse_scenario
 from ovqflex.cli import main
@@ -44,8 +45,6 @@ ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
                                      r"\(did you mean 'max_centroids'\?\)"),
     (DECODE.replace('kind = "ovq"\nchunk', 'kind = "lstm"\nchunk'), r"case 0: kind must be one of"),
     (DECODE + 'decode = "fast"\n', r"case 0: decode must be one of \['compiled', 'functional', 'graph', 'static'\]"),
-    (DECODE.replace('kind = "ovq"\nchunk', 'kind = "vq"\nchunk') + 'decode = "static"\n',
-     r"case 0: decode='static' needs a static cache, which VQAttention has not"),
     ('[[scenario]]\nkind = "kvm"\nseq_lens = [64]\nbudget = "power_law"\ngrowth_factr = 4.0\n',
      r"unknown key 'growth_factr' \(did you mean 'growth_factor'\?\)"),
     (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_sizes = [0]\n"),
@@ -62,16 +61,14 @@ ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
     (GENERATE + "new_tokens = 1\n", r"scenario 'g': new_tokens must be >= 2, got 1"),
     (GENERATE + "new_tokns = 8\n", r"unknown key 'new_tokns' \(did you mean 'new_tokens'\?\)"),
     (GENERATE + 'preset = "huge"\n', r"scenario 'g': preset must be one of \["),
-    (GENERATE + 'pattern = "swa,vq"\ndecodes = ["functional", "static"]\n',
-     r"scenario 'g': decodes \['functional', 'static'\] need a static cache, which mixer 'vq' \(VQAttention\) has not"),
     (ROUTING + 'method = "vq"\n', r"scenario 'r': method must be one of \['kvm', 'ovq'\], got 'vq'"),
     (ROUTING + 'method = "kvm"\nbudgt = "power_law"\n', r"unknown key 'budgt' \(did you mean 'budget'\?\)"),
     (OVQ + 'seq_lens = [64]\nmax_centroids = 8\ndtype = "fp16"\n', r"dtype must be one of \['bf16', 'fp32'\], got 'fp16'"),
     (OVQ + "seq_lens = []\nmax_centroids = 8\n", r"seq_lens must list at least one size"),
 ], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
-        "decode-kind", "decode-mode", "decode-static-vq", "kvm-budget", "decode-batch-0", "decode-batch-empty",
+        "decode-kind", "decode-mode", "kvm-budget", "decode-batch-0", "decode-batch-empty",
         "decode-batch-key", "generate-batch-0", "generate-prompt", "generate-decode", "generate-decode-twice",
-        "generate-new-tokens", "generate-key", "generate-preset", "generate-static-vq", "routing-method",
+        "generate-new-tokens", "generate-key", "generate-preset", "routing-method",
                                  "routing-kvm-key", "op-dtype", "op-no-lengths"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
@@ -81,6 +78,19 @@ def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     assert main(["bench", str(prof), "--out", str(tmp_path / "out")]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("text, match", [
+    (DECODE.replace('kind = "ovq"\nchunk', 'kind = "vq"\nchunk') + 'decode = "static"\n',
+     r"case 0: decode='static' needs a static cache, which VQAttention has not"),
+    (GENERATE + 'pattern = "swa,vq"\ndecodes = ["functional", "static"]\n',
+     r"scenario 'g': decodes \['functional', 'static'\] need a static cache, which mixer 'vq' \(VQAttention\) has not"),
+], ids=["decode", "generate"])
+def test_a_static_decode_of_a_layer_without_a_static_cache_is_refused(tmp_path, capsys, monkeypatch, text, match):
+    """As for a plugged-in method with a functional cache only (every built-in layer has a static one:
+    VQ's is taken away here)."""
+    monkeypatch.setattr(ovqflex.VQAttention, "static_cache_type", None)
+    test_bad_scenario_keys_are_named(tmp_path, capsys, text, match)
 
 
 def _run(table: dict) -> list[dict]:
