@@ -33,9 +33,11 @@ def ema_chunk(T: int) -> int:
     """Default chunk of :func:`damped_ema` for ``T`` tokens: ``sqrt(T)`` rounded up to a multiple
     of 16, at least 64 — the ``[chunk, chunk]`` Toeplitz blocks and the ``[T/chunk, T/chunk]``
     carry matrix then both hold ``O(T)`` entries per channel (a fixed chunk of 64 would make the
-    carry matrix quadratic in ``T``: 1 GB at T = 16k, hidden 256, 16 EMA heads)."""
+    carry matrix quadratic in ``T``: 1 GB at T = 16k, hidden 256, 16 EMA heads) — or ``T`` when
+    shorter: one chunk without padding (a one-token decode step would otherwise build a 64 x 64
+    Toeplitz block per channel for one row of it)."""
     root = math.isqrt(T - 1) + 1 if T > 1 else 1  # ceil(sqrt(T))
-    return max(64, -(-root // 16) * 16)
+    return min(T, max(64, -(-root // 16) * 16)) if T > 0 else 64
 
 
 def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,

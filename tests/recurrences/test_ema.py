@@ -35,8 +35,9 @@ def test_exactly_causal():
 
 def test_default_chunk_grows_like_sqrt_t_and_stays_exact():
     """Long inputs take chunks of about sqrt(T) (memory linear in T), still equal to the recurrence,
-    and a continuation from the carried state equals the whole sequence."""
-    assert [ema_chunk(T) for T in (1, 4096, 4097, 16384, 65536)] == [64, 64, 80, 128, 256]
+    and a continuation from the carried state equals the whole sequence; fewer than 64 tokens are
+    one chunk of their own length (no padding)."""
+    assert [ema_chunk(T) for T in (1, 63, 64, 4096, 4097, 16384, 65536)] == [1, 63, 64, 64, 80, 128, 256]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 5000, 3, generator=g)
     params = [torch.randn(3, 2, generator=g) for _ in range(4)]
