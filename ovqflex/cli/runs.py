@@ -6,6 +6,7 @@ import time
 
 from tabulate import tabulate
 
+from ..models.hybrid import DECODES
 from .flags import add_config_flags, add_device, config_from_args, id_list, int_list, label_list, parse_options, seed_list
 
 
@@ -92,15 +93,16 @@ def _cmd_generate(args) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
     out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         generator=gen)
+                         generator=gen, decode=args.decode)
     dt = time.perf_counter() - t0
     new = out[0, prompt.shape[1]:].tolist()
-    print(f"{args.run} step {step}, pattern {model.config.pattern}, quantize {args.quantize}")
+    print(f"{args.run} step {step}, pattern {model.config.pattern}, quantize {args.quantize}, decode {args.decode}")
     print("prompt tokens:", ",".join(map(str, prompt[0].tolist())))
     print("generated:    ", ",".join(map(str, new)))
     if model.config.vocab_size == 256:
         print("as text:", repr(bytes(new).decode("utf-8", errors="replace")))
-    print(f"{len(new)} tokens in {dt:.2f} s ({len(new) / max(dt, 1e-9):.1f} tokens/s, prefill included)")
+    print(f"{len(new)} tokens in {dt:.2f} s ({len(new) / max(dt, 1e-9):.1f} tokens/s, prefill"
+          f"{' and compile' if args.decode in ('compiled', 'graph') else ''} included)")
     return 0
 
 
@@ -172,6 +174,9 @@ def add_generate(sub) -> None:
                    help="int8: torchao int8 weight-only linears (CPU inference; pip install 'ovqflex[quant]')")
     s.add_argument("--override", action="append", metavar="NAME=VALUE",
                    help="test-time mixer override, e.g. max_centroids=4096 (repeatable)")
+    s.add_argument("--decode", default="functional", choices=list(DECODES),
+                   help="the decode path (HybridLM.generate): functional caches, or the in-place static caches "
+                        "eager, compiled, or compiled and replayed from a CUDA graph (CUDA only)")
     s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
     add_device(s)
     s.set_defaults(fn=_cmd_generate)

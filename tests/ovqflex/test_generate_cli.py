@@ -33,6 +33,19 @@ def test_generate_greedy_continues_like_the_model(run_dir, capsys):
     assert new == model.generate(prompt, 20, temperature=0)[0, 6:].tolist()
 
 
+def test_generate_static_decode_gives_the_functional_tokens(run_dir, capsys):
+    """``--decode static``: the in-place caches (HybridLM.generate's fast path; compiled, the same
+    step: tests/ovqflex/models/test_static_generate.py); ``graph`` needs CUDA and is refused by name."""
+    tokens = ["generate", str(run_dir), "--tokens", "3,0,5,7,1,2", "--max-new-tokens", "40", "--temperature", "0"]
+    assert main(tokens) == 0
+    want = _generated(capsys.readouterr().out)
+    assert main(tokens + ["--decode", "static"]) == 0
+    out = capsys.readouterr().out
+    assert "decode static" in out and _generated(out) == want
+    assert main(tokens + ["--decode", "graph", "--device", "cpu"]) == 2
+    assert "decode='graph' replays the decode step from a CUDA graph" in capsys.readouterr().err
+
+
 def test_generate_int8_runs_and_refuses_bad_prompts(run_dir, capsys):
     assert main(["generate", str(run_dir), "--tokens", "1,2,3", "--max-new-tokens", "5", "--quantize", "int8",
                  "--top-k", "4", "--seed", "3"]) == 0
