@@ -11,8 +11,9 @@ from .ovq import OVQCache, StaticOVQCache
 from .plain import PlainCache, StaticPlainCache
 from .recurrent import (DeltaNetCache, LinearAttentionCache, StaticDeltaNetCache, StaticLinearAttentionCache,
                         StaticVLACache, VLACache)
-from .vq import LongVQCache, VQCache
+from .vq import LongVQCache, StaticLongVQCache, StaticVQCache, VQCache
 
 __all__ = ["DeltaNetCache", "KVMCache", "LayerCache", "LinearAttentionCache", "LongVQCache", "OVQCache", "PlainCache",
-           "StaticDeltaNetCache", "StaticKVMCache", "StaticLayerCache", "StaticLinearAttentionCache", "StaticOVQCache",
-           "StaticPlainCache", "StaticVLACache", "VLACache", "VQCache"]
+           "StaticDeltaNetCache", "StaticKVMCache", "StaticLayerCache", "StaticLinearAttentionCache",
+           "StaticLongVQCache", "StaticOVQCache", "StaticPlainCache", "StaticVLACache", "StaticVQCache", "VLACache",
+           "VQCache"]

@@ -85,6 +85,26 @@ def check_decode(method: Method) -> None:
     assert_close(torch.cat(ys, dim=1), full, TOL, f"{method.name} prefill + decode")
 
 
+def check_static_decode(method: Method) -> None:
+    """A layer with a static cache: prefill 37 tokens, then decode the rest one token per call through
+    ``layer.static_cache(cache, T)`` (written in place, the host calling ``static_boundary`` after
+    each step) == the full forward."""
+    if not method.decodes or method.layer.static_cache_type is None:
+        return
+    layer, x = layer_of(method).eval(), inputs()
+    with torch.no_grad():
+        full = layer(x)
+        y, cache = layer(x[:, :37], use_cache=True)
+        static, ys = layer.static_cache(cache, T), [y]
+        for i in range(37, T):
+            y, same = layer(x[:, i:i + 1], cache=static)
+            assert same is static, f"{method.name}: a static step returned another cache"
+            ys.append(y)
+            layer.static_boundary(static, i + 1)
+    assert int(static.position) == T
+    assert_close(torch.cat(ys, dim=1), full, TOL, f"{method.name} prefill + static decode")
+
+
 def check_contract(method: Method) -> None:
     """The layer contract (``ovqflex/layers/base.py``): the return type depends on the arguments only —
     ``layer(x)`` is y, ``return_aux=True`` adds a dict, a prefill or decode step adds a cache of the
@@ -115,4 +135,4 @@ def check_contract(method: Method) -> None:
 
 
 CHECKS = {"causal": check_causal, "prefix": check_prefix, "batch": check_batch, "deterministic": check_deterministic,
-          "decode": check_decode, "contract": check_contract}
+          "decode": check_decode, "static_decode": check_static_decode, "contract": check_contract}
