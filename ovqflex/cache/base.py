@@ -100,6 +100,11 @@ class StaticLayerCache(LayerCache):
 
     position: Tensor
 
+    def write_conv(self, conv: Tensor | None) -> None:
+        """Copy a step's q/k conv tail (None without ``qk_conv``) into the buffer."""
+        if conv is not None:
+            self.conv.copy_(conv)
+
 
 def check_cache(cache, kind: type, layer, static_kind: type | None = None) -> None:
     """A cache passed to ``layer`` must be the type that layer returns (or its static cache type)."""

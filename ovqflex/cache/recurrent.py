@@ -98,8 +98,7 @@ class StaticRecurrentCache(StaticLayerCache):
 
     def write(self, conv: Tensor | None, **state: Tensor) -> None:
         """Copy a step's new conv tail and state tensors (by field name) into the buffers."""
-        if conv is not None:
-            self.conv.copy_(conv)
+        self.write_conv(conv)
         for name, t in state.items():
             getattr(self, name).copy_(t)
 

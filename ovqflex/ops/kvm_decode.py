@@ -29,7 +29,7 @@ from recurrences.kvm.routing_static import compiled_static_step, kvm_static_step
 from ..attention import attend_rows
 from ..cache.base import current_view, kept, tensor_key
 from ..cache.kvm import KVMCache, StaticKVMCache
-from .decode import chunk_segments, positions
+from .decode import chunk_segments, positions, slot_positions, slot_visibility, slotted
 from .kvm import KVMOptions
 
 
@@ -192,17 +192,13 @@ def kvm_static(cache: KVMCache, opts: KVMOptions, readout: KVMReadout, capacity:
     st = _grow({name: getattr(cache, name).clone() for name in _STATE}, _capacity(opts, max(sizes)) + 1)
     w = cache.win_k.shape[2]
     pos = positions(cache.position - w, w, cache.win_k.device)
-    ring = {name: _padded_ring(getattr(cache, name), W, pos % W) for name in _WINDOW}
+    ring = {name: slotted(getattr(cache, name), W, pos % W) for name in _WINDOW}
     static = StaticKVMCache(position=torch.tensor(cache.position, device=pos.device),
                             conv=None if cache.conv is None else cache.conv.clone(),
                             rows=torch.tensor(sizes, device=pos.device), **st, **ring,
-                            win_pos=torch.full((W,), -1, device=pos.device).index_copy_(0, pos % W, pos))
+                            win_pos=slot_positions(pos, W, pos % W))
     kvm_static_boundary(static, opts, readout, cache.position)
     return static
-
-
-def _padded_ring(t: Tensor, W: int, slots: Tensor) -> Tensor:
-    return t.new_zeros(*t.shape[:2], W, *t.shape[3:]).index_copy_(2, slots, t)
 
 
 def kvm_decode_static(cache: StaticKVMCache, q: Tensor, k: Tensor, v: Tensor, kbar32: Tensor, gate: Tensor,
@@ -217,12 +213,11 @@ def kvm_decode_static(cache: StaticKVMCache, q: Tensor, k: Tensor, v: Tensor, kb
     for name, t in zip(_WINDOW, (k, v, kbar32, gate.float())):
         getattr(cache, name).index_copy_(2, slot, t.detach())
     cache.win_pos.index_copy_(0, slot, p)
-    if conv is not None:
-        cache.conv.copy_(conv)
+    cache.write_conv(conv)
     st = {name: getattr(cache, name) for name in _STATE}
     s_keys, s_vals = _state_rows(st, st["state"].shape[2], opts, readout)
     live = torch.arange(s_keys.shape[2], device=p.device) < cache.rows.index_select(0, p // C)
-    window = token_visibility((BlockWindow(Nb, C),), p, cache.win_pos)[0] & (cache.win_pos >= 0)
+    window = slot_visibility((BlockWindow(Nb, C),), p, cache.win_pos)
     keys = torch.cat([s_keys, _window_keys(cache.win_k, readout).float()], dim=2)
     values = torch.cat([s_vals, cache.win_v.float()], dim=2)
     out = attend_rows(q, keys, values, torch.cat([live, window]), scale=q.shape[-1] ** -0.5)

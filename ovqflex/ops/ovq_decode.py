@@ -197,8 +197,7 @@ def ovq_decode_static(cache: StaticOVQCache, q_scaled: Tensor, kn: Tensor, v: Te
     cache.keys.index_copy_(2, slot, kn.detach())
     cache.values.index_copy_(2, slot, clean)
     cache.nonfinite.index_copy_(2, slot, nonfinite)
-    if conv is not None:
-        cache.conv.copy_(conv)
+    cache.write_conv(conv)
     device = kn.device
     n = cache.bounds.index_select(0, (p // C).view(1))[0, 0]  # N_c (a tensor index: no host sync)
     visible = torch.cat([torch.arange(rows, device=device) < n, torch.arange(C, device=device) <= j])

@@ -12,7 +12,7 @@ from masks.regions import BlockWindow, Causal, Sinks, TokenWindow, token_visibil
 
 from ..attention import attend_rows, split_nonfinite
 from ..cache.plain import PlainCache, StaticPlainCache
-from .decode import positions
+from .decode import positions, slot_positions, slot_visibility, slotted
 
 
 def _kept(regions, k: Tensor, v: Tensor, pos: Tensor, end: int, conv: Tensor | None) -> PlainCache:
@@ -63,17 +63,13 @@ def _slot(p: Tensor, n_sinks: int, ring: int) -> Tensor:
 def plain_static(cache: PlainCache, regions, capacity: int) -> StaticPlainCache:
     """The static cache holding ``cache``'s tokens (``cache`` is not changed)."""
     n_sinks, ring = static_slots(regions, capacity)
-    B, H, _, D = cache.k.shape
     S = n_sinks + ring
     slots = _slot(cache.pos, n_sinks, ring)
     clean, nonfinite = split_nonfinite(cache.v)
-    k = cache.k.new_zeros(B, H, S, D).index_copy_(2, slots, cache.k)
-    v = cache.v.new_zeros(B, H, S, cache.v.shape[-1]).index_copy_(2, slots, clean)
-    v_nonfinite = nonfinite.new_zeros(B, H, S).index_copy_(2, slots, nonfinite)
-    pos = torch.full((S,), -1, dtype=torch.long, device=cache.pos.device).index_copy_(0, slots, cache.pos)
     return StaticPlainCache(position=torch.tensor(cache.position, device=cache.pos.device),
-                            conv=None if cache.conv is None else cache.conv.clone(), k=k, v=v,
-                            v_nonfinite=v_nonfinite, pos=pos, n_sinks=n_sinks, ring=ring)
+                            conv=None if cache.conv is None else cache.conv.clone(), k=slotted(cache.k, S, slots),
+                            v=slotted(clean, S, slots), v_nonfinite=slotted(nonfinite, S, slots),
+                            pos=slot_positions(cache.pos, S, slots), n_sinks=n_sinks, ring=ring)
 
 
 def plain_decode_static(cache: StaticPlainCache, regions, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
@@ -88,7 +84,6 @@ def plain_decode_static(cache: StaticPlainCache, regions, q: Tensor, k: Tensor, 
     cache.v.index_copy_(2, slot, clean)
     cache.v_nonfinite.index_copy_(2, slot, nonfinite)
     cache.pos.index_copy_(0, slot, p)
-    if conv is not None:
-        cache.conv.copy_(conv)
-    visible = token_visibility(regions, p, cache.pos) & (cache.pos >= 0)
+    cache.write_conv(conv)
+    visible = slot_visibility(regions, p, cache.pos)
     return attend_rows(q, cache.k, cache.v, visible, scale=scale, v_nonfinite=cache.v_nonfinite)

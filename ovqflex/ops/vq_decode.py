@@ -20,7 +20,7 @@ from masks.regions import BlockWindow, token_visibility
 
 from ..attention import attend_rows, split_nonfinite
 from ..cache.vq import StaticVQCache, VQCache
-from .decode import chunk_segments, positions
+from .decode import chunk_segments, positions, slot_positions, slot_visibility, slotted
 
 WINDOW_CHUNKS = 2  # chunks c-1 and c are read as tokens (recurrences.vq.state.LAG)
 
@@ -89,14 +89,13 @@ def vq_static(cache: VQCache, static_type: type[StaticVQCache], chunk_size: int)
     W, w, device = WINDOW_CHUNKS * chunk_size, cache.win_k.shape[2], cache.win_k.device
     pos = positions(cache.position - w, w, device)
     slots = pos % W
-    ring = lambda t: t.new_zeros(*t.shape[:2], W, *t.shape[3:]).index_copy_(2, slots, t)  # noqa: E731
     clean, nonfinite = split_nonfinite(cache.win_v.float())
     static = static_type(position=torch.tensor(cache.position, device=device), counts=cache.counts.clone(),
-                         value_sums=cache.value_sums.clone(), win_k=ring(cache.win_k), win_v=ring(cache.win_v),
-                         win_codes=ring(cache.win_codes),
-                         win_pos=torch.full((W,), -1, device=device).index_copy_(0, slots, pos),
-                         values=torch.cat([cache.value_sums.new_zeros(B, H, N, Dv), ring(clean)], dim=2),
-                         nonfinite=torch.cat([nonfinite.new_zeros(B, H, N), ring(nonfinite)], dim=2),
+                         value_sums=cache.value_sums.clone(), win_k=slotted(cache.win_k, W, slots),
+                         win_v=slotted(cache.win_v, W, slots), win_codes=slotted(cache.win_codes, W, slots),
+                         win_pos=slot_positions(pos, W, slots),
+                         values=torch.cat([cache.value_sums.new_zeros(B, H, N, Dv), slotted(clean, W, slots)], dim=2),
+                         nonfinite=torch.cat([nonfinite.new_zeros(B, H, N), slotted(nonfinite, W, slots)], dim=2),
                          bias=cache.counts.new_empty(B, H, N), conv=None if cache.conv is None else cache.conv.clone(),
                          **{name: getattr(cache, name).clone() for name in own})
     _derive_static_codes(static)
@@ -131,7 +130,7 @@ def vq_decode_static(cache: StaticVQCache, q_scaled: Tensor, k_hat: Tensor, v: T
     cache.nonfinite.index_copy_(2, N + slot, nonfinite)
     bias = cache.bias if state_bias is None else cache.bias - state_bias.float().view(1, H, 1)
     bias = torch.cat([bias, bias.new_zeros(B, H, W)], dim=2)
-    window = token_visibility((BlockWindow(WINDOW_CHUNKS, chunk_size),), p, cache.win_pos)[0] & (cache.win_pos >= 0)
+    window = slot_visibility((BlockWindow(WINDOW_CHUNKS, chunk_size),), p, cache.win_pos)
     visible = torch.cat([window.new_ones(N), window])
     keys = (code_keys.float().expand(B, -1, -1, -1), cache.win_k.float())
     values = cache.values.split([N, W], dim=2)
