@@ -1,5 +1,7 @@
 """Compiling fixed-shape code (docs/design.md §3 backends, §4.2-4.3 static-shape routing), and what
-OVQ's and KVM's static routing steps share: ``ROUTING_IMPLS``, :func:`stable_rank`, :func:`chunk_bounds`.
+OVQ's and KVM's static routing share: ``ROUTING_IMPLS`` and :func:`resolve_routing`, :func:`stable_rank`,
+:func:`chunk_bounds`, chunk-major buffers (:func:`chunks_first`), :func:`static_rows` and the
+per-process router cache (:func:`static_router`).
 
 ``torch.compile(..., dynamic=False)`` makes one graph per input shape, and dynamo allows a
 function only ``recompile_limit`` graphs (8 by default). Past it, a ``fullgraph=True`` function
@@ -15,13 +17,15 @@ from one CUDA graph (the static decode's ``"graph"`` path).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections import OrderedDict
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
 
-#: Routing implementations of OVQ and KVM: the chunk loop, or the compiled static-shape step.
-ROUTING_IMPLS = ("loop", "static")
+#: Routing implementations of OVQ and KVM: ``"auto"`` (``"static"`` on CUDA, ``"loop"`` elsewhere), the
+#: chunk loop, or the compiled static-shape step (on CUDA the whole run replayed from one CUDA graph).
+ROUTING_IMPLS = ("auto", "loop", "static")
 
 #: dynamo's process-wide recompile limit once the project's compiled code has run
 RECOMPILE_LIMIT = 64
@@ -194,3 +198,77 @@ def chunk_bounds(sizes: list[int], n_chunks: int, device) -> Tensor:
     """``[n_chunks, 2]`` int64 ``(N_c, N_{c+1})`` per chunk on ``device`` (``sizes``: at least
     ``n_chunks + 1`` entries): one 16-byte row each, so every step reads an aligned input."""
     return torch.tensor([sizes[c:c + 2] for c in range(n_chunks)], dtype=torch.long, device=device).view(n_chunks, 2)
+
+
+def resolve_routing(impl: str, device: torch.device) -> str:
+    """The routing implementation that runs on ``device``: ``"loop"`` or ``"static"``.
+
+    ``"auto"`` is ``"static"`` on CUDA, where the loop's chunk steps change shape and each is a handful
+    of tiny launches (launch-bound: 512 chunks at 64k tokens), and ``"loop"`` elsewhere, where a
+    static step, reading every row of the padded dictionary, is no faster. ``ValueError`` naming
+    ``impl`` unless it is one of :data:`ROUTING_IMPLS`."""
+    if impl not in ROUTING_IMPLS:
+        raise ValueError(f"impl must be one of {list(ROUTING_IMPLS)}, got {impl!r}")
+    if impl == "auto":
+        return "static" if torch.device(device).type == "cuda" else "loop"
+    return impl
+
+
+def chunks_first(x: Tensor, n_chunks: int, chunk_size: int) -> Tensor:
+    """The first ``n_chunks`` chunks of ``x [B, H, T, *]`` as a chunk-major view ``[n_chunks, B, H, L, *]``:
+    what a static router copies its input into, so chunk ``c`` (``buffer[c]``) has the same shape and
+    strides whatever ``T`` is, and one compiled step serves every length."""
+    x = x[:, :, :n_chunks * chunk_size].unflatten(2, (n_chunks, chunk_size))
+    return x.movedim(2, 0)
+
+
+def tokens_from_chunks(xc: Tensor, T: int, fill) -> Tensor:
+    """``[B, H, T, *]`` from chunk-major ``xc [n, B, H, L, *]`` (``n L <= T``): its tokens first, then
+    ``fill`` (a new tensor)."""
+    n, B, H, L = xc.shape[:4]
+    out = xc.new_full((B, H, T, *xc.shape[4:]), fill)
+    out[:, :, :n * L] = xc.movedim(0, 2).flatten(2, 3)
+    return out
+
+
+def static_rows(n: int) -> int:
+    """Rows of a static routing buffer that holds ``n`` (its live rows and the spare): ``n`` rounded up
+    to a power of two. The padding rows are dead like the spare (masked, never read live); the
+    rounding lets every length whose dictionary falls in one bucket share one compiled step (an OVQ
+    dictionary of ``N = 2048`` rows: every length from 2k tokens on)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def graph_capturable(device: torch.device) -> bool:
+    """Whether a static router on ``device`` should capture its run in a CUDA graph: on CUDA, unless
+    the stream is already being captured (the caller's own graph, e.g. ``mode="reduce-overhead"``;
+    the router's launches then go into that graph)."""
+    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+#: Static routers kept per process, least recently used dropped first. Each holds an fp32 copy of its
+#: input's keys ``[B, H, T, D]``, its dictionary and routes, and on CUDA its graph's memory pool.
+STATIC_ROUTERS_KEPT = 4
+
+_ROUTERS: OrderedDict = OrderedDict()
+_Router = TypeVar("_Router")
+
+
+def static_router(key: tuple, make: Callable[[], _Router]) -> _Router:
+    """The static router cached under ``key`` (every argument its construction takes: input shape,
+    device, chunk size, sizes, options), made by ``make()`` on a miss. Building one allocates its
+    buffers and, on CUDA, warms up and captures its CUDA graph, so an op that routes every call (a
+    training step, an evaluation at a few lengths) builds each once. At most
+    :data:`STATIC_ROUTERS_KEPT` are kept; :func:`clear_static_routers` frees them."""
+    router = _ROUTERS.pop(key, None)
+    if router is None:
+        router = make()
+    _ROUTERS[key] = router
+    while len(_ROUTERS) > STATIC_ROUTERS_KEPT:
+        _ROUTERS.popitem(last=False)
+    return router
+
+
+def clear_static_routers() -> None:
+    """Drop every cached static router (their buffers and CUDA graphs are freed once unreferenced)."""
+    _ROUTERS.clear()

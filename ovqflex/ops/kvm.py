@@ -59,8 +59,9 @@ class KVMOptions(KVMBudget):
     (``"snapshot"``: one state per query chunk; ``"versioned"``: checkpoints every
     ``checkpoint_every`` chunks plus one version row per token, memory-linear; ``"auto"``: fewer
     rows; docs/design.md §5); ``block_size``, the attention block (a power of two >= 16); ``routing``:
-    ``"loop"`` or ``"static"`` (the same routes from a compiled static-shape chunk step, the CUDA-graph
-    path; docs/design.md §4.3).
+    ``"auto"`` (``"static"`` on CUDA, ``"loop"`` elsewhere), ``"loop"`` or ``"static"`` (the same routes
+    from a compiled static-shape chunk step, on CUDA the whole run replayed from one CUDA graph;
+    docs/design.md §4.3).
     """
 
     chunk_size: int = 128
@@ -72,7 +73,7 @@ class KVMOptions(KVMBudget):
     state_layout: str = "auto"
     checkpoint_every: int | None = None
     block_size: int = DEFAULT_BLOCK
-    routing: str = "loop"
+    routing: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()

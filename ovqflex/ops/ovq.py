@@ -48,8 +48,9 @@ class OVQOptions:
     chunk (``n_chunks * N`` state rows), ``"versioned"`` checkpoints every ``checkpoint_every``
     chunks (None: ``ceil(N / 2L)``) plus one version row per token (about ``2T`` rows,
     memory-linear), ``"auto"`` picks the one with fewer rows — same outputs and gradients;
-    ``block_size``: the attention block (a power of two >= 16); ``routing``: ``"loop"`` or
-    ``"static"`` (the same routes from a compiled static-shape chunk step, the CUDA-graph path;
+    ``block_size``: the attention block (a power of two >= 16); ``routing``: ``"auto"``
+    (``"static"`` on CUDA, ``"loop"`` elsewhere), ``"loop"`` or ``"static"`` (the same routes from a
+    compiled static-shape chunk step, on CUDA the whole run replayed from one CUDA graph;
     docs/design.md §4.2).
     """
 
@@ -63,7 +64,7 @@ class OVQOptions:
     state_layout: str = "auto"
     checkpoint_every: int | None = None
     block_size: int = DEFAULT_BLOCK
-    routing: str = "loop"
+    routing: str = "auto"
 
     def __post_init__(self):
         check_chunk("chunk_size", self.chunk_size)

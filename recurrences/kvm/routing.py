@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import ROUTING_IMPLS
+from ..compiling import ROUTING_IMPLS, resolve_routing
 from ..precision import no_autocast
 
 
@@ -32,12 +32,13 @@ def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
     Returns ``routes [B, H, T]`` int64 (state row; -1: not absorbed) and
     ``founder [B, H, T]`` bool (the token created its row: weight 1, radius ``||v||``).
     ``impl``: ``"loop"``, the chunk loop below; ``"static"``, the same routes from a compiled
-    static-shape chunk step (:func:`~recurrences.kvm.routing_static.route_kvm_static`, the CUDA-graph path).
+    static-shape chunk step (:func:`~recurrences.kvm.routing_static.route_kvm_static`; on CUDA the
+    whole run replayed from one CUDA graph); ``"auto"``: ``"static"`` on CUDA, ``"loop"`` elsewhere
+    (:func:`~recurrences.compiling.resolve_routing`).
 
     An opaque custom op: ``torch.compile`` keeps it as one call, run eagerly without grad.
     """
-    if impl not in ROUTING_IMPLS:
-        raise ValueError(f"impl must be one of {list(ROUTING_IMPLS)}, got {impl!r}")
+    resolve_routing(impl, kbar.device)  # checks impl here, where the error names the caller's argument
     return _route_op(kbar.detach(), gate.detach(), ln_weight.detach(), ln_bias.detach(), chunk_size, n_bswa_chunks,
                      list(sizes), sink_len, ln_eps, impl)
 
@@ -45,7 +46,7 @@ def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
 @torch.library.custom_op("ovqflex::route_kvm", mutates_args=())
 def _route_op(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, chunk_size: int, n_bswa_chunks: int,
               sizes: list[int], sink_len: int, ln_eps: float, impl: str) -> tuple[Tensor, Tensor]:
-    if impl == "static":
+    if resolve_routing(impl, kbar.device) == "static":
         from .routing_static import route_kvm_static  # routing_static builds on this module
 
         return route_kvm_static(kbar, gate, ln_weight, ln_bias, chunk_size=chunk_size, n_bswa_chunks=n_bswa_chunks,

@@ -3,15 +3,19 @@
 
 The loop's routing state is one fixed buffer (fp32 row sums ``[B, H, S, D]``, ``S = max(sizes)``);
 what changes per chunk is the number of live rows ``m`` it reads and the number ``n_app`` of
-tokens that found new rows. Here the state has a spare row ``S`` and a step reads all ``S+1``
-rows: ``LN_s`` of every row, append scores over the live ones (``arange(S+1) < m``, the others
-``-inf``), ``m, m + n_app`` from a device tensor, the founders the tokens whose rank in the stable
-sort of their scores is below ``n_app`` (a mask, not a slice), their new rows ``LN_s`` of their
-keys scattered to rows ``m, m+1, …`` in temporal order (the other tokens to the spare), merge
-logits over all rows with rows ``< sink_len`` and ``>= m + n_app`` at ``-inf``. So
-``torch.compile(fullgraph=True, dynamic=False)`` compiles the step once for every chunk, and the
-loop over chunks (:func:`route_overflow_static`) has no host sync and no data-dependent shape:
-the target of one CUDA-graph capture (:class:`StaticKVMRouter`, ``cuda_graph=True``).
+tokens that found new rows. Here the state is padded to ``R = static_rows(S+1)`` rows (a power of
+two, the last row the spare, the rows past ``S`` dead like it) and a step reads all ``R`` rows:
+``LN_s`` of every row, append scores over the live ones (``arange(R) < m``, the others ``-inf``),
+``m, m + n_app`` from a device tensor, the founders the tokens whose rank in the stable sort of
+their scores is below ``n_app`` (a mask, not a slice), their new rows ``LN_s`` of their keys
+scattered to rows ``m, m+1, …`` in temporal order (the other tokens to the spare), merge logits
+over all rows with rows ``< sink_len`` and ``>= m + n_app`` at ``-inf``. So
+``torch.compile(fullgraph=True, dynamic=False)`` compiles the step once for every chunk and every
+length whose state falls in the same bucket, and the loop over chunks (:func:`route_overflow_static`)
+has no host sync and no data-dependent shape: the target of one CUDA-graph capture
+(:class:`StaticKVMRouter`, ``cuda_graph=True``), which ``route_kvm(impl="static")`` and the op's
+default ``routing="auto"`` use on CUDA, one cached router per input shape and options
+(:func:`~recurrences.compiling.static_router`).
 
 Same routes as the loop: ``LN_s`` is the eager kernel on every row (:func:`_ln_rows`; a row's
 result does not depend on the other rows), dead scores are ``-inf`` (they never win a max; the max
@@ -20,7 +24,7 @@ and the argmax's first index over the live logits are the loop's), the founders 
 them: the loop's ascending ``chosen``), and the write is :func:`kvm_absorb_static`: the loop's
 founder write and its own :func:`~recurrences.kvm.routing.kvm_merge_add` (the state bit for bit).
 What remains are the two products ``kbar @ LN_s(s)^T`` and ``(g kbar) @ LN_s(s+)^T``: the padded
-``[C, S+1]`` ones may round a logit differently from the loop's ``[C, m]`` and ``[C, m + n_app]``
+``[C, R]`` ones may round a logit differently from the loop's ``[C, m]`` and ``[C, m + n_app]``
 ones where the library picks another kernel by shape. On the CPU ATen takes its naive bmm below
 ``D * C * cols = 400`` and BLAS above; KVM's ``m >= C >= 16`` (``kvm_state_sizes`` wants a chunk
 that is a multiple of 16) puts both above it from ``D = 2`` on (at ``D = 1`` a logit is one
@@ -39,34 +43,45 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from ..compiling import capture_cuda_graph, chunk_bounds, compile_fixed_shapes, stable_rank
+from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, graph_capturable,
+                         stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import found_first_chunk, kvm_merge_add
 
 
 def route_kvm_static(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk_size: int,
                      n_bswa_chunks: int, sizes: list[int], sink_len: int, ln_eps: float = 1e-5,
-                     compile: bool = True) -> tuple[Tensor, Tensor]:
+                     compile: bool = True, cuda_graph: bool | None = None) -> tuple[Tensor, Tensor]:
     """``routes [B, H, T]`` int64 and ``founder [B, H, T]`` bool: what ``route_kvm`` returns.
 
     kbar ``[B, H, T, D]`` memory keys, gate ``[B, H, T]``, ``ln_weight, ln_bias [D]`` (any float
     dtype; routing in fp32); ``sizes``: ``kvm_state_sizes(...)``; ``compile``: the step compiled
-    (``compiled_static_step``, once per input shape and ``(sink_len, ln_eps)``; at most
-    :data:`~recurrences.compiling.RECOMPILE_LIMIT` such variants per process). One
-    :class:`StaticKVMRouter` call. No grad.
+    (``compiled_static_step``, once per step shape — ``[B, H, C, D]`` keys against a state bucket,
+    :func:`static_rows` — and ``(sink_len, ln_eps)``; at most
+    :data:`~recurrences.compiling.RECOMPILE_LIMIT` such variants per process); ``cuda_graph`` (None:
+    on CUDA, outside a capture of the caller's): the run replayed from one CUDA graph. One call of
+    the :class:`StaticKVMRouter` cached for these arguments
+    (:func:`~recurrences.compiling.static_router`). No grad.
     """
-    router = StaticKVMRouter(tuple(kbar.shape), chunk_size=chunk_size, n_bswa_chunks=n_bswa_chunks, sizes=sizes,
-                             sink_len=sink_len, ln_eps=ln_eps, device=kbar.device, compile=compile)
+    device = kbar.device
+    cuda_graph = graph_capturable(device) if cuda_graph is None else cuda_graph
+    key = ("kvm", tuple(kbar.shape), device, chunk_size, n_bswa_chunks, tuple(sizes), sink_len, ln_eps, compile,
+           cuda_graph)
+    router = static_router(key, lambda: StaticKVMRouter(
+        tuple(kbar.shape), chunk_size=chunk_size, n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=sink_len,
+        ln_eps=ln_eps, device=device, compile=compile, cuda_graph=cuda_graph))
     return router(kbar, gate, ln_weight, ln_bias)
 
 
 class StaticKVMRouter:
     """Static-shape KVM routing of one input shape ``[B, H, T, D]``, its buffers allocated once.
 
-    A call copies kbar, gate and the ``LN_s`` parameters into fp32 buffers and runs :meth:`run`:
-    zero the state (``[B, H, S+1, D]``, row ``S`` the spare), found rows ``0..C-1`` with chunk 0,
-    then route every overflow chunk ``u = 1..len(sizes) - Nb - 1`` with one static step
-    (:func:`route_overflow_static`).
+    A call copies the chunks that are absorbed (chunk 0 and the overflow chunks ``u = 1..len(sizes)
+    - Nb - 1``) of kbar and gate into chunk-major fp32 buffers ``kf [n, B, H, C, D]``, ``gf [n, B, H,
+    C]`` (:func:`~recurrences.compiling.chunks_first`), the ``LN_s`` parameters into ``ln [2, D]``,
+    and runs :meth:`run`: zero the state (``[B, H, R, D]``, ``R = static_rows(S + 1)``, the last row
+    the spare), found rows ``0..C-1`` with chunk 0, then route every overflow chunk with one static
+    step (:func:`route_overflow_static`) into ``routes``/``founder [n, B, H, C]``.
 
     ``cuda_graph=True`` (CUDA only): :meth:`run` is warmed up (which compiles the step) and
     captured in one CUDA graph at construction; a call is then four copies, one replay and two copies.
@@ -78,35 +93,37 @@ class StaticKVMRouter:
         B, H, T, D = shape
         C, Nb = chunk_size, check_int("n_bswa_chunks", n_bswa_chunks)
         device = torch.device(device)
-        self.chunk_size, self.sizes = C, list(sizes)
-        self.n_overflow = max(len(self.sizes) - Nb - 1, 0)
+        self.chunk_size, self.sizes, self.T = C, list(sizes), T
         if len(self.sizes) > -(-T // C):  # the overflow chunks, u <= len(sizes) - Nb - 1, must be whole
             raise ValueError(f"sizes must list at most ceil(T / chunk_size) = {-(-T // C)} chunks, "
                              f"got {len(self.sizes)}")
-        self.kf = torch.zeros(B, H, T, D, device=device)
-        self.gf = torch.zeros(B, H, T, device=device)
+        n_overflow = max(len(self.sizes) - Nb - 1, 0)
+        n = n_overflow + 1 if max(self.sizes, default=0) > 0 else 0  # chunks absorbed: 0..n_overflow
+        self.kf = torch.zeros(n, B, H, C, D, device=device)
+        self.gf = torch.zeros(n, B, H, C, device=device)
         self.ln = torch.zeros(2, D, device=device)  # LN_s weight, bias
-        self.state = torch.zeros(B, H, max(self.sizes, default=0) + 1, D, device=device)
-        self.routes = torch.full((B, H, T), -1, dtype=torch.long, device=device)
-        self.founder = torch.zeros(B, H, T, dtype=torch.bool, device=device)
-        self.bounds = chunk_bounds(self.sizes[Nb:], self.n_overflow, device)  # [n_overflow, 2]: (m, m + n_app)
+        self.state = torch.zeros(B, H, static_rows(max(self.sizes, default=0) + 1), D, device=device)
+        self.routes = torch.full((n, B, H, C), -1, dtype=torch.long, device=device)
+        self.founder = torch.zeros(n, B, H, C, dtype=torch.bool, device=device)
+        self.bounds = chunk_bounds(self.sizes[Nb:], n_overflow, device)  # [n_overflow, 2]: (m, m + n_app)
         self.step = functools.partial(compiled_static_step if compile else kvm_static_step, sink_len=sink_len,
                                       ln_eps=ln_eps)
         self.graph = capture_cuda_graph(self.run, device) if cuda_graph else None
 
     def __call__(self, kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor) -> tuple[Tensor, Tensor]:
         """``routes [B, H, T]`` int64 and ``founder [B, H, T]`` bool of memory keys kbar ``[B, H, T, D]``,
-        gates ``[B, H, T]`` and ``LN_s`` parameters ``[D]`` (copies: the buffers are reused)."""
+        gates ``[B, H, T]`` and ``LN_s`` parameters ``[D]`` (new tensors: the buffers are reused)."""
         with torch.no_grad(), no_autocast(kbar):
-            self.kf.copy_(kbar.detach())
-            self.gf.copy_(gate.detach())
+            n, C = self.kf.shape[0], self.chunk_size
+            self.kf.copy_(chunks_first(kbar.detach(), n, C))
+            self.gf.copy_(chunks_first(gate.detach(), n, C))
             self.ln[0].copy_(ln_weight.detach())
             self.ln[1].copy_(ln_bias.detach())
             if self.graph is None:
                 self.run()
             else:
                 self.graph.replay()
-            return self.routes.clone(), self.founder.clone()
+            return tokens_from_chunks(self.routes, self.T, -1), tokens_from_chunks(self.founder, self.T, False)
 
     def run(self) -> None:
         """Routes ``self.kf`` into ``self.routes``/``self.founder`` in place: fixed buffers, no host sync
@@ -114,29 +131,27 @@ class StaticKVMRouter:
         self.state.zero_()
         self.routes.fill_(-1)
         self.founder.zero_()
-        if max(self.sizes, default=0) == 0:  # T <= Nb * C: nothing is absorbed
+        if self.kf.shape[0] == 0:  # T <= Nb * C: nothing is absorbed
             return
-        found_first_chunk(self.state, self.routes, self.founder, self.kf, self.chunk_size)
+        found_first_chunk(self.state, self.routes[0], self.founder[0], self.kf[0], self.chunk_size)
         route_overflow_static(self.routes, self.founder, self.kf, self.gf, self.state, self.bounds, self.ln,
-                              chunk_size=self.chunk_size, step=self.step)
+                              step=self.step)
 
 
 def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, gf: Tensor, state: Tensor, bounds: Tensor,
-                          ln: Tensor, *, chunk_size: int, step) -> None:
+                          ln: Tensor, *, step) -> None:
     """Routes and absorbs the overflow chunks ``u = 1..len(bounds)`` in place.
 
-    routes ``[B, H, T]`` int64 and founder ``[B, H, T]`` bool (each chunk's slice written), kf
-    ``[B, H, T, D]`` fp32 memory keys, gf ``[B, H, T]`` fp32 gates, state ``[B, H, S+1, D]`` fp32
-    (updated; chunk 0 already founded), bounds ``[n_overflow, 2]`` int64 ``(m, m + n_app)`` of chunk
-    ``u`` at row ``u - 1`` on kf's device, ln ``[2, D]`` fp32 ``LN_s`` weight and bias;
-    ``step(ok, og, state, bounds_u, ln_weight, ln_bias)``: :func:`kvm_static_step` (or
-    ``compiled_static_step``) with ``sink_len, ln_eps`` bound. Every launch reads and writes fixed
-    buffers at fixed offsets, with no host sync.
+    routes ``[n, B, H, C]`` int64 and founder ``[n, B, H, C]`` bool (chunk ``u``'s row written), kf
+    ``[n, B, H, C, D]`` fp32 memory keys and gf ``[n, B, H, C]`` fp32 gates (chunk-major: every chunk
+    the same strides), state ``[B, H, R, D]`` fp32 (updated; chunk 0 already founded), bounds
+    ``[n_overflow, 2]`` int64 ``(m, m + n_app)`` of chunk ``u`` at row ``u - 1`` on kf's device, ln
+    ``[2, D]`` fp32 ``LN_s`` weight and bias; ``step(ok, og, state, bounds_u, ln_weight, ln_bias)``:
+    :func:`kvm_static_step` (or ``compiled_static_step``) with ``sink_len, ln_eps`` bound. Every
+    launch reads and writes fixed buffers at fixed offsets, with no host sync.
     """
-    C = chunk_size
     for u in range(1, bounds.shape[0] + 1):
-        sl = slice(u * C, (u + 1) * C)
-        routes[:, :, sl], founder[:, :, sl] = step(kf[:, :, sl], gf[:, :, sl], state, bounds[u - 1], ln[0], ln[1])
+        routes[u], founder[u] = step(kf[u], gf[u], state, bounds[u - 1], ln[0], ln[1])
 
 
 def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
@@ -144,21 +159,21 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     """One overflow chunk against a state of ``m = bounds[0]`` live rows: ``target [B, H, C]`` int64 and
     ``appended [B, H, C]`` bool (what :func:`~recurrences.kvm.routing.kvm_route_chunk` returns), then absorbed.
 
-    ok ``[B, H, C, D]`` fp32 memory keys, og ``[B, H, C]`` fp32 gates; state ``[B, H, S+1, D]`` fp32
-    (row ``S`` the spare; updated in place by :func:`kvm_absorb_static`); bounds ``[2]`` int64 ``(m,
+    ok ``[B, H, C, D]`` fp32 memory keys, og ``[B, H, C]`` fp32 gates; state ``[B, H, R, D]`` fp32
+    (the last row the spare; updated in place by :func:`kvm_absorb_static`); bounds ``[2]`` int64 ``(m,
     m + n_app)``; ``ln_weight, ln_bias [D]`` fp32 of ``LN_s``. The ``n_app`` tokens first in the
     stable order of their best score over the live rows found rows ``m, m+1, …`` in temporal order;
     the others join their argmax row ``>= sink_len`` over the ``m + n_app`` rows (first index on ties).
     """
     R = state.shape[2]
     m, n_rows = bounds[0], bounds[1]
-    col = torch.arange(R, device=ok.device)                                              # [S+1]
-    rows = _ln_rows(state, ln_weight, ln_bias, ln_eps)                                   # [B, H, S+1, D]
+    col = torch.arange(R, device=ok.device)                                              # [R]
+    rows = _ln_rows(state, ln_weight, ln_bias, ln_eps)                                   # [B, H, R, D]
     score = (ok @ rows.transpose(-1, -2)).masked_fill(col >= m, float("-inf")).amax(-1)  # [B, H, C]
     appended = stable_rank(score) < n_rows - m
     slot = torch.where(appended, m + appended.cumsum(-1) - 1, R - 1)  # founders' new rows; the others the spare
     rows = rows.scatter(2, slot[..., None].expand_as(ok), _ln_rows(ok, ln_weight, ln_bias, ln_eps))
-    logits = (og[..., None] * ok) @ rows.transpose(-1, -2)                               # [B, H, C, S+1]
+    logits = (og[..., None] * ok) @ rows.transpose(-1, -2)                               # [B, H, C, R]
     logits = logits.masked_fill((col < sink_len) | (col >= n_rows), float("-inf"))
     target = torch.where(appended, slot, logits.argmax(-1))
     kvm_absorb_static(state, ok, og, target, appended)
@@ -168,7 +183,7 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
 def kvm_absorb_static(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appended: Tensor) -> None:
     """:func:`~recurrences.kvm.routing.kvm_absorb` without its host int ``n_app`` (which slices the
     founders out of a sort): every token writes its key, a founder to its fresh row, the others to
-    the spare last row of ``state [B, H, S+1, D]``; then the same merge add. The founders' rows get
+    the spare last row of ``state [B, H, R, D]``; then the same merge add. The founders' rows get
     the keys bit for bit as in the loop (rows are distinct), and the spare is never read live."""
     spare = state.shape[2] - 1
     state.scatter_(2, torch.where(appended, target, spare)[..., None].expand_as(ok), ok)

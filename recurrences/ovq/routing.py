@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import ROUTING_IMPLS
+from ..compiling import ROUTING_IMPLS, resolve_routing
 from ..precision import no_autocast
 
 GROWTHS = ("plateau", "linear", "full")
@@ -56,20 +56,21 @@ def route_ovq(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "s
     ``sizes``: ``dictionary_sizes(...)`` for the complete chunks. Only complete
     chunks route (the tokens of a final partial chunk stay -1, as in a decode cache).
     ``impl``: ``"loop"``, the chunk loop below; ``"static"``, the same routes from a compiled
-    static-shape chunk step (:func:`~recurrences.ovq.routing_static.route_ovq_static`, the CUDA-graph path).
+    static-shape chunk step (:func:`~recurrences.ovq.routing_static.route_ovq_static`; on CUDA the
+    whole run replayed from one CUDA graph); ``"auto"``: ``"static"`` on CUDA, ``"loop"`` elsewhere
+    (:func:`~recurrences.compiling.resolve_routing`).
 
     Routing is an opaque custom op: ``torch.compile`` keeps it as one call (no graph
     break, no unrolled chunk loop in the graph); it runs eagerly, without grad.
     """
-    if impl not in ROUTING_IMPLS:
-        raise ValueError(f"impl must be one of {list(ROUTING_IMPLS)}, got {impl!r}")
+    resolve_routing(impl, k.device)  # checks impl here, where the error names the caller's argument
     return _route_op(k.detach(), chunk_size, list(sizes), seeding, seed, normalize_centroids, impl)
 
 
 @torch.library.custom_op("ovqflex::route_ovq", mutates_args=())
 def _route_op(k: Tensor, chunk_size: int, sizes: list[int], seeding: str, seed: int,
               normalize_centroids: bool, impl: str) -> Tensor:
-    if impl == "static":
+    if resolve_routing(impl, k.device) == "static":
         from .routing_static import route_ovq_static  # routing_static builds on this module
 
         return route_ovq_static(k, chunk_size=chunk_size, sizes=sizes, seeding=seeding, seed=seed,

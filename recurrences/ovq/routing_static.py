@@ -3,13 +3,16 @@
 
 The loop's dictionary already lives in fixed buffers (fp32 ``sums [B, H, S+1, D]``,
 ``counts [B, H, S+1]``, ``S = max(sizes)``, row ``S`` the spare); what grows is the
-number of live rows it reads. Here a step reads all ``S+1`` rows and masks the dead
-ones (``arange(S+1) < N_c``, scores ``-inf``); the sizes ``N_c, N_{c+1}`` are a device
-tensor; the ``n_new`` founders are the tokens whose rank in the stable sort is below
-``N_{c+1} - N_c`` (a mask, not a slice). So ``torch.compile(fullgraph=True,
-dynamic=False)`` compiles the step once for every chunk, and the loop over chunks
-(:func:`route_chunks_static`) has no host sync and no data-dependent shape: the
-target of one CUDA-graph capture (:class:`StaticOVQRouter`, ``cuda_graph=True``).
+number of live rows it reads. Here a step reads all ``R`` rows of a buffer padded to
+``R = static_rows(S+1)`` (a power of two, the last row the spare) and masks the dead ones
+(``arange(R) < N_c``, scores ``-inf``); the sizes ``N_c, N_{c+1}`` are a device tensor; the
+``n_new`` founders are the tokens whose rank in the stable sort is below ``N_{c+1} - N_c``
+(a mask, not a slice). So ``torch.compile(fullgraph=True, dynamic=False)`` compiles the step
+once for every chunk and every length whose dictionary falls in the same bucket, and the
+loop over chunks (:func:`route_chunks_static`) has no host sync and no data-dependent shape:
+the target of one CUDA-graph capture (:class:`StaticOVQRouter`, ``cuda_graph=True``), which
+``route_ovq(impl="static")`` and the ops' default ``routing="auto"`` use on CUDA, one cached
+router per input shape and options (:func:`~recurrences.compiling.static_router`).
 
 Same routes as the loop: live rows are divided by the same counts (dead rows by 1,
 never 0/0), dead scores are ``-inf`` (they never win a max; the max and its first
@@ -17,7 +20,7 @@ index over the live scores are the loop's), the founders are the loop's
 ``sort(stable)[:n_new]`` in the same order, the absorb is the loop's own
 :func:`~recurrences.ovq.routing.ovq_absorb` (its sums bit for bit), and with
 ``normalize_centroids`` the row norm is the eager kernel (:func:`_unit_rows`). What
-remains is the product ``kc @ d^T``: the padded ``[L, S+1]`` one may round a score
+remains is the product ``kc @ d^T``: the padded ``[L, R]`` one may round a score
 differently from the loop's ``[L, N_c]`` one when the library picks another kernel by
 shape. On the CPU it does when ``D * L * N_c < 400`` (ATen's naive bmm) or ``B * H = 1,
 N_c = 1`` (a matrix-vector product); there an exact tie between two scores (duplicated
@@ -34,35 +37,45 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import capture_cuda_graph, chunk_bounds, compile_fixed_shapes, stable_rank
+from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, graph_capturable,
+                         stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import ovq_absorb, ovq_route_chunk, seeding_draw
 
 
 def route_ovq_static(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
-                     normalize_centroids: bool = False, compile: bool = True) -> Tensor:
+                     normalize_centroids: bool = False, compile: bool = True, cuda_graph: bool | None = None) -> Tensor:
     """Slot of every token, ``[B, H, T]`` int64 (-1: not routed): what ``route_ovq`` returns.
 
     k: ``[B, H, T, D]`` unit keys (any float dtype; routing in fp32); ``sizes``:
     ``dictionary_sizes(...)``; ``compile``: the step compiled (``compiled_static_step``, once
-    per input shape and per ``(seeding, normalize_centroids)``; at most
-    :data:`~recurrences.compiling.RECOMPILE_LIMIT` such variants per process). One :class:`StaticOVQRouter`
-    call. No grad.
+    per step shape — ``[B, H, L, D]`` keys against a dictionary bucket, :func:`static_rows` — and per
+    ``(seeding, normalize_centroids)``; at most :data:`~recurrences.compiling.RECOMPILE_LIMIT` such
+    variants per process); ``cuda_graph`` (None: on CUDA, outside a capture of the caller's): the
+    run replayed from one CUDA graph. One call of the :class:`StaticOVQRouter` cached for these
+    arguments (:func:`~recurrences.compiling.static_router`). No grad.
     """
-    router = StaticOVQRouter(tuple(k.shape), chunk_size=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
-                             normalize_centroids=normalize_centroids, device=k.device, compile=compile)
+    device = k.device
+    cuda_graph = graph_capturable(device) if cuda_graph is None else cuda_graph
+    key = ("ovq", tuple(k.shape), device, chunk_size, tuple(sizes), seeding, seed, normalize_centroids, compile,
+           cuda_graph)
+    router = static_router(key, lambda: StaticOVQRouter(
+        tuple(k.shape), chunk_size=chunk_size, sizes=sizes, seeding=seeding, seed=seed,
+        normalize_centroids=normalize_centroids, device=device, compile=compile, cuda_graph=cuda_graph))
     return router(k)
 
 
 class StaticOVQRouter:
     """Static-shape OVQ routing of one input shape ``[B, H, T, D]``, its buffers allocated once.
 
-    A call copies k into the fp32 key buffer and runs :meth:`run`: zero the dictionary
-    (``sums [B, H, S+1, D]``, ``counts [B, H, S+1]``), route the leading chunks that read an
-    empty dictionary (``N_c = 0``: chunk 0, the first seeding) with the loop's own
-    :func:`ovq_route_chunk`, then every later chunk with one static step
-    (:func:`route_chunks_static`). The random-seeding draws are the loop's (one ``[B, H, L]``
-    per complete chunk from a CPU generator seeded with ``seed``), drawn once.
+    A call copies the complete chunks of k into the chunk-major fp32 key buffer ``kf [n, B, H, L,
+    D]`` (:func:`~recurrences.compiling.chunks_first`, ``n = T // L``) and runs :meth:`run`: zero the
+    dictionary (``sums [B, H, R, D]``, ``counts [B, H, R]``, ``R = static_rows(S + 1)`` with ``S =
+    max(sizes)``: the last row the spare, the rows past ``S`` dead like it), route the leading
+    chunks that read an empty dictionary (``N_c = 0``: chunk 0, the first seeding) with the loop's
+    own :func:`ovq_route_chunk`, then every later chunk with one static step
+    (:func:`route_chunks_static`) into ``routes [n, B, H, L]``. The random-seeding draws are the
+    loop's (one ``[B, H, L]`` per complete chunk from a CPU generator seeded with ``seed``), drawn once.
 
     ``cuda_graph=True`` (CUDA only): :meth:`run` is warmed up (which compiles the step) and
     captured in one CUDA graph at construction; a call is then a copy, one replay and a copy.
@@ -74,12 +87,12 @@ class StaticOVQRouter:
         B, H, T, D = shape
         L, n_full = chunk_size, T // chunk_size
         device = torch.device(device)
-        self.chunk_size, self.sizes, self.normalize_centroids = L, list(sizes), normalize_centroids
+        self.chunk_size, self.sizes, self.normalize_centroids, self.T = L, list(sizes), normalize_centroids, T
         n_slots = max(self.sizes[: n_full + 1] + [0])
-        self.kf = torch.zeros(B, H, T, D, device=device)
-        self.sums = torch.zeros(B, H, n_slots + 1, D, device=device)
-        self.counts = torch.zeros(B, H, n_slots + 1, device=device)
-        self.routes = torch.full((B, H, T), -1, dtype=torch.long, device=device)
+        self.kf = torch.zeros(n_full, B, H, L, D, device=device)
+        self.sums = torch.zeros(B, H, static_rows(n_slots + 1), D, device=device)
+        self.counts = torch.zeros(B, H, static_rows(n_slots + 1), device=device)
+        self.routes = torch.full((n_full, B, H, L), -1, dtype=torch.long, device=device)
         self.bounds = chunk_bounds(self.sizes, n_full, device)
         gen = torch.Generator().manual_seed(seed) if seeding == "random" else None
         draws = [] if gen is None else [seeding_draw(gen, B, H, L, "cpu") for _ in range(n_full)]
@@ -89,68 +102,65 @@ class StaticOVQRouter:
         self.graph = capture_cuda_graph(self.run, device) if cuda_graph else None
 
     def __call__(self, k: Tensor) -> Tensor:
-        """Routes ``[B, H, T]`` int64 of keys k ``[B, H, T, D]`` (a copy: the buffers are reused)."""
+        """Routes ``[B, H, T]`` int64 of keys k ``[B, H, T, D]`` (a new tensor: the buffers are reused)."""
         with torch.no_grad(), no_autocast(k):
-            self.kf.copy_(k.detach())
+            self.kf.copy_(chunks_first(k.detach(), self.kf.shape[0], self.chunk_size))
             if self.graph is None:
                 self.run()
             else:
                 self.graph.replay()
-            return self.routes.clone()
+            return tokens_from_chunks(self.routes, self.T, -1)
 
     def run(self) -> None:
         """Routes ``self.kf`` into ``self.routes`` in place: fixed buffers, no host sync (the captured work)."""
-        L, sizes = self.chunk_size, self.sizes
+        sizes = self.sizes
         self.sums.zero_()
         self.counts.zero_()
         self.routes.fill_(-1)
-        first, n_full = 0, self.kf.shape[2] // L
+        first, n_full = 0, self.kf.shape[0]
         while first < n_full and sizes[first] == 0:  # an empty dictionary: the loop's own chunk step
-            kc = self.kf[:, :, first * L:(first + 1) * L]
-            route = ovq_route_chunk(kc, self.sums, self.counts, 0, sizes[first + 1],
+            route = ovq_route_chunk(self.kf[first], self.sums, self.counts, 0, sizes[first + 1],
                                     None if self.u is None else self.u[first], self.normalize_centroids)
-            ovq_absorb(self.sums, self.counts, kc, route)
-            self.routes[:, :, first * L:(first + 1) * L] = route
+            ovq_absorb(self.sums, self.counts, self.kf[first], route)
+            self.routes[first] = route
             first += 1
-        route_chunks_static(self.routes, self.kf, self.sums, self.counts, self.bounds, self.u, chunk_size=L,
-                            first=first, step=self.step)
+        route_chunks_static(self.routes, self.kf, self.sums, self.counts, self.bounds, self.u, first=first,
+                            step=self.step)
 
 
 def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None,
-                        *, chunk_size: int, first: int, step) -> None:
-    """Routes and absorbs the complete chunks ``first..T // chunk_size - 1`` in place.
+                        *, first: int, step) -> None:
+    """Routes and absorbs the complete chunks ``first..n - 1`` in place.
 
-    routes ``[B, H, T]`` int64 (each chunk's slice written), kf ``[B, H, T, D]`` fp32 unit keys,
-    sums ``[B, H, S+1, D]`` / counts ``[B, H, S+1]`` fp32 (updated), bounds ``[n_full, 2]`` int64
-    ``(N_c, N_{c+1})`` on kf's device (``N_first > 0``), u ``[n_full, B, H, L]`` random-seeding
-    draws or None (spread); ``step(kc, sums, counts, bounds_c, u_c)``: :func:`ovq_static_step`
-    (or ``compiled_static_step``) with ``normalize_centroids`` bound. Every launch reads and
-    writes fixed buffers at fixed offsets, with no host sync.
+    routes ``[n, B, H, L]`` int64 (chunk ``c``'s row written), kf ``[n, B, H, L, D]`` fp32 unit keys
+    (chunk-major: every chunk the same strides), sums ``[B, H, R, D]`` / counts ``[B, H, R]`` fp32
+    (updated), bounds ``[n, 2]`` int64 ``(N_c, N_{c+1})`` on kf's device (``N_first > 0``), u ``[n,
+    B, H, L]`` random-seeding draws or None (spread); ``step(kc, sums, counts, bounds_c, u_c)``:
+    :func:`ovq_static_step` (or ``compiled_static_step``) with ``normalize_centroids`` bound. Every
+    launch reads and writes fixed buffers at fixed offsets, with no host sync.
     """
-    L = chunk_size
-    for c in range(first, kf.shape[2] // L):
-        sl = slice(c * L, (c + 1) * L)
-        routes[:, :, sl] = step(kf[:, :, sl], sums, counts, bounds[c], None if u is None else u[c])
+    for c in range(first, kf.shape[0]):
+        routes[c] = step(kf[c], sums, counts, bounds[c], None if u is None else u[c])
 
 
 def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None, *,
                     normalize_centroids: bool, value_sums: Tensor | None = None, vc: Tensor | None = None) -> Tensor:
     """One chunk against a dictionary with ``N_c = bounds[0] > 0`` live rows: routes ``[B, H, L]``, then absorbs them.
 
-    kc ``[B, H, L, D]`` fp32 unit keys; sums ``[B, H, S+1, D]``, counts ``[B, H, S+1]`` fp32 (row
-    ``S`` the spare; updated in place by :func:`ovq_absorb`); bounds ``[2]`` int64 ``(N_c,
-    N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread); value_sums ``[B, H, S+1, Dv]``
+    kc ``[B, H, L, D]`` fp32 unit keys; sums ``[B, H, R, D]``, counts ``[B, H, R]`` fp32 (the
+    last row the spare; updated in place by :func:`ovq_absorb`); bounds ``[2]`` int64 ``(N_c,
+    N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread); value_sums ``[B, H, R, Dv]``
     and vc ``[B, H, L, Dv]`` fp32: the values absorbed too (a static decode cache). The
     ``N_{c+1} - N_c`` tokens first in the stable order of their best similarity (or of u) found
     slots ``N_c, N_c + 1, …``; the others join their best live slot (first index on ties).
     """
     R = sums.shape[2]
     n_old, n_new = bounds[0], bounds[1] - bounds[0]
-    live = torch.arange(R, device=kc.device) < n_old                        # [S+1]
+    live = torch.arange(R, device=kc.device) < n_old                        # [R]
     d = sums / torch.where(live, counts, 1.0)[..., None]
     if normalize_centroids:
         d = _unit_rows(d)
-    sim = (kc @ d.transpose(-1, -2)).masked_fill(~live, float("-inf"))       # [B, H, L, S+1]
+    sim = (kc @ d.transpose(-1, -2)).masked_fill(~live, float("-inf"))       # [B, H, L, R]
     best_sim, route = sim.max(dim=-1)
     rank = stable_rank(best_sim if u is None else u)
     route = torch.where(rank < n_new, n_old + rank, route)

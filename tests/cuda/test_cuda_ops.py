@@ -175,6 +175,43 @@ def test_bf16_fused_routes_exactly_like_the_reference(method):
     _bf16_close(out, ref.out, leaves, seed=6)
 
 
+ROUTING_T = 4096
+
+
+@pytest.mark.parametrize("method", ["ovq", "kvm"])
+def test_auto_routing_replays_a_cached_cuda_graph_with_the_loops_routes(method):
+    """The ops' default ``routing="auto"`` on CUDA: the static router, compiled and replayed from one
+    CUDA graph, built once per input shape (:func:`recurrences.compiling.static_router`). Its routes
+    equal the chunk loop's in fp32 at T = 4k (OVQ N = 512 plateau, KVM power law uncapped), on two
+    different inputs (the second call replays the same graph on new keys). A CPU dry run, where
+    ``"auto"`` is the loop, checks ``"static"`` (a cached router without a graph) instead."""
+    from recurrences import compiling
+    from recurrences.kvm import KVMBudget, kvm_state_sizes, route_kvm
+    from recurrences.ovq import dictionary_sizes, route_ovq
+
+    compiling.clear_static_routers()
+    impl = "auto" if DEVICE.type == "cuda" else "static"
+    g = seeded(8)
+    for call in range(2):
+        k = F.normalize(torch.randn(1, 4, ROUTING_T, 64, generator=g), dim=-1).to(DEVICE)
+        if method == "ovq":
+            kw = dict(chunk_size=128, sizes=dictionary_sizes(ROUTING_T // 128, 128, 512))
+            routes, loop = route_ovq(k, impl=impl, **kw), route_ovq(k, impl="loop", **kw)
+        else:
+            sizes = kvm_state_sizes(ROUTING_T, 128, 2, KVMBudget("power_law", max_state_chunks=None))
+            kw = dict(chunk_size=128, n_bswa_chunks=2, sizes=sizes, sink_len=1)
+            gate, w, b = 1 + torch.rand(1, 4, ROUTING_T, generator=g), torch.ones(64), torch.zeros(64)
+            args = (F.layer_norm(k, (64,)), gate.to(DEVICE), w.to(DEVICE), b.to(DEVICE))
+            routes, loop = route_kvm(*args, impl=impl, **kw), route_kvm(*args, impl="loop", **kw)
+            assert torch.equal(routes[1], loop[1]), f"founders differ from the loop's (call {call})"
+            routes, loop = routes[0], loop[0]
+        assert torch.equal(routes, loop), f"routes differ from the loop's on {(routes != loop).sum()} tokens"
+    routers = list(compiling._ROUTERS.values())
+    assert len(routers) == 1, "the second call must reuse the first call's router"
+    assert (routers[0].graph is not None) == (DEVICE.type == "cuda")
+    compiling.clear_static_routers()
+
+
 NO_GRAD_T = 4096
 
 

@@ -1,5 +1,7 @@
 """recurrences/compiling.py: fixed-shape compiled code survives more input shapes than dynamo's
-default recompile limit (8), where ``fullgraph=True`` would raise ``FailOnRecompileLimitHit``."""
+default recompile limit (8), where ``fullgraph=True`` would raise ``FailOnRecompileLimitHit``; the
+routing implementation each device gets, the static buffers' row buckets and the router cache."""
+import pytest
 import torch
 
 from recurrences.compiling import RECOMPILE_LIMIT, compile_fixed_shapes
@@ -24,3 +26,49 @@ def test_compiled_function_takes_more_shapes_than_the_default_limit():
 def test_static_routing_steps_are_compiled_this_way():
     assert kvm_static.compiled_static_step.__wrapped__ is kvm_static.kvm_static_step
     assert ovq_static.compiled_static_step.__wrapped__ is ovq_static.ovq_static_step
+
+
+def test_resolve_routing_picks_static_on_cuda_only():
+    from recurrences.compiling import ROUTING_IMPLS, resolve_routing
+
+    assert ROUTING_IMPLS == ("auto", "loop", "static")
+    assert resolve_routing("auto", torch.device("cpu")) == "loop"
+    assert resolve_routing("auto", torch.device("cuda", 0)) == "static"  # a device object needs no GPU
+    for impl in ("loop", "static"):
+        assert resolve_routing(impl, torch.device("cpu")) == resolve_routing(impl, torch.device("cuda")) == impl
+    with pytest.raises(ValueError, match=r"impl must be one of \['auto', 'loop', 'static'\], got 'graph'"):
+        resolve_routing("graph", torch.device("cpu"))
+
+
+def test_static_rows_is_the_next_power_of_two():
+    from recurrences.compiling import static_rows
+
+    for n in range(1, 5000):
+        r = static_rows(n)
+        assert r >= n and r & (r - 1) == 0 and (r == 1 or r // 2 < n), n
+    assert [static_rows(n) for n in (1, 2, 3, 1366, 2048, 2049)] == [1, 2, 4, 2048, 2048, 4096]
+
+
+def test_static_router_cache_keeps_the_most_recent_routers():
+    from recurrences import compiling
+
+    compiling.clear_static_routers()
+    made = []
+
+    def get(key):
+        return compiling.static_router(key, lambda: made.append(key) or object())
+
+    first = get("a")
+    assert get("a") is first and made == ["a"]  # a hit makes nothing
+    for key in "bcd":
+        get(key)
+    get("a")                                    # "a" is now the most recent: "b" goes next
+    get("e")
+    assert made == list("abcde") and len(compiling._ROUTERS) == compiling.STATIC_ROUTERS_KEPT == 4
+    assert get("a") is first
+    get("b")
+    assert made == list("abcdeb")               # "b" had been dropped: made again
+    compiling.clear_static_routers()
+    get("a")
+    assert made[-1] == "a" and len(compiling._ROUTERS) == 1
+    compiling.clear_static_routers()

@@ -88,10 +88,10 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_l
     # the state the compiled steps built is the loop's absorb of the loop's routes, bit for bit
     routes, founder = flipped
     state = torch.zeros_like(router.state[:, :, :-1])
-    state[:, :, :C] = router.kf[:, :, :C]
+    state[:, :, :C] = router.kf[0]
     for c in range(Nb + 1, len(sizes)):
         sl = slice((c - Nb) * C, (c - Nb + 1) * C)
-        kvm_absorb(state, router.kf[:, :, sl], gate[:, :, sl], routes[:, :, sl], founder[:, :, sl],
+        kvm_absorb(state, router.kf[c - Nb], gate[:, :, sl], routes[:, :, sl], founder[:, :, sl],
                    sizes[c] - sizes[c - 1])
     assert torch.equal(router.state[:, :, :-1], state)
 
@@ -99,7 +99,7 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_l
 def test_route_kvm_impl_static_and_the_op_option():
     from ovqflex.ops.kvm import KVMOptions, kvm_attention
 
-    assert KVMOptions().routing == "loop"
+    assert KVMOptions().routing == "auto"  # the loop on the CPU
     kbar, gate, w, b = _inputs(2, 1, 2, 100, 16, 0, True, torch.float32)
     kw = dict(chunk_size=16, n_bswa_chunks=1, sizes=kvm_state_sizes(100, 16, 1), sink_len=1)
     assert all(map(torch.equal, route_kvm(kbar, gate, w, b, impl="static", **kw), route_kvm(kbar, gate, w, b, **kw)))
@@ -123,7 +123,7 @@ def test_route_kvm_impl_static_and_the_op_option():
 def test_bad_routing_is_refused_by_name():
     from ovqflex.ops.kvm import KVMOptions
 
-    with pytest.raises(ValueError, match=r"routing must be one of \['loop', 'static'\], got 'graph'"):
+    with pytest.raises(ValueError, match=r"routing must be one of \['auto', 'loop', 'static'\], got 'graph'"):
         KVMOptions(routing="graph")
     kbar, gate, w, b = _inputs(0, 1, 1, 48, 16, 0, True, torch.float32)
     with pytest.raises(ValueError, match="impl must be one of"):
@@ -134,3 +134,37 @@ def test_cuda_graph_needs_cuda():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         StaticKVMRouter((1, 1, 48, 4), chunk_size=16, n_bswa_chunks=1, sizes=[0, 16, 16], sink_len=1, device="cpu",
                         cuda_graph=True)
+
+
+def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monkeypatch):
+    """``route_kvm(impl="static")`` builds one router per input shape and options and reuses it; the
+    state buffer is padded to a power of two, so lengths whose states fall in one bucket (power law
+    4·sqrt(ctx), C = 16: 71 and 89 rows at T = 330 and 500, a 128-row buffer with the spare) share
+    one compiled step."""
+    from recurrences import compiling
+    from recurrences.kvm import routing_static
+
+    made = []
+
+    class Counted(StaticKVMRouter):
+        def __init__(self, shape, **kw):
+            made.append(shape)
+            super().__init__(shape, **kw)
+
+    monkeypatch.setattr(routing_static, "StaticKVMRouter", Counted)
+    compiling.clear_static_routers()
+    torch._dynamo.reset()
+    counters.clear()
+    C, Nb, rows = 16, 2, []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T in (330, 500, 330):
+            kbar, gate, w, b = _inputs(T, 2, 2, T, 16, 0, True, torch.float32)
+            sizes = kvm_state_sizes(T, C, Nb, KVMBudget("power_law", growth_factor=4.0, max_state_chunks=None))
+            rows.append(max(sizes))
+            kw = dict(chunk_size=C, n_bswa_chunks=Nb, sizes=sizes, sink_len=1)
+            assert all(map(torch.equal, route_kvm(kbar, gate, w, b, impl="static", **kw),
+                           route_kvm(kbar, gate, w, b, **kw)))
+    assert made == [(2, 2, 330, 16), (2, 2, 500, 16)]  # T = 330 again: the cached router
+    assert counters["stats"]["unique_graphs"] == 1
+    assert rows[0] != rows[1] and [r.state.shape[2] for r in compiling._ROUTERS.values()] == [128, 128]
+    compiling.clear_static_routers()

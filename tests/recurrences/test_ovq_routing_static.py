@@ -74,7 +74,7 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_dictionary_bit_for_bit(s
     # the dictionary the compiled steps built is the loop's absorb of the loop's routes, bit for bit
     sums, counts = torch.zeros_like(router.sums), torch.zeros_like(router.counts)
     for c in range(T // L):
-        ovq_absorb(sums, counts, router.kf[:, :, c * L:(c + 1) * L], flipped[:, :, c * L:(c + 1) * L])
+        ovq_absorb(sums, counts, router.kf[c], flipped[:, :, c * L:(c + 1) * L])
     assert torch.equal(router.sums, sums) and torch.equal(router.counts, counts)
 
 
@@ -86,9 +86,10 @@ def test_route_ovq_impl_static_and_the_op_option():
     assert torch.equal(route_ovq(k, chunk_size=16, sizes=sizes, impl="static"), route_ovq(k, chunk_size=16, sizes=sizes))
     with pytest.raises(ValueError, match="impl must be one of"):
         route_ovq(k, chunk_size=16, sizes=sizes, impl="graph")
-    assert OVQOptions().routing == "loop"
+    assert OVQOptions().routing == "auto"  # the loop on the CPU: the same routes as below
     q, v, beta = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16), torch.full((2,), 4.0)
-    out, state = ovq_attention(q, k, v, beta, chunk_size=16, max_centroids=24, backend="blocked", return_state=True)
+    out, state = ovq_attention(q, k, v, beta, chunk_size=16, max_centroids=24, backend="blocked", return_state=True,
+                               routing="loop")
     out_s, state_s = ovq_attention(q, k, v, beta, chunk_size=16, max_centroids=24, backend="blocked",
                                    return_state=True, routing="static")
     assert torch.equal(state_s.routes, state.routes) and torch.equal(out_s, out)
@@ -97,3 +98,33 @@ def test_route_ovq_impl_static_and_the_op_option():
 def test_cuda_graph_needs_cuda():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         StaticOVQRouter((1, 1, 32, 4), chunk_size=16, sizes=[0, 8, 12], device="cpu", cuda_graph=True)
+
+
+def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monkeypatch):
+    """``route_ovq(impl="static")`` builds one router per input shape and options and reuses it; the
+    dictionary buffer is padded to a power of two, so lengths whose dictionaries fall in one bucket
+    (plateau, N = 64: 52 and 57 rows at T = 300 and 600, a 64-row buffer with the spare) share one compiled step."""
+    from recurrences import compiling
+    from recurrences.ovq import routing_static
+
+    made = []
+
+    class Counted(StaticOVQRouter):
+        def __init__(self, shape, **kw):
+            made.append(shape)
+            super().__init__(shape, **kw)
+
+    monkeypatch.setattr(routing_static, "StaticOVQRouter", Counted)
+    compiling.clear_static_routers()
+    torch._dynamo.reset()
+    counters.clear()
+    L, N = 16, 64
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T in (300, 600, 300):
+            k = _keys(T, 2, 2, T, 8, 0, torch.float32)
+            kw = dict(chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, N), seeding="spread")
+            assert torch.equal(route_ovq(k, impl="static", **kw), route_ovq(k, **kw))
+    assert made == [(2, 2, 300, 8), (2, 2, 600, 8)]  # T = 300 again: the cached router
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [r.sums.shape[2] for r in compiling._ROUTERS.values()] == [64, 64]
+    compiling.clear_static_routers()
