@@ -188,10 +188,19 @@ def graphed(step: Callable[..., Tensor], device: torch.device) -> Callable[..., 
 
 def stable_rank(key: Tensor) -> Tensor:
     """Rank ``[..., L]`` int64 of each entry of ``key [..., L]`` in its stable ascending sort along
-    the last dim: ``rank < n`` marks the loop's ``sort(stable).indices[..., :n]`` with ``n`` a device value."""
-    order = torch.sort(key, dim=-1, stable=True).indices
-    arange = torch.arange(key.shape[-1], device=key.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, arange)
+    the last dim: ``rank < n`` marks the loop's ``sort(stable).indices[..., :n]`` with ``n`` a device value.
+
+    Counted, not sorted: an entry's rank is the number of entries before it in that order (smaller,
+    or equal and at a lower index; NaN after every number, as the sort puts it). One ``[..., L, L]``
+    comparison that a compiled step fuses into a single reduction, where a sort and the scatter that
+    inverts its permutation are two more launches per chunk step."""
+    L = key.shape[-1]
+    idx = torch.arange(L, device=key.device)
+    earlier = idx[None, :] < idx[:, None]                            # [L (i), L (j)]: j before i
+    ki, kj = key.unsqueeze(-1), key.unsqueeze(-2)                    # [..., L, 1], [..., 1, L]
+    nan_i, nan_j = ki.isnan(), kj.isnan()
+    before = torch.where(nan_i, ~nan_j | earlier, (kj < ki) | ((kj == ki) & earlier))
+    return before.sum(-1)
 
 
 def chunk_bounds(sizes: list[int], n_chunks: int, device) -> Tensor:

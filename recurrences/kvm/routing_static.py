@@ -146,16 +146,17 @@ def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, gf: Tenso
     ``[n, B, H, C, D]`` fp32 memory keys and gf ``[n, B, H, C]`` fp32 gates (chunk-major: every chunk
     the same strides), state ``[B, H, R, D]`` fp32 (updated; chunk 0 already founded), bounds
     ``[n_overflow, 2]`` int64 ``(m, m + n_app)`` of chunk ``u`` at row ``u - 1`` on kf's device, ln
-    ``[2, D]`` fp32 ``LN_s`` weight and bias; ``step(ok, og, state, bounds_u, ln_weight, ln_bias)``:
-    :func:`kvm_static_step` (or ``compiled_static_step``) with ``sink_len, ln_eps`` bound. Every
-    launch reads and writes fixed buffers at fixed offsets, with no host sync.
+    ``[2, D]`` fp32 ``LN_s`` weight and bias; ``step(ok, og, state, bounds_u, ln_weight, ln_bias,
+    out=)``: :func:`kvm_static_step` (or ``compiled_static_step``) with ``sink_len, ln_eps`` bound,
+    writing chunk ``u``'s routes and founder flags into ``routes[u]``, ``founder[u]`` itself (no copies
+    launched per chunk). Every launch reads and writes fixed buffers at fixed offsets, with no host sync.
     """
     for u in range(1, bounds.shape[0] + 1):
-        routes[u], founder[u] = step(kf[u], gf[u], state, bounds[u - 1], ln[0], ln[1])
+        step(kf[u], gf[u], state, bounds[u - 1], ln[0], ln[1], out=(routes[u], founder[u]))
 
 
 def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
-                    sink_len: int, ln_eps: float) -> tuple[Tensor, Tensor]:
+                    sink_len: int, ln_eps: float, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """One overflow chunk against a state of ``m = bounds[0]`` live rows: ``target [B, H, C]`` int64 and
     ``appended [B, H, C]`` bool (what :func:`~recurrences.kvm.routing.kvm_route_chunk` returns), then absorbed.
 
@@ -177,6 +178,9 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     logits = logits.masked_fill((col < sink_len) | (col >= n_rows), float("-inf"))
     target = torch.where(appended, slot, logits.argmax(-1))
     kvm_absorb_static(state, ok, og, target, appended)
+    if out is not None:
+        out[0].copy_(target)
+        out[1].copy_(appended)
     return target, appended
 
 

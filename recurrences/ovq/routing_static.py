@@ -135,22 +135,25 @@ def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor
     routes ``[n, B, H, L]`` int64 (chunk ``c``'s row written), kf ``[n, B, H, L, D]`` fp32 unit keys
     (chunk-major: every chunk the same strides), sums ``[B, H, R, D]`` / counts ``[B, H, R]`` fp32
     (updated), bounds ``[n, 2]`` int64 ``(N_c, N_{c+1})`` on kf's device (``N_first > 0``), u ``[n,
-    B, H, L]`` random-seeding draws or None (spread); ``step(kc, sums, counts, bounds_c, u_c)``:
-    :func:`ovq_static_step` (or ``compiled_static_step``) with ``normalize_centroids`` bound. Every
-    launch reads and writes fixed buffers at fixed offsets, with no host sync.
+    B, H, L]`` random-seeding draws or None (spread); ``step(kc, sums, counts, bounds_c, u_c, out=)``:
+    :func:`ovq_static_step` (or ``compiled_static_step``) with ``normalize_centroids`` bound, writing
+    chunk ``c``'s routes into ``routes[c]`` itself (no copy launched per chunk). Every launch reads
+    and writes fixed buffers at fixed offsets, with no host sync.
     """
     for c in range(first, kf.shape[0]):
-        routes[c] = step(kf[c], sums, counts, bounds[c], None if u is None else u[c])
+        step(kf[c], sums, counts, bounds[c], None if u is None else u[c], out=routes[c])
 
 
 def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None, *,
-                    normalize_centroids: bool, value_sums: Tensor | None = None, vc: Tensor | None = None) -> Tensor:
+                    normalize_centroids: bool, value_sums: Tensor | None = None, vc: Tensor | None = None,
+                    out: Tensor | None = None) -> Tensor:
     """One chunk against a dictionary with ``N_c = bounds[0] > 0`` live rows: routes ``[B, H, L]``, then absorbs them.
 
     kc ``[B, H, L, D]`` fp32 unit keys; sums ``[B, H, R, D]``, counts ``[B, H, R]`` fp32 (the
     last row the spare; updated in place by :func:`ovq_absorb`); bounds ``[2]`` int64 ``(N_c,
     N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread); value_sums ``[B, H, R, Dv]``
-    and vc ``[B, H, L, Dv]`` fp32: the values absorbed too (a static decode cache). The
+    and vc ``[B, H, L, Dv]`` fp32: the values absorbed too (a static decode cache); out ``[B, H, L]``
+    int64: the routes written there too (compiled, by the step's own kernels). The
     ``N_{c+1} - N_c`` tokens first in the stable order of their best similarity (or of u) found
     slots ``N_c, N_c + 1, …``; the others join their best live slot (first index on ties).
     """
@@ -165,6 +168,8 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
     rank = stable_rank(best_sim if u is None else u)
     route = torch.where(rank < n_new, n_old + rank, route)
     ovq_absorb(sums, counts, kc, route, value_sums, vc)
+    if out is not None:
+        out.copy_(route)
     return route
 
 

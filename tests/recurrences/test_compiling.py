@@ -2,6 +2,7 @@
 default recompile limit (8), where ``fullgraph=True`` would raise ``FailOnRecompileLimitHit``; the
 routing implementation each device gets, the static buffers' row buckets and the router cache."""
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from recurrences.compiling import RECOMPILE_LIMIT, compile_fixed_shapes
@@ -72,3 +73,23 @@ def test_static_router_cache_keeps_the_most_recent_routers():
     get("a")
     assert made[-1] == "a" and len(compiling._ROUTERS) == 1
     compiling.clear_static_routers()
+
+
+@settings(deadline=None, max_examples=60)
+@given(seed=st.integers(0, 2**16), L=st.integers(1, 40), n_values=st.sampled_from([2, 5, 1000]),
+       with_nan=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_stable_rank_is_the_stable_sorts_inverse_permutation(seed, L, n_values, with_nan, dtype):
+    """Ranks equal the positions ``torch.sort(stable=True)`` gives each entry, ties (few distinct
+    values), infinities and NaN included (the sort puts NaN last)."""
+    from recurrences.compiling import stable_rank
+
+    g = torch.Generator().manual_seed(seed)
+    values = torch.tensor([float("-inf"), float("inf"), -0.0, 0.0, 1.5], dtype=dtype)
+    values = torch.cat([values, torch.randn(n_values, generator=g, dtype=dtype)])
+    if with_nan:
+        values = torch.cat([values, torch.tensor([float("nan")], dtype=dtype)])
+    key = values[torch.randint(len(values), (3, 2, L), generator=g)]
+    order = torch.sort(key, dim=-1, stable=True).indices
+    expected = torch.empty_like(order)
+    expected.scatter_(-1, order, torch.arange(L).expand_as(order))
+    assert torch.equal(stable_rank(key), expected)
