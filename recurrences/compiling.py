@@ -143,7 +143,8 @@ def capture_cuda_graph(run: Callable[[], None], device: torch.device) -> "torch.
         run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: CUDA calls of other threads (a data loader's pinned copies) do not void this capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         run()
     return graph
 

@@ -108,7 +108,8 @@ class StaticKVMRouter:
         self.bounds = chunk_bounds(self.sizes[Nb:], n_overflow, device)  # [n_overflow, 2]: (m, m + n_app)
         self.step = functools.partial(compiled_static_step if compile else kvm_static_step, sink_len=sink_len,
                                       ln_eps=ln_eps)
-        self.graph = capture_cuda_graph(self.run, device) if cuda_graph else None
+        with torch.no_grad():  # as a call runs it: the warm-up compiles the step for no-grad calls
+            self.graph = capture_cuda_graph(self.run, device) if cuda_graph else None
 
     def __call__(self, kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor) -> tuple[Tensor, Tensor]:
         """``routes [B, H, T]`` int64 and ``founder [B, H, T]`` bool of memory keys kbar ``[B, H, T, D]``,

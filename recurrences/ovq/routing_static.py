@@ -99,7 +99,8 @@ class StaticOVQRouter:
         self.u = torch.stack(draws).to(device) if draws else None  # [n_full, B, H, L]
         self.step = functools.partial(compiled_static_step if compile else ovq_static_step,
                                       normalize_centroids=normalize_centroids)
-        self.graph = capture_cuda_graph(self.run, device) if cuda_graph else None
+        with torch.no_grad():  # as a call runs it: the warm-up compiles the step for no-grad calls
+            self.graph = capture_cuda_graph(self.run, device) if cuda_graph else None
 
     def __call__(self, k: Tensor) -> Tensor:
         """Routes ``[B, H, T]`` int64 of keys k ``[B, H, T, D]`` (a new tensor: the buffers are reused)."""
