@@ -1,10 +1,13 @@
-"""``ovqflex info``: what runs here — torch, device, which backends work forward/backward."""
+"""``ovqflex info``: what runs here — torch, device, which backends work forward/backward, how
+OVQ and KVM route by default."""
 from __future__ import annotations
 
 import platform
 import time
 
 import torch
+
+from recurrences.compiling import resolve_routing
 
 from .attention import training_backend
 from .devices import AUTO, resolve_device
@@ -43,4 +46,6 @@ def collect(device: str = AUTO) -> list[tuple[str, str]]:
         rows.append((f"{backend} backward", _probe(backend, dev, True)))
     rows.append(("auto (no grad)", "flex"))
     rows.append(("auto (training)", training_backend(dev)))
+    rows.append(("routing auto (OVQ, KVM)", "static: compiled step, one CUDA graph per input shape"
+                 if resolve_routing("auto", dev) == "static" else "loop: one step per chunk"))
     return rows
