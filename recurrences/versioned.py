@@ -189,27 +189,45 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         born = torch.cat([torch.zeros_like(ck_dies).flatten(2), ver_born], -1).to(torch.int32)
         dies = torch.cat([ck_dies.flatten(2), ver_dies], -1).to(torch.int32)
 
-    ver = []
-    for x in xs:
-        D = x.shape[-1]
-        xs_ = x.gather(2, order[..., None].expand(B, H, Tp, D)).double()
-        # the cumsum runs across slots: a non-finite token would reach every later slot's rows (also
-        # rows of earlier tokens), so it is summed as 0 and marks the rows of its own slot from it on.
-        # Eager on the CPU, a finite total proves every token finite (fp32 values cannot overflow
-        # fp64) and that pass is skipped.
-        marked = not (host_check_is_free(xs_) and bool(torch.isfinite(xs_.sum(2)).all()))
-        if marked:
-            finite = torch.isfinite(xs_)
-            xs_ = torch.where(finite, xs_, torch.zeros_like(xs_))
-        cs = xs_.cumsum(2)
-        sums = cs - (cs - xs_).gather(2, seg_start[..., None].expand(B, H, Tp, D))  # minus the sum before the slot
-        if marked:
-            bad = (~finite.all(-1)).long()
-            bad_cs = bad.cumsum(2)
-            bad_so_far = bad_cs - (bad_cs - bad).gather(2, seg_start)  # non-finite tokens of the slot up to here
-            sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(cs, float("nan")), sums)
-        ver.append(sums.to(x.dtype).gather(2, inv[..., None].expand(B, H, Tp, D)))
+    ver = [_version_sums(x, order, inv, seg_start) for x in xs]
     return VersionedSums(ckpt, ckpt_counts, ver, ver_counts, slot, born, dies)
+
+
+#: columns of a version-row sum done at once in fp64: the cumsum's fp64 buffers (and their gradients') are
+#: ``[B, H, Tp, 16]``, a quarter of one ``[B, H, Tp, 64]`` fp64 copy, whatever the head dim
+FP64_COLUMNS = 16
+
+
+def _version_sums(x: Tensor, order: Tensor, inv: Tensor, seg_start: Tensor) -> Tensor:
+    """Version rows ``[B, H, Tp, D]`` of ``x [B, H, Tp, D]`` (in x's dtype): each token's slot sum up to
+    it, from tokens sorted by (slot, position) (``order``, ``inv`` its inverse, ``seg_start`` the sorted
+    index where each sorted token's slot begins, all ``[B, H, Tp]``).
+
+    One cumsum over all slots minus the running sum before the slot, in fp64, taken
+    :data:`FP64_COLUMNS` columns at a time (the columns are independent: the same sums, a fraction
+    of the fp64 memory). The cumsum runs across slots, so a non-finite token would reach every
+    later slot's rows (also rows of earlier tokens): it is summed as 0 and marks the rows of its own
+    slot (all columns) from it on. Eager on the CPU, a finite fp64 total proves every token finite
+    (fp32 values cannot overflow fp64) and that pass is skipped."""
+    B, H, Tp, D = x.shape
+    xs = x.gather(2, order[..., None].expand(B, H, Tp, D))  # sorted by (slot, position)
+    marked = not (host_check_is_free(x) and bool(torch.isfinite(x.sum(2, dtype=torch.float64)).all()))
+    if marked:
+        bad = (~torch.isfinite(xs).all(-1)).long()
+        bad_cs = bad.cumsum(2)
+        bad_so_far = bad_cs - (bad_cs - bad).gather(2, seg_start)  # non-finite tokens of the slot up to here
+    parts = []
+    for cols in xs.split(FP64_COLUMNS, dim=-1):
+        c64 = cols.double()
+        if marked:
+            c64 = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
+        cs = c64.cumsum(2)
+        sums = cs - (cs - c64).gather(2, seg_start[..., None].expand_as(cs))  # minus the sum before the slot
+        if marked:
+            sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(cs, float("nan")), sums)
+        parts.append(sums.to(x.dtype))
+    sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return sums.gather(2, inv[..., None].expand(B, H, Tp, D))
 
 
 def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPlan, c: int) -> tuple[Tensor, Tensor]:

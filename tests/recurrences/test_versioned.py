@@ -106,3 +106,32 @@ def test_plan_and_layout_choice():
         choose_state_layout("sparse", n_chunks=4, rows=40, plan=small)
     with pytest.raises(ValueError, match="checkpoint_every"):
         plan_versioned(4, 32, 40, 1, every=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan-inf"])
+def test_version_sums_in_column_groups_equal_one_group_bit_for_bit(monkeypatch, dtype, nonfinite):
+    """The fp64 cumsum runs ``FP64_COLUMNS`` columns at a time (memory): version rows and gradients
+    equal one group over all columns bit for bit, a non-finite token marking its slot's rows in every
+    column (D = 11 in groups of 4: 4, 4, 3)."""
+    from recurrences import versioned
+
+    g = torch.Generator().manual_seed(5)
+    B, H, T, L, lag, D = 2, 2, 150, 16, 1, 11
+    sizes = [0] + [min(12, 4 * c) for c in range(1, 10)]
+    routes = random_routes(B, H, T, L, lag, sizes, 0.2, g)
+    x = torch.randn(B, H, T, D, generator=g).to(dtype)
+    if nonfinite:
+        x[0, 1, 40, 3], x[1, 0, 70, 9] = float("nan"), float("inf")
+    w = torch.randn(B, H, T + 64, D, generator=g)  # weights of the version rows in the loss
+    plan = plan_versioned(len(sizes), L, 12, lag)
+    results = []
+    for columns in (64, 4):
+        monkeypatch.setattr(versioned, "FP64_COLUMNS", columns)
+        leaf = x.clone().requires_grad_()
+        ver = versioned_sums([leaf], routes, plan).ver[0]
+        grad, = torch.autograd.grad((ver.float().nan_to_num(0.0, 0.0, 0.0) * w[:, :, :ver.shape[2]]).sum(), leaf)
+        results.append((ver, grad))
+    (ver1, grad1), (ver4, grad4) = results
+    assert torch.equal(ver1.isnan(), ver4.isnan()) and bool(ver1.isnan().any()) == nonfinite
+    assert torch.equal(ver1.nan_to_num(), ver4.nan_to_num()) and torch.equal(grad1, grad4)
