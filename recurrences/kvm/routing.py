@@ -23,7 +23,7 @@ from ..precision import no_autocast
 
 
 def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk_size: int, n_bswa_chunks: int,
-              sizes: list[int], sink_len: int, ln_eps: float = 1e-5, impl: str = "loop") -> tuple[Tensor, Tensor]:
+              sizes: list[int], sink_len: int, ln_eps: float = 1e-5, impl: str = "auto") -> tuple[Tensor, Tensor]:
     """Routes of every token.
 
     kbar ``[B, H, T, D]`` memory keys ``LN_s(k with the rope dims zeroed)``; gate ``[B, H, T]``
@@ -33,8 +33,8 @@ def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
     ``founder [B, H, T]`` bool (the token created its row: weight 1, radius ``||v||``).
     ``impl``: ``"loop"``, the chunk loop below; ``"static"``, the same routes from a compiled
     static-shape chunk step (:func:`~recurrences.kvm.routing_static.route_kvm_static`; on CUDA the
-    whole run replayed from one CUDA graph); ``"auto"``: ``"static"`` on CUDA, ``"loop"`` elsewhere
-    (:func:`~recurrences.compiling.resolve_routing`).
+    whole run replayed from one CUDA graph); ``"auto"`` (default): ``"static"`` on CUDA, ``"loop"``
+    elsewhere (:func:`~recurrences.compiling.resolve_routing`).
 
     An opaque custom op: ``torch.compile`` keeps it as one call, run eagerly without grad.
     """

@@ -49,7 +49,7 @@ def _rank_first(key: Tensor, n: int) -> Tensor:
 
 
 def route_ovq(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
-              normalize_centroids: bool = False, impl: str = "loop") -> Tensor:
+              normalize_centroids: bool = False, impl: str = "auto") -> Tensor:
     """Slot of every token, ``[B, H, T]`` int64 (-1: not routed).
 
     k: ``[B, H, T, D]`` unit keys (any float dtype; similarities in fp32).
@@ -57,8 +57,8 @@ def route_ovq(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "s
     chunks route (the tokens of a final partial chunk stay -1, as in a decode cache).
     ``impl``: ``"loop"``, the chunk loop below; ``"static"``, the same routes from a compiled
     static-shape chunk step (:func:`~recurrences.ovq.routing_static.route_ovq_static`; on CUDA the
-    whole run replayed from one CUDA graph); ``"auto"``: ``"static"`` on CUDA, ``"loop"`` elsewhere
-    (:func:`~recurrences.compiling.resolve_routing`).
+    whole run replayed from one CUDA graph); ``"auto"`` (default): ``"static"`` on CUDA, ``"loop"``
+    elsewhere (:func:`~recurrences.compiling.resolve_routing`).
 
     Routing is an opaque custom op: ``torch.compile`` keeps it as one call (no graph
     break, no unrolled chunk loop in the graph); it runs eagerly, without grad.

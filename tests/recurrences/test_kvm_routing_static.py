@@ -38,7 +38,7 @@ def _check_equal(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, n_dist
     T = n_chunks * C + seed % C  # a ragged last chunk when seed % C > 0
     kbar, gate, w, b = _inputs(seed, B, H, T, D, n_distinct, gated, dtype)
     kw = dict(chunk_size=C, n_bswa_chunks=Nb, sizes=kvm_state_sizes(T, C, Nb, BUDGETS[budget]), sink_len=sink_len)
-    routes, founder = route_kvm(kbar, gate, w, b, **kw)
+    routes, founder = route_kvm(kbar, gate, w, b, impl="loop", **kw)
     s_routes, s_founder = route_kvm_static(kbar, gate, w, b, compile=False, **kw)
     assert s_routes.dtype == routes.dtype and s_founder.dtype == founder.dtype and s_routes.shape == routes.shape
     assert torch.equal(s_routes, routes) and torch.equal(s_founder, founder)
@@ -81,8 +81,8 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_l
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert all(map(torch.equal, router(kbar, gate, w, b), route_kvm(kbar, gate, w, b, **kw)))
-        flipped = route_kvm(kbar.flip(2), gate, w, b, **kw)
+        assert all(map(torch.equal, router(kbar, gate, w, b), route_kvm(kbar, gate, w, b, impl="loop", **kw)))
+        flipped = route_kvm(kbar.flip(2), gate, w, b, impl="loop", **kw)
         assert all(map(torch.equal, router(kbar.flip(2), gate, w, b), flipped))  # the buffers are reset
     assert counters["stats"]["unique_graphs"] == 1  # one graph for all 2 x 14 overflow chunk steps
     # the state the compiled steps built is the loop's absorb of the loop's routes, bit for bit
@@ -102,7 +102,8 @@ def test_route_kvm_impl_static_and_the_op_option():
     assert KVMOptions().routing == "auto"  # the loop on the CPU
     kbar, gate, w, b = _inputs(2, 1, 2, 100, 16, 0, True, torch.float32)
     kw = dict(chunk_size=16, n_bswa_chunks=1, sizes=kvm_state_sizes(100, 16, 1), sink_len=1)
-    assert all(map(torch.equal, route_kvm(kbar, gate, w, b, impl="static", **kw), route_kvm(kbar, gate, w, b, **kw)))
+    assert all(map(torch.equal, route_kvm(kbar, gate, w, b, impl="static", **kw),
+                           route_kvm(kbar, gate, w, b, impl="loop", **kw)))
     g = torch.Generator().manual_seed(3)
     B, H, T, D = 2, 2, 150, 16
     q, k, v = (torch.randn(B, H, T, D, generator=g, requires_grad=True) for _ in range(3))
@@ -163,7 +164,7 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
             rows.append(max(sizes))
             kw = dict(chunk_size=C, n_bswa_chunks=Nb, sizes=sizes, sink_len=1)
             assert all(map(torch.equal, route_kvm(kbar, gate, w, b, impl="static", **kw),
-                           route_kvm(kbar, gate, w, b, **kw)))
+                           route_kvm(kbar, gate, w, b, impl="loop", **kw)))
     assert made == [(2, 2, 330, 16), (2, 2, 500, 16)]  # T = 330 again: the cached router
     assert counters["stats"]["unique_graphs"] == 1
     assert rows[0] != rows[1] and [r.state.shape[2] for r in compiling._ROUTERS.values()] == [128, 128]

@@ -23,7 +23,7 @@ def _check_equal(seed, B, H, T, L, D, N, growth, seeding, normalize, n_distinct,
     k = _keys(seed, B, H, T, D, n_distinct, dtype)
     sizes = dictionary_sizes(-(-T // L), L, N, growth)
     kw = dict(chunk_size=L, sizes=sizes, seeding=seeding, seed=seed, normalize_centroids=normalize)
-    loop = route_ovq(k, **kw)
+    loop = route_ovq(k, impl="loop", **kw)
     static = route_ovq_static(k, compile=False, **kw)
     assert static.dtype == loop.dtype and static.shape == loop.shape
     assert torch.equal(static, loop)
@@ -67,8 +67,8 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_dictionary_bit_for_bit(s
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(router(k), route_ovq(k, **kw))
-        flipped = route_ovq(k.flip(2), **kw)
+        assert torch.equal(router(k), route_ovq(k, impl="loop", **kw))
+        flipped = route_ovq(k.flip(2), impl="loop", **kw)
         assert torch.equal(router(k.flip(2)), flipped)  # the buffers are reset between calls
     assert counters["stats"]["unique_graphs"] == 1  # one graph for all 2 x 17 static chunk steps
     # the dictionary the compiled steps built is the loop's absorb of the loop's routes, bit for bit
@@ -83,7 +83,9 @@ def test_route_ovq_impl_static_and_the_op_option():
 
     k = _keys(2, 1, 2, 100, 16, 0, torch.float32)
     sizes = dictionary_sizes(7, 16, 24)
-    assert torch.equal(route_ovq(k, chunk_size=16, sizes=sizes, impl="static"), route_ovq(k, chunk_size=16, sizes=sizes))
+    assert torch.equal(route_ovq(k, chunk_size=16, sizes=sizes, impl="static"),
+                       route_ovq(k, chunk_size=16, sizes=sizes, impl="loop"))
+    assert torch.equal(route_ovq(k, chunk_size=16, sizes=sizes), route_ovq(k, chunk_size=16, sizes=sizes, impl="loop"))
     with pytest.raises(ValueError, match="impl must be one of"):
         route_ovq(k, chunk_size=16, sizes=sizes, impl="graph")
     assert OVQOptions().routing == "auto"  # the loop on the CPU: the same routes as below
@@ -123,7 +125,7 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
         for T in (300, 600, 300):
             k = _keys(T, 2, 2, T, 8, 0, torch.float32)
             kw = dict(chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, N), seeding="spread")
-            assert torch.equal(route_ovq(k, impl="static", **kw), route_ovq(k, **kw))
+            assert torch.equal(route_ovq(k, impl="static", **kw), route_ovq(k, impl="loop", **kw))
     assert made == [(2, 2, 300, 8), (2, 2, 600, 8)]  # T = 300 again: the cached router
     assert counters["stats"]["unique_graphs"] == 1
     assert [r.sums.shape[2] for r in compiling._ROUTERS.values()] == [64, 64]

@@ -213,7 +213,8 @@ def _ovq_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.de
     kw = dict(chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, sc.max_centroids))
     routers = _static_routers(lambda cuda_graph: StaticOVQRouter(tuple(k.shape), **kw, device=dev,
                                                                  cuda_graph=cuda_graph), dev)
-    return {"loop": lambda: (route_ovq(k, **kw),), **{name: lambda r=r: (r(k),) for name, r in routers.items()}}
+    return {"loop": lambda: (route_ovq(k, impl="loop", **kw),),
+            **{name: lambda r=r: (r(k),) for name, r in routers.items()}}
 
 
 def _kvm_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.device) -> dict:
@@ -233,5 +234,5 @@ def _kvm_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.de
               ln_eps=o.ln_eps)
     routers = _static_routers(lambda cuda_graph: StaticKVMRouter(tuple(kbar.shape), **kw, device=dev,
                                                                  cuda_graph=cuda_graph), dev)
-    return {"loop": lambda: route_kvm(kbar, gate, *ln, **kw),
+    return {"loop": lambda: route_kvm(kbar, gate, *ln, impl="loop", **kw),
             **{name: lambda r=r: r(kbar, gate, *ln) for name, r in routers.items()}}
