@@ -131,6 +131,16 @@ def compile_fixed_shapes(fn: Callable) -> Callable:
     return call
 
 
+def replay_or_run(graph: "torch.cuda.CUDAGraph | None", run: Callable[[], None]) -> None:
+    """Replay ``graph`` (the capture of ``run``), or call ``run`` when there is none or the stream is
+    being captured already (the caller's own graph, e.g. ``torch.compile(mode="reduce-overhead")``:
+    ``run``'s launches then join that graph)."""
+    if graph is None or torch.cuda.is_current_stream_capturing():
+        run()
+    else:
+        graph.replay()
+
+
 def capture_cuda_graph(run: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":
     """``run`` (fixed buffers, no host sync) captured in one CUDA graph on ``device``: warmed up
     once on a side stream first (which compiles what it compiles, outside the capture). Replay
@@ -247,13 +257,6 @@ def static_rows(n: int) -> int:
     rounding lets every length whose dictionary falls in one bucket share one compiled step (an OVQ
     dictionary of ``N = 2048`` rows: every length from 2k tokens on)."""
     return 1 << max(n - 1, 0).bit_length()
-
-
-def graph_capturable(device: torch.device) -> bool:
-    """Whether a static router on ``device`` should capture its run in a CUDA graph: on CUDA, unless
-    the stream is already being captured (the caller's own graph, e.g. ``mode="reduce-overhead"``;
-    the router's launches then go into that graph)."""
-    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
 #: Static routers kept per process, least recently used dropped first. Each holds an fp32 copy of its

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, graph_capturable,
+from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, replay_or_run,
                          stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import found_first_chunk, kvm_merge_add
@@ -59,12 +59,12 @@ def route_kvm_static(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Ten
     (``compiled_static_step``, once per step shape — ``[B, H, C, D]`` keys against a state bucket,
     :func:`static_rows` — and ``(sink_len, ln_eps)``; at most
     :data:`~recurrences.compiling.RECOMPILE_LIMIT` such variants per process); ``cuda_graph`` (None:
-    on CUDA, outside a capture of the caller's): the run replayed from one CUDA graph. One call of
-    the :class:`StaticKVMRouter` cached for these arguments
+    on CUDA): the run replayed from one CUDA graph (inside a capture of the caller's, run into that
+    graph). One call of the :class:`StaticKVMRouter` cached for these arguments
     (:func:`~recurrences.compiling.static_router`). No grad.
     """
     device = kbar.device
-    cuda_graph = graph_capturable(device) if cuda_graph is None else cuda_graph
+    cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     key = ("kvm", tuple(kbar.shape), device, chunk_size, n_bswa_chunks, tuple(sizes), sink_len, ln_eps, compile,
            cuda_graph)
     router = static_router(key, lambda: StaticKVMRouter(
@@ -120,10 +120,7 @@ class StaticKVMRouter:
             self.gf.copy_(chunks_first(gate.detach(), n, C))
             self.ln[0].copy_(ln_weight.detach())
             self.ln[1].copy_(ln_bias.detach())
-            if self.graph is None:
-                self.run()
-            else:
-                self.graph.replay()
+            replay_or_run(self.graph, self.run)
             return tokens_from_chunks(self.routes, self.T, -1), tokens_from_chunks(self.founder, self.T, False)
 
     def run(self) -> None:

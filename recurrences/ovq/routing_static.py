@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, graph_capturable,
+from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, replay_or_run,
                          stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import ovq_absorb, ovq_route_chunk, seeding_draw
@@ -51,12 +51,12 @@ def route_ovq_static(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: s
     ``dictionary_sizes(...)``; ``compile``: the step compiled (``compiled_static_step``, once
     per step shape — ``[B, H, L, D]`` keys against a dictionary bucket, :func:`static_rows` — and per
     ``(seeding, normalize_centroids)``; at most :data:`~recurrences.compiling.RECOMPILE_LIMIT` such
-    variants per process); ``cuda_graph`` (None: on CUDA, outside a capture of the caller's): the
-    run replayed from one CUDA graph. One call of the :class:`StaticOVQRouter` cached for these
-    arguments (:func:`~recurrences.compiling.static_router`). No grad.
+    variants per process); ``cuda_graph`` (None: on CUDA): the run replayed from one CUDA graph
+    (inside a capture of the caller's, run into that graph). One call of the :class:`StaticOVQRouter`
+    cached for these arguments (:func:`~recurrences.compiling.static_router`). No grad.
     """
     device = k.device
-    cuda_graph = graph_capturable(device) if cuda_graph is None else cuda_graph
+    cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     key = ("ovq", tuple(k.shape), device, chunk_size, tuple(sizes), seeding, seed, normalize_centroids, compile,
            cuda_graph)
     router = static_router(key, lambda: StaticOVQRouter(
@@ -106,10 +106,7 @@ class StaticOVQRouter:
         """Routes ``[B, H, T]`` int64 of keys k ``[B, H, T, D]`` (a new tensor: the buffers are reused)."""
         with torch.no_grad(), no_autocast(k):
             self.kf.copy_(chunks_first(k.detach(), self.kf.shape[0], self.chunk_size))
-            if self.graph is None:
-                self.run()
-            else:
-                self.graph.replay()
+            replay_or_run(self.graph, self.run)
             return tokens_from_chunks(self.routes, self.T, -1)
 
     def run(self) -> None:

@@ -93,3 +93,22 @@ def test_stable_rank_is_the_stable_sorts_inverse_permutation(seed, L, n_values, 
     expected = torch.empty_like(order)
     expected.scatter_(-1, order, torch.arange(L).expand_as(order))
     assert torch.equal(stable_rank(key), expected)
+
+
+def test_replay_or_run_runs_inside_a_callers_capture(monkeypatch):
+    """A router replays its graph, except with none or inside a capture of the caller's, where its
+    launches must join that graph (a replay cannot be captured)."""
+    from recurrences.compiling import replay_or_run
+
+    calls = []
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    run = lambda: calls.append("run")  # noqa: E731
+    replay_or_run(None, run)
+    for capturing in (False, True):  # (a CPU build of torch cannot answer the question itself)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        replay_or_run(Graph(), run)
+    assert calls == ["run", "replay", "run"]
