@@ -72,3 +72,25 @@ def assert_compiled_training_matches_eager(layer, eager, x: torch.Tensor, steps:
     assert not counters["graph_break"], what
     for a, b in zip(layer.parameters(), eager.parameters()):
         assert_close(a, b, 1e-5, f"{what} params after {steps} compiled vs eager steps")
+
+
+def count_router_builds(monkeypatch, module, name: str) -> list:
+    """The input shapes of the static routers ``module.<name>`` builds from now on (a counting subclass
+    patched in), with the router cache, dynamo's compiled code and its counters emptied: a cold start."""
+    from torch._dynamo.utils import counters
+
+    from recurrences import compiling
+
+    made = []
+    base = getattr(module, name)
+
+    class Counted(base):
+        def __init__(self, shape, **kw):
+            made.append(tuple(shape))
+            super().__init__(shape, **kw)
+
+    monkeypatch.setattr(module, name, Counted)
+    compiling.clear_static_routers()
+    torch._dynamo.reset()
+    counters.clear()
+    return made

@@ -7,6 +7,7 @@ from torch._dynamo.utils import counters
 
 from recurrences.kvm import KVMBudget, kvm_absorb, kvm_state_sizes, route_kvm
 from recurrences.kvm.routing_static import StaticKVMRouter, route_kvm_static
+from tests.helpers import count_router_builds
 
 BUDGETS = {  # power-law growth (uncapped, or capped at a few chunks), saturation, the fixed default (one chunk)
     "fixed": KVMBudget(),
@@ -145,17 +146,7 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
     from recurrences import compiling
     from recurrences.kvm import routing_static
 
-    made = []
-
-    class Counted(StaticKVMRouter):
-        def __init__(self, shape, **kw):
-            made.append(shape)
-            super().__init__(shape, **kw)
-
-    monkeypatch.setattr(routing_static, "StaticKVMRouter", Counted)
-    compiling.clear_static_routers()
-    torch._dynamo.reset()
-    counters.clear()
+    made = count_router_builds(monkeypatch, routing_static, "StaticKVMRouter")
     C, Nb, rows = 16, 2, []
     with torch._dynamo.config.patch(error_on_recompile=True):
         for T in (330, 500, 330):

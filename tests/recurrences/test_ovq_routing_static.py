@@ -7,6 +7,7 @@ from torch._dynamo.utils import counters
 
 from recurrences.ovq import GROWTHS, SEEDINGS, dictionary_sizes, ovq_absorb, route_ovq
 from recurrences.ovq.routing_static import StaticOVQRouter, route_ovq_static
+from tests.helpers import count_router_builds
 
 
 def _keys(seed, B, H, T, D, n_distinct, dtype):
@@ -105,21 +106,12 @@ def test_cuda_graph_needs_cuda():
 def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monkeypatch):
     """``route_ovq(impl="static")`` builds one router per input shape and options and reuses it; the
     dictionary buffer is padded to a power of two, so lengths whose dictionaries fall in one bucket
-    (plateau, N = 64: 52 and 57 rows at T = 300 and 600, a 64-row buffer with the spare) share one compiled step."""
+    (plateau, N = 64: 52 and 57 rows at T = 300 and 600, a 64-row buffer with the spare) share one
+    compiled step."""
     from recurrences import compiling
     from recurrences.ovq import routing_static
 
-    made = []
-
-    class Counted(StaticOVQRouter):
-        def __init__(self, shape, **kw):
-            made.append(shape)
-            super().__init__(shape, **kw)
-
-    monkeypatch.setattr(routing_static, "StaticOVQRouter", Counted)
-    compiling.clear_static_routers()
-    torch._dynamo.reset()
-    counters.clear()
+    made = count_router_builds(monkeypatch, routing_static, "StaticOVQRouter")
     L, N = 16, 64
     with torch._dynamo.config.patch(error_on_recompile=True):
         for T in (300, 600, 300):
