@@ -1,4 +1,6 @@
 """Static-shape OVQ routing (recurrences/ovq/routing_static.py) gives the loop's routes bit for bit."""
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,3 +124,34 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
     assert counters["stats"]["unique_graphs"] == 1
     assert [r.sums.shape[2] for r in compiling._ROUTERS.values()] == [64, 64]
     compiling.clear_static_routers()
+
+
+def test_static_routing_inside_a_compiled_op_equals_the_loop(monkeypatch):
+    """What ``routing="auto"`` runs on CUDA, on the CPU: the OVQ op compiled with ``fullgraph=True``
+    calls the routing custom op, whose static router compiles its own step at run time; outputs,
+    routes and gradients equal the eager op with the loop, and later calls reuse the one router."""
+    from recurrences.ovq import routing_static
+    from ovqflex.ops.ovq import ovq_attention
+
+    made = count_router_builds(monkeypatch, routing_static, "StaticOVQRouter")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
+    beta = torch.full((2,), 4.0)
+    kw = dict(chunk_size=16, max_centroids=24, backend="blocked", return_state=True)
+
+    def op(q, k, v, routing):
+        return ovq_attention(q, k, v, beta, routing=routing, **kw)
+
+    compiled = torch.compile(functools.partial(op, routing="static"), fullgraph=True)
+    for call in range(2):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, state = compiled(*leaves)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref, ref_state = op(*ref_leaves, routing="loop")
+        ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
+        assert torch.equal(state.routes, ref_state.routes)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert made == [(1, 2, 96, 16)]
