@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import ROUTING_IMPLS, resolve_routing
+from ..compiling import resolve_routing
 from ..precision import no_autocast
 
 
