@@ -127,10 +127,9 @@ class StaticKVMRouter:
         """Routes ``self.kf`` into ``self.routes``/``self.founder`` in place: fixed buffers, no host sync
         (the captured work)."""
         self.state.zero_()
-        self.routes.fill_(-1)
-        self.founder.zero_()
         if self.kf.shape[0] == 0:  # T <= Nb * C: nothing is absorbed
             return
+        # every chunk's row of self.routes / self.founder is written: chunk 0 here, the others by the steps
         found_first_chunk(self.state, self.routes[0], self.founder[0], self.kf[0], self.chunk_size)
         route_overflow_static(self.routes, self.founder, self.kf, self.gf, self.state, self.bounds, self.ln,
                               step=self.step)

@@ -90,8 +90,9 @@ class StaticOVQRouter:
         self.chunk_size, self.sizes, self.normalize_centroids, self.T = L, list(sizes), normalize_centroids, T
         n_slots = max(self.sizes[: n_full + 1] + [0])
         self.kf = torch.zeros(n_full, B, H, L, D, device=device)
-        self.sums = torch.zeros(B, H, static_rows(n_slots + 1), D, device=device)
-        self.counts = torch.zeros(B, H, static_rows(n_slots + 1), device=device)
+        R = static_rows(n_slots + 1)
+        self.sums = torch.zeros(B, H, R, D, device=device)
+        self.counts = torch.zeros(B, H, R, device=device)
         self.routes = torch.full((n_full, B, H, L), -1, dtype=torch.long, device=device)
         self.bounds = chunk_bounds(self.sizes, n_full, device)
         gen = torch.Generator().manual_seed(seed) if seeding == "random" else None
@@ -114,8 +115,7 @@ class StaticOVQRouter:
         sizes = self.sizes
         self.sums.zero_()
         self.counts.zero_()
-        self.routes.fill_(-1)
-        first, n_full = 0, self.kf.shape[0]
+        first, n_full = 0, self.kf.shape[0]  # every chunk's row of self.routes is written below
         while first < n_full and sizes[first] == 0:  # an empty dictionary: the loop's own chunk step
             route = ovq_route_chunk(self.kf[first], self.sums, self.counts, 0, sizes[first + 1],
                                     None if self.u is None else self.u[first], self.normalize_centroids)
