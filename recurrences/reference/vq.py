@@ -41,7 +41,7 @@ def vq_attention_reference(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, be
             if code_bias is not None:
                 sim = sim + code_bias.float()[None, :, None, :]
             codes = sim.argmax(-1)
-    chosen = cb[torch.arange(H).view(1, H, 1), codes]  # [B, H, T, D]
+    chosen = cb[torch.arange(H, device=q.device).view(1, H, 1), codes]  # [B, H, T, D]
     if estimator == "ste":
         k_hat = kn + (chosen - kn).detach()
     elif estimator == "diveq":
@@ -51,8 +51,8 @@ def vq_attention_reference(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, be
     else:
         raise ValueError(f"estimator must be 'ste' or 'diveq', got {estimator!r}")
     s = beta.view(1, H, 1, 1) * (qn @ k_hat.transpose(-1, -2))  # [B, H, T, T]
-    i = torch.arange(T).view(T, 1)
-    j = torch.arange(T).view(1, T)
+    i = torch.arange(T, device=q.device).view(T, 1)
+    j = torch.arange(T, device=q.device).view(1, T)
     if local_bias is not None:
         near = (j // chunk_size) >= (i // chunk_size - 1)
         s = s + torch.where(near, 1.0, 0.0).to(s.dtype) * local_bias.view(1, H, 1, 1)

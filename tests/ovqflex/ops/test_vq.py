@@ -125,3 +125,13 @@ def test_bad_arguments(kw, match):
     args = dict(codebook=cb, beta=beta) | kw
     with pytest.raises((ValueError, TypeError), match=match):
         ovqflex.vq_attention(q, k, v, args.pop("codebook"), args.pop("beta"), **args)
+
+
+def test_reference_builds_every_tensor_on_the_inputs_device():
+    """The quadratic-form reference makes its index and mask tensors on q's device (it runs on
+    CUDA inputs in the cuda tier); on the meta device a CPU-made tensor would raise."""
+    q, k, v = (torch.randn(1, 2, 40, 8, device="meta") for _ in range(3))
+    cb, beta = torch.randn(2, 5, 8, device="meta"), torch.ones(2, device="meta")
+    for lb in (None, torch.zeros(2, device="meta")):
+        res = vq_attention_reference(q, k, v, cb, beta, chunk_size=8, local_bias=lb)
+        assert res.out.device.type == "meta" and res.out.shape == (1, 2, 40, 8)
