@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from recurrences.compiling import cumsum
+
 from .regions import Geometry, Region
 
 
@@ -118,7 +120,7 @@ def _transpose(num: Tensor, idx: Tensor, n_rows_out: int, width_out: int) -> tup
     counts = torch.zeros(n_rows_out + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, torch.where(ok, col, n_rows_out), torch.ones_like(col))
     counts = counts[:n_rows_out]
-    start = torch.cumsum(counts, 0) - counts
+    start = cumsum(counts, 0) - counts
     pos = torch.arange(key.numel(), device=dev) - start[col.clamp(max=n_rows_out - 1)]
     out = torch.zeros(n_rows_out * width_out + 1, dtype=torch.int32, device=dev)
     flat = torch.where(ok, col * width_out + pos, n_rows_out * width_out)

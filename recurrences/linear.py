@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .compiling import cumsum
+
 
 def feature_map(x: Tensor) -> Tensor:
     """``φ(x) = elu(x) + 1`` (positive), the linear-attention feature map."""
@@ -50,7 +52,7 @@ def from_chunks(x: Tensor, T: int, lead: int = 0) -> Tensor:
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
-    total = x.cumsum(dim)
+    total = cumsum(x, dim)
     return torch.cat([torch.zeros_like(total.narrow(dim, 0, 1)), total.narrow(dim, 0, x.shape[dim] - 1)], dim)
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .compiling import cumsum
+
 
 def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk_size: int, n_chunks: int, rows: int,
                           lag: int = 1, every: int = 1) -> tuple[Tensor, Tensor]:
@@ -44,9 +46,9 @@ def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk_size: int, n_chunks: 
     sums = x.new_zeros(B * H * n_cells, D).index_add(0, cell, x.reshape(B * H * T, D)).view(B, H, n_cells, D)
     counts = torch.zeros(B * H * n_cells, device=x.device).index_add(
         0, cell, torch.ones(B * H * T, device=x.device)).view(B, H, n_cells)
-    sums = sums.view(B, H, n_out + 1, rows + 1, D)[:, :, :n_out, :rows].cumsum(2)
-    counts = counts.view(B, H, n_out + 1, rows + 1)[:, :, :n_out, :rows].cumsum(2)
-    return sums, counts
+    sums = sums.view(B, H, n_out + 1, rows + 1, D)[:, :, :n_out, :rows]
+    counts = counts.view(B, H, n_out + 1, rows + 1)[:, :, :n_out, :rows]
+    return cumsum(sums, 2), cumsum(counts, 2)
 
 
 @dataclass

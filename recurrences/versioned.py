@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_block_size, check_choice, check_int, host_check_is_free
+from .compiling import cumsum
 from .segments import segment_snapshot_sums
 
 STATE_LAYOUTS = ("snapshot", "versioned", "auto")
@@ -166,7 +167,7 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         order = torch.sort(slot * Tp + pos, dim=-1).indices  # by (slot, position); keys are distinct
         slot_s, entry_s = slot.gather(2, order), entry[order]
         hist = torch.zeros(B, H, rows + 1, dtype=torch.long, device=dev).scatter_add(2, slot, torch.ones_like(slot))
-        seg_start = (hist.cumsum(2) - hist).gather(2, slot_s)  # first sorted index of each token's slot
+        seg_start = (cumsum(hist, 2) - hist).gather(2, slot_s)  # first sorted index of each token's slot
         idx = pos.expand(B, H, Tp)
         count_s = idx - seg_start + 1
         nxt_slot = torch.cat([slot_s[..., 1:], torch.full_like(slot_s[..., :1], rows + 1)], -1)
@@ -214,14 +215,14 @@ def _version_sums(x: Tensor, order: Tensor, inv: Tensor, seg_start: Tensor) -> T
     marked = not (host_check_is_free(x) and bool(torch.isfinite(x.sum(2, dtype=torch.float64)).all()))
     if marked:
         bad = (~torch.isfinite(xs).all(-1)).long()
-        bad_cs = bad.cumsum(2)
+        bad_cs = cumsum(bad, 2)
         bad_so_far = bad_cs - (bad_cs - bad).gather(2, seg_start)  # non-finite tokens of the slot up to here
     parts = []
     for cols in xs.split(FP64_COLUMNS, dim=-1):
         c64 = cols.double()
         if marked:
             c64 = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
-        cs = c64.cumsum(2)
+        cs = cumsum(c64, 2)
         sums = cs - (cs - c64).gather(2, seg_start[..., None].expand_as(cs))  # minus the sum before the slot
         if marked:
             sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(cs, float("nan")), sums)

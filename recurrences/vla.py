@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_int, check_number
+from .compiling import cumsum
 from .delta import chunk_wy
 from .linear import feature_map, from_chunks, to_chunks, work_dtype
 
@@ -143,7 +144,7 @@ def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = V
             e = e0[:, :, c] - wk[:, :, c] @ X                           # residuals e_t of the chunk
             nums.append(fq[:, :, c] @ X + qa[:, :, c] @ e)
             X = X + alpha[:, :, c].transpose(-1, -2) @ e
-        ksum = feature_map(k.to(dt)).cumsum(2)                          # [B, H, T, Dk], real tokens only
+        ksum = cumsum(feature_map(k.to(dt)), 2)                         # [B, H, T, Dk], real tokens only
         if initial_state is not None:
             ksum = ksum + initial_state.z.to(dt).unsqueeze(2)
         den = (feature_map(q.to(dt)) * ksum).sum(-1, keepdim=True)

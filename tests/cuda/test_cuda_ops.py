@@ -215,17 +215,19 @@ def test_auto_routing_replays_a_cached_cuda_graph_with_the_loops_routes(method):
 NO_GRAD_T = 4096
 
 
-@pytest.mark.parametrize("method", ["ovq", "kvm", "vq", "swa"])
+@pytest.mark.parametrize("method", ["ovq", "ovq-versioned", "kvm", "vq", "swa"])
 def test_whole_op_compiled_under_no_grad(method):
     """``torch.compile(lambda t: op(**t, backend="flex"), fullgraph=True, dynamic=False)`` under
     no_grad at T = 4k (the failing call of the CUDA issue) equals the eager blocked op."""
     g = seeded(7)
     t = {n: torch.randn(1, 2, NO_GRAD_T, 64, generator=g).to(DEVICE) for n in "qkv"}
-    if method == "ovq":
+    if method.startswith("ovq"):
         t["beta"] = torch.full((2,), 8.0, device=DEVICE)
+        layout = "versioned" if method == "ovq-versioned" else "auto"  # versioned: split scans (2.11 inductor)
 
         def op(backend, t):
-            return ovqflex.ovq_attention(**t, backend=backend, chunk_size=128, max_centroids=2048)
+            return ovqflex.ovq_attention(**t, backend=backend, chunk_size=128, max_centroids=2048,
+                                         state_layout=layout)
     elif method == "kvm":
         t["q"], t["k"] = F.layer_norm(t["q"], (64,)), F.layer_norm(t["k"], (64,))
         t.update(ln_s_weight=torch.ones(64, device=DEVICE), ln_s_bias=torch.zeros(64, device=DEVICE))
@@ -246,3 +248,15 @@ def test_whole_op_compiled_under_no_grad(method):
         out = compiled(t)
         ref = op("blocked", t)
     assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, f"compiled {method} at T={NO_GRAD_T}")
+
+
+def test_long_scan_with_broadcast_input_compiles():
+    """A cumsum longer than one Triton block over ``x + bias`` (pytorch/pytorch#180221: inductor's
+    split-scan code generation fails on it in torch 2.11) compiles through ``recurrences.compiling.
+    cumsum``, which the versioned sums, the linear recurrences and VLA use; values equal eager."""
+    from recurrences.compiling import cumsum
+
+    g = seeded(9)
+    x, b = torch.randn(1, 4096, 64, generator=g).to(DEVICE), torch.randn(64, generator=g).to(DEVICE)
+    out = torch.compile(lambda x, b: cumsum(x + b, 1), fullgraph=True, dynamic=False)(x, b)
+    assert_close(out.cpu(), (x + b).cumsum(1).cpu(), FWD_TOL_CUDA, "compiled long cumsum")
