@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from recurrences.compiling import cumsum
+from recurrences.scan import cumsum
 
 from .regions import Geometry, Region
 

@@ -114,45 +114,6 @@ def prepare_compile() -> None:
     _MEND_AT_COMPILE = True
 
 
-#: longest scan inductor's Triton code generator does in one block; longer ones become a split scan
-SINGLE_BLOCK_SCAN = 128
-
-
-@torch.library.custom_op("ovqflex::cumsum", mutates_args=())
-def extern_cumsum(x: Tensor, dim: int) -> Tensor:
-    """``x.cumsum(dim)`` as one op inductor cannot look into: ATen's scan kernel on a real buffer."""
-    return x.cumsum(dim)
-
-
-@extern_cumsum.register_fake
-def _(x, dim):
-    return x.new_empty(x.shape, dtype=x.dtype if x.is_floating_point() else torch.int64)
-
-
-def _cumsum_backward(ctx, grad: Tensor):
-    return extern_cumsum(grad.flip(ctx.dim), ctx.dim).flip(ctx.dim), None  # sum over the later positions
-
-
-def _cumsum_setup(ctx, inputs, output) -> None:
-    ctx.dim = inputs[1]
-
-
-extern_cumsum.register_autograd(_cumsum_backward, setup_context=_cumsum_setup)
-
-
-def cumsum(x: Tensor, dim: int, extern: bool | None = None) -> Tensor:
-    """``x.cumsum(dim)`` that compiles on CUDA. Inductor (torch 2.11) turns a scan over more than
-    :data:`SINGLE_BLOCK_SCAN` elements into a Triton *split scan*, whose code generator fails
-    ("list indices must be integers or slices, not NoneType", pytorch/pytorch#180221) when the work
-    fused into the scan's input reads a broadcast or index value: the versioned sums' gathered,
-    masked columns, VLA's feature-mapped key sums. ``extern`` (default: on CUDA while compiling, for
-    such lengths) runs the scan as :func:`extern_cumsum` instead: its input is materialized first,
-    the rest of the graph still fuses. Same values either way; eager code never takes the detour."""
-    if extern is None:
-        extern = x.is_cuda and torch.compiler.is_compiling() and x.shape[dim] > SINGLE_BLOCK_SCAN
-    return extern_cumsum(x, dim) if extern else x.cumsum(dim)
-
-
 def compile_fixed_shapes(fn: Callable) -> Callable:
     """``fn`` compiled with ``fullgraph=True, dynamic=False``: one graph per input shape (and per
     value of its non-tensor arguments), at most :data:`RECOMPILE_LIMIT` of them. Compiles on the

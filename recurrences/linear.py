@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .compiling import cumsum
+from .scan import cumsum
 
 
 def feature_map(x: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .compiling import cumsum
+from .scan import cumsum
 
 
 def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk_size: int, n_chunks: int, rows: int,

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_block_size, check_choice, check_int, host_check_is_free
-from .compiling import cumsum
+from .scan import cumsum
 from .segments import segment_snapshot_sums
 
 STATE_LAYOUTS = ("snapshot", "versioned", "auto")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_int, check_number
-from .compiling import cumsum
+from .scan import cumsum
 from .delta import chunk_wy
 from .linear import feature_map, from_chunks, to_chunks, work_dtype
 

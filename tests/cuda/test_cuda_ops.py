@@ -252,9 +252,9 @@ def test_whole_op_compiled_under_no_grad(method):
 
 def test_long_scan_with_broadcast_input_compiles():
     """A cumsum longer than one Triton block over ``x + bias`` (pytorch/pytorch#180221: inductor's
-    split-scan code generation fails on it in torch 2.11) compiles through ``recurrences.compiling.
+    split-scan code generation fails on it in torch 2.11) compiles through ``recurrences.scan.
     cumsum``, which the versioned sums, the linear recurrences and VLA use; values equal eager."""
-    from recurrences.compiling import cumsum
+    from recurrences.scan import cumsum
 
     g = seeded(9)
     x, b = torch.randn(1, 4096, 64, generator=g).to(DEVICE), torch.randn(64, generator=g).to(DEVICE)

@@ -113,39 +113,3 @@ def test_replay_or_run_runs_inside_a_callers_capture(monkeypatch):
         replay_or_run(Graph(), run)
     assert calls == ["run", "replay", "run"]
 
-
-@pytest.mark.parametrize("dim", [1, -1], ids=["dim1", "dim-1"])
-def test_extern_cumsum_equals_cumsum_in_values_and_gradient(dim):
-    from recurrences.compiling import cumsum, extern_cumsum
-
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 200, 130, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(2, 200, 130, generator=g, dtype=torch.float64)
-    out = cumsum(x, dim, extern=True)
-    (gx,) = torch.autograd.grad((out * w).sum(), x)
-    (want,) = torch.autograd.grad((x.cumsum(dim) * w).sum(), x)
-    torch.testing.assert_close(out, x.cumsum(dim), rtol=0, atol=0)
-    torch.testing.assert_close(gx, want, rtol=1e-12, atol=1e-12)
-    flags = torch.rand(3, 300, generator=g) > 0.5
-    assert torch.equal(cumsum(flags, 1, extern=True), flags.cumsum(1))  # bool counts come back int64
-    torch.library.opcheck(extern_cumsum, (x.detach().float().requires_grad_(), dim))
-
-
-def test_extern_cumsum_inside_a_compiled_graph_with_broadcast_input():
-    """The shape of pytorch/pytorch#180221 (a scan longer than one Triton block over ``x + bias``):
-    compiled with the extern scan, values and gradients equal eager. On the CPU the default never
-    takes the extern path (the CUDA code generation itself is checked by the cuda tier)."""
-    from recurrences.compiling import SINGLE_BLOCK_SCAN, cumsum
-
-    def fn(x, b, extern):
-        return cumsum(x + b, 1, extern=extern).square().sum()
-
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(2, SINGLE_BLOCK_SCAN + 1, 16, generator=g, requires_grad=True)
-    b = torch.randn(16, generator=g, requires_grad=True)
-    want = torch.autograd.grad(fn(x, b, False), (x, b))
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-    for extern in (True, None):
-        got = torch.autograd.grad(compiled(x, b, extern), (x, b))
-        for a, e in zip(got, want):
-            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)

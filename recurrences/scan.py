@@ -1,0 +1,83 @@
+"""Cumulative sums that are fast and compile on every device (docs/design.md §5).
+
+The state builds scan along the token or chunk axis: the versioned sums over all ``T`` tokens of a
+head sorted by slot, VLA's key sums, the linear recurrences' chunk states. Two facts about torch's
+scans shape :func:`cumsum`:
+
+- Speed. ATen's CUDA scan along a dimension runs one thread per scanned line (or one block per few
+  lines for the last dimension), each walking the whole length in order: a ``[1, 8, 65536, 16]``
+  cumsum over the tokens is 128 threads of 65,536 dependent steps, tens of milliseconds on a GPU
+  that moves the same data in microseconds. On CUDA a scan longer than :data:`LONG_SCAN` therefore
+  runs in two levels of about ``sqrt(n)`` elements: within blocks, then the block totals, added back.
+  Integer sums are unchanged; float sums are rounded in a different order (one more addition per
+  element). On the CPU, where a scan is a vectorized loop, the extra pass only costs (about 15% of a
+  versioned sums' forward and backward at 16k tokens), so the CPU keeps the one-level scan.
+- Compilation. Inductor (torch 2.11) turns a scan over more than :data:`SINGLE_BLOCK_SCAN` elements
+  into a Triton *split scan*, whose code generator fails ("list indices must be integers or slices,
+  not NoneType", pytorch/pytorch#180221) when the work fused into the scan's input reads a broadcast
+  or index value. On CUDA while compiling such a scan runs as :func:`extern_cumsum`, ATen's kernel on
+  a materialized input; the rest of the graph still fuses.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+#: longest scan inductor's Triton code generator does in one block; longer ones become a split scan
+SINGLE_BLOCK_SCAN = 128
+
+#: scans longer than this run in two levels (:func:`cumsum`)
+LONG_SCAN = 1024
+
+
+@torch.library.custom_op("ovqflex::cumsum", mutates_args=())
+def extern_cumsum(x: Tensor, dim: int) -> Tensor:
+    """``x.cumsum(dim)`` as one op inductor cannot look into: ATen's scan kernel on a real buffer."""
+    return x.cumsum(dim)
+
+
+@extern_cumsum.register_fake
+def _(x, dim):
+    return x.new_empty(x.shape, dtype=x.dtype if x.is_floating_point() else torch.int64)
+
+
+def _cumsum_setup(ctx, inputs, output) -> None:
+    ctx.dim = inputs[1]
+
+
+def _cumsum_backward(ctx, grad: Tensor):
+    return extern_cumsum(grad.flip(ctx.dim), ctx.dim).flip(ctx.dim), None  # sum over the later positions
+
+
+extern_cumsum.register_autograd(_cumsum_backward, setup_context=_cumsum_setup)
+
+
+def _one_level(x: Tensor, dim: int, extern: bool | None) -> Tensor:
+    if extern is None:
+        extern = x.is_cuda and torch.compiler.is_compiling() and x.shape[dim] > SINGLE_BLOCK_SCAN
+    return extern_cumsum(x, dim) if extern else x.cumsum(dim)
+
+
+def cumsum(x: Tensor, dim: int, *, two_level: bool | None = None, extern: bool | None = None) -> Tensor:
+    """``x.cumsum(dim)`` (bool and integer inputs sum to int64), fast and compilable on every device.
+    ``two_level`` (default: on CUDA, for scans longer than :data:`LONG_SCAN`): scan within blocks of
+    ``2**ceil(log2(sqrt(n)))`` elements, then over the block totals. ``extern`` (default: on CUDA while
+    compiling, for scans longer than :data:`SINGLE_BLOCK_SCAN`): each scan runs as :func:`extern_cumsum`."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    if two_level is None:
+        two_level = x.is_cuda and n > LONG_SCAN
+    if not two_level or n < 4:
+        return _one_level(x, dim, extern)
+    block = 1 << math.ceil(math.log2(math.isqrt(n - 1) + 1))
+    n_blocks = -(-n // block)
+    if n_blocks * block > n:
+        pads = [0, 0] * (x.dim() - 1 - dim) + [0, n_blocks * block - n]
+        x = F.pad(x if x.is_floating_point() else x.long(), pads)
+    inner = _one_level(x.unflatten(dim, (n_blocks, block)), dim + 1, extern)  # within each block
+    totals = inner.select(dim + 1, block - 1)
+    before = _one_level(totals, dim, extern) - totals  # sum of the blocks before each block
+    return (inner + before.unsqueeze(dim + 1)).flatten(dim, dim + 1).narrow(dim, 0, n)
