@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -145,6 +146,16 @@ def matmul_gflops(device: torch.device | str = "cpu", n: int = 1024, dtype=torch
     return 2 * n**3 / m.seconds_min / 1e9
 
 
+_STARTED = time.perf_counter()
+
+
+def progress(what: str, seconds: float | None = None) -> None:
+    """One line on stderr as a benchmark case finishes: a GPU profile compiles and runs for minutes,
+    and a run cut short still shows how far it got (``seconds``: the case's measured time)."""
+    took = "" if seconds is None else f": {seconds * 1e3:.4g} ms"
+    print(f"[bench {time.perf_counter() - _STARTED:7.1f} s] {what}{took}", file=sys.stderr, flush=True)
+
+
 def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int, *, peak_gflops: float | None = None,
                   reference_of=lambda name: "reference loop fwd",
                   baseline_of=lambda name: "sdpa causal fwd") -> list[dict]:
@@ -161,6 +172,9 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
             results[name] = measure(fn, device=device, repeats=repeats)
         except Exception as e:  # a compile failure is a result to report, not a crash
             failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:60]}"
+            progress(f"T={T} {name}: {failed[name]}")
+        else:
+            progress(f"T={T} {name}", results[name].seconds)
     for name, _, *flops in cases:
         if name in failed:
             rows.append({"T": T, "case": name, "error": failed[name]})

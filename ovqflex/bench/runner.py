@@ -16,6 +16,10 @@ JSON) and plots them (``<name>.png``). A profile::
 Each scenario table is checked against its kind's schema (``ovqflex.bench.scenarios``) when the
 profile loads: unknown keys (with the nearest valid one), missing keys and wrong types are
 refused by name before anything runs.
+
+Progress goes to stderr, a line per scenario and per measured case (a GPU profile compiles and
+runs for minutes); after each scenario but the last the rows so far are written to the JSON with
+``meta.partial = true``, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from recurrences.checks import check_keys
 
 from ..devices import AUTO, resolve_device
 from .fit import fit_rows, plot_loglog
-from .measure import matmul_gflops
+from .measure import matmul_gflops, progress
 from .scenarios import KINDS, parse_scenario
 
 PROFILE_KEYS = ("name", "description", "scenario")
@@ -70,12 +74,19 @@ def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "
     device = str(resolve_device(device))
     rows: list[dict] = []
     gflops = matmul_gflops(device)
-    for sc in prof["scenario"]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dest = out / f"{prof['name']}.json"
+    meta = {"profile": prof["name"], "torch": torch.__version__, "device": device, "machine": platform.machine(),
+            "threads": torch.get_num_threads(), "matmul_gflops": gflops}
+    chosen = [sc for sc in prof["scenario"] if not only or only in (sc.name or sc.kind)]
+    for i, sc in enumerate(chosen):
         name = sc.name or sc.kind
-        if only and only not in name:
-            continue
+        progress(f"scenario {name} ({i + 1} of {len(chosen)})")
         series = {"series": sc.series} if sc.series is not None else {}
         rows += [{"scenario": name, **series, **r} for r in KINDS[sc.kind][1](sc, device)]
+        if i + 1 < len(chosen):  # the scenarios so far, in case a later one is cut short
+            _write_json(dest, {"meta": {**meta, "partial": True}, "rows": rows, "fits": []})
     print(f"profile {prof['name']}: {prof.get('description', '')}".rstrip(": "))
     print(f"torch {torch.__version__}, device {device}, {os.cpu_count()} cpu threads={torch.get_num_threads()}, "
           f"measured fp32 matmul {gflops:.1f} GFLOP/s")
@@ -84,16 +95,16 @@ def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "
     if fits:
         print("\nlog-log slopes vs T (1 = linear, 2 = quadratic):")
         print(tabulate(fits, headers="keys", floatfmt=".3f", missingval="-"))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dest = out / f"{prof['name']}.json"
-    tmp = dest.with_suffix(".json.tmp")
-    meta = {"profile": prof["name"], "torch": torch.__version__, "device": device, "machine": platform.machine(),
-            "threads": torch.get_num_threads(), "matmul_gflops": gflops}
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows, "fits": fits}, indent=2))
-    tmp.replace(dest)
+    _write_json(dest, {"meta": meta, "rows": rows, "fits": fits})
     print(f"wrote {dest}")
     plot = plot_loglog(rows, out / f"{prof['name']}.png", title=f"{prof['name']} ({device})")
     if plot is not None:
         print(f"wrote {plot}")
     return rows
+
+
+def _write_json(dest: Path, result: dict) -> None:
+    """Write ``result`` to ``dest`` atomically (a temporary file, then a rename)."""
+    tmp = dest.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(dest)

@@ -32,6 +32,31 @@ def test_bench_runs_a_profile_and_writes_json(tmp_path, capsys):
     assert rows[0]["T"] == 1024 and rows[0]["visible_blocks"] > 8
 
 
+def test_bench_shows_progress_and_keeps_the_scenarios_before_a_failure(tmp_path, capsys, monkeypatch):
+    """A line per scenario on stderr; the rows of the scenarios that finished are in the JSON
+    (``meta.partial``) when a later one stops the run."""
+    from ovqflex.bench.runner import run_profile
+    from ovqflex.bench.scenarios import KINDS
+
+    schema, blockmask = KINDS["blockmask"]
+
+    def second_fails(sc, device):
+        if sc.name == "b":
+            raise RuntimeError("cut short")
+        return blockmask(sc, device)
+
+    monkeypatch.setitem(KINDS, "blockmask", (schema, second_fails))
+    table = 'kind = "blockmask"\nseq_len = 512\nchunk_size = 128\nstate_rows = 128\n'
+    prof = tmp_path / "two.toml"
+    prof.write_text(f'name = "two"\n[[scenario]]\nname = "a"\n{table}[[scenario]]\nname = "b"\n{table}')
+    with pytest.raises(RuntimeError, match="cut short"):
+        run_profile(prof, device="cpu", out_dir=tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "scenario a (1 of 2)" in err and "scenario b (2 of 2)" in err
+    saved = json.loads((tmp_path / "out" / "two.json").read_text())
+    assert saved["meta"]["partial"] is True and {r["scenario"] for r in saved["rows"]} == {"a"}
+
+
 @pytest.mark.parametrize("text, match", [("name = 'x'\n", "no \\[\\[scenario\\]\\]"),
                                          ("[[scenario]]\nkind = 'nope'\n", "kind must be one of"),
                                          ("[[scenario\n", "not valid TOML")], ids=["empty", "kind", "toml"])

@@ -9,7 +9,7 @@ from recurrences.checks import check_choice, check_keys
 
 from ...methods import METHODS, Method, method_names
 from ...models.hybrid import DECODES, static_step
-from ..measure import measure, sync
+from ..measure import measure, progress, sync
 from .base import Scenario, check_sizes, register, runs_on
 
 
@@ -106,6 +106,8 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
                              "tokens_per_s": batch * n_dec / m.seconds,
                              "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
                              "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
+                progress(f"decode {case['name']} batch {batch} T={T} ({batch * n_dec / m.seconds:,.0f} tokens/s)",
+                         m.seconds / n_dec)
     by_t = {}
     for r in rows:
         by_t.setdefault((r["batch"], r["T"]), []).append(r)

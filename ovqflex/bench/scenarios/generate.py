@@ -10,7 +10,7 @@ from recurrences.checks import check_choice, check_int
 
 from ...methods import METHODS
 from ...models.hybrid import DECODES
-from ..measure import measure, sync
+from ..measure import measure, progress, sync
 from .base import Scenario, check_sizes, register, runs_on
 
 
@@ -109,6 +109,8 @@ def generate(sc: GenerateScenario, device: str) -> list[dict]:
                 rows.append({"decode": mode, "batch": batch, "prompt": n_prompt, "prefill_s": prefill.seconds,
                              "prefill_peak_mb": prefill.peak_mb, "decode_s": decode_s,
                              "new_tokens_per_s": batch * (sc.new_tokens - 1) / decode_s})
+                progress(f"generate {mode} batch {batch} prompt {n_prompt} "
+                         f"({batch * (sc.new_tokens - 1) / decode_s:,.0f} new tokens/s)", decode_s)
     first = modes[0]
     for r in rows:
         key = (r["batch"], r["prompt"])

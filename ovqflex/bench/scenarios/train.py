@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..measure import measure
+from ..measure import measure, progress
 from .base import Scenario, register
 
 
@@ -65,6 +65,8 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
                      "params_m": model.num_parameters() / 1e6, "first_step_s": first,
                      "step_s": m.seconds / steps, "tokens_per_s": steps * cfg.batch_size * cfg.seq_len / m.seconds,
                      "peak_mb": m.peak_mb})
+        progress(f"train {pattern} (first step {first:.1f} s, {rows[-1]['tokens_per_s']:,.0f} tokens/s)",
+                 m.seconds / steps)
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["x_vs_baseline"] = r["tokens_per_s"] / base
