@@ -8,7 +8,8 @@ scans shape :func:`cumsum`:
   lines for the last dimension), each walking the whole length in order: a ``[1, 8, 65536, 16]``
   cumsum over the tokens is 128 threads of 65,536 dependent steps, tens of milliseconds on a GPU
   that moves the same data in microseconds. On CUDA a scan longer than :data:`LONG_SCAN` therefore
-  runs in two levels of about ``sqrt(n)`` elements: within blocks, then the block totals, added back.
+  runs in two levels: within blocks of :data:`SCAN_BLOCK` elements, then over the block totals (the
+  same way again when there are more than :data:`LONG_SCAN` of them), added back.
   Integer sums are unchanged; float sums are rounded in a different order (one more addition per
   element). On the CPU, where a scan is a vectorized loop, the extra pass only costs (about 15% of a
   versioned sums' forward and backward at 16k tokens), so the CPU keeps the one-level scan.
@@ -20,8 +21,6 @@ scans shape :func:`cumsum`:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,8 +28,9 @@ from torch import Tensor
 #: longest scan inductor's Triton code generator does in one block; longer ones become a split scan
 SINGLE_BLOCK_SCAN = 128
 
-#: scans longer than this run in two levels (:func:`cumsum`)
+#: scans longer than this run in two levels on CUDA (:func:`cumsum`), the first within blocks of SCAN_BLOCK
 LONG_SCAN = 1024
+SCAN_BLOCK = 256
 
 
 @torch.library.custom_op("ovqflex::cumsum", mutates_args=())
@@ -64,20 +64,22 @@ def _one_level(x: Tensor, dim: int, extern: bool | None) -> Tensor:
 def cumsum(x: Tensor, dim: int, *, two_level: bool | None = None, extern: bool | None = None) -> Tensor:
     """``x.cumsum(dim)`` (bool and integer inputs sum to int64), fast and compilable on every device.
     ``two_level`` (default: on CUDA, for scans longer than :data:`LONG_SCAN`): scan within blocks of
-    ``2**ceil(log2(sqrt(n)))`` elements, then over the block totals. ``extern`` (default: on CUDA while
-    compiling, for scans longer than :data:`SINGLE_BLOCK_SCAN`): each scan runs as :func:`extern_cumsum`."""
+    :data:`SCAN_BLOCK` elements, then over the block totals (with the same default). ``extern``
+    (default: on CUDA while compiling, for scans longer than :data:`SINGLE_BLOCK_SCAN`): each scan runs
+    as :func:`extern_cumsum`. The block is fixed, so a length traced as a symbol stays one."""
     dim = dim % x.dim()
     n = x.shape[dim]
+    asked = two_level
     if two_level is None:
         two_level = x.is_cuda and n > LONG_SCAN
-    if not two_level or n < 4:
+    if not two_level or n <= SCAN_BLOCK:
         return _one_level(x, dim, extern)
-    block = 1 << math.ceil(math.log2(math.isqrt(n - 1) + 1))
+    block = SCAN_BLOCK
     n_blocks = -(-n // block)
     if n_blocks * block > n:
         pads = [0, 0] * (x.dim() - 1 - dim) + [0, n_blocks * block - n]
         x = F.pad(x if x.is_floating_point() else x.long(), pads)
     inner = _one_level(x.unflatten(dim, (n_blocks, block)), dim + 1, extern)  # within each block
     totals = inner.select(dim + 1, block - 1)
-    before = _one_level(totals, dim, extern) - totals  # sum of the blocks before each block
+    before = cumsum(totals, dim, two_level=asked, extern=extern) - totals  # sum of the blocks before each
     return (inner + before.unsqueeze(dim + 1)).flatten(dim, dim + 1).narrow(dim, 0, n)

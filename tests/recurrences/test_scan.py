@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from recurrences.scan import LONG_SCAN, SINGLE_BLOCK_SCAN, cumsum, extern_cumsum
+from recurrences.scan import LONG_SCAN, SCAN_BLOCK, SINGLE_BLOCK_SCAN, cumsum, extern_cumsum
 
 
 @settings(max_examples=30, deadline=None)
@@ -60,3 +60,18 @@ def test_cumsum_inside_a_compiled_graph_with_broadcast_input():
             got = torch.autograd.grad(compiled(x, b, extern), (x, b))
             for a, e in zip(got, want):
                 torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-3)
+
+
+def test_cumsum_recurses_over_many_block_totals():
+    """More than SCAN_BLOCK blocks: the totals are scanned in two levels too (three in all)."""
+    x = torch.randint(-9, 9, (2, SCAN_BLOCK * SCAN_BLOCK + 3), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(cumsum(x, 1, two_level=True), x.cumsum(1))
+
+
+def test_cumsum_compiles_with_the_length_as_a_symbol():
+    """``torch.compile(model)`` traces a second length as a symbol: the block size must not depend on it."""
+    compiled = torch.compile(lambda x: cumsum(x, 1, two_level=True), dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(7)
+    for n in (2000, 3001, 5000):
+        x = torch.randn(2, n, 3, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(compiled(x), x.cumsum(1), rtol=1e-12, atol=1e-10)
