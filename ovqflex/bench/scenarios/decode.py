@@ -106,7 +106,7 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
                              "tokens_per_s": batch * n_dec / m.seconds,
                              "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
                              "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
-                progress(f"decode {case['name']} batch {batch} T={T} ({batch * n_dec / m.seconds:,.0f} tokens/s)",
+                progress(f"decode {case['name']} batch {batch} T={T} ({rows[-1]['tokens_per_s']:,.0f} tokens/s)",
                          m.seconds / n_dec)
     by_t = {}
     for r in rows:

@@ -110,7 +110,7 @@ def generate(sc: GenerateScenario, device: str) -> list[dict]:
                              "prefill_peak_mb": prefill.peak_mb, "decode_s": decode_s,
                              "new_tokens_per_s": batch * (sc.new_tokens - 1) / decode_s})
                 progress(f"generate {mode} batch {batch} prompt {n_prompt} "
-                         f"({batch * (sc.new_tokens - 1) / decode_s:,.0f} new tokens/s)", decode_s)
+                         f"({rows[-1]['new_tokens_per_s']:,.0f} new tokens/s)", decode_s)
     first = modes[0]
     for r in rows:
         key = (r["batch"], r["prompt"])
