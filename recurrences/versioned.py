@@ -214,21 +214,27 @@ def _version_sums(x: Tensor, order: Tensor, inv: Tensor, seg_start: Tensor) -> T
     xs = x.gather(2, order[..., None].expand(B, H, Tp, D))  # sorted by (slot, position)
     marked = not (host_check_is_free(x) and bool(torch.isfinite(x.sum(2, dtype=torch.float64)).all()))
     if marked:
-        bad = (~torch.isfinite(xs).all(-1)).long()
-        bad_cs = cumsum(bad, 2)
-        bad_so_far = bad_cs - (bad_cs - bad).gather(2, seg_start)  # non-finite tokens of the slot up to here
+        bad_so_far = _slot_running_sums((~torch.isfinite(xs).all(-1)).long(), seg_start)  # non-finite tokens so far
     parts = []
     for cols in xs.split(FP64_COLUMNS, dim=-1):
         c64 = cols.double()
         if marked:
             c64 = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
-        cs = cumsum(c64, 2)
-        sums = cs - (cs - c64).gather(2, seg_start[..., None].expand_as(cs))  # minus the sum before the slot
+        sums = _slot_running_sums(c64, seg_start)
         if marked:
-            sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(cs, float("nan")), sums)
+            sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(sums, float("nan")), sums)
         parts.append(sums.to(x.dtype))
     sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return sums.gather(2, inv[..., None].expand(B, H, Tp, D))
+
+
+def _slot_running_sums(xs: Tensor, seg_start: Tensor) -> Tensor:
+    """Running sums of ``xs [B, H, Tp, *]`` (tokens sorted by slot) within each token's slot: the
+    cumsum over all tokens minus its value before the slot's first token (sorted index ``seg_start
+    [B, H, Tp]``)."""
+    cs = cumsum(xs, 2)
+    start = seg_start.view(*seg_start.shape, *(1,) * (xs.dim() - 3)).expand_as(cs)
+    return cs - (cs - xs).gather(2, start)
 
 
 def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPlan, c: int) -> tuple[Tensor, Tensor]:
