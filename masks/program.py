@@ -18,7 +18,7 @@ from recurrences.checks import check_block_size, check_qkv
 from recurrences.precision import compute_dtype, to_dtype
 
 from .blocks import BlockLayout, build_block_layout
-from .regions import Geometry, Region
+from .regions import Geometry, Region, union_tests
 from .scores import row_bias
 
 DEFAULT_BLOCK = 128
@@ -50,12 +50,12 @@ class AttentionProgram:
     def mask_mod(self):
         """Union of the regions: ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
         if self._mask_mod is None:
-            regions, params = self.regions, self.params
+            (first, p0), *rest = union_tests(self.regions, self.params)
 
             def mask_mod(b, h, q_idx, kv_idx):
-                visible = regions[0].contains(params[0], q_idx, kv_idx, b, h)
-                for region, p in zip(regions[1:], params[1:]):
-                    visible = visible | region.contains(p, q_idx, kv_idx, b, h)
+                visible = first(p0, q_idx, kv_idx, b, h)
+                for test, p in rest:
+                    visible = visible | test(p, q_idx, kv_idx, b, h)
                 return visible
 
             self._mask_mod = mask_mod

@@ -69,6 +69,11 @@ class Region:
     ``exact``: every row of ``[lo, hi)`` is visible. A region with a per-row predicate
     inside its interval (the versioned state layout, :mod:`masks.versioned`) sets it
     False and overrides ``contains``: its blocks are then never listed as full.
+
+    ``shared_test``: regions of one state whose rows are visible exactly when one per-row test
+    says so (the versioned layout's checkpoints and version rows: the liveness alone decides,
+    inside their intervals or not) return the same key; a program's ``mask_mod`` then runs that
+    test once (``test_shared`` of the first such region) in place of each region's ``contains``.
     """
 
     name: ClassVar[str] = "region"
@@ -90,6 +95,30 @@ class Region:
         index tensors of the ``mask_mod``) matter only to regions with per-row predicates."""
         lo, hi = self.bounds(p, q_idx)
         return (kv_idx >= lo) & (kv_idx < hi)
+
+    def shared_test(self) -> object | None:
+        """The key of the visibility test this region shares (see the class doc); None: its own ``contains``."""
+        return None
+
+    def test_shared(self, p: tuple[Tensor, ...], q_idx: Tensor, kv_idx: Tensor, b: Tensor | None = None,
+                    h: Tensor | None = None) -> Tensor:
+        """The shared test: whether query ``q_idx`` sees kv row ``kv_idx`` through any region with this
+        region's ``shared_test`` key, for every kv row of the program."""
+        raise NotImplementedError
+
+
+def union_tests(regions, params) -> list:
+    """``(test, p)`` pairs whose union is the program's visibility: each region's ``contains``, a
+    shared test once for all the regions sharing it."""
+    tests, shared = [], set()
+    for region, p in zip(regions, params):
+        key = region.shared_test()
+        if key is None:
+            tests.append((region.contains, p))
+        elif key not in shared:
+            shared.add(key)
+            tests.append((region.test_shared, p))
+    return tests
 
 
 def _i32(values: list[int], device: torch.device) -> Tensor:

@@ -9,9 +9,13 @@ Query chunk ``c`` (checkpoint ``k = c // R``) reads
 
 Both are intervals with non-decreasing bounds (the analytic block builder's contract), and
 inside them a row is visible only while ``born[b, h, r] <= c < dies[b, h, r]`` — a per-row
-predicate read from captured int32 ``[B, H, S]`` tensors, so these regions are not ``exact``:
-their blocks are always partial (the ``mask_mod`` decides). The queries of padding chunks read
-the last chunk's state, as :class:`~masks.regions.StateBank` does.
+predicate read from captured int32 tensors (``[B, H, kv_len]``: token rows are never live), so
+these regions are not ``exact``: their blocks are always partial (the ``mask_mod`` decides). The
+liveness alone decides (a live row always lies in its region's interval,
+:mod:`recurrences.versioned`), so the two regions share it as one test (``shared_test``): the
+``mask_mod`` compares two gathered rows with the query's chunk once, not each region's interval
+and liveness. The queries of padding chunks read the last chunk's state, as
+:class:`~masks.regions.StateBank` does.
 
 Viewers: ``contains`` without ``b, h`` draws batch 0, head 0; statistics computed from the
 interval bounds alone (``masks.viz.stats``) count every candidate row, live or not.
@@ -36,9 +40,10 @@ def _touched_chunks(geom: Geometry, chunk_size: int) -> int:
 
 
 def _liveness(born: Tensor, dies: Tensor, geom: Geometry) -> tuple[Tensor, Tensor]:
-    pad = geom.n_state - born.shape[-1]
-    if pad < 0:
+    """born, dies ``[B, H, kv_len]`` int32: the state's rows, then dead rows (state padding, tokens)."""
+    if born.shape[-1] > geom.n_state:
         raise ValueError(f"liveness covers {born.shape[-1]} rows, more than the program's {geom.n_state} state rows")
+    pad = geom.kv_len - born.shape[-1]
     return F.pad(born.to(torch.int32), (0, pad)), F.pad(dies.to(torch.int32), (0, pad))
 
 
@@ -84,7 +89,13 @@ class CheckpointBank(Region):
 
     def contains(self, p, q_idx, kv_idx, b=None, h=None):
         lo, hi = self.bounds(p, q_idx)
-        return (kv_idx >= lo) & (kv_idx < hi) & _live(p[2], p[3], self._chunk(p, q_idx), kv_idx, b, h)
+        return (kv_idx >= lo) & (kv_idx < hi) & self.test_shared(p, q_idx, kv_idx, b, h)
+
+    def shared_test(self):
+        return ("versioned-liveness", id(self.born))
+
+    def test_shared(self, p, q_idx, kv_idx, b=None, h=None):
+        return _live(p[2], p[3], self._chunk(p, q_idx), kv_idx, b, h)
 
     def max_span(self, geom):
         # chunks c0..c1 of one query block touch checkpoints c0 // R .. c1 // R
@@ -128,7 +139,13 @@ class VersionRows(Region):
 
     def contains(self, p, q_idx, kv_idx, b=None, h=None):
         lo, hi = self.bounds(p, q_idx)
-        return (kv_idx >= lo) & (kv_idx < hi) & _live(p[1], p[2], self._chunk(p, q_idx), kv_idx, b, h)
+        return (kv_idx >= lo) & (kv_idx < hi) & self.test_shared(p, q_idx, kv_idx, b, h)
+
+    def shared_test(self):
+        return ("versioned-liveness", id(self.born))
+
+    def test_shared(self, p, q_idx, kv_idx, b=None, h=None):
+        return _live(p[1], p[2], self._chunk(p, q_idx), kv_idx, b, h)
 
     def max_span(self, geom):
         # over one query block: chunks c0..c1 read tokens from (R floor(c0/R) - lag + 1) L to (c1 - lag + 1) L

@@ -17,7 +17,10 @@ Query chunk ``c`` (checkpoint ``k = c // R``) sees exactly its snapshot through
   ``e <= c < `` the next entry chunk of slot ``s`` (it is the slot's latest version).
 
 Both conditions are stored per row as ``born[r] <= c < dies[r]`` (int32 ``[B, H, rows]``;
-dead rows have ``born = dies = 0``). Row values come from one sort by (slot, position) and a
+dead rows have ``born = dies = 0``), and that test alone decides: checkpoint ``k``'s rows live
+within ``[R k, R (k + 1))``, a version row entering at ``e`` dies at the first checkpoint chunk
+``>= e`` (which holds it from then on; one entering at a checkpoint's chunk never lives), so a
+live row always lies in the intervals above (the attention mask tests only the liveness). Row values come from one sort by (slot, position) and a
 segmented cumulative sum (cumsum minus the running sum before the slot's segment, in fp64
 so long sequences keep fp32 accuracy), all differentiable; the sort and the liveness are
 integer bookkeeping without gradient. Every method's state is such a sum (OVQ means, KVM
@@ -174,8 +177,11 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         nxt_entry = torch.cat([entry_s[..., 1:], torch.full_like(entry_s[..., :1], nc)], -1)
         same = nxt_slot == slot_s
         last = (slot_s < rows) & ~(same & (nxt_entry == entry_s))  # the group's final token: a live row
-        born_s = torch.where(last, entry_s, 0)
-        dies_s = torch.where(last, torch.where(same, nxt_entry, nc), 0)
+        # it lives until its slot's next entry or the next checkpoint (which holds it), whichever is first
+        dies_s = torch.minimum(torch.where(same, nxt_entry, nc), -(-entry_s // R) * R)
+        live_s = last & (dies_s > entry_s)  # a row entering at a checkpoint's chunk is in that checkpoint
+        born_s = torch.where(live_s, entry_s, 0)
+        dies_s = torch.where(live_s, dies_s, 0)
         inv = torch.empty_like(order).scatter_(2, order, idx)  # sorted index of each position
         ver_born, ver_dies = born_s.gather(2, inv), dies_s.gather(2, inv)
         ver_counts = count_s.gather(2, inv).float()
@@ -185,9 +191,11 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         first = torch.full((B, H, (n_ckpt + 1) * (rows + 1)), nc, dtype=torch.long, device=dev)
         first = first.scatter_reduce(2, cell, entry_s.expand(B, H, Tp), reduce="amin")
         first = first.view(B, H, n_ckpt + 1, rows + 1)[:, :, :n_ckpt, :rows]
-        ck_dies = torch.flip(torch.cummin(torch.flip(first, [2]), 2).values, [2])
+        ck_chunk = torch.arange(n_ckpt, device=dev)[:, None] * R  # [n_ckpt, 1]: checkpoint k is chunk R k's state
+        ck_dies = torch.minimum(torch.flip(torch.cummin(torch.flip(first, [2]), 2).values, [2]), ck_chunk + R)
+        ck_born = torch.where(ckpt_counts > 0, ck_chunk, 0)
         ck_dies = torch.where(ckpt_counts > 0, ck_dies, 0)
-        born = torch.cat([torch.zeros_like(ck_dies).flatten(2), ver_born], -1).to(torch.int32)
+        born = torch.cat([ck_born.flatten(2), ver_born], -1).to(torch.int32)
         dies = torch.cat([ck_dies.flatten(2), ver_dies], -1).to(torch.int32)
 
     ver = [_version_sums(x, order, inv, seg_start) for x in xs]

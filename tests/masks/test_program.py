@@ -96,6 +96,23 @@ def test_on_blocks_lists_match_the_dense_mask(name):
     assert (full <= all_visible).all(), "a block listed full is not fully visible"
 
 
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_mask_mod_is_the_union_of_every_regions_contains(name):
+    """The ``mask_mod`` runs a test shared by several regions once (the versioned liveness,
+    ``Region.shared_test``): it still sees exactly the union of each region's own ``contains``,
+    also on larger blocks (token rows past the state's padding)."""
+    for p in (PROGRAMS[name](150, 16)[0], PROGRAMS[name](150, 16)[0].on_blocks(128)):
+        g = p.geom
+        b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(2).view(1, 2, 1, 1)
+        q, kv = torch.arange(g.q_pad).view(1, 1, -1, 1), torch.arange(g.kv_len).view(1, 1, 1, -1)
+        union = torch.zeros(2, 2, g.q_pad, g.kv_len, dtype=torch.bool)
+        for region, params in zip(p.regions, p.params):
+            union |= region.contains(params, q, kv, b, h)
+        assert torch.equal(p.mask_mod(b, h, q, kv).expand_as(union), union)
+        shared = [r.shared_test() for r in p.regions if r.shared_test() is not None]
+        assert len(shared) == (2 if "versioned" in name else 0) and len(set(shared)) <= 1
+
+
 def test_on_blocks_is_the_identity_at_the_own_block_and_refuses_a_non_multiple():
     p, _ = _plain(40, 32)
     assert p.on_blocks(32) is p

@@ -51,7 +51,15 @@ def test_every_chunk_sees_exactly_its_snapshot(case):
     laid = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
     laid_counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)[..., None].double()
     assert vs.born.shape == vs.dies.shape == (B, H, plan.state_rows)
+    n_ck_rows, pos = plan.n_ckpt * plan.rows, torch.arange(plan.n_versions)
     for c in range(n_chunks):
+        # the liveness alone decides (the mask tests only it): a live row lies in chunk c's intervals,
+        # checkpoint c // every's rows and the version rows of tokens entering in chunks (every * (c // every), c]
+        k = c // plan.every
+        entry = pos // L + lag
+        inside = torch.cat([torch.arange(n_ck_rows) // plan.rows == k, (entry > k * plan.every) & (entry <= c)])
+        alone = (vs.born <= c) & (c < vs.dies)
+        assert not (alone & ~inside).any(), f"chunk {c}: a live row outside its intervals"
         state, seen = snapshot_from_versioned(laid, vs, plan, c)
         cnt, _ = snapshot_from_versioned(laid_counts, vs, plan, c)
         # each slot with tokens in the snapshot is seen exactly once, the others never
