@@ -25,3 +25,9 @@ def resolve_device(name: str = AUTO, local_rank: int = 0) -> torch.device:
         if dev.index is None:
             dev = torch.device("cuda", local_rank)
     return dev
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op elsewhere. Call it before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

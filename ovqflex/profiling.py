@@ -11,7 +11,8 @@ the same names. :class:`ProfileConfig` is what ``ovqflex profile`` runs (here, n
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -28,13 +29,45 @@ PREFIX = "ovqflex."
 MODES = ("fwd", "fwd+bwd")
 
 
-def stage(name: str) -> record_function | nullcontext:
-    """Context manager labelling a stage ``ovqflex.<name>``; ``name`` is one of :data:`STAGES`."""
+#: the active :func:`stage_timer` (innermost last): what each stage adds its time to, and the device it syncs
+_timers: list[tuple[dict[str, float], torch.device]] = []
+
+
+def stage(name: str):
+    """Context manager labelling a stage ``ovqflex.<name>``; ``name`` is one of :data:`STAGES`.
+    Inside a :func:`stage_timer` it also adds its wall time to the timer's totals."""
     if name not in STAGES:
         raise ValueError(f"stage name must be one of {STAGES}, got {name!r}")
     if torch.compiler.is_compiling():
         return nullcontext()
+    if _timers:
+        return _timed(name, *_timers[-1])
     return record_function(PREFIX + name)
+
+
+@contextmanager
+def _timed(name: str, totals: dict[str, float], device: torch.device):
+    with record_function(PREFIX + name):
+        devices.sync(device)
+        t0 = time.perf_counter()
+        yield
+        devices.sync(device)
+        totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+
+
+@contextmanager
+def stage_timer(device: torch.device | str = "cpu"):
+    """Time every :func:`stage` run inside (eager code; compiled graphs have no stages): yields a dict
+    ``stage name -> seconds`` (summed over the stage's runs), filled as they end. Each stage
+    synchronizes ``device`` when it starts and ends, so a CUDA stage's time is its kernels' too, and
+    the stages no longer overlap the host's launches of the next one: their sum is a little more than
+    the same code's unsynchronized time. A stage nested in another counts in both."""
+    totals: dict[str, float] = {}
+    _timers.append((totals, torch.device(device)))
+    try:
+        yield totals
+    finally:
+        _timers.pop()
 
 
 def _target_help() -> str:

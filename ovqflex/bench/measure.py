@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import sync
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -105,12 +107,6 @@ class Measurement:
     seconds: float  # median over repeats
     seconds_min: float
     peak_mb: float  # peak memory growth during one run
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA); a no-op elsewhere. Call it before reading a clock."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup: int = 1) -> Measurement:

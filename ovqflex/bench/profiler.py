@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..devices import resolve_device
+from ..devices import resolve_device, sync
 from ..profiling import MODES, PREFIX, STAGES, ProfileConfig
 
 STEP = PREFIX + "step"
@@ -65,8 +65,7 @@ def _step(module, x, loss, mode: str) -> None:
             with record_function(BACKWARD):
                 out.backward()
             module.zero_grad(set_to_none=True)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
+        sync(x.device)
 
 
 def profile_target(cfg: ProfileConfig, trace: str | Path) -> list[dict]:

@@ -7,7 +7,8 @@ from torch._dynamo.utils import counters
 
 from ovqflex.bench.profiler import ProfileConfig, profile_target, stage_table
 from ovqflex.cli import main
-from ovqflex.profiling import STAGES, stage
+from ovqflex.ops import ovq_program
+from ovqflex.profiling import STAGES, stage, stage_timer
 
 SMALL = dict(backend="blocked", block_size=32)
 # target -> (layer options, stages its forward must show); adding a layer (e.g. kvm) is one line
@@ -79,6 +80,28 @@ def test_stage_labels_do_not_break_fullgraph_compile():
 
     out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(4))
     assert torch.allclose(out, torch.ones(4).mul(2).sin()) and not counters["graph_break"]
+
+
+def test_stage_timer_times_each_stage_of_a_program_build(monkeypatch):
+    """Inside a timer each stage adds its wall time (clock mocked: each reading 1 s later), a
+    nested timer takes the stages run inside it, and outside a timer nothing is timed."""
+    import ovqflex.profiling as profiling
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: float(next(clock)))
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with stage_timer() as outer:
+        ovq_program(q, k, v, torch.ones(2), chunk_size=16, max_centroids=8)
+        with stage_timer() as inner:
+            with stage("attention"):
+                pass
+            with stage("attention"):
+                pass
+    assert outer == {"proj": 1.0, "routing": 1.0, "state_build": 1.0, "block_mask": 1.0}
+    assert inner == {"attention": 2.0}
+    with stage("attention"):
+        pass
+    assert next(clock) == 12, "a stage outside a timer read the clock"
 
 
 def test_unknown_stage_name():

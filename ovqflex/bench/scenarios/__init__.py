@@ -8,10 +8,11 @@ required key or a value of the wrong type is named too, all before anything runs
 
 Modules: ``base`` (``Scenario``, ``KINDS``, ``register``, ``parse_scenario``), ``program``
 (``blockmask``, ``viz``), ``op`` (``ovq``, ``kvm``, ``vq``: a method's op vs its reference loop and
-SDPA), ``recurrent`` (``recurrent``, ``state_layout``, ``routing``), ``train`` (``train``), ``decode`` (``decode``),
+SDPA), ``stages`` (``stages``: an op's program build stage by stage per state layout, its flex kernel),
+``recurrent`` (``recurrent``, ``state_layout``, ``routing``), ``train`` (``train``), ``decode`` (``decode``),
 ``generate`` (``generate``, ``quantized``).
 """
 from .base import KINDS, Scenario, parse_scenario, register
-from . import decode, generate, op, program, recurrent, train  # noqa: F401  (each module registers its kinds)
+from . import decode, generate, op, program, recurrent, stages, train  # noqa: F401  (each module registers its kinds)
 
 __all__ = ["KINDS", "Scenario", "parse_scenario", "register"]

@@ -44,6 +44,38 @@ def _baseline_of(name: str) -> str:
     return "sdpa causal fwd+bwd" if "fwd+bwd" in name else "sdpa causal fwd"
 
 
+def op_inputs(T: int, H: int, D: int, extra, device: torch.device, dtype: torch.dtype) -> dict:
+    """An op's keyword inputs at length ``T``: q, k, v ``[1, H, T, D]`` and ``extra(T, H, D, generator,
+    cpu)``'s, drawn on the CPU from seed 0 (the same values on every device), then moved to ``device``
+    with every floating one in ``dtype``."""
+    g = torch.Generator().manual_seed(0)
+    t = dict(zip("qkv", (torch.randn(1, H, T, D, generator=g) for _ in range(3))))
+    t.update(extra(T, H, D, g, torch.device("cpu")))
+    return {n: x.to(device, dtype) if x.is_floating_point() else x.to(device) for n, x in t.items()}
+
+
+def ovq_extra(T, H, D, g, dev) -> dict:
+    """OVQ's extra op inputs: ``beta [H]`` at ``sqrt(D)``."""
+    return {"beta": torch.full((H,), D**0.5, device=dev)}
+
+
+def kvm_extra(T, H, D, g, dev) -> dict:
+    """KVM's extra op inputs: a positive gate ``[1, H, T]``, identity ``LN_s`` and temperatures."""
+    import torch.nn.functional as F
+
+    return dict(gate=(1 + F.elu(torch.randn(1, H, T, generator=g))).to(dev),
+                ln_s_weight=torch.ones(D, device=dev), ln_s_bias=torch.zeros(D, device=dev),
+                tau_state=torch.ones(H, device=dev), tau_bswa=torch.ones(H, device=dev))
+
+
+def vq_extra(codebook_size: int):
+    """VQ's extra op inputs: a random codebook ``[H, codebook_size, D]`` and ``beta [H]`` at ``sqrt(D)``."""
+    def extra(T, H, D, g, dev) -> dict:
+        return {"codebook": torch.randn(H, codebook_size, D, generator=g).to(dev),
+                "beta": torch.full((H,), D**0.5, device=dev)}
+    return extra
+
+
 def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, options: dict, flops) -> list[dict]:
     """Shared driver of the per-method op scenarios, at each ``seq_len`` of ``seq_lens``: the fused op
     (flex forward compiled and eager; forward+backward compiled and eager through the backend that
@@ -65,10 +97,7 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
     trains = training_backend(dev)
     rows = []
     for T in sc.seq_lens:
-        g = torch.Generator().manual_seed(0)
-        t = dict(zip("qkv", (torch.randn(1, H, T, D, generator=g) for _ in range(3))))
-        t.update(extra(T, H, D, g, torch.device("cpu")))
-        t = {n: x.to(dev, dtype) if x.is_floating_point() else x.to(dev) for n, x in t.items()}
+        t = op_inputs(T, H, D, extra, dev, dtype)
         grad_t = {n: x.clone().requires_grad_(x.is_floating_point()) for n, x in t.items()}
         sdpa_grad = [grad_t[n].detach().clone().requires_grad_() for n in "qkv"]
         # dynamic=False: a second length would otherwise trace dynamic shapes, which CPU flex
@@ -117,8 +146,7 @@ def ovq(sc: OVQScenario, device: str) -> list[dict]:
     options = dict(chunk_size=sc.chunk_size, max_centroids=sc.max_centroids)
     method = get_method("ovq")
     return _op_scenario(
-        sc, device, method, op=ovq_attention,
-        extra=lambda T, H, D, g, dev: {"beta": torch.full((H,), D**0.5, device=dev)}, options=options,
+        sc, device, method, op=ovq_attention, extra=ovq_extra, options=options,
         flops=lambda T, H, D: method.flops(T, H, D, OVQOptions(**options)))
 
 
@@ -156,20 +184,12 @@ def kvm(sc: KVMScenario, device: str) -> list[dict]:
     """KVM op (docs/design.md §4.3) through :func:`_op_scenario`."""
     import functools
 
-    import torch.nn.functional as F
-
     from ...ops.kvm import KVMOptions, kvm_attention
 
     options = sc.kvm_options(sc.chunk_size)
     opts, method = KVMOptions(**options), get_method("kvm")
     sizes = functools.cache(opts.state_sizes)  # state rows of each chunk at length T
-
-    def extra(T, H, D, g, dev):
-        return dict(gate=(1 + F.elu(torch.randn(1, H, T, generator=g))).to(dev),
-                    ln_s_weight=torch.ones(D, device=dev), ln_s_bias=torch.zeros(D, device=dev),
-                    tau_state=torch.ones(H, device=dev), tau_bswa=torch.ones(H, device=dev))
-
-    rows = _op_scenario(sc, device, method, op=kvm_attention, extra=extra, options=options,
+    rows = _op_scenario(sc, device, method, op=kvm_attention, extra=kvm_extra, options=options,
                         flops=lambda T, H, D: method.flops(T, H, D, opts))
     for row in rows:
         row["state_rows_last_chunk"] = (sizes(row["T"]) or [0])[-1]
@@ -189,9 +209,5 @@ def vq(sc: VQScenario, device: str) -> list[dict]:
 
     N, method = sc.codebook_size, get_method("vq")
     options = dict(chunk_size=sc.chunk_size)
-
-    def extra(T, H, D, g, dev):
-        return {"codebook": torch.randn(H, N, D, generator=g).to(dev), "beta": torch.full((H,), D**0.5, device=dev)}
-
-    return _op_scenario(sc, device, method, op=lambda **a: vq_attention(**a)[0], extra=extra, options=options,
+    return _op_scenario(sc, device, method, op=lambda **a: vq_attention(**a)[0], extra=vq_extra(N), options=options,
                         flops=lambda T, H, D: method.flops(T, H, D, VQOptions(**options), codebook_size=N))

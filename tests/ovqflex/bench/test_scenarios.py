@@ -3,6 +3,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import ovqflex
 from ovqflex.bench.runner import load_profile
@@ -20,7 +21,7 @@ def test_shipped_profiles_parse(path):
 
 def test_every_kind_has_a_schema():
     assert {"blockmask", "ovq", "kvm", "vq", "train", "viz", "recurrent", "state_layout", "routing", "decode",
-            "quantized", "generate"} <= set(KINDS)
+            "quantized", "generate", "stages"} <= set(KINDS)
     assert all(issubclass(schema, Scenario) and callable(fn) for schema, fn in KINDS.values())
 
 
@@ -29,6 +30,7 @@ DECODE = ('[[scenario]]\nname = "d"\nkind = "decode"\nseq_lens = [64]\n'
           '[[scenario.cases]]\nname = "ovq"\nkind = "ovq"\nchunk_size = 16\n')
 GENERATE = '[[scenario]]\nname = "g"\nkind = "generate"\n'
 ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
+STAGES = '[[scenario]]\nname = "st"\nkind = "stages"\nseq_lens = [64]\n'
 
 
 @pytest.mark.parametrize("text, match", [
@@ -65,11 +67,14 @@ ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
     (ROUTING + 'method = "kvm"\nbudgt = "power_law"\n', r"unknown key 'budgt' \(did you mean 'budget'\?\)"),
     (OVQ + 'seq_lens = [64]\nmax_centroids = 8\ndtype = "fp16"\n', r"dtype must be one of \['bf16', 'fp32'\], got 'fp16'"),
     (OVQ + "seq_lens = []\nmax_centroids = 8\n", r"seq_lens must list at least one size"),
+    (STAGES + 'method = "linear"\n',
+     r"scenario 'st': method must be one of \['kvm', 'ovq', 'vq'\], got 'linear'"),
+    (STAGES + 'layouts = ["auto"]\n', r"layouts\[0\] must be one of \['snapshot', 'versioned'\], got 'auto'"),
 ], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
         "decode-kind", "decode-mode", "kvm-budget", "decode-batch-0", "decode-batch-empty",
         "decode-batch-key", "generate-batch-0", "generate-prompt", "generate-decode", "generate-decode-twice",
         "generate-new-tokens", "generate-key", "generate-preset", "routing-method",
-                                 "routing-kvm-key", "op-dtype", "op-no-lengths"])
+                                 "routing-kvm-key", "op-dtype", "op-no-lengths", "stages-method", "stages-layout"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)
@@ -119,6 +124,49 @@ def test_op_scenario_times_forward_and_backward_against_sdpa_like_for_like():
                   "max_centroids": 8, "dtype": "bf16", "max_backward_len": 32, "max_reference_len": 32,
                   "repeats": 1})
     assert [r["case"] for r in short] == ["fused flex fwd, compiled op", "fused flex fwd, eager op", "sdpa causal fwd"]
+
+
+def _check_stages(rows, T, layouts):
+    by = {r["case"]: r for r in rows}
+    sdpa = by["sdpa causal fwd"]["time_s"]
+    for layout in layouts:
+        r = by[f"{layout} program + flex kernel"]
+        assert r["T"] == T and r["routing_s"] > 0 and r["state_build_s"] > 0 and r["block_mask_s"] > 0, r
+        assert r["kernel_x_vs_sdpa"] == pytest.approx(sdpa / r["kernel_s"])
+        assert r["program_x_vs_sdpa"] == pytest.approx(sdpa / r["program_s"])
+    (op,) = [r for r in rows if r["case"].startswith("op, flex, eager (auto: ")]
+    return by, op
+
+
+def test_stages_time_each_stage_per_layout_next_to_the_kernel_and_sdpa():
+    """One row per layout (its stages, build, kernel, rows and blocks of the program it built), the op
+    with the layout auto took, and SDPA; the rows of a layout are those of that layout's program."""
+    from ovqflex.ops import ovq_program
+
+    table = {"kind": "stages", "name": "st", "seq_lens": [64], "heads": 2, "head_dim": 16, "chunk_size": 16,
+             "max_centroids": 8, "dtype": "fp32", "repeats": 1}
+    rows = _run(table)
+    by, op = _check_stages(rows, 64, ["snapshot", "versioned"])
+    assert [r["case"] for r in rows][:2] == ["snapshot program + flex kernel", "versioned program + flex kernel"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    for layout in ("snapshot", "versioned"):
+        p = ovq_program(q, k, v, torch.full((2,), 4.0), chunk_size=16, max_centroids=8, state_layout=layout)[0]
+        r = by[f"{layout} program + flex kernel"]
+        assert (r["kv_rows"], r["visible_blocks"]) == (p.geom.kv_len, int(p.layout.visible_blocks()))
+    auto = ovq_program(q, k, v, torch.full((2,), 4.0), chunk_size=16, max_centroids=8)[0].geom.kv_len
+    took = "snapshot" if auto == by["snapshot program + flex kernel"]["kv_rows"] else "versioned"
+    assert op["case"] == f"op, flex, eager (auto: {took})"
+    assert op["x_vs_sdpa"] == pytest.approx(by["sdpa causal fwd"]["time_s"] / op["time_s"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["kvm", "vq"])
+def test_stages_of_kvm_and_vq(method):
+    table = {"kind": "stages", "name": "st", "method": method, "seq_lens": [64], "heads": 2, "head_dim": 16,
+             "chunk_size": 16, "codebook_size": 8, "budget": "power_law", "growth_factor": 4.0,
+             "max_state_chunks": 0, "layouts": ["versioned"], "dtype": "bf16", "repeats": 1}
+    _check_stages(_run(table), 64, ["versioned"])
 
 
 def test_decode_runs_every_case_at_every_batch(capsys):

@@ -1,0 +1,120 @@
+"""Where a stateful op's forward spends its time (``stages``): each stage of its program build per
+state layout, the flex kernel on that program, the whole op and causal SDPA, in one process."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from masks.regions import StateBank
+from masks.versioned import CheckpointBank
+from recurrences.checks import check_choice
+from recurrences.versioned import STATE_LAYOUTS
+
+from ...attention import attend
+from ...profiling import stage_timer
+from ..measure import measure, progress
+from .base import Scenario, check_sizes, register
+from .op import DTYPES, KVMStateKeys, kvm_extra, op_inputs, ovq_extra, vq_extra
+
+STAGE_METHODS = ("ovq", "kvm", "vq")
+
+
+@dataclass(kw_only=True)
+class StagesScenario(Scenario, KVMStateKeys):
+    """``method``: ``"ovq"`` (``max_centroids``), ``"kvm"`` (the KVM keys of
+    :class:`~ovqflex.bench.scenarios.op.KVMStateKeys`) or ``"vq"`` (``codebook_size``); inputs
+    ``[1, heads, T, head_dim]`` in ``dtype`` (``"fp32"`` or ``"bf16"``), as the op scenarios draw them;
+    ``layouts``: the state layouts whose programs are built and run."""
+
+    seq_lens: list[int]
+    method: str = "ovq"
+    max_centroids: int = 2048
+    codebook_size: int = 512
+    heads: int = 8
+    head_dim: int = 64
+    chunk_size: int = 128
+    dtype: str = "bf16"
+    layouts: list[str] = field(default_factory=lambda: ["snapshot", "versioned"])
+    repeats: int = 3
+
+    def __post_init__(self):
+        check_sizes("seq_lens", self.seq_lens)
+        check_choice(f"scenario {self.name!r}: method", self.method, STAGE_METHODS)
+        check_choice("dtype", self.dtype, DTYPES)
+        for i, layout in enumerate(self.layouts):
+            check_choice(f"layouts[{i}]", layout, STATE_LAYOUTS[:2])
+
+
+def _method(sc: StagesScenario):
+    """``(program, op, extra, options)`` of the scenario's method; ``program(**inputs, **options)[0]``
+    is the op's attention program, ``op(**inputs, backend=, **options)`` its output."""
+    from ...ops import kvm_attention, kvm_program, ovq_attention, ovq_program, vq_attention, vq_program
+
+    if sc.method == "ovq":
+        return ovq_program, ovq_attention, ovq_extra, dict(chunk_size=sc.chunk_size, max_centroids=sc.max_centroids)
+    if sc.method == "kvm":
+        return kvm_program, kvm_attention, kvm_extra, sc.kvm_options(sc.chunk_size)
+    return vq_program, lambda **a: vq_attention(**a)[0], vq_extra(sc.codebook_size), dict(chunk_size=sc.chunk_size)
+
+
+def layout_of(program) -> str:
+    """The state layout of a program: ``"snapshot"``, ``"versioned"`` or ``"none"`` (no state rows)."""
+    for region in program.regions:
+        if isinstance(region, StateBank):
+            return "snapshot"
+        if isinstance(region, CheckpointBank):
+            return "versioned"
+    return "none"
+
+
+@register("stages", StagesScenario)
+def stages(sc: StagesScenario, device: str) -> list[dict]:
+    """The stage breakdown of an OVQ, KVM or VQ forward (no grad) at each ``seq_len``: per layout, one
+    row with the median time of each stage of the program build (``proj``, ``routing``,
+    ``state_build``, ``block_mask``: :func:`~ovqflex.profiling.stage_timer`, synchronized at each
+    stage boundary), the whole build unsynchronized (``program_s``), the flex kernel on the built
+    program (``kernel_s``, compiled, as ``attend(program, "flex")`` runs it), its kv rows and listed
+    blocks; then the op itself (``state_layout="auto"``, flex, eager: which layout it took) and causal
+    SDPA on the same q, k, v. ``x_vs_sdpa``: SDPA's time over the row's (kernel and program rows:
+    over the kernel and the build).
+    """
+    program_of, op, extra, options = _method(sc)
+    dev, dtype = torch.device(device), DTYPES[sc.dtype]
+    H, D, repeats = sc.heads, sc.head_dim, sc.repeats
+    rows: list[dict] = []
+    for T in sc.seq_lens:
+        t = op_inputs(T, H, D, extra, dev, dtype)
+        with torch.no_grad():
+            sdpa = measure(lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True),
+                           device=dev, repeats=repeats).seconds
+            for layout in sc.layouts:
+                build = lambda layout=layout: program_of(**t, state_layout=layout, **options)[0]  # noqa: E731
+                whole = measure(build, device=dev, repeats=repeats)
+                per_stage: dict[str, list[float]] = {}
+                for _ in range(repeats):
+                    with stage_timer(dev) as times:
+                        build()
+                    for name, s in times.items():
+                        per_stage.setdefault(name, []).append(s)
+                program = build()
+                kernel = measure(lambda: attend(program, "flex"), device=dev, repeats=repeats)
+                row = {"T": T, "case": f"{layout} program + flex kernel",
+                       **{f"{name}_s": statistics.median(s) for name, s in per_stage.items()},
+                       "program_s": whole.seconds, "program_peak_mb": whole.peak_mb, "kernel_s": kernel.seconds,
+                       "kernel_x_vs_sdpa": sdpa / kernel.seconds, "program_x_vs_sdpa": sdpa / whole.seconds,
+                       "kv_rows": program.geom.kv_len, "visible_blocks": int(program.layout.visible_blocks())}
+                progress(f"T={T} {layout}: program {whole.seconds * 1e3:.2f} ms, kernel {kernel.seconds * 1e3:.2f} ms")
+                rows.append(row)
+                del program
+            auto = layout_of(program_of(**t, **options)[0])
+            whole_op = measure(lambda: op(**t, backend="flex", **options), device=dev, repeats=repeats)
+        progress(f"T={T} op (auto: {auto})", whole_op.seconds)
+        rows += [{"T": T, "case": f"op, flex, eager (auto: {auto})", "time_s": whole_op.seconds,
+                  "peak_mb": whole_op.peak_mb, "x_vs_sdpa": sdpa / whole_op.seconds},
+                 {"T": T, "case": "sdpa causal fwd", "time_s": sdpa, "x_vs_sdpa": 1.0}]
+        for row in rows[-len(sc.layouts) - 2:]:
+            row["dtype"] = sc.dtype
+    return rows
