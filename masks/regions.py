@@ -72,12 +72,14 @@ class Region:
 
     ``shared_test``: regions of one state whose rows are visible exactly when one per-row test
     says so (the versioned layout's checkpoints and version rows: the liveness alone decides,
-    inside their intervals or not) return the same key; a program's ``mask_mod`` then runs that
-    test once (``test_shared`` of the first such region) in place of each region's ``contains``.
+    inside their intervals or not) return the same key, a string (a program has one state, so the
+    key names the kind of test); a program's ``mask_mod`` then runs that test once (``test_shared``
+    of the first such region) in place of each region's ``contains``.
     """
 
     name: ClassVar[str] = "region"
     exact: ClassVar[bool] = True
+    shared_test: ClassVar[str | None] = None
 
     def params(self, geom: Geometry, device: torch.device) -> tuple[Tensor, ...]:
         raise NotImplementedError
@@ -96,10 +98,6 @@ class Region:
         lo, hi = self.bounds(p, q_idx)
         return (kv_idx >= lo) & (kv_idx < hi)
 
-    def shared_test(self) -> object | None:
-        """The key of the visibility test this region shares (see the class doc); None: its own ``contains``."""
-        return None
-
     def test_shared(self, p: tuple[Tensor, ...], q_idx: Tensor, kv_idx: Tensor, b: Tensor | None = None,
                     h: Tensor | None = None) -> Tensor:
         """The shared test: whether query ``q_idx`` sees kv row ``kv_idx`` through any region with this
@@ -112,7 +110,7 @@ def union_tests(regions, params) -> list:
     shared test once for all the regions sharing it."""
     tests, shared = [], set()
     for region, p in zip(regions, params):
-        key = region.shared_test()
+        key = region.shared_test
         if key is None:
             tests.append((region.contains, p))
         elif key not in shared:

@@ -69,6 +69,7 @@ class CheckpointBank(Region):
     dies: Tensor
     name: ClassVar[str] = "state"
     exact: ClassVar[bool] = False
+    shared_test: ClassVar[str] = "versioned-liveness"  # a program has one state: these two regions share it
 
     def params(self, geom, device):
         born, dies = _liveness(self.born, self.dies, geom)
@@ -90,9 +91,6 @@ class CheckpointBank(Region):
     def contains(self, p, q_idx, kv_idx, b=None, h=None):
         lo, hi = self.bounds(p, q_idx)
         return (kv_idx >= lo) & (kv_idx < hi) & self.test_shared(p, q_idx, kv_idx, b, h)
-
-    def shared_test(self):
-        return ("versioned-liveness", id(self.born))
 
     def test_shared(self, p, q_idx, kv_idx, b=None, h=None):
         return _live(p[2], p[3], self._chunk(p, q_idx), kv_idx, b, h)
@@ -117,6 +115,7 @@ class VersionRows(Region):
     dies: Tensor
     name: ClassVar[str] = "state"
     exact: ClassVar[bool] = False
+    shared_test: ClassVar[str] = "versioned-liveness"  # a program has one state: these two regions share it
 
     def params(self, geom, device):
         born, dies = _liveness(self.born, self.dies, geom)
@@ -140,9 +139,6 @@ class VersionRows(Region):
     def contains(self, p, q_idx, kv_idx, b=None, h=None):
         lo, hi = self.bounds(p, q_idx)
         return (kv_idx >= lo) & (kv_idx < hi) & self.test_shared(p, q_idx, kv_idx, b, h)
-
-    def shared_test(self):
-        return ("versioned-liveness", id(self.born))
 
     def test_shared(self, p, q_idx, kv_idx, b=None, h=None):
         return _live(p[1], p[2], self._chunk(p, q_idx), kv_idx, b, h)

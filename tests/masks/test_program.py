@@ -109,7 +109,7 @@ def test_mask_mod_is_the_union_of_every_regions_contains(name):
         for region, params in zip(p.regions, p.params):
             union |= region.contains(params, q, kv, b, h)
         assert torch.equal(p.mask_mod(b, h, q, kv).expand_as(union), union)
-        shared = [r.shared_test() for r in p.regions if r.shared_test() is not None]
+        shared = [r.shared_test for r in p.regions if r.shared_test is not None]
         assert len(shared) == (2 if "versioned" in name else 0) and len(set(shared)) <= 1
 
 
