@@ -75,21 +75,23 @@ def _generator(opts: OVQOptions, state: Tensor | None) -> torch.Generator | None
 
 def ovq_prefill(kn: Tensor, v: Tensor, routes: Tensor, opts: OVQOptions, conv: Tensor | None) -> OVQCache:
     """The cache after a full forward: kn ``[B, H, T, D]`` unit keys, v, routes ``[B, H, T]``
-    (the op's, -1 for the incomplete last chunk) replayed chunk by chunk."""
+    (the op's, -1 for the incomplete last chunk) of the complete chunks absorbed at once: one
+    scatter-add per sum, which adds each row's tokens in position order, as routing's chunk by
+    chunk absorbs did (the CPU's scatter-add walks the scattered dim in order: the same sums bit
+    for bit; CUDA's adds in an unordered atomic order either way)."""
     B, H, T, D = kn.shape
     C = opts.chunk_size
-    kf, vf = kn.detach().float(), v.detach().float()
-    n_full = T // C
-    rows = opts.size(n_full)  # the routes of the complete chunks stay below it
+    n = T // C * C
+    rows = opts.size(T // C)  # the routes of the complete chunks stay below it
+    kf, vf = kn.detach()[:, :, :n].float(), v.detach()[:, :, :n].float()
     sums, vsums = kf.new_zeros(B, H, rows + 1, D), kf.new_zeros(B, H, rows + 1, v.shape[-1])
     counts = kf.new_zeros(B, H, rows + 1)
+    ovq_absorb(sums, counts, kf, routes[:, :, :n], vsums, vf)
     gen = _generator(opts, None)
-    for c in range(n_full):
-        seeding_draw(gen, B, H, C, kn.device)  # keep the generator where routing left it
-        sl = slice(c * C, (c + 1) * C)
-        ovq_absorb(sums, counts, kf[:, :, sl], routes[:, :, sl], vsums, vf[:, :, sl])
+    for _ in range(T // C if gen is not None else 0):
+        seeding_draw(gen, B, H, C, "cpu")  # keep the generator where routing left it (one draw per chunk)
     return OVQCache(position=T, conv=conv, key_sums=sums, value_sums=vsums, counts=counts,
-                    buf_k=kn.detach()[:, :, n_full * C:], buf_v=v.detach()[:, :, n_full * C:],
+                    buf_k=kn.detach()[:, :, n:], buf_v=v.detach()[:, :, n:],
                     rng=None if gen is None else gen.get_state(), max_centroids=opts.max_centroids)
 
 
