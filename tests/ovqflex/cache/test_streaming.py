@@ -169,6 +169,36 @@ def test_generate_restores_training_mode():
     assert model.training
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@given(T=st.integers(1, 700), chunk=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def test_ovq_prefill_holds_the_dictionary_routing_built_bit_for_bit(threads, T, chunk, seed):
+    """The prefill absorbs all complete chunks in one scatter-add; routing absorbed them one chunk
+    after another: the sums and counts must be equal bit for bit (decode routes against them)."""
+    from ovqflex.ops.ovq import OVQOptions
+    from ovqflex.ops.ovq_decode import ovq_prefill
+    from recurrences.ovq import route_ovq
+    from recurrences.ovq.routing import ovq_absorb
+
+    g = torch.Generator().manual_seed(seed)
+    kn = torch.nn.functional.normalize(torch.randn(2, 3, T, 8, generator=g), dim=-1)
+    v = 100 * torch.randn(2, 3, T, 5, generator=g)  # large values: a different order of adds shows
+    opts = OVQOptions(chunk_size=chunk, max_centroids=24)
+    routes = route_ovq(kn, chunk_size=chunk, sizes=opts.sizes(T // chunk))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cache = ovq_prefill(kn, v, routes, opts, None)
+    finally:
+        torch.set_num_threads(before)
+    rows = cache.key_sums.shape[2]
+    sums, vsums, counts = torch.zeros(2, 3, rows, 8), torch.zeros(2, 3, rows, 5), torch.zeros(2, 3, rows)
+    for c in range(T // chunk):  # routing's own order: one chunk after another
+        sl = slice(c * chunk, (c + 1) * chunk)
+        ovq_absorb(sums, counts, kn[:, :, sl], routes[:, :, sl], vsums, v[:, :, sl])
+    assert torch.equal(cache.key_sums, sums) and torch.equal(cache.value_sums, vsums)
+    assert torch.equal(cache.counts, counts)
+
+
 def test_ovq_cache_with_a_huge_cap_allocates_what_the_tokens_can_fill():
     """max_centroids 10**9 (128 GB if allocated at the cap): the dictionary holds at most one row
     per token seen, so the cache allocates by need (doubling) and stays small."""
