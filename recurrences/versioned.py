@@ -20,13 +20,14 @@ Both conditions are stored per row as ``born[r] <= c < dies[r]`` (int32 ``[B, H,
 dead rows have ``born = dies = 0``), and that test alone decides: checkpoint ``k``'s rows live
 within ``[R k, R (k + 1))``, a version row entering at ``e`` dies at the first checkpoint chunk
 ``>= e`` (which holds it from then on; one entering at a checkpoint's chunk never lives), so a
-live row always lies in the intervals above (the attention mask tests only the liveness). Row values come from one sort by (slot, position) and a
-segmented cumulative sum (cumsum minus the running sum before the slot's segment, in fp64
-so long sequences keep fp32 accuracy), all differentiable; the sort and the liveness are
-integer bookkeeping without gradient. Every method's state is such a sum (OVQ means, KVM
-gated sums, VQ code means with ``lag=2``): :func:`versioned_sums` takes the method's
-weighted token vectors, its routes and its lag, and the method applies its per-row readout
-(means, ``LN_s``, radius) to checkpoint and version rows alike.
+live row always lies in the intervals above (the attention mask tests only the liveness). Row
+values come from one sort by (slot, position) and a segmented cumulative sum (cumsum minus the
+running sum before the slot's segment, in fp64 so long sequences keep fp32 accuracy), all
+differentiable; the sort and the liveness are integer bookkeeping without gradient. Every
+method's state is such a sum (OVQ means, KVM gated sums, VQ code means with ``lag=2``):
+:func:`versioned_sums` takes the method's weighted token vectors, its routes and its lag, and
+the method applies its per-row readout (means, ``LN_s``, radius) to checkpoint and version rows
+alike.
 
 The layout is chosen and laid out in one place for every method,
 ``ovqflex.ops.state_program.build_state_program``, in three steps::
@@ -185,14 +186,14 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         inv = torch.empty_like(order).scatter_(2, order, idx)  # sorted index of each position
         ver_born, ver_dies = born_s.gather(2, inv), dies_s.gather(2, inv)
         ver_counts = count_s.gather(2, inv).float()
-        # checkpoint (k, s) dies at the first entry of s after chunk R k: put each live group's entry at
-        # checkpoint (e - 1) // R (the last one before it), then a reverse running minimum over k
+        # checkpoint (k, s) dies at the first entry of s in chunks (R k, R (k + 1)] (a later one is past the
+        # next checkpoint, where it dies anyway): put each live group's entry at checkpoint (e - 1) // R
         cell = torch.where(last, ((entry_s - 1) // R) * (rows + 1) + slot_s, n_ckpt * (rows + 1))
         first = torch.full((B, H, (n_ckpt + 1) * (rows + 1)), nc, dtype=torch.long, device=dev)
         first = first.scatter_reduce(2, cell, entry_s.expand(B, H, Tp), reduce="amin")
         first = first.view(B, H, n_ckpt + 1, rows + 1)[:, :, :n_ckpt, :rows]
         ck_chunk = torch.arange(n_ckpt, device=dev)[:, None] * R  # [n_ckpt, 1]: checkpoint k is chunk R k's state
-        ck_dies = torch.minimum(torch.flip(torch.cummin(torch.flip(first, [2]), 2).values, [2]), ck_chunk + R)
+        ck_dies = torch.minimum(first, ck_chunk + R)
         ck_born = torch.where(ckpt_counts > 0, ck_chunk, 0)
         ck_dies = torch.where(ckpt_counts > 0, ck_dies, 0)
         born = torch.cat([ck_born.flatten(2), ver_born], -1).to(torch.int32)
