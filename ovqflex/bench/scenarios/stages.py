@@ -76,9 +76,9 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
     row with the median time of each stage of the program build (``proj``, ``routing``,
     ``state_build``, ``block_mask``: :func:`~ovqflex.profiling.stage_timer`, synchronized at each
     stage boundary), the whole build unsynchronized (``program_s``), the flex kernel on the built
-    program (``kernel_s``, compiled, as ``attend(program, "flex")`` runs it), its kv rows and listed
-    blocks; then the op itself (``state_layout="auto"``, flex, eager: which layout it took) and causal
-    SDPA on the same q, k, v. ``x_vs_sdpa``: SDPA's time over the row's (kernel and program rows:
+    program (``kernel_s``: compiled, as ``attend(program, "flex")`` runs it, its ``BlockMask`` object
+    made per call), its kv rows and listed blocks; then the op itself (``state_layout="auto"``,
+    flex, eager: which layout it took) and causal SDPA on the same q, k, v. ``x_vs_sdpa``: SDPA's time over the row's (kernel and program rows:
     over the kernel and the build).
     """
     program_of, op, extra, options = _method(sc)
@@ -91,7 +91,9 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
             sdpa = measure(lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True),
                            device=dev, repeats=repeats).seconds
             for layout in sc.layouts:
-                build = lambda layout=layout: program_of(**t, state_layout=layout, **options)[0]  # noqa: E731
+                def build(layout=layout):
+                    return program_of(**t, state_layout=layout, **options)[0]
+
                 whole = measure(build, device=dev, repeats=repeats)
                 per_stage: dict[str, list[float]] = {}
                 for _ in range(repeats):
