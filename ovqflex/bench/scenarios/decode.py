@@ -7,9 +7,10 @@ import torch
 
 from recurrences.checks import check_choice, check_keys
 
+from ...devices import sync
 from ...methods import METHODS, Method, method_names
 from ...models.hybrid import DECODES, static_step
-from ..measure import measure, progress, sync
+from ..measure import measure, progress
 from .base import Scenario, check_sizes, register, runs_on
 
 

@@ -8,9 +8,10 @@ import torch
 
 from recurrences.checks import check_choice, check_int
 
+from ...devices import sync
 from ...methods import METHODS
 from ...models.hybrid import DECODES
-from ..measure import measure, progress, sync
+from ..measure import measure, progress
 from .base import Scenario, check_sizes, register, runs_on
 
 
