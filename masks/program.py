@@ -100,6 +100,21 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _pad_rows(x: Tensor, n: int) -> Tensor:
+    """``x [B, H, T, D]`` with zero rows up to ``n`` along dim 2 (x itself when ``T == n``)."""
+    return x if x.shape[2] == n else F.pad(x, (0, 0, 0, n - x.shape[2]))
+
+
+def _kv_rows(state: Tensor | None, n_state: int, tokens: Tensor, t_pad: int) -> Tensor:
+    """``[state ; zeros ; tokens ; zeros]`` along dim 2, ``[B, H, n_state + t_pad, D]``: one
+    concatenation, each row written once (padding each part first would copy the state twice)."""
+    if state is None:
+        return _pad_rows(tokens, t_pad)
+    B, H, S, D = state.shape
+    gaps = [state.new_zeros(B, H, n, D) for n in (n_state - S, t_pad - tokens.shape[2])]
+    return torch.cat([state, gaps[0], tokens, gaps[1]], dim=2)
+
+
 def build_program(
     q: Tensor,
     k: Tensor,
@@ -133,21 +148,18 @@ def build_program(
     t_pad = q_pad
     n_state = 0
     bias = None
+    if (state_k is None) != (state_v is None) or (state_k is not None and state_k.shape[:3] != state_v.shape[:3]):
+        raise ValueError("state_k and state_v must both be given with matching [B, H, S]")
     if state_k is not None:
-        if state_v is None or state_k.shape[:3] != state_v.shape[:3]:
-            raise ValueError("state_k and state_v must both be given with matching [B, H, S]")
         s_real = state_k.shape[2]
         n_state = _round_up(s_real, block_size) if s_real else 0
         sb = state_bias if state_bias is not None else torch.zeros(B, H, s_real, device=q.device)
         bias = torch.zeros(B, H, n_state + t_pad, dtype=torch.float32, device=q.device)
         bias[:, :, :s_real] = sb.float()
         bias[:, :, s_real:n_state] = float("-inf")
-        k = torch.cat([F.pad(state_k, (0, 0, 0, n_state - s_real)), F.pad(k, (0, 0, 0, t_pad - T))], dim=2)
-        v = torch.cat([F.pad(state_v, (0, 0, 0, n_state - s_real)), F.pad(v, (0, 0, 0, t_pad - T))], dim=2)
-    else:
-        k = F.pad(k, (0, 0, 0, t_pad - T))
-        v = F.pad(v, (0, 0, 0, t_pad - T))
-    q = F.pad(q, (0, 0, 0, q_pad - T))
+    k = _kv_rows(state_k, n_state, k, t_pad)
+    v = _kv_rows(state_v, n_state, v, t_pad)
+    q = _pad_rows(q, q_pad)
     geom = Geometry(q_len=T, q_pad=q_pad, n_state=n_state, kv_tokens=t_pad, block_q=block_size, block_kv=block_size)
     params = tuple(r.params(geom, q.device) for r in regions)
     layout = build_block_layout(regions, params, geom)

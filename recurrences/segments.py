@@ -10,6 +10,7 @@ returns (the versioned layout's counterpart is :class:`recurrences.versioned.Ver
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,37 +19,43 @@ from torch import Tensor
 from .scan import cumsum
 
 
-def segment_snapshot_sums(x: Tensor, routes: Tensor, chunk_size: int, n_chunks: int, rows: int,
-                          lag: int = 1, every: int = 1) -> tuple[Tensor, Tensor]:
-    """Per-chunk prefix sums of ``x`` by slot.
+def segment_snapshot_sums(xs: Sequence[Tensor], routes: Tensor, chunk_size: int, n_chunks: int, rows: int,
+                          lag: int = 1, every: int = 1) -> tuple[list[Tensor], Tensor]:
+    """Per-chunk prefix sums by slot of each ``x`` in ``xs``, grouped by the same routes.
 
-    x ``[B, H, T, D]``, routes ``[B, H, T]`` (-1 or >= rows: ignored). A token of chunk
-    ``ct`` is in the snapshot of every chunk ``c >= ct + lag`` (OVQ: ``lag=1``, the chunk
-    after it; KVM: ``lag = n_bswa_chunks``, once it has left the window); tokens that would
-    enter at ``ct + lag >= n_chunks`` are in no snapshot.
-    Returns sums ``[B, H, n_out, rows, D]`` and token counts ``[B, H, n_out, rows]`` fp32 of the
-    snapshots of chunks ``0, every, 2 every, ...`` (``n_out = ceil(n_chunks / every)``; ``every > 1``:
-    the checkpoints of the versioned layout, :mod:`recurrences.versioned`).
+    xs: ``[B, H, T, D_i]`` each (e.g. keys and values), routes ``[B, H, T]`` (-1 or >= rows:
+    ignored). A token of chunk ``ct`` is in the snapshot of every chunk ``c >= ct + lag`` (OVQ:
+    ``lag=1``, the chunk after it; KVM: ``lag = n_bswa_chunks``, once it has left the window); tokens
+    that would enter at ``ct + lag >= n_chunks`` are in no snapshot.
+    Returns the sums ``[B, H, n_out, rows, D_i]`` of each x and the token counts ``[B, H, n_out,
+    rows]`` fp32 of the snapshots of chunks ``0, every, 2 every, ...`` (``n_out = ceil(n_chunks /
+    every)``; ``every > 1``: the checkpoints of the versioned layout, :mod:`recurrences.versioned`).
+    The cells and counts are computed once for all ``xs``; each x is added into a zeroed buffer in place.
     """
-    if x.shape[2] % chunk_size:  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
-        pad = chunk_size - x.shape[2] % chunk_size
-        x, routes = F.pad(x, (0, 0, 0, pad)), F.pad(routes, (0, pad), value=-1)
-    B, H, T, D = x.shape
+    T = routes.shape[2]
+    pad = -T % chunk_size  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
+    if pad:
+        xs, routes = [F.pad(x, (0, 0, 0, pad)) for x in xs], F.pad(routes, (0, pad), value=-1)
+    B, H, T = routes.shape
+    dev = routes.device
     slot = torch.where((routes >= 0) & (routes < rows), routes, rows)  # spare slot `rows` drops a token
     # token of chunk ct enters at chunk e = ct + lag, i.e. output ceil(e / every) onwards (clamped into a
     # spare output n_out; e >= n_chunks lands there too), then cumsum over outputs
     n_out = -(-n_chunks // every)
-    entry = torch.arange(T, device=x.device) // chunk_size + lag
+    entry = torch.arange(T, device=dev) // chunk_size + lag
     tok_chunk = torch.clamp((entry + every - 1) // every, max=n_out)
     n_cells = (n_out + 1) * (rows + 1)
-    bh = torch.arange(B * H, device=x.device).view(B, H, 1) * n_cells
+    bh = torch.arange(B * H, device=dev).view(B, H, 1) * n_cells
     cell = (bh + tok_chunk.view(1, 1, T) * (rows + 1) + slot).reshape(-1)  # [B*H*T] global cell
-    sums = x.new_zeros(B * H * n_cells, D).index_add(0, cell, x.reshape(B * H * T, D)).view(B, H, n_cells, D)
-    counts = torch.zeros(B * H * n_cells, device=x.device).index_add(
-        0, cell, torch.ones(B * H * T, device=x.device)).view(B, H, n_cells)
-    sums = sums.view(B, H, n_out + 1, rows + 1, D)[:, :, :n_out, :rows]
-    counts = counts.view(B, H, n_out + 1, rows + 1)[:, :, :n_out, :rows]
-    return cumsum(sums, 2), cumsum(counts, 2)
+
+    def by_chunk(cells: Tensor) -> Tensor:  # [B*H*n_cells, *] -> the snapshots' [B, H, n_out, rows, *] prefix sums
+        cells = cells.view(B, H, n_out + 1, rows + 1, *cells.shape[1:])[:, :, :n_out, :rows]
+        return cumsum(cells, 2)
+
+    counts = torch.zeros(B * H * n_cells, device=dev).index_add_(0, cell, torch.ones(B * H * T, device=dev))
+    sums = [by_chunk(x.new_zeros(B * H * n_cells, x.shape[-1]).index_add_(0, cell, x.reshape(B * H * T, x.shape[-1])))
+            for x in xs]
+    return sums, by_chunk(counts)
 
 
 @dataclass

@@ -154,14 +154,11 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
     T = routes.shape[2]
     if T > Tp:
         raise ValueError(f"routes cover T={T} tokens, more than the plan's {Tp}")
-    xs = [F.pad(x, (0, 0, 0, Tp - T)) for x in xs]
-    routes = F.pad(routes, (0, Tp - T), value=-1)
+    if Tp > T:
+        xs, routes = [F.pad(x, (0, 0, 0, Tp - T)) for x in xs], F.pad(routes, (0, Tp - T), value=-1)
     B, H = routes.shape[:2]
     dev = routes.device
-    ckpt, ckpt_counts = [], None
-    for x in xs:
-        s, ckpt_counts = segment_snapshot_sums(x, routes, L, nc, rows, lag=lag, every=R)
-        ckpt.append(s)
+    ckpt, ckpt_counts = segment_snapshot_sums(xs, routes, L, nc, rows, lag=lag, every=R)
 
     with torch.no_grad():
         pos = torch.arange(Tp, device=dev)

@@ -71,8 +71,7 @@ def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
     the tokens per row."""
     n_chunks, rows = len(sizes), max(sizes)
     wk, wv = _weighted(kbar, v, gate, founder)
-    sk, counts = segment_snapshot_sums(wk, routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
-    sv, _ = segment_snapshot_sums(wv, routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
+    (sk, sv), counts = segment_snapshot_sums((wk, wv), routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
     rho = _founder_radius(v, routes, founder, rows)[:, :, None, :rows] if use_vlens else None  # [B, H, 1, R]
     keys, values = _readout(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
     return Snapshots(keys, values, counts, torch.tensor(sizes, dtype=torch.long, device=kbar.device))

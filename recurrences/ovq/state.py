@@ -25,8 +25,7 @@ def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk_size: int
     T = k.shape[2]
     n_chunks = -(-T // chunk_size)
     rows = max(sizes[:n_chunks])
-    ks, counts = segment_snapshot_sums(k, routes, chunk_size, n_chunks, rows)
-    vs, _ = segment_snapshot_sums(v, routes, chunk_size, n_chunks, rows)
+    (ks, vs), counts = segment_snapshot_sums((k, v), routes, chunk_size, n_chunks, rows)
     denom = counts.clamp_min(1.0)[..., None]
     keys, values = ks / denom.to(ks.dtype), vs / denom.to(vs.dtype)
     if normalize_centroids:

@@ -24,8 +24,7 @@ def build_vq_snapshots(k_hat: Tensor, v: Tensor, codes: Tensor, *, chunk_size: i
     means, ``N = n_codes`` rows per chunk (live: ``N`` from chunk ``LAG`` on, else 0)."""
     T = k_hat.shape[2]
     n_chunks = max(1, -(-T // chunk_size))
-    ks, counts = segment_snapshot_sums(k_hat, codes, chunk_size, n_chunks, n_codes, lag=LAG)
-    vs, _ = segment_snapshot_sums(v, codes, chunk_size, n_chunks, n_codes, lag=LAG)
+    (ks, vs), counts = segment_snapshot_sums((k_hat, v), codes, chunk_size, n_chunks, n_codes, lag=LAG)
     denom = counts.clamp_min(1.0)[..., None]
     live = torch.where(torch.arange(n_chunks, device=k_hat.device) >= LAG, n_codes, 0)
     return Snapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts, live)

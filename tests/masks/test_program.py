@@ -118,3 +118,28 @@ def test_on_blocks_is_the_identity_at_the_own_block_and_refuses_a_non_multiple()
     assert p.on_blocks(32) is p
     with pytest.raises(ValueError, match="multiple of the program's block size 32"):
         p.on_blocks(48)
+
+
+def test_kv_rows_are_the_state_then_the_tokens_each_padded_with_zeros_to_the_block():
+    """``build_program`` lays out ``[state ; zeros ; tokens ; zeros]`` (state and tokens each padded to the
+    block size), the state padding with a ``-inf`` bias, and passes gradients to both parts unchanged."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=g).requires_grad_() for _ in range(3))
+    sk, sv = (torch.randn(1, 2, 5, 8, generator=g).requires_grad_() for _ in range(2))
+    p = build_program(q, k, v, plain_regions(window=7), scale=0.5, state_k=sk, state_v=sv,
+                      state_bias=torch.zeros(1, 2, 5), block_size=16)
+    for laid, state, tokens in ((p.k, sk, k), (p.v, sv, v)):
+        assert laid.shape == (1, 2, 16 + 32, 8)
+        assert torch.equal(laid[:, :, :5], state) and torch.equal(laid[:, :, 16:36], tokens)
+        assert not laid[:, :, 5:16].any() and not laid[:, :, 36:].any()
+    assert torch.equal(p.bias[..., 5:16], torch.full((1, 2, 11), float("-inf"))) and not p.bias[..., 16:].any()
+    w = torch.randn(p.k.shape, generator=g)
+    grads = torch.autograd.grad((p.k * w).sum() + (p.v * w).sum(), (sk, k, sv, v))
+    for grad, rows in zip(grads, (slice(0, 5), slice(16, 36)) * 2):
+        assert torch.equal(grad, w[:, :, rows])
+
+
+def test_state_rows_need_both_keys_and_values():
+    q = k = v = torch.zeros(1, 1, 16, 8)
+    with pytest.raises(ValueError, match="state_k and state_v must both be given"):
+        build_program(q, k, v, plain_regions(window=4), scale=1.0, state_v=torch.zeros(1, 1, 3, 8))

@@ -46,7 +46,7 @@ def test_every_chunk_sees_exactly_its_snapshot(case):
     routes = random_routes(B, H, T, L, lag, sizes, case["drop"], g)
     x = torch.randn(B, H, T, 5, generator=g, dtype=torch.float64)
     plan = plan_versioned(n_chunks, L, rows, lag, case["every"], case["align"])
-    snap, counts = segment_snapshot_sums(x, routes, L, n_chunks, plan.rows, lag=lag)
+    (snap,), counts = segment_snapshot_sums([x], routes, L, n_chunks, plan.rows, lag=lag)
     vs = versioned_sums([x], routes, plan)
     laid = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
     laid_counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)[..., None].double()
@@ -78,7 +78,7 @@ def test_sums_are_differentiable_and_match_snapshot_gradients():
     plan = plan_versioned(len(sizes), L, 12, lag, every=2)
     vs = versioned_sums([x], routes, plan)
     laid = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
-    snap, _ = segment_snapshot_sums(x, routes, L, len(sizes), 12, lag=lag)
+    (snap,), _ = segment_snapshot_sums([x], routes, L, len(sizes), 12, lag=lag)
     w = torch.randn(len(sizes), 1, 2, 12, 4, generator=g, dtype=torch.float64)
     got = sum((snapshot_from_versioned(laid, vs, plan, c)[0] * w[c]).sum() for c in range(len(sizes)))
     want = sum((snap[:, :, c] * w[c]).sum() for c in range(len(sizes)))
@@ -93,7 +93,7 @@ def test_long_sequence_keeps_fp32_accuracy():
     x = 10 + torch.randn(1, 1, T, 8, generator=g)  # large common offset: a global running sum grows to ~8e5
     plan = plan_versioned(T // L, L, 8, 1, every=4)
     vs = versioned_sums([x], routes, plan)
-    ref, _ = segment_snapshot_sums(x.double(), routes, L, T // L, 8, lag=1)
+    (ref,), _ = segment_snapshot_sums([x.double()], routes, L, T // L, 8, lag=1)
     last = vs.born[0, 0, plan.n_ckpt * 8:] > 0
     slots, t = vs.ver_slot[0, 0][last], torch.nonzero(last).squeeze(1)
     want = ref[0, 0, (t // L + 1).clamp(max=T // L - 1), slots]

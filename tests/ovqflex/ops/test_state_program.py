@@ -34,8 +34,7 @@ def toy_program(q, k, v, state_layout, *, key_scale=None, bias_shift=None):
     sizes = [0] + [SLOTS] * (n_chunks - 1)
 
     def snapshots():
-        ks, counts = segment_snapshot_sums(k, routes, C, n_chunks, SLOTS)
-        vs, _ = segment_snapshot_sums(v, routes, C, n_chunks, SLOTS)
+        (ks, vs), counts = segment_snapshot_sums((k, v), routes, C, n_chunks, SLOTS)
         denom = counts.clamp_min(1.0)[..., None]
         return Snapshots(ks / denom, vs / denom, counts, torch.tensor(sizes))
 
