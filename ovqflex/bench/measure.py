@@ -107,13 +107,20 @@ class Measurement:
     seconds: float  # median over repeats
     seconds_min: float
     peak_mb: float  # peak memory growth during one run
+    first_s: float | None = None  # the first call (a compiled case's compile, when the process has not compiled it)
 
 
 def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup: int = 1) -> Measurement:
-    """Median wall time of ``fn()`` over ``repeats`` runs (after ``warmup``) and its peak memory."""
+    """Median wall time of ``fn()`` over ``repeats`` runs (after ``warmup``), its peak memory and the
+    wall time of its first call (synchronized: the first warm-up, or with ``warmup=0`` the first timed run)."""
     device = torch.device(device)
+    first = None
     for _ in range(warmup):
+        t0 = time.perf_counter()
         fn()
+        if first is None:
+            sync(device)
+            first = time.perf_counter() - t0
     sync(device)
     times = []
     for _ in range(repeats):
@@ -131,7 +138,7 @@ def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup:
         with _RssSampler() as s:
             fn()
         peak = s.growth_mb
-    return Measurement(statistics.median(times), min(times), peak)
+    return Measurement(statistics.median(times), min(times), peak, times[0] if first is None else first)
 
 
 def matmul_gflops(device: torch.device | str = "cpu", n: int = 1024, dtype=torch.float32) -> float:
@@ -159,7 +166,7 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
 
     Every row carries its speed-up over its baseline case ``baseline_of(name)`` (``x_vs_sdpa``) and
     over its reference case ``reference_of(name)`` (``x_vs_reference``; None where that case is absent or
-    None); with FLOPs and ``peak_gflops`` (the matmul rate measured on the spot) also its GFLOP/s
+    None) and the wall time of its first call (``first_call_s``: a compiled case's compile); with FLOPs and ``peak_gflops`` (the matmul rate measured on the spot) also its GFLOP/s
     and FLOP efficiency. A case that fails (e.g. a compile error) is a row with its ``error``,
     not a crash."""
     results, failed, rows = {}, {}, []
@@ -176,7 +183,7 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
             rows.append({"T": T, "case": name, "error": failed[name]})
             continue
         m, ref, base = results[name], results.get(reference_of(name)), results.get(baseline_of(name))
-        row = {"T": T, "case": name, "time_s": m.seconds, "peak_mb": m.peak_mb,
+        row = {"T": T, "case": name, "time_s": m.seconds, "first_call_s": m.first_s, "peak_mb": m.peak_mb,
                "x_vs_reference": ref.seconds / m.seconds if ref else None,
                "x_vs_sdpa": base.seconds / m.seconds if base else None}
         if flops and peak_gflops:

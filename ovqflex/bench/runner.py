@@ -20,12 +20,19 @@ refused by name before anything runs.
 Progress goes to stderr, a line per scenario and per measured case (a GPU profile compiles and
 runs for minutes); after each scenario but the last the rows so far are written to the JSON with
 ``meta.partial = true``, so a run cut short keeps what it measured.
+
+Compile times (the ``first_call_s`` of compiled cases) depend on the compile caches on disk: by default
+the run uses them as it finds them (``meta.compile_cache = "as found"``); with
+``fresh_compile_cache=True`` (``ovqflex bench --fresh-compile-cache``) inductor's and Triton's caches
+are an empty temporary directory for the run, so every graph compiles as in a user's first run.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 import torch
@@ -65,11 +72,39 @@ def load_profile(path: str | Path) -> dict:
     return prof
 
 
+#: the environment variables naming the compile caches on disk (inductor's, Triton's)
+COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@contextlib.contextmanager
+def fresh_compile_caches():
+    """Inductor's and Triton's on-disk caches in a new empty temporary directory while the block runs
+    (removed after; the variables restored), so what compiles in it compiles from nothing."""
+    old = {name: os.environ.get(name) for name in COMPILE_CACHE_VARS}
+    with tempfile.TemporaryDirectory(prefix="ovqflex-compile-cache-") as root:
+        for name in COMPILE_CACHE_VARS:
+            os.environ[name] = os.path.join(root, name.split("_")[0].lower())
+        try:
+            yield root
+        finally:
+            for name, value in old.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "bench-out",
-                only: str | None = None) -> list[dict]:
+                only: str | None = None, fresh_compile_cache: bool = False) -> list[dict]:
     """Run the profile at ``path`` on ``device`` (:func:`ovqflex.devices.resolve_device`), the scenarios
     whose name contains ``only`` (all by default); print the table and slopes, write JSON and plot
-    to ``out_dir``; returns the rows."""
+    to ``out_dir``; returns the rows. ``fresh_compile_cache``: compile with empty caches
+    (:func:`fresh_compile_caches`), so compiled cases' ``first_call_s`` is a cold compile."""
+    with fresh_compile_caches() if fresh_compile_cache else contextlib.nullcontext():
+        return _run_profile(path, device, out_dir, only, "fresh" if fresh_compile_cache else "as found")
+
+
+def _run_profile(path, device, out_dir, only, compile_cache: str) -> list[dict]:
     prof = load_profile(path)
     device = str(resolve_device(device))
     rows: list[dict] = []
@@ -78,7 +113,7 @@ def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "
     out.mkdir(parents=True, exist_ok=True)
     dest = out / f"{prof['name']}.json"
     meta = {"profile": prof["name"], "torch": torch.__version__, "device": device, "machine": platform.machine(),
-            "threads": torch.get_num_threads(), "matmul_gflops": gflops}
+            "threads": torch.get_num_threads(), "matmul_gflops": gflops, "compile_cache": compile_cache}
     chosen = [sc for sc in prof["scenario"] if not only or only in (sc.name or sc.kind)]
     for i, sc in enumerate(chosen):
         name = sc.name or sc.kind

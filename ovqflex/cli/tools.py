@@ -67,7 +67,8 @@ def _cmd_bench(args) -> int:
     """Run a benchmark profile (its table and JSON)."""
     from ..bench import run_profile
 
-    run_profile(args.profile, device=args.device, out_dir=args.out, only=args.only)
+    run_profile(args.profile, device=args.device, out_dir=args.out, only=args.only,
+                fresh_compile_cache=args.fresh_compile_cache)
     return 0
 
 
@@ -139,6 +140,9 @@ def add_bench(sub) -> None:
     add_device(s)
     s.add_argument("--out", default="bench-out", help="directory for the JSON results (default: bench-out)")
     s.add_argument("--only", default=None, help="run only scenarios whose name contains this string")
+    s.add_argument("--fresh-compile-cache", action="store_true",
+                   help="compile with empty inductor/Triton caches (a temporary directory), so the compiled "
+                        "cases' first_call_s is a cold compile")
     s.set_defaults(fn=_cmd_bench)
 
 

@@ -57,6 +57,16 @@ def test_bench_shows_progress_and_keeps_the_scenarios_before_a_failure(tmp_path,
     assert saved["meta"]["partial"] is True and {r["scenario"] for r in saved["rows"]} == {"a"}
 
 
+def test_bench_records_whether_its_compile_caches_were_fresh(tmp_path):
+    """``--fresh-compile-cache``: the JSON's ``meta.compile_cache`` says so (else "as found")."""
+    prof = tmp_path / "one.toml"
+    prof.write_text('name = "one"\n[[scenario]]\nkind = "blockmask"\nseq_len = 512\nchunk_size = 128\n'
+                    'state_rows = 128\n')
+    for flags, cache in (([], "as found"), (["--fresh-compile-cache"], "fresh")):
+        assert main(["bench", str(prof), "--device", "cpu", "--out", str(tmp_path / "out"), *flags]) == 0
+        assert json.loads((tmp_path / "out" / "one.json").read_text())["meta"]["compile_cache"] == cache
+
+
 @pytest.mark.parametrize("text, match", [("name = 'x'\n", "no \\[\\[scenario\\]\\]"),
                                          ("[[scenario]]\nkind = 'nope'\n", "kind must be one of"),
                                          ("[[scenario\n", "not valid TOML")], ids=["empty", "kind", "toml"])

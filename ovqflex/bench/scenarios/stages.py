@@ -77,7 +77,8 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
     ``state_build``, ``block_mask``: :func:`~ovqflex.profiling.stage_timer`, synchronized at each
     stage boundary), the whole build unsynchronized (``program_s``), the flex kernel on the built
     program (``kernel_s``: compiled, as ``attend(program, "flex")`` runs it, its ``BlockMask`` object
-    made per call), its kv rows and listed blocks; then the op itself (``state_layout="auto"``,
+    made per call; ``kernel_first_call_s``: its first call, the flex compile for this program's shapes),
+    its kv rows and listed blocks; then the op itself (``state_layout="auto"``,
     flex, eager: which layout it took) and causal SDPA on the same q, k, v. ``x_vs_sdpa``: SDPA's time over the row's (kernel and program rows:
     over the kernel and the build).
     """
@@ -106,6 +107,7 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
                 row = {"T": T, "case": f"{layout} program + flex kernel",
                        **{f"{name}_s": statistics.median(s) for name, s in per_stage.items()},
                        "program_s": whole.seconds, "program_peak_mb": whole.peak_mb, "kernel_s": kernel.seconds,
+                       "kernel_first_call_s": kernel.first_s,
                        "kernel_x_vs_sdpa": sdpa / kernel.seconds, "program_x_vs_sdpa": sdpa / whole.seconds,
                        "kv_rows": program.geom.kv_len, "visible_blocks": int(program.layout.visible_blocks())}
                 progress(f"T={T} {layout}: program {whole.seconds * 1e3:.2f} ms, kernel {kernel.seconds * 1e3:.2f} ms")

@@ -1,4 +1,6 @@
 """``compare_cases``: the one timing table of the op and recurrent scenarios."""
+import os
+
 import pytest
 import torch
 
@@ -66,3 +68,39 @@ def test_the_memory_run_hands_timing_back_a_warmed_up_allocator(monkeypatch):
     assert calls == [("mallopt", mmap, 128 * 1024), ("mallopt", trim, 128 * 1024), ("malloc_trim", 0),
                      ("mallopt", mmap, measure_mod._WARM_MMAP), ("mallopt", trim, measure_mod._WARM_TRIM)]
     assert m.peak_mb >= 0 and m.seconds > 0
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 2], ids=["no-warmup", "one-warmup", "two-warmups"])
+def test_the_first_call_is_timed_apart(warmup):
+    """``first_s`` is the first call (a compiled case's compile), kept out of the median: a first call
+    0.2 s slower than the others shows there and not in ``seconds`` once a warm-up absorbs it."""
+    import time
+
+    calls = []
+
+    def fn():
+        calls.append(None)
+        if len(calls) == 1:
+            time.sleep(0.2)
+
+    m = REAL_MEASURE(fn, device="cpu", repeats=3, warmup=warmup)
+    assert len(calls) == warmup + 3 + 1  # warm-ups, timed runs, the memory run
+    assert m.first_s >= 0.2
+    if warmup:
+        assert m.seconds < 0.2
+
+
+def test_fresh_compile_caches_point_inductor_at_an_empty_directory_and_restore_it(monkeypatch):
+    """Inside the block inductor writes what it compiles under a new temporary directory (so a compile
+    there is cold); after it the directory is gone and the variables are as before."""
+    from ovqflex.bench.runner import COMPILE_CACHE_VARS, fresh_compile_caches
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with fresh_compile_caches() as root:
+        assert all(os.environ[name].startswith(root) for name in COMPILE_CACHE_VARS)
+        fn = torch.compile(lambda x: x * 3.0 + 1.0, fullgraph=True, dynamic=False)
+        torch.testing.assert_close(fn(torch.arange(7.0)), torch.arange(7.0) * 3 + 1)
+        assert any(files for _, _, files in os.walk(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+    assert not os.path.exists(root)
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
