@@ -99,7 +99,8 @@ def default_every(rows: int, chunk_size: int, n_chunks: int | None = None) -> in
 def plan_versioned(n_chunks: int, chunk_size: int, rows: int, lag: int, every: int | None = None,
                    align: int = 1) -> VersionPlan:
     """The layout of a state of ``rows`` rows read by ``n_chunks`` chunks (``every=None``:
-    :func:`default_every` of the padded rows); checkpoint rows are padded to a multiple of ``align`` (the block size)."""
+    :func:`default_every` of the padded rows); checkpoint rows are padded to a multiple of ``align`` (the
+    block size)."""
     if every is not None:
         check_int("checkpoint_every", every)
     rows_pad = -(-rows // align) * align
@@ -216,22 +217,22 @@ def _version_sums(x: Tensor, order: Tensor, inv: Tensor, seg_start: Tensor) -> T
     later slot's rows (also rows of earlier tokens): it is summed as 0 and marks the rows of its own
     slot (all columns) from it on. Eager on the CPU, a finite fp64 total proves every token finite
     (fp32 values cannot overflow fp64) and that pass is skipped."""
-    B, H, Tp, D = x.shape
-    xs = x.gather(2, order[..., None].expand(B, H, Tp, D))  # sorted by (slot, position)
-    marked = not (host_check_is_free(x) and bool(torch.isfinite(x.sum(2, dtype=torch.float64)).all()))
+    xs = rows_at(x, order)  # sorted by (slot, position)
+    marked = not (host_check_is_free(x) and bool(torch.isfinite(x.detach().sum(2, dtype=torch.float64)).all()))
     if marked:
-        bad_so_far = _slot_running_sums((~torch.isfinite(xs).all(-1)).long(), seg_start)  # non-finite tokens so far
+        # non-finite tokens so far (masks of detached values: isfinite's abs would keep its input for the backward)
+        bad_so_far = _slot_running_sums((~torch.isfinite(xs.detach()).all(-1)).long(), seg_start)
     parts = []
     for cols in xs.split(FP64_COLUMNS, dim=-1):
         c64 = cols.double()
         if marked:
-            c64 = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
+            c64 = torch.where(torch.isfinite(c64.detach()), c64, torch.zeros_like(c64))
         sums = _slot_running_sums(c64, seg_start)
         if marked:
             sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(sums, float("nan")), sums)
         parts.append(sums.to(x.dtype))
     sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    return sums.gather(2, inv[..., None].expand(B, H, Tp, D))
+    return rows_at(sums, inv)
 
 
 def _slot_running_sums(xs: Tensor, seg_start: Tensor) -> Tensor:
@@ -239,8 +240,21 @@ def _slot_running_sums(xs: Tensor, seg_start: Tensor) -> Tensor:
     cumsum over all tokens minus its value before the slot's first token (sorted index ``seg_start
     [B, H, Tp]``)."""
     cs = cumsum(xs, 2)
-    start = seg_start.view(*seg_start.shape, *(1,) * (xs.dim() - 3)).expand_as(cs)
-    return cs - (cs - xs).gather(2, start)
+    if xs.dim() == 3:  # one column
+        return cs - (cs - xs).gather(2, seg_start)
+    return cs - rows_at(cs - xs, seg_start)
+
+
+def rows_at(x: Tensor, index: Tensor) -> Tensor:
+    """``x[b, h, index[b, h, t]]``: ``[B, H, T, C]`` rows of ``x [B, H, S, C]`` at ``index [B, H, T]`` int64.
+
+    ``gather`` along dim 2, as one ``index_select`` of the flattened rows: its backward (an
+    ``index_add``) keeps only the index, where ``gather``'s keeps ``x`` whole — for the version
+    sums a ``[B, H, T, 16]`` fp64 copy per column block and a ``[B, H, T, D]`` one per summed tensor,
+    alive until the backward."""
+    B, H, S, C = x.shape
+    flat = index + torch.arange(B * H, device=index.device).view(B, H, 1) * S
+    return x.reshape(B * H * S, C).index_select(0, flat.reshape(-1)).view(B, H, index.shape[2], C)
 
 
 def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPlan, c: int) -> tuple[Tensor, Tensor]:

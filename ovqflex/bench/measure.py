@@ -166,9 +166,9 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
 
     Every row carries its speed-up over its baseline case ``baseline_of(name)`` (``x_vs_sdpa``) and
     over its reference case ``reference_of(name)`` (``x_vs_reference``; None where that case is absent or
-    None) and the wall time of its first call (``first_call_s``: a compiled case's compile); with FLOPs and ``peak_gflops`` (the matmul rate measured on the spot) also its GFLOP/s
-    and FLOP efficiency. A case that fails (e.g. a compile error) is a row with its ``error``,
-    not a crash."""
+    None) and the wall time of its first call (``first_call_s``: a compiled case's compile); with FLOPs
+    and ``peak_gflops`` (the matmul rate measured on the spot) also its GFLOP/s and FLOP efficiency. A
+    case that fails (e.g. a compile error) is a row with its ``error``, not a crash."""
     results, failed, rows = {}, {}, []
     for name, fn, *_ in cases:
         try:

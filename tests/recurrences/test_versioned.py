@@ -143,3 +143,26 @@ def test_version_sums_in_column_groups_equal_one_group_bit_for_bit(monkeypatch, 
     (ver1, grad1), (ver4, grad4) = results
     assert torch.equal(ver1.isnan(), ver4.isnan()) and bool(ver1.isnan().any()) == nonfinite
     assert torch.equal(ver1.nan_to_num(), ver4.nan_to_num()) and torch.equal(grad1, grad4)
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "with-inf"])
+def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
+    """What autograd keeps of ``versioned_sums`` until the backward is the summed tensor itself and
+    integer indices: gathering the fp64 running sums (and the sums back into token order) kept a
+    ``[B, H, T, 16]`` fp64 copy per column block and a ``[B, H, T, D]`` one per tensor; so did the
+    finiteness masks of the non-finite path (the CUDA and compiled path), through ``isfinite``'s ``abs``."""
+    g = torch.Generator().manual_seed(4)
+    L, lag, sizes = 16, 1, [0, 5, 9, 9, 12, 12]
+    routes = random_routes(1, 2, 96, L, lag, sizes, 0.1, g)
+    x = torch.randn(1, 2, 96, 40, generator=g)  # 40 columns: three fp64 blocks
+    if not finite:
+        x[0, 1, 50, 3] = float("inf")
+    x.requires_grad_()
+    plan = plan_versioned(len(sizes), L, 12, lag, every=2)
+    assert plan.n_versions == 96  # no padding copy of x
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        vs = versioned_sums([x], routes, plan)
+    floats = [t for t in saved if t.is_floating_point()]
+    assert floats and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in floats)
+    assert vs.ver[0].requires_grad
