@@ -103,8 +103,8 @@ def _state_rows(st: dict, rows: int, opts: KVMOptions, readout: KVMReadout) -> t
         s_keys = s_keys * readout.tau_state.float().view(1, H, 1, 1)
     sv = st["value_sums"][:, :, :rows]
     if opts.use_vlens:
-        return s_keys, st["radius"][:, :, :rows, None] * sv / torch.linalg.vector_norm(
-            sv, dim=-1, keepdim=True).clamp_min(1e-12)
+        return s_keys, sv * (st["radius"][:, :, :rows, None] / torch.linalg.vector_norm(
+            sv, dim=-1, keepdim=True).clamp_min(1e-12))  # as recurrences.kvm.state._readout rounds it
     return s_keys, sv / st["counts"][:, :, :rows, None].clamp_min(1.0)
 
 

@@ -56,7 +56,9 @@ def _readout(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype
     keys = F.layer_norm(sk, (sk.shape[-1],), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
     svf = sv.float()
     if rho is not None:
-        values = rho[..., None] * svf / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(norm_eps)
+        # one product with a per-row scale: the backward keeps svf (the norm's input too) and the [..., 1]
+        # scale, not a second row-sized product
+        values = svf * (rho[..., None] / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(norm_eps))
     else:
         values = svf / counts.clamp_min(1.0)[..., None]
     return keys, values.to(v_dtype)
