@@ -141,6 +141,25 @@ def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup:
     return Measurement(statistics.median(times), min(times), peak, times[0] if first is None else first)
 
 
+def saved_for_backward_mb(fn, inputs=()) -> float:
+    """MB that autograd keeps for the backward of what ``fn()`` builds (run once, grad enabled): the
+    distinct storages of the tensors its graph saves, less those of ``inputs`` (alive anyway). What each
+    such op adds to a model's peak in training, layer after layer, whatever the device's transients."""
+    keep = {x.untyped_storage().data_ptr() for x in inputs}
+    saved: dict[int, int] = {}
+
+    def pack(x):
+        storage = x.untyped_storage()
+        if storage.data_ptr() not in keep:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = fn()
+    del out
+    return sum(saved.values()) / 2**20
+
+
 def matmul_gflops(device: torch.device | str = "cpu", n: int = 1024, dtype=torch.float32) -> float:
     """The machine's measured fp32 matmul rate (GFLOP/s), for efficiency figures."""
     a = torch.randn(n, n, device=device, dtype=dtype)

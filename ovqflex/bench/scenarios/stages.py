@@ -15,7 +15,7 @@ from recurrences.versioned import STATE_LAYOUTS
 
 from ...attention import attend
 from ...profiling import stage_timer
-from ..measure import measure, progress
+from ..measure import measure, progress, saved_for_backward_mb
 from .base import Scenario, check_sizes, register
 from .op import DTYPES, KVMStateKeys, kvm_extra, op_inputs, ovq_extra, vq_extra
 
@@ -75,12 +75,14 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
     """The stage breakdown of an OVQ, KVM or VQ forward (no grad) at each ``seq_len``: per layout, one
     row with the median time of each stage of the program build (``proj``, ``routing``,
     ``state_build``, ``block_mask``: :func:`~ovqflex.profiling.stage_timer`, synchronized at each
-    stage boundary), the whole build unsynchronized (``program_s``), the flex kernel on the built
-    program (``kernel_s``: compiled, as ``attend(program, "flex")`` runs it, its ``BlockMask`` object
-    made per call; ``kernel_first_call_s``: its first call, the flex compile for this program's shapes),
-    its kv rows and listed blocks; then the op itself (``state_layout="auto"``,
-    flex, eager: which layout it took) and causal SDPA on the same q, k, v. ``x_vs_sdpa``: SDPA's time over the row's (kernel and program rows:
-    over the kernel and the build).
+    stage boundary), the whole build unsynchronized (``program_s``), what the build keeps for a
+    backward (``program_saved_mb``: built once with grad,
+    :func:`~ovqflex.bench.measure.saved_for_backward_mb`), the flex kernel on the built program
+    (``kernel_s``: compiled, as ``attend(program, "flex")`` runs it, its ``BlockMask`` object made per
+    call; ``kernel_first_call_s``: its first call, the flex compile for this program's shapes), its kv
+    rows and listed blocks; then the op itself (``state_layout="auto"``, flex, eager: which layout it
+    took) and causal SDPA on the same q, k, v. ``x_vs_sdpa``: SDPA's time over the row's (kernel and
+    program rows: over the kernel and the build).
     """
     program_of, op, extra, options = _method(sc)
     dev, dtype = torch.device(device), DTYPES[sc.dtype]
@@ -102,11 +104,15 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
                         build()
                     for name, s in times.items():
                         per_stage.setdefault(name, []).append(s)
+                leaves = {n: x.detach().requires_grad_(x.is_floating_point()) for n, x in t.items()}
+                saved = saved_for_backward_mb(lambda: program_of(**leaves, state_layout=layout, **options)[0],
+                                              leaves.values())
                 program = build()
                 kernel = measure(lambda: attend(program, "flex"), device=dev, repeats=repeats)
                 row = {"T": T, "case": f"{layout} program + flex kernel",
                        **{f"{name}_s": statistics.median(s) for name, s in per_stage.items()},
-                       "program_s": whole.seconds, "program_peak_mb": whole.peak_mb, "kernel_s": kernel.seconds,
+                       "program_s": whole.seconds, "program_peak_mb": whole.peak_mb, "program_saved_mb": saved,
+                       "kernel_s": kernel.seconds,
                        "kernel_first_call_s": kernel.first_s,
                        "kernel_x_vs_sdpa": sdpa / kernel.seconds, "program_x_vs_sdpa": sdpa / whole.seconds,
                        "kv_rows": program.geom.kv_len, "visible_blocks": int(program.layout.visible_blocks())}
