@@ -248,13 +248,27 @@ def _slot_running_sums(xs: Tensor, seg_start: Tensor) -> Tensor:
 def rows_at(x: Tensor, index: Tensor) -> Tensor:
     """``x[b, h, index[b, h, t]]``: ``[B, H, T, C]`` rows of ``x [B, H, S, C]`` at ``index [B, H, T]`` int64.
 
-    ``gather`` along dim 2, as one ``index_select`` of the flattened rows: its backward (an
-    ``index_add``) keeps only the index, where ``gather``'s keeps ``x`` whole — for the version
-    sums a ``[B, H, T, 16]`` fp64 copy per column block and a ``[B, H, T, D]`` one per summed tensor,
-    alive until the backward."""
-    B, H, S, C = x.shape
-    flat = index + torch.arange(B * H, device=index.device).view(B, H, 1) * S
-    return x.reshape(B * H * S, C).index_select(0, flat.reshape(-1)).view(B, H, index.shape[2], C)
+    ``gather`` along dim 2 whose backward keeps only the index and x's shape (:class:`_RowsAt`):
+    eager autograd's ``gather`` keeps ``x`` whole — for the version sums a ``[B, H, T, 16]`` fp64
+    copy per column block and a ``[B, H, T, D]`` one per summed tensor, alive until the backward.
+    Compiled, it is ``gather`` and ``scatter_add`` as before (an ``index_select`` of the flattened
+    rows would keep only the index too, but compiled it costs more time and memory than ``gather``)."""
+    return _RowsAt.apply(x, index[..., None].expand(*index.shape, x.shape[-1]))
+
+
+class _RowsAt(torch.autograd.Function):
+    """``x.gather(2, index)`` (index ``[B, H, T, C]``) that saves the index and x's shape for the backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.x_shape = x.shape
+        return x.gather(2, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.x_shape).scatter_add(2, index, grad), None
 
 
 def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPlan, c: int) -> tuple[Tensor, Tensor]:
