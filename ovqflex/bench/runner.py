@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
@@ -72,26 +71,14 @@ def load_profile(path: str | Path) -> dict:
     return prof
 
 
-#: the environment variables naming the compile caches on disk (inductor's, Triton's)
-COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-
-
-@contextlib.contextmanager
 def fresh_compile_caches():
-    """Inductor's and Triton's on-disk caches in a new empty temporary directory while the block runs
-    (removed after; the variables restored), so what compiles in it compiles from nothing."""
-    old = {name: os.environ.get(name) for name in COMPILE_CACHE_VARS}
-    with tempfile.TemporaryDirectory(prefix="ovqflex-compile-cache-") as root:
-        for name in COMPILE_CACHE_VARS:
-            os.environ[name] = os.path.join(root, name.split("_")[0].lower())
-        try:
-            yield root
-        finally:
-            for name, value in old.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    """A context in which inductor's and Triton's caches are a new empty temporary directory (removed
+    after) and inductor's in-memory caches are cleared on entry and exit, so what compiles in it
+    compiles from nothing: torch's own ``torch._inductor.utils.fresh_cache`` (``fresh_inductor_cache``
+    before torch 2.8)."""
+    from torch._inductor import utils
+
+    return (getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache)()
 
 
 def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "bench-out",
