@@ -107,3 +107,15 @@ def test_fresh_compile_caches_point_inductor_at_an_empty_directory_and_restore_i
     assert not os.path.exists(root)
     assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
     assert not os.environ.get("TORCHINDUCTOR_CACHE_DIR", "").startswith(root)
+
+
+def test_saved_for_backward_counts_what_the_graph_keeps_beyond_the_inputs():
+    """``exp`` keeps its (new) result and ``sin`` its input: 1 MB of 256k fp32 kept beyond the input; under
+    no_grad as under grad; a tensor saved twice counts once."""
+    from ovqflex.bench.measure import saved_for_backward_mb
+
+    x = torch.randn(1 << 18, requires_grad=True)
+    with torch.no_grad():
+        assert saved_for_backward_mb(lambda: (x * 2).exp().sin(), [x]) == pytest.approx(1.0)
+    assert saved_for_backward_mb(lambda: x.sin() + x.cos(), [x]) == 0.0
+    assert saved_for_backward_mb(lambda: x.sin() + x.cos()) == pytest.approx(1.0)
