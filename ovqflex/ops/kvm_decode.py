@@ -25,6 +25,7 @@ from torch import Tensor
 from masks.regions import BlockWindow, token_visibility
 from recurrences.kvm import kvm_absorb, kvm_route_chunk
 from recurrences.kvm.routing_static import compiled_static_step, kvm_static_step
+from recurrences.kvm.state import readout_rows
 
 from ..attention import attend_rows
 from ..cache.base import current_view, kept, tensor_key
@@ -96,16 +97,14 @@ def _state_rows(st: dict, rows: int, opts: KVMOptions, readout: KVMReadout) -> t
     """What queries read from the first ``rows`` state rows: keys ``LN_s(state) * tau_state``
     ``[B, H, rows, D]`` and values ``[B, H, rows, Dv]`` (``radius``-scaled directions with
     ``use_vlens``, else means), fp32."""
-    H, D = st["state"].shape[1], st["state"].shape[-1]
-    s_keys = F.layer_norm(st["state"][:, :, :rows], (D,), readout.ln_s_weight.float(), readout.ln_s_bias.float(),
-                          opts.ln_eps)
+    H = st["state"].shape[1]
+    rho = st["radius"][:, :, :rows] if opts.use_vlens else None
+    s_keys, values = readout_rows(st["state"][:, :, :rows], st["value_sums"][:, :, :rows], st["counts"][:, :, :rows],
+                                  rho, torch.float32, readout.ln_s_weight.float(), readout.ln_s_bias.float(),
+                                  opts.ln_eps, 1e-12)
     if readout.tau_state is not None:
         s_keys = s_keys * readout.tau_state.float().view(1, H, 1, 1)
-    sv = st["value_sums"][:, :, :rows]
-    if opts.use_vlens:
-        return s_keys, sv * (st["radius"][:, :, :rows, None] / torch.linalg.vector_norm(
-            sv, dim=-1, keepdim=True).clamp_min(1e-12))  # as recurrences.kvm.state._readout rounds it
-    return s_keys, sv / st["counts"][:, :, :rows, None].clamp_min(1.0)
+    return s_keys, values
 
 
 def _window_keys(win_k: Tensor, readout: KVMReadout) -> Tensor:

@@ -49,10 +49,11 @@ def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Te
     return radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)
 
 
-def _readout(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,
-             ln_bias: Tensor, ln_eps: float, norm_eps: float) -> tuple[Tensor, Tensor]:
+def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,
+                 ln_bias: Tensor, ln_eps: float, norm_eps: float) -> tuple[Tensor, Tensor]:
     """Per-row readout of the gated sums ``sk [..., D]``, ``sv [..., Dv]``: keys ``LN_s(sk)``; values
-    ``rho * sv / ||sv||`` (``rho [...]``, the founder radius) or, with ``rho=None``, ``sv / count``."""
+    ``rho * sv / ||sv||`` (``rho [...]``, the founder radius) or, with ``rho=None``, ``sv / count``.
+    The state builds and the decode caches (:mod:`ovqflex.ops.kvm_decode`) read their rows through it."""
     keys = F.layer_norm(sk, (sk.shape[-1],), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
     svf = sv.float()
     if rho is not None:
@@ -75,7 +76,7 @@ def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
     wk, wv = _weighted(kbar, v, gate, founder)
     (sk, sv), counts = segment_snapshot_sums((wk, wv), routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
     rho = _founder_radius(v, routes, founder, rows)[:, :, None, :rows] if use_vlens else None  # [B, H, 1, R]
-    keys, values = _readout(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
+    keys, values = readout_rows(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
     return Snapshots(keys, values, counts, torch.tensor(sizes, dtype=torch.long, device=kbar.device))
 
 
@@ -93,5 +94,5 @@ def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
     if use_vlens:
         rho = _founder_radius(v, routes, founder, rows)  # [B, H, rows + 1], spare last
         row_rho = torch.cat([rho[:, :, :rows].repeat(1, 1, plan.n_ckpt), rho.gather(2, vs.ver_slot)], 2)
-    keys, values = _readout(sk, sv, counts, row_rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
+    keys, values = readout_rows(sk, sv, counts, row_rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
     return Versioned(keys, values, counts, vs.born, vs.dies, plan)
