@@ -10,9 +10,12 @@ commands on layers and the machine.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from recurrences.checks import ConfigError
+
+from ..training.interrupt import TrainingInterrupted
 
 from . import runs, tools
 
@@ -39,3 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"ovqflex {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as e:  # SIGINT/SIGTERM: stopped cleanly after a step, with its checkpoint
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\novqflex {args.command}: {e}", file=sys.stderr)
+        return e.exit_code

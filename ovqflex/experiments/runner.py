@@ -9,11 +9,14 @@ Layout of ``OUT`` (the plan's ``out``)::
     OUT/results.json, results.md, results.png       the aggregate (rewritten after every evaluation)
 
 Units run in order (per seed, per model: train, then its evaluations). A unit whose output
-exists and is complete is skipped: a run whose latest checkpoint is at the final step, an
-evaluation report with the planned lengths, examples, overrides and checkpoint step. A run
+exists and is complete is skipped: an evaluation report with the planned lengths, examples,
+overrides and checkpoint step; a run whose latest checkpoint is at the final step, or whose
+evaluations are all complete (its checkpoints may then be deleted to save space). A run
 with an earlier checkpoint continues from it (``train(..., resume=True)``: the same result as
 an uninterrupted run, bit for bit where the run is deterministic, by default on the CPU); one that
-died before its first checkpoint starts again.
+died before its first checkpoint starts again. Ctrl-C or SIGTERM while a run trains stops it after
+the step in flight with a checkpoint of that step (:class:`~ovqflex.training.TrainingInterrupted`
+propagates), so ``--resume`` loses nothing.
 """
 from __future__ import annotations
 
@@ -118,13 +121,13 @@ def run_experiment(plan: Plan, *, resume: bool = False, log=print) -> dict:
     prepare_out(plan, resume)
     units = plan.units
     n = len(units)
-    todo = []
-    for u in units:
-        if u.kind == "train":
-            step = trained_step(u)
-            todo.append(step is None or step < u.run.train.steps)
-        else:
-            todo.append(read_eval(plan, u.run, u.variant) is None)
+    evaluated = {i: read_eval(plan, u.run, u.variant) is not None for i, u in enumerate(units) if u.kind == "eval"}
+    # a run whose evaluations are all on disk needs no checkpoint: its reports name the final step
+    unevaluated = {units[i].run.dir for i, ok in evaluated.items() if not ok}
+    evaluated_runs = {units[i].run.dir for i in evaluated} - unevaluated
+    todo = [not evaluated[i] if u.kind == "eval" else
+            u.run.dir not in evaluated_runs and (trained_step(u) or 0) < u.run.train.steps
+            for i, u in enumerate(units)]
     skipped = n - sum(todo)
     log(f"experiment {plan.experiment.name}, scale {plan.scale_name}: {n} units into {plan.out}"
         + (f" ({skipped} already complete)" if skipped else ""))

@@ -2,7 +2,8 @@
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate, load_run
+from .interrupt import TrainingInterrupted
 from .trainer import TrainResult, train
 
 __all__ = ["CheckpointError", "TrainConfig", "TrainResult", "evaluate", "latest_checkpoint", "load_checkpoint",
-           "load_run", "save_checkpoint", "train"]
+           "load_run", "save_checkpoint", "train", "TrainingInterrupted"]

@@ -4,7 +4,8 @@ Per step: the step's batch slice for this rank (a pure function of seed and step
 compiled model forward (bf16 autocast where supported) ─▶ cross-entropy summed over the
 target tokens / global target count ─▶ backward ─▶ gradient all-reduce (torchrun) ─▶
 clip ─▶ AdamW at the scheduled lr. Metrics go to ``DIR/metrics.jsonl`` every
-``log_every`` steps; checkpoints every ``ckpt_every`` steps and at the end.
+``log_every`` steps; checkpoints every ``ckpt_every`` steps and at the end. SIGINT or SIGTERM
+stops the run after the step in flight with a checkpoint of it (:mod:`.interrupt`).
 
 The run directory has one writer: rank 0 holds ``DIR/run.lock`` (:mod:`.lock`) from before it
 reads the directory until it returns; a second ``train`` on the same directory is refused
@@ -30,6 +31,7 @@ from ..tasks import IGNORE, make_batch
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_optimizer, remove_leftovers,
                          save_checkpoint, set_rng_state)
 from .config import TrainConfig
+from .interrupt import StopRequest, TrainingInterrupted
 from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, shutdown
 from .lock import RunLock
 from .schedule import lr_at
@@ -38,6 +40,9 @@ from .setup import autocast_dtype, build_model, build_optimizer, build_task, mod
 CONFIG_FILE, METRICS_FILE = "config.json", "metrics.jsonl"
 # fault injection for the resume tests: SIGKILL this process right after that step
 FAULT_KILL_ENV = "OVQFLEX_FAULT_KILL_AFTER_STEP"
+# and for the clean-stop tests: send this process a signal right after a step: "STEP" (SIGTERM),
+# "STEP:INT" (SIGINT), "STEP:TERM:RANK" (only that rank of a torchrun job)
+FAULT_SIGNAL_ENV = "OVQFLEX_FAULT_SIGNAL_AFTER_STEP"
 # what must match between a checkpoint and the run that resumes it
 _RESUME_KEYS = ("task", "task_options", "data", "preset", "pattern", "model_options", "seq_len", "batch_size",
                 "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "grad_clip")
@@ -163,6 +168,15 @@ def _lock_on_rank0(lock: RunLock, out: Path, info: DistInfo, device: torch.devic
         raise error
 
 
+def _fault_signal(rank: int) -> tuple[int, int]:
+    """(step, signal) of :data:`FAULT_SIGNAL_ENV` for this rank; step 0: none."""
+    value = os.environ.get(FAULT_SIGNAL_ENV, "")
+    if not value:
+        return 0, signal.SIGTERM
+    step, name, only = (value.split(":") + ["", ""])[:3]
+    return (int(step) if only in ("", str(rank)) else 0), signal.Signals[f"SIG{name or 'TERM'}"]
+
+
 def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, resume_from) -> TrainResult:
     out = Path(cfg.out)
     if cfg.batch_size % info.world_size:
@@ -205,55 +219,72 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     t_log, tokens_since = time.perf_counter(), 0
     t_start = time.perf_counter()
     kill_after = int(os.environ.get(FAULT_KILL_ENV, "0"))
+    signal_after, signal_kind = _fault_signal(info.rank)
+
+    def save(done: int, last: TrainResult) -> Path | None:
+        """Checkpoint after step ``done`` (rank 0 writes, all wait); its directory on rank 0."""
+        path = None
+        if info.is_main:
+            path = save_checkpoint(out, done, model, optimizer, {
+                "train_config": cfg.to_dict(), "model_config": model.config.to_dict(),
+                "metrics": {"loss": last.loss, "accuracy": last.accuracy}}, keep=cfg.keep_checkpoints)
+        barrier(info)
+        return path
+
     try:
-        for step in range(start, cfg.steps):
-            lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x, y = make_batch(task, seed=cfg.seed, step=step, start=info.rank * local_bs, count=local_bs,
-                              seq_len=cfg.seq_len)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            target = y != IGNORE
-            # [loss sum, correct, targets] summed over ranks; the count normalises the loss
-            n_targets = target.sum().to(torch.float32).reshape(1)
-            all_reduce_sum_([n_targets], info)
-            logits, loss_sum, aux_loss = forward_loss(fwd, x, y, amp, with_aux=True)
-            # gradients are summed over ranks: each rank adds its share of the aux loss
-            (loss_sum / n_targets.clamp_min(1) + aux_loss / info.world_size).backward()
-            all_reduce_sum_([p.grad for p in params if p.grad is not None], info)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            tokens_since += cfg.batch_size * cfg.seq_len
-            done = step + 1
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                with torch.no_grad():
-                    correct = ((logits.argmax(-1) == y) & target).sum().to(torch.float32)
-                    stats = torch.stack([loss_sum.detach().float(), correct])
-                    all_reduce_sum_([stats], info)
-                    loss, acc = (stats / n_targets.clamp_min(1)).tolist()
-                now = time.perf_counter()
-                tps = tokens_since / max(now - t_log, 1e-9)
-                t_log, tokens_since = now, 0
-                last = TrainResult(out, done, loss, acc, tps)
-                if metrics is not None:
-                    row = {"step": done, "loss": round(loss, 6), "accuracy": round(acc, 6), "lr": lr,
-                           "grad_norm": None if grad_norm is None else round(float(grad_norm), 6),
-                           "tokens_per_s": round(tps, 1), "elapsed_s": round(now - t_start, 2)}
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
+        with StopRequest() as stop:
+            for step in range(start, cfg.steps):
+                lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                x, y = make_batch(task, seed=cfg.seed, step=step, start=info.rank * local_bs, count=local_bs,
+                                  seq_len=cfg.seq_len)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                target = y != IGNORE
+                # [loss sum, correct, targets] summed over ranks; the count normalises the loss
+                n_targets = target.sum().to(torch.float32).reshape(1)
+                all_reduce_sum_([n_targets], info)
+                logits, loss_sum, aux_loss = forward_loss(fwd, x, y, amp, with_aux=True)
+                # gradients are summed over ranks: each rank adds its share of the aux loss
+                (loss_sum / n_targets.clamp_min(1) + aux_loss / info.world_size).backward()
+                all_reduce_sum_([p.grad for p in params if p.grad is not None], info)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                tokens_since += cfg.batch_size * cfg.seq_len
+                done = step + 1
+                if done % cfg.log_every == 0 or done == cfg.steps:
+                    with torch.no_grad():
+                        correct = ((logits.argmax(-1) == y) & target).sum().to(torch.float32)
+                        stats = torch.stack([loss_sum.detach().float(), correct])
+                        all_reduce_sum_([stats], info)
+                        loss, acc = (stats / n_targets.clamp_min(1)).tolist()
+                    now = time.perf_counter()
+                    tps = tokens_since / max(now - t_log, 1e-9)
+                    t_log, tokens_since = now, 0
+                    last = TrainResult(out, done, loss, acc, tps)
+                    if metrics is not None:
+                        row = {"step": done, "loss": round(loss, 6), "accuracy": round(acc, 6), "lr": lr,
+                               "grad_norm": None if grad_norm is None else round(float(grad_norm), 6),
+                               "tokens_per_s": round(tps, 1), "elapsed_s": round(now - t_start, 2)}
+                        metrics.write(json.dumps(row) + "\n")
+                        metrics.flush()
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
-            if bar is not None:
-                bar.update(1)
-            if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
-                if info.is_main:
-                    save_checkpoint(out, done, model, optimizer, {
-                        "train_config": cfg.to_dict(), "model_config": model.config.to_dict(),
-                        "metrics": {"loss": last.loss, "accuracy": last.accuracy}}, keep=cfg.keep_checkpoints)
-                barrier(info)
-            if done == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
+                    bar.update(1)
+                saved = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+                if saved:
+                    ckpt_dir = save(done, last)
+                if done == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if done == signal_after:
+                    os.kill(os.getpid(), signal_kind)
+                signum = stop.requested(info, device, sync_point=done % cfg.log_every == 0 or done == cfg.steps)
+                if signum is not None and done < cfg.steps:
+                    if not saved:
+                        ckpt_dir = save(done, last)
+                    raise TrainingInterrupted(signum, done, ckpt_dir)
     finally:
         if bar is not None:
             bar.close()

@@ -1,8 +1,10 @@
 """The runner: output directory rules, and one tiny experiment end to end -- killed during its
 first training run, resumed (training continues from the checkpoint, complete units are
-skipped), and a damaged evaluation report redone alone."""
+skipped), a damaged evaluation report redone alone, runs without checkpoints; and one stopped
+cleanly by SIGTERM."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ import ovqflex
 from ovqflex.experiments import Experiment, ModelSpec, Scale, plan, run_experiment, spec_differences
 from ovqflex.experiments import runner as runner_mod
 from ovqflex.experiments.registry import DICTIONARY_SWEEP
-from ovqflex.training.trainer import FAULT_KILL_ENV
+from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_SIGNAL_ENV
 
 # a model small enough that a step takes milliseconds; eval on the blocked backend (no compilation)
 MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
@@ -60,6 +62,25 @@ def test_spec_differences_names_fields():
     assert spec_differences(a, a) == []
 
 
+def test_sigterm_stops_the_experiment_after_a_step_and_resume_continues_from_it(tmp_path):
+    """SIGTERM right after step 3 of the first run (checkpoints every 2): it stops with a checkpoint
+    of step 3, and --resume continues from that step."""
+    out = tmp_path / "exp"
+    root = Path(ovqflex.__file__).resolve().parents[1]
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t\n"
+            f"from ovqflex.training import TrainingInterrupted\n"
+            f"try:\n    t.run_tiny({str(out)!r})\n"
+            f"except TrainingInterrupted as e:\n    print(e)\n    sys.exit(e.exit_code)")
+    env = {**os.environ, FAULT_SIGNAL_ENV: "3", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 143, proc.stderr
+    assert "stopped by SIGTERM after step 3: checkpoint" in proc.stdout
+    assert sorted(p.name for p in (out / "sw-ovq-s0" / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+    lines = []
+    run_tiny(out, resume=True, log=lines.append)
+    assert "[1/6] train sw-ovq seed 0: 4 steps x 4 x 64 tokens, resuming from step 3" in "\n".join(lines)
+
+
 def test_killed_experiment_resumes_and_skips_complete_units(tmp_path, monkeypatch):
     out = tmp_path / "exp"
     # 1. a process killed (SIGKILL) right after step 3 of the first run, which has a checkpoint at step 2
@@ -90,7 +111,7 @@ def test_killed_experiment_resumes_and_skips_complete_units(tmp_path, monkeypatc
 
     # 3. resume again: nothing to do; a damaged report is redone alone
     calls = []
-    real_evaluate = runner_mod.evaluate
+    real_evaluate, real_train = runner_mod.evaluate, runner_mod.train
     monkeypatch.setattr(runner_mod, "train", lambda *a, **k: calls.append("train"))
     monkeypatch.setattr(runner_mod, "evaluate", lambda *a, **k: (calls.append("eval"), real_evaluate(*a, **k))[1])
     lines.clear()
@@ -102,3 +123,17 @@ def test_killed_experiment_resumes_and_skips_complete_units(tmp_path, monkeypatc
     run_tiny(out, resume=True, log=lines.append)
     assert calls == ["eval"] and "(5 already complete)" in lines[0]
     assert "[6/6] eval sw-linear seed 0: 4 examples" in "\n".join(lines)
+
+    # 4. a run whose evaluations are all on disk needs no checkpoint: deleting them retrains nothing
+    for run in ("sw-ovq-s0", "sw-linear-s0"):
+        shutil.rmtree(out / run / "checkpoints")
+    lines.clear()
+    assert run_tiny(out, resume=True, log=lines.append)["lines"] == res["lines"]
+    assert calls == ["eval"] and "(6 already complete)" in lines[0]
+    # ... but a run with an evaluation to redo is trained again, from scratch: the same result (deterministic CPU)
+    (out / "sw-linear-s0" / "eval-base.json").unlink()
+    lines.clear()
+    monkeypatch.setattr(runner_mod, "train", lambda *a, **k: (calls.append("train"), real_train(*a, **k))[1])
+    assert run_tiny(out, resume=True, log=lines.append)["lines"] == res["lines"]
+    assert calls == ["eval", "train", "eval"]
+    assert "[5/6] train sw-linear seed 0: 4 steps x 4 x 64 tokens, from scratch" in "\n".join(lines)

@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from ovqflex.training import (CheckpointError, TrainConfig, evaluate, latest_che
                               save_checkpoint, train)
 from ovqflex.training.evaluate import load_run
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
-from ovqflex.training.trainer import FAULT_KILL_ENV
+from ovqflex.training.interrupt import StopRequest, TrainingInterrupted
+from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_SIGNAL_ENV
 
 # a model small enough that a step takes milliseconds: the loop is under test, not learning
 MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
@@ -125,6 +127,40 @@ def test_killed_run_resumes_to_the_same_final_loss(tmp_path):
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
 
 
+@pytest.mark.parametrize("sig,code", [("TERM", 143), ("INT", 130)], ids=["sigterm", "sigint"])
+def test_signal_stops_after_the_step_with_a_checkpoint_and_resume_matches(tmp_path, sig, code):
+    """SIGTERM / SIGINT after step 5 (between the step-4 and step-8 checkpoints): the run stops with a
+    checkpoint of step 5 and the shell's exit status; resuming it gives the uninterrupted losses."""
+    common = ["train", "--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64",
+              "--batch-size", "4", "--steps", "8", "--warmup", "2", "--no-compile", "--log-every", "1",
+              "--no-progress", "--ckpt-every", "4", *CLI_MODEL]
+    _cli([*common, "--out", str(tmp_path / "straight")])
+    stopped = _cli([*common, "--out", str(tmp_path / "stopped")], env={FAULT_SIGNAL_ENV: f"5:{sig}"}, check=False)
+    assert stopped.returncode == code, stopped.stderr
+    assert f"stopped by SIG{sig} after step 5: checkpoint " in stopped.stderr and "--resume" in stopped.stderr
+    assert latest_checkpoint(tmp_path / "stopped").name == "step_00000005"
+    assert [r["step"] for r in metrics(tmp_path / "stopped")] == [1, 2, 3, 4, 5]
+    resumed = _cli([*common, "--out", str(tmp_path / "stopped"), "--resume"])
+    assert "resumed from" in resumed.stderr and "step_00000005" in resumed.stderr
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_stop_request_restores_the_handlers_after_the_first_signal():
+    """The first signal is caught and recorded; the handlers before it are back at once (a second
+    Ctrl-C interrupts), and after the block."""
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequest() as stop:
+        assert signal.getsignal(signal.SIGINT) == stop._handle and signal.getsignal(signal.SIGTERM) == stop._handle
+        stop._handle(signal.SIGTERM, None)
+        assert stop.signum == signal.SIGTERM and signal.getsignal(signal.SIGINT) is before
+    assert signal.getsignal(signal.SIGINT) is before
+    e = TrainingInterrupted(signal.SIGTERM, 7, Path("run/checkpoints/step_00000007"))
+    assert isinstance(e, KeyboardInterrupt) and e.exit_code == 143
+    assert str(e) == "stopped by SIGTERM after step 7: checkpoint run/checkpoints/step_00000007; continue with --resume"
+
+
 def test_fresh_run_refuses_a_used_directory_and_resume_needs_a_checkpoint(tmp_path):
     c = cfg(tmp_path, steps=2)
     train(c)
@@ -230,6 +266,28 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), (ra, rb)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_stop_together_when_one_is_signalled(tmp_path):
+    """SIGTERM to rank 1 alone after step 3 (logging every 2 steps): both ranks stop after step 4 with
+    rank 0's checkpoint of it, and a torchrun resume gives the uninterrupted run's losses."""
+    common = ["--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--task-opt", "min_pairs=null",
+              "--seq-len", "64", "--batch-size", "8", "--steps", "6", "--warmup", "2", "--no-compile", "--log-every", "2",
+              "--no-progress", *CLI_MODEL]
+    _cli(["train", *common, "--out", str(tmp_path / "one")])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29532",
+                "-m", "ovqflex.cli", "train", *common, "--out", str(tmp_path / "two")]
+    proc = subprocess.run(torchrun, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, FAULT_SIGNAL_ENV: "3:TERM:1"})
+    assert proc.returncode != 0 and "stopped by SIGTERM after step 4: checkpoint" in proc.stderr, proc.stderr
+    assert latest_checkpoint(tmp_path / "two").name == "step_00000004"
+    proc = subprocess.run([*torchrun, "--resume"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6]
     for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), (ra, rb)
 
