@@ -24,14 +24,16 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Training stopped on a signal after ``step``, with that step's checkpoint at ``checkpoint``
-    (``None`` on the ranks that do not write). A ``KeyboardInterrupt``, so code that lets Ctrl-C
-    through lets this through too. ``exit_code``: the shell's ``128 + signal number``."""
+    (``None`` on the ranks that do not write); ``complete``: that was the last step (a signal
+    during it still stops what called ``train``). A ``KeyboardInterrupt``, so code that lets
+    Ctrl-C through lets this through too. ``exit_code``: the shell's ``128 + signal number``."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, complete: bool = False):
+        self.signum, self.step, self.checkpoint, self.complete = signum, step, checkpoint, complete
         name = signal.Signals(signum).name
         where = f": checkpoint {checkpoint}" if checkpoint is not None else ""
-        super().__init__(f"stopped by {name} after step {step:,}{where}; continue with --resume")
+        then = "the run is complete" if complete else "continue with --resume"
+        super().__init__(f"stopped by {name} after {'its last ' if complete else ''}step {step:,}{where}; {then}")
 
     @property
     def exit_code(self) -> int:

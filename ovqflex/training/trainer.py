@@ -281,10 +281,10 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                 if done == signal_after:
                     os.kill(os.getpid(), signal_kind)
                 signum = stop.requested(info, device, sync_point=done % cfg.log_every == 0 or done == cfg.steps)
-                if signum is not None and done < cfg.steps:
+                if signum is not None:
                     if not saved:
                         ckpt_dir = save(done, last)
-                    raise TrainingInterrupted(signum, done, ckpt_dir)
+                    raise TrainingInterrupted(signum, done, ckpt_dir, complete=done == cfg.steps)
     finally:
         if bar is not None:
             bar.close()

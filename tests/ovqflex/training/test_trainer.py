@@ -161,6 +161,18 @@ def test_stop_request_restores_the_handlers_after_the_first_signal():
     assert str(e) == "stopped by SIGTERM after step 7: checkpoint run/checkpoints/step_00000007; continue with --resume"
 
 
+def test_a_signal_during_the_last_step_is_not_swallowed(tmp_path, monkeypatch):
+    """SIGINT during the last step: the run completes (its final checkpoint) and still reports the stop,
+    so a caller (an experiment) does not go on as if no one had asked."""
+    monkeypatch.setenv(FAULT_SIGNAL_ENV, "3:INT")
+    c = cfg(tmp_path, steps=3)
+    with pytest.raises(TrainingInterrupted, match="stopped by SIGINT after its last step 3: checkpoint .*step_00000003; "
+                                                  "the run is complete") as info:
+        train(c)
+    assert info.value.complete and info.value.exit_code == 130
+    assert load_checkpoint(latest_checkpoint(c.out)).step == 3
+
+
 def test_fresh_run_refuses_a_used_directory_and_resume_needs_a_checkpoint(tmp_path):
     c = cfg(tmp_path, steps=2)
     train(c)
