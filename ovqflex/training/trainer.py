@@ -31,8 +31,8 @@ from ..tasks import IGNORE, make_batch
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_optimizer, remove_leftovers,
                          save_checkpoint, set_rng_state)
 from .config import TrainConfig
-from .interrupt import StopRequest, TrainingInterrupted
 from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, shutdown
+from .interrupt import StopRequest, TrainingInterrupted
 from .lock import RunLock
 from .schedule import lr_at
 from .setup import autocast_dtype, build_model, build_optimizer, build_task, model_from_checkpoint, train_config_of

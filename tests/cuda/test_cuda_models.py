@@ -7,7 +7,8 @@ import torch
 
 from ovqflex.models import HybridLM, preset
 from ovqflex.training.trainer import forward_loss
-from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, OLD_CPU_INDUCTOR, TRAIN_BACKEND, loss_falls, seeded
+from tests.cuda.cuda_cases import (CUDA_TIER, DEVICE, FWD_TOL_CUDA, TRAIN_BACKEND, loss_falls, seeded,
+                                   skip_old_cpu_inductor_fault)
 from tests.helpers import FWD_TOL, assert_close
 from tests.ovqflex.cache.test_streaming import HIDDEN, LAYERS, _perturbed, _stream
 
@@ -30,8 +31,7 @@ def _model(pattern: str, **kw) -> HybridLM:
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_compiled_hybrid_lm_training_loss_falls(pattern, dtype):
     """20 AdamW steps on one batch (memorisation: the loop and every gradient path must work)."""
-    if OLD_CPU_INDUCTOR and (pattern, dtype) == ("kvm", "bf16"):
-        pytest.skip("torch < 2.13 on the CPU: inductor's compiled kvm bf16 training corrupts the heap (process abort)")
+    skip_old_cpu_inductor_fault("model", pattern, dtype)
     amp = torch.bfloat16 if dtype == "bf16" else None
     model = _model(pattern)
     compiled = torch.compile(model)
