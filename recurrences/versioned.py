@@ -117,12 +117,24 @@ def check_state_layout(state_layout: str, checkpoint_every: int | None, block_si
     check_block_size("block_size", block_size)
 
 
-def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan) -> str:
-    """``auto`` -> the layout with fewer state rows (snapshot: ``n_chunks * rows``)."""
+#: What a state row of the versioned layout costs, in state rows of the snapshot layout, per device
+#: type: the forward's program build plus its flex kernel, per state row (docs/design.md §5, "Choosing
+#: the layout"). The ``stages`` benchmark prints it for each method and length (``row_cost_vs_snapshot``).
+#: CPU (2 cores, torch 2.13, fp32, ``profiles/stages.toml``): 1.6 (VQ) to 3.8 (OVQ at 16k), and
+#: 2 takes the faster layout in each of its six cases. Types not listed count a row as a row.
+LAYOUT_ROW_COST = {"cpu": 2.0}
+
+
+def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan,
+                        device_type: str = "cpu", grad: bool = False) -> str:
+    """``auto`` -> with gradients recorded (``grad``), the layout with fewer state rows (snapshot: ``n_chunks *
+    rows``), since a backward keeps memory in proportion to them; without, the cheaper forward on
+    ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each, are fewer."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if state_layout != "auto":
         return state_layout
-    return "versioned" if plan.state_rows < n_chunks * rows else "snapshot"
+    row_cost = 1.0 if grad else LAYOUT_ROW_COST.get(device_type, 1.0)
+    return "versioned" if plan.state_rows * row_cost < n_chunks * rows else "snapshot"
 
 
 @dataclass

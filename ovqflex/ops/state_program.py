@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
+import torch
 from torch import Tensor
 
 from masks.program import AttentionProgram, build_program
@@ -65,7 +66,8 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     reads (non-decreasing); ``rows``: ``R``, the rows of the largest state (0: no state — the
     program is the window alone); ``lag``: a token of chunk ``ct`` enters the state of chunk
     ``ct + lag``. ``options``: ``chunk_size``, ``state_layout`` (``"snapshot"``, ``"versioned"``,
-    ``"auto"``: the one with fewer rows), ``checkpoint_every`` and ``block_size``.
+    ``"auto"``: :func:`~recurrences.versioned.choose_state_layout`: the one with fewer rows when
+    gradients are recorded, else the cheaper one on q's device), ``checkpoint_every`` and ``block_size``.
 
     ``snapshots()`` (keys ``[B, H, n_chunks, R, D]``) and ``versioned(plan)`` (keys ``[B, H, S, D]``)
     build the same state after the method's per-row readout; only the chosen one runs. With
@@ -80,7 +82,10 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
             return build_program(q, k, v, (window,), scale=scale, block_size=block_size)
     n_chunks = max(1, -(-q.shape[2] // C))
     plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size)
-    if choose_state_layout(options.state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_scale))
+    layout = choose_state_layout(options.state_layout, n_chunks=n_chunks, rows=rows, plan=plan,
+                                 device_type=q.device.type, grad=grad)
+    if layout == "versioned":
         with stage("state_build"):
             ver = versioned(plan)
             keys, bias = _readout(ver, count_bias, key_scale, bias_shift)

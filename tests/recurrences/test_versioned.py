@@ -5,7 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from recurrences.segments import segment_snapshot_sums
-from recurrences.versioned import (choose_state_layout, plan_versioned, snapshot_from_versioned, versioned_sums)
+from recurrences.versioned import (LAYOUT_ROW_COST, choose_state_layout, plan_versioned, snapshot_from_versioned,
+                                   versioned_sums)
 
 
 def random_routes(B, H, T, chunk, lag, sizes, drop, g):
@@ -112,6 +113,21 @@ def test_plan_and_layout_choice():
     assert choose_state_layout("versioned", n_chunks=4, rows=40, plan=small) == "versioned"
     with pytest.raises(ValueError, match="state_layout"):
         choose_state_layout("sparse", n_chunks=4, rows=40, plan=small)
+
+
+@pytest.mark.parametrize("device_type,grad,want", [("cpu", False, "snapshot"), ("cpu", True, "versioned"),
+                                                   ("cuda", False, "versioned"), ("meta", False, "versioned")],
+                         ids=["cpu-no-grad", "cpu-grad", "unmeasured-device", "unknown-device"])
+def test_auto_weighs_rows_by_the_device_cost_without_gradients(device_type, grad, want):
+    """VQ at 4k (codebook 512, lag 2): the snapshot has 4/3 the versioned rows. A versioned row costs
+    LAYOUT_ROW_COST["cpu"] = 2 snapshot rows on the CPU, so its forward keeps snapshots; with gradients,
+    or on a device type without a measured cost, fewer rows win."""
+    plan = plan_versioned(n_chunks=32, chunk_size=128, rows=512, lag=2, align=128)
+    assert 32 * 512 == plan.state_rows * 4 / 3 and LAYOUT_ROW_COST["cpu"] == 2.0
+    assert choose_state_layout("auto", n_chunks=32, rows=512, plan=plan, device_type=device_type, grad=grad) == want
+    big = plan_versioned(n_chunks=256, chunk_size=128, rows=1927, lag=1, align=128)  # OVQ at 32k: 5x fewer rows
+    assert choose_state_layout("auto", n_chunks=256, rows=1927, plan=big, device_type=device_type,
+                               grad=grad) == "versioned"
     with pytest.raises(ValueError, match="checkpoint_every"):
         plan_versioned(4, 32, 40, 1, every=0)
 

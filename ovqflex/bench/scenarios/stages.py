@@ -70,6 +70,17 @@ def layout_of(program) -> str:
     return "none"
 
 
+def _row_costs(layout_rows: list[dict]) -> None:
+    """Adds ``row_cost_vs_snapshot`` to the versioned row of one length: its build plus kernel time per
+    state row over the snapshot row's, the constant ``state_layout="auto"`` weighs rows by
+    (:data:`recurrences.versioned.LAYOUT_ROW_COST`)."""
+    by = {row["case"].split()[0]: row for row in layout_rows}
+    if {"snapshot", "versioned"} <= by.keys():
+        snap, ver = by["snapshot"], by["versioned"]
+        per_row = [(r["program_s"] + r["kernel_s"]) / max(r["state_rows"], 1) for r in (snap, ver)]
+        ver["row_cost_vs_snapshot"] = per_row[1] / per_row[0]
+
+
 @register("stages", StagesScenario)
 def stages(sc: StagesScenario, device: str) -> list[dict]:
     """The stage breakdown of an OVQ, KVM or VQ forward (no grad) at each ``seq_len``: per layout, one
@@ -82,7 +93,8 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
     call; ``kernel_first_call_s``: its first call, the flex compile for this program's shapes), its kv
     rows and listed blocks; then the op itself (``state_layout="auto"``, flex, eager: which layout it
     took) and causal SDPA on the same q, k, v. ``x_vs_sdpa``: SDPA's time over the row's (kernel and
-    program rows: over the kernel and the build).
+    program rows: over the kernel and the build). The versioned row's ``row_cost_vs_snapshot``: its
+    (build + kernel) time per state row over the snapshot's (the cost ``state_layout="auto"`` weighs).
     """
     program_of, op, extra, options = _method(sc)
     dev, dtype = torch.device(device), DTYPES[sc.dtype]
@@ -115,10 +127,12 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
                        "kernel_s": kernel.seconds,
                        "kernel_first_call_s": kernel.first_s,
                        "kernel_x_vs_sdpa": sdpa / kernel.seconds, "program_x_vs_sdpa": sdpa / whole.seconds,
-                       "kv_rows": program.geom.kv_len, "visible_blocks": int(program.layout.visible_blocks())}
+                       "kv_rows": program.geom.kv_len, "state_rows": program.geom.n_state,
+                       "visible_blocks": int(program.layout.visible_blocks())}
                 progress(f"T={T} {layout}: program {whole.seconds * 1e3:.2f} ms, kernel {kernel.seconds * 1e3:.2f} ms")
                 rows.append(row)
                 del program
+            _row_costs(rows[-len(sc.layouts):])
             auto = layout_of(program_of(**t, **options)[0])
             whole_op = measure(lambda: op(**t, backend="flex", **options), device=dev, repeats=repeats)
         progress(f"T={T} op (auto: {auto})", whole_op.seconds)

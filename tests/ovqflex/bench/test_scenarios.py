@@ -154,7 +154,12 @@ def test_stages_time_each_stage_per_layout_next_to_the_kernel_and_sdpa():
     for layout in ("snapshot", "versioned"):
         p = ovq_program(q, k, v, torch.full((2,), 4.0), chunk_size=16, max_centroids=8, state_layout=layout)[0]
         r = by[f"{layout} program + flex kernel"]
-        assert (r["kv_rows"], r["visible_blocks"]) == (p.geom.kv_len, int(p.layout.visible_blocks()))
+        assert (r["kv_rows"], r["state_rows"], r["visible_blocks"]) == \
+            (p.geom.kv_len, p.geom.n_state, int(p.layout.visible_blocks()))
+    snap, ver = (by[f"{layout} program + flex kernel"] for layout in ("snapshot", "versioned"))
+    per_row = [(r["program_s"] + r["kernel_s"]) / r["state_rows"] for r in (snap, ver)]
+    assert ver["row_cost_vs_snapshot"] == pytest.approx(per_row[1] / per_row[0])
+    assert "row_cost_vs_snapshot" not in snap
     auto = ovq_program(q, k, v, torch.full((2,), 4.0), chunk_size=16, max_centroids=8)[0].geom.kv_len
     took = "snapshot" if auto == by["snapshot program + flex kernel"]["kv_rows"] else "versioned"
     assert op["case"] == f"op, flex, eager (auto: {took})"

@@ -116,3 +116,27 @@ def test_state_scores():
     with pytest.raises(ValueError, match="bias_shift .* needs count_bias"):
         build_state_program(q, k, v, OwnChunk(C), scale=1.0, sizes=[0, 1], rows=1, lag=1, options=Layout(),
                             snapshots=fail, versioned=fail, bias_shift=torch.zeros(2))
+
+
+def test_auto_takes_the_faster_layout_without_gradients_and_fewer_rows_with_them():
+    """VQ (codebook 64, chunk 16, T = 256, lag 2): the snapshot has 4/3 the versioned state rows. On the
+    CPU a versioned row costs 2 snapshot rows (recurrences.versioned.LAYOUT_ROW_COST), so a forward
+    without gradients keeps the snapshot; with gradients recorded, fewer rows (versioned) win."""
+    from ovqflex.ops.vq import vq_program
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 8, generator=g) for _ in range(3))
+    codebook, beta = torch.randn(2, 64, 8, generator=g), torch.full((2,), 2.0)
+    opts = dict(chunk_size=16, block_size=16)
+
+    def state_rows(layout="auto", **tensors):
+        args = {"q": q, "k": k, "v": v, "codebook": codebook, **tensors}
+        return vq_program(**args, beta=beta, state_layout=layout, **opts)[0].geom.n_state
+
+    snapshot, versioned = state_rows("snapshot"), state_rows("versioned")
+    assert snapshot * 3 == versioned * 4
+    assert state_rows() == snapshot
+    with torch.no_grad():
+        assert state_rows(q=q.clone().requires_grad_()) == snapshot
+    assert state_rows(q=q.clone().requires_grad_()) == versioned
+    assert state_rows(v=v.clone().requires_grad_()) == versioned
