@@ -110,41 +110,46 @@ def _cli(args, env=None, check=True):
     return proc
 
 
-def test_killed_run_resumes_to_the_same_final_loss(tmp_path):
+# the CLI runs of the stop-and-resume tests: 8 steps, checkpoints every 4
+STOP_RUN = ["train", "--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64",
+            "--batch-size", "4", "--steps", "8", "--warmup", "2", "--no-compile", "--log-every", "1", "--no-progress",
+            "--ckpt-every", "4", *CLI_MODEL]
+
+
+@pytest.fixture(scope="module")
+def straight_losses(tmp_path_factory) -> list[float]:
+    """The losses of the 8-step run without interruption (one run shared by the stop tests)."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    _cli([*STOP_RUN, "--out", str(out)])
+    return [r["loss"] for r in metrics(out)]
+
+
+def test_killed_run_resumes_to_the_same_final_loss(tmp_path, straight_losses):
     """N steps straight == N/2 steps, SIGKILL (two steps later, so unsaved progress is lost), resume."""
-    common = ["train", "--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64",
-              "--batch-size", "4", "--steps", "8", "--warmup", "2", "--no-compile", "--log-every", "1",
-              "--no-progress", *CLI_MODEL]
-    _cli([*common, "--out", str(tmp_path / "straight")])
-    killed = _cli([*common, "--out", str(tmp_path / "killed"), "--ckpt-every", "4"], env={FAULT_KILL_ENV: "6"},
-                  check=False)
+    killed = _cli([*STOP_RUN, "--out", str(tmp_path / "killed")], env={FAULT_KILL_ENV: "6"}, check=False)
     assert killed.returncode == -9, killed.stderr
     assert latest_checkpoint(tmp_path / "killed").name == "step_00000004"
     assert [r["step"] for r in metrics(tmp_path / "killed")][-1] == 6
-    _cli([*common, "--out", str(tmp_path / "killed"), "--ckpt-every", "4", "--resume"])
-    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "killed")
+    _cli([*STOP_RUN, "--out", str(tmp_path / "killed"), "--resume"])
+    b = metrics(tmp_path / "killed")
     assert [r["step"] for r in b] == list(range(1, 9))  # lines of the lost steps 5-6 replaced, not duplicated
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["loss"] for r in b] == straight_losses
 
 
-@pytest.mark.parametrize("sig,code", [("TERM", 143), ("INT", 130)], ids=["sigterm", "sigint"])
-def test_signal_stops_after_the_step_with_a_checkpoint_and_resume_matches(tmp_path, sig, code):
-    """SIGTERM / SIGINT after step 5 (between the step-4 and step-8 checkpoints): the run stops with a
-    checkpoint of step 5 and the shell's exit status; resuming it gives the uninterrupted losses."""
-    common = ["train", "--task", "icr", "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64",
-              "--batch-size", "4", "--steps", "8", "--warmup", "2", "--no-compile", "--log-every", "1",
-              "--no-progress", "--ckpt-every", "4", *CLI_MODEL]
-    _cli([*common, "--out", str(tmp_path / "straight")])
-    stopped = _cli([*common, "--out", str(tmp_path / "stopped")], env={FAULT_SIGNAL_ENV: f"5:{sig}"}, check=False)
-    assert stopped.returncode == code, stopped.stderr
-    assert f"stopped by SIG{sig} after step 5: checkpoint " in stopped.stderr and "--resume" in stopped.stderr
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_matches(tmp_path, straight_losses):
+    """SIGTERM after step 5 (between the step-4 and step-8 checkpoints): the run stops with a checkpoint
+    of step 5 and the shell's exit status 143; resuming it gives the uninterrupted losses. (SIGINT takes
+    the same path: test_a_signal_during_the_last_step_is_not_swallowed.)"""
+    stopped = _cli([*STOP_RUN, "--out", str(tmp_path / "stopped")], env={FAULT_SIGNAL_ENV: "5"}, check=False)
+    assert stopped.returncode == 143, stopped.stderr
+    assert "stopped by SIGTERM after step 5: checkpoint " in stopped.stderr and "--resume" in stopped.stderr
     assert latest_checkpoint(tmp_path / "stopped").name == "step_00000005"
     assert [r["step"] for r in metrics(tmp_path / "stopped")] == [1, 2, 3, 4, 5]
-    resumed = _cli([*common, "--out", str(tmp_path / "stopped"), "--resume"])
+    resumed = _cli([*STOP_RUN, "--out", str(tmp_path / "stopped"), "--resume"])
     assert "resumed from" in resumed.stderr and "step_00000005" in resumed.stderr
-    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")
+    b = metrics(tmp_path / "stopped")
     assert [r["step"] for r in b] == list(range(1, 9))
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["loss"] for r in b] == straight_losses
 
 
 def test_stop_request_restores_the_handlers_after_the_first_signal():
