@@ -33,7 +33,8 @@ The layout is chosen and laid out in one place for every method,
 ``ovqflex.ops.state_program.build_state_program``, in three steps::
 
     plan = plan_versioned(n_chunks, chunk_size, rows, lag, checkpoint_every, align=block_size)
-    if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan) == "versioned":
+    if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan,
+                           device_type=q.device.type, grad=grad_recorded) == "versioned":
         ver = versioned(plan)   # the method's: versioned_sums of its weighted tokens + per-row readout
         regions = masks.versioned.versioned_regions(plan, sizes, ver.born, ver.dies) + (window,)
 
@@ -120,16 +121,17 @@ def check_state_layout(state_layout: str, checkpoint_every: int | None, block_si
 #: What a state row of the versioned layout costs, in state rows of the snapshot layout, per device
 #: type: the forward's program build plus its flex kernel, per state row (docs/design.md §5, "Choosing
 #: the layout"). The ``stages`` benchmark prints it for each method and length (``row_cost_vs_snapshot``).
-#: CPU (2 cores, torch 2.13, fp32, ``profiles/stages.toml``): 1.6 (VQ) to 3.8 (OVQ at 16k), and
-#: 2 takes the faster layout in each of its six cases. Types not listed count a row as a row.
+#: CPU (2 cores, torch 2.13, fp32, ``profiles/stages.toml``, two runs): 1.5-1.6 for VQ, 2.1-3.8 for OVQ
+#: and KVM at 4k-16k; 2 takes the faster layout in each of its six cases. Types not listed count a row as a row.
 LAYOUT_ROW_COST = {"cpu": 2.0}
 
 
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan,
-                        device_type: str = "cpu", grad: bool = False) -> str:
+                        device_type: str | None = None, grad: bool = False) -> str:
     """``auto`` -> with gradients recorded (``grad``), the layout with fewer state rows (snapshot: ``n_chunks *
     rows``), since a backward keeps memory in proportion to them; without, the cheaper forward on
-    ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each, are fewer."""
+    ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each, are fewer
+    (``None``: no device, fewer rows)."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if state_layout != "auto":
         return state_layout
