@@ -70,13 +70,12 @@ def layout_of(program) -> str:
     return "none"
 
 
-def _row_costs(layout_rows: list[dict]) -> None:
-    """Adds ``row_cost_vs_snapshot`` to the versioned row of one length: its build plus kernel time per
-    state row over the snapshot row's, the constant ``state_layout="auto"`` weighs rows by
-    (:data:`recurrences.versioned.LAYOUT_ROW_COST`)."""
-    by = {row["case"].split()[0]: row for row in layout_rows}
-    if {"snapshot", "versioned"} <= by.keys():
-        snap, ver = by["snapshot"], by["versioned"]
+def _row_costs(by_layout: dict[str, dict]) -> None:
+    """Adds ``row_cost_vs_snapshot`` to the versioned row of one length (``by_layout``: its rows by
+    layout): its build plus kernel time per state row over the snapshot row's, the constant
+    ``state_layout="auto"`` weighs rows by (:data:`recurrences.versioned.LAYOUT_ROW_COST`)."""
+    if {"snapshot", "versioned"} <= by_layout.keys():
+        snap, ver = by_layout["snapshot"], by_layout["versioned"]
         per_row = [(r["program_s"] + r["kernel_s"]) / max(r["state_rows"], 1) for r in (snap, ver)]
         ver["row_cost_vs_snapshot"] = per_row[1] / per_row[0]
 
@@ -102,6 +101,7 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
     rows: list[dict] = []
     for T in sc.seq_lens:
         t = op_inputs(T, H, D, extra, dev, dtype)
+        by_layout: dict[str, dict] = {}
         with torch.no_grad():
             sdpa = measure(lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True),
                            device=dev, repeats=repeats).seconds
@@ -131,8 +131,9 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
                        "visible_blocks": int(program.layout.visible_blocks())}
                 progress(f"T={T} {layout}: program {whole.seconds * 1e3:.2f} ms, kernel {kernel.seconds * 1e3:.2f} ms")
                 rows.append(row)
+                by_layout[layout] = row
                 del program
-            _row_costs(rows[-len(sc.layouts):])
+            _row_costs(by_layout)
             auto = layout_of(program_of(**t, **options)[0])
             whole_op = measure(lambda: op(**t, backend="flex", **options), device=dev, repeats=repeats)
         progress(f"T={T} op (auto: {auto})", whole_op.seconds)
