@@ -101,7 +101,7 @@ def _state_rows(st: dict, rows: int, opts: KVMOptions, readout: KVMReadout) -> t
     rho = st["radius"][:, :, :rows] if opts.use_vlens else None
     s_keys, values = readout_rows(st["state"][:, :, :rows], st["value_sums"][:, :, :rows], st["counts"][:, :, :rows],
                                   rho, torch.float32, readout.ln_s_weight.float(), readout.ln_s_bias.float(),
-                                  opts.ln_eps, 1e-12)
+                                  opts.ln_eps)
     if readout.tau_state is not None:
         s_keys = s_keys * readout.tau_state.float().view(1, H, 1, 1)
     return s_keys, values

@@ -49,8 +49,12 @@ def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Te
     return radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)
 
 
+#: the floor of ``||sv||`` in the radius readout (state builds and decode caches alike)
+NORM_EPS = 1e-12
+
+
 def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,
-                 ln_bias: Tensor, ln_eps: float, norm_eps: float) -> tuple[Tensor, Tensor]:
+                 ln_bias: Tensor, ln_eps: float, norm_eps: float = NORM_EPS) -> tuple[Tensor, Tensor]:
     """Per-row readout of the gated sums ``sk [..., D]``, ``sv [..., Dv]``: keys ``LN_s(sk)``; values
     ``rho * sv / ||sv||`` (``rho [...]``, the founder radius) or, with ``rho=None``, ``sv / count``.
     The state builds and the decode caches (:mod:`ovqflex.ops.kvm_decode`) read their rows through it."""
@@ -67,7 +71,7 @@ def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_d
 
 def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *, chunk_size: int,
                         n_bswa_chunks: int, sizes: list[int], ln_weight: Tensor, ln_bias: Tensor,
-                        ln_eps: float = 1e-5, use_vlens: bool = True, norm_eps: float = 1e-12) -> Snapshots:
+                        ln_eps: float = 1e-5, use_vlens: bool = True, norm_eps: float = NORM_EPS) -> Snapshots:
     """kbar ``[B, H, T, D]`` memory keys, v ``[B, H, T, Dv]``, gate ``[B, H, T]``, routes/founder
     ``[B, H, T]`` from :func:`~recurrences.kvm.routing.route_kvm`; ``sizes[c]`` live rows of chunk c.
     Keys are ``LN_s`` of the key sums (before ``tau_state``), values the readout values; counts
@@ -82,7 +86,7 @@ def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
 
 def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, plan: VersionPlan, *,
                         ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5, use_vlens: bool = True,
-                        norm_eps: float = 1e-12) -> Versioned:
+                        norm_eps: float = NORM_EPS) -> Versioned:
     """The versioned layout (docs/design.md §5, ``plan.lag = Nb``) of the same states: the same gated
     sums and per-row readout as :func:`build_kvm_snapshots`; a version row has its slot's founder radius."""
     rows = plan.rows
