@@ -42,26 +42,26 @@ class BlockLayout:
     full_idx: Tensor
 
     def entries(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Partial and full lists side by side, for gathering backends.
+        """Partial and full blocks merged into one ascending list per query block, for gathering
+        backends (the ``blocked`` backend, the visualizer).
 
-        Returns ``idx [nQB, W]`` (int64, 0 where unused), ``valid [nQB, W]`` and
-        ``full [nQB, W]`` bool.
+        Returns ``idx [nQB, W]`` (int64, 0 where unused), ``valid [nQB, W]`` and ``full [nQB, W]``
+        bool, ``W = Wp``: both lists come from one de-duplicated set of at most ``Wp`` candidate
+        blocks (:func:`build_block_layout`), so ``kv_num + full_num <= Wp`` and a backend that
+        gathers ``W`` blocks per query block gathers no always-empty half.
         """
         wp, wf = self.kv_idx.shape[-1], self.full_idx.shape[-1]
         dev = self.kv_idx.device
-        valid = torch.cat(
-            [
-                torch.arange(wp, device=dev) < self.kv_num[:, None],
-                torch.arange(wf, device=dev) < self.full_num[:, None],
-            ],
-            dim=-1,
-        )
-        full = torch.cat(
-            [torch.zeros_like(self.kv_idx, dtype=torch.bool), torch.ones_like(self.full_idx, dtype=torch.bool)],
-            dim=-1,
-        )
-        idx = torch.cat([self.kv_idx, self.full_idx], dim=-1).long()
-        return idx, valid, full
+        listed = torch.cat([torch.arange(wp, device=dev) < self.kv_num[:, None],
+                            torch.arange(wf, device=dev) < self.full_num[:, None]], dim=-1)
+        is_full = torch.cat([torch.zeros(wp, dtype=torch.bool, device=dev),
+                             torch.ones(wf, dtype=torch.bool, device=dev)]).expand_as(listed)
+        unused = self.geom.n_kv_blocks  # past every block index: sorts last
+        key = torch.where(listed, torch.cat([self.kv_idx, self.full_idx], dim=-1).long(), unused)
+        key, order = torch.sort(key, dim=-1)  # a block is in one list only: no ties among listed ones
+        key, order = key[:, :wp], order[:, :wp]
+        valid = key < unused
+        return torch.where(valid, key, 0), valid, is_full.gather(-1, order) & valid
 
     def visible_blocks(self) -> Tensor:
         """Number of (query block, kv block) tiles listed, partial + full (0-d)."""

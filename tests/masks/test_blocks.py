@@ -91,6 +91,27 @@ def test_q_side_is_the_transpose(prog):
     assert bm.kv_indices.shape[-1] == geom.n_kv_blocks  # the CPU flex kernel needs full-width storage
 
 
+@given(programs())
+def test_entries_merge_both_lists_once_in_the_partial_width(prog):
+    """What gathering backends read: every listed block once, ascending, flagged full as listed, in a
+    list no wider than the partial one (the two lists together never hold more blocks than that)."""
+    regions, geom = prog
+    params = tuple(r.params(geom, torch.device("cpu")) for r in regions)
+    lay = build_block_layout(regions, params, geom)
+    idx, valid, full = lay.entries()
+    assert idx.shape == valid.shape == full.shape == lay.kv_idx.shape
+    got_partial, got_full = (torch.zeros(geom.n_q_blocks, geom.n_kv_blocks, dtype=torch.bool) for _ in range(2))
+    for row in range(geom.n_q_blocks):
+        blocks = idx[row][valid[row]].tolist()
+        assert blocks == sorted(set(blocks)), "merged row not ascending or with a duplicate"
+        assert valid[row].tolist() == sorted(valid[row].tolist(), reverse=True), "a hole before a listed block"
+        got_partial[row, idx[row][valid[row] & ~full[row]]] = True
+        got_full[row, idx[row][full[row]]] = True
+    assert not (full & ~valid).any() and (idx[~valid] == 0).all()
+    assert torch.equal(got_partial, listed(lay.kv_num, lay.kv_idx, geom))
+    assert torch.equal(got_full, listed(lay.full_num, lay.full_idx, geom))
+
+
 def test_visible_block_count_is_linear_for_windows():
     geom = Geometry(65536, 65536, 0, 65536, 128, 128)
     params = (TokenWindow(512).params(geom, torch.device("cpu")),)
