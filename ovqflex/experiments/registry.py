@@ -35,7 +35,7 @@ distinct keys and values) with the training-only mix of context sizes ``min_pair
 multi-token layout) are slower to learn at this size: sw-ovq seed 0 with ``min_pairs=1`` ended
 a 2,000-step run at training accuracy 0.49 (0.37 at step 1,400), while with 1-token keys the
 same seed passed 0.5 at step 1,050 of 4,000 and the others at 440-1,370 (runs made before CPU
-training was deterministic by default; the main job's deterministic runs: 630, and 370-860). At
+training was deterministic by default; the main job's deterministic runs: 1,240, and 970-1,260). At
 the ``gpu`` scale keys and values are 2 tokens of a 1,024 vocabulary (5,455 pairs at 32k), also
 with ``min_pairs=1``.
 

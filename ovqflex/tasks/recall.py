@@ -93,7 +93,8 @@ class ICR(_KVTask):
     on a 2,000-step one). With vocab 256 (the ``tiny`` preset's task, which reaches 1,024
     tokens with distinct keys): 1,050 / 440 / 1,370 / 440 for seeds 0-3, against none of 3
     seeds by step 1,700 on full contexts (these runs predate deterministic CPU training; the
-    main job's deterministic runs, in the README: 630 / 370 / 860 for seeds 0-2).
+    main job's deterministic runs, in the README: 1,240 / 1,260 / 970 for seeds 0-2, and 630 / 370 / 860
+    before a change of the blocked backend's float summation order).
     """
 
     name: ClassVar[str] = "icr"
