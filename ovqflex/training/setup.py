@@ -3,6 +3,7 @@ rebuild them from a checkpoint, checked against each other."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -78,20 +79,21 @@ def train_config_of(ckpt: Checkpoint) -> TrainConfig:
 
 
 def model_from_checkpoint(ckpt: Checkpoint, cfg: TrainConfig, task: Task) -> HybridLM:
-    """The model of checkpoint ``ckpt``: rebuilt from its saved ``model_config``, which must equal
-    the config ``cfg`` builds now for ``task`` (an edited file, or a preset or default that changed
-    since, is named field by field), with its tensors loaded (shapes checked, file named)."""
+    """The model of checkpoint ``ckpt``: rebuilt from its saved ``model_config`` (the manifest's
+    checksum covers it), with its tensors loaded (shapes checked, file named). Where the config
+    ``cfg`` builds today for ``task`` differs (a preset or default changed since the run was saved,
+    e.g. the ``tiny`` preset's pattern), the saved one wins and a warning names the fields."""
     state_file = ckpt.path / STATE_FILE
     try:
         saved = HybridConfig.from_dict(ckpt.state.get("model_config"), "model_config")
     except (ValueError, ConfigError) as e:
         raise CheckpointError(f"checkpoint file {state_file}: invalid model_config ({e})") from None
     expected = model_config(cfg, task)
-    diffs = [f"{f.name}: {getattr(saved, f.name)!r} saved, {getattr(expected, f.name)!r} from train_config"
+    diffs = [f"{f.name}: {getattr(saved, f.name)!r} saved, {getattr(expected, f.name)!r} now"
              for f in dataclasses.fields(HybridConfig) if getattr(saved, f.name) != getattr(expected, f.name)]
     if diffs:
-        raise CheckpointError(f"checkpoint file {state_file}: model_config differs from the model its train_config "
-                              f"builds ({'; '.join(diffs)}); edited, or a preset changed since it was saved?")
+        warnings.warn(f"checkpoint {ckpt.path}: its train_config builds another model today ({'; '.join(diffs)}): "
+                      "a preset or default changed since it was saved; using its saved model_config", stacklevel=2)
     model = HybridLM(saved)
     load_tensors(model, ckpt.model, ckpt.path / MODEL_FILE)
     return model

@@ -353,13 +353,11 @@ def _widen(state, tensors):
 
 @pytest.mark.parametrize("edit, match", [
     (_set("model_config", "n_heads", -3), "state.json: invalid model_config \\(n_heads must be >= 1, got -3\\)"),
-    (_set("model_config", "d_model", 48), "state.json: model_config differs from the model its train_config builds "
-                                          "\\(d_model: 48 saved, 32 from train_config\\)"),
     (_set("model_config", "colour", 1), "state.json: invalid model_config \\(model_config: unknown key 'colour'"),
     (_set("train_config", "seq_lenn", 64), "state.json: invalid train_config \\(train_config: unknown key "
                                            "'seq_lenn' \\(did you mean 'seq_len'\\?\\)"),
     (_widen, "model.safetensors does not fit the model: embed.weight: shape \\[64, 48\\], the model has \\[64, 32\\]"),
-], ids=["n_heads", "d_model", "unknown-key", "train-key", "tensor-shape"])
+], ids=["n_heads", "unknown-key", "train-key", "tensor-shape"])
 def test_eval_and_resume_refuse_a_checkpoint_that_does_not_fit_its_configs(tmp_path, edit, match):
     c = cfg(tmp_path, steps=2)
     train(c)
@@ -368,6 +366,23 @@ def test_eval_and_resume_refuse_a_checkpoint_that_does_not_fit_its_configs(tmp_p
         evaluate(c.out, [64], n_examples=1)
     with pytest.raises(CheckpointError, match=match):
         train(TrainConfig(**{**c.to_dict(), "steps": 4}), resume=True)
+
+
+def test_a_run_saved_before_a_preset_changed_loads_its_saved_model(tmp_path, monkeypatch):
+    """The saved model_config wins over what the preset builds today (named in a warning): runs
+    saved before a preset change still evaluate and resume, as the model they trained."""
+    from ovqflex.models.config import PRESETS
+
+    c = cfg(tmp_path, steps=2)
+    train(c)
+    before = evaluate(c.out, [64], n_examples=2, name="before")
+    monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "norm_eps": 1e-3, "mlp_ratio": 2.0})
+    with pytest.warns(UserWarning, match="builds another model today \\(mlp_ratio: 4.0 saved, 2.0 now; norm_eps: "
+                                         "1e-05 saved, 0.001 now\\).*using its saved model_config"):
+        after = evaluate(c.out, [64], n_examples=2, name="after")
+    assert after["rows"] == [{**r, "seconds": a["seconds"]} for r, a in zip(before["rows"], after["rows"])]
+    with pytest.warns(UserWarning, match="using its saved model_config"):
+        train(TrainConfig(**{**c.to_dict(), "steps": 3}), resume=True)
 
 
 def test_a_hand_edited_state_json_is_refused_by_eval(tmp_path, capsys):
