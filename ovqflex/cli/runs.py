@@ -1,4 +1,4 @@
-"""Commands on training runs: ``train``, ``eval``, ``experiment``, ``generate``."""
+"""Commands on training runs: ``train``, ``eval``, ``probe``, ``experiment``, ``generate``."""
 from __future__ import annotations
 
 import os
@@ -38,6 +38,23 @@ def _cmd_eval(args) -> int:
                     for r in doc["rows"]], headers=["length", "accuracy", "loss", "targets", "seconds"]))
     png = " and eval.png" if doc.get("plot") else " (no plot: matplotlib is not installed)"
     print(f"wrote {args.run}/eval.json{png}")
+    return 0
+
+
+def _cmd_probe(args) -> int:
+    """Print where each attention layer of an icr run looks when it recalls."""
+    from ..training.probe import probe_run
+
+    doc = probe_run(args.run, args.length, n_examples=args.examples, batch_size=args.batch_size,
+                    checkpoint=args.checkpoint, device=args.device)
+    print(f"{doc['run']} step {doc['step']}, pattern {doc['pattern']}, {doc['length']} tokens: {doc['queries']} "
+          f"queries, accuracy {doc['accuracy']:.4f} on their first value token")
+    rows = [(h["layer"], h["mixer"], h["head"], f"{h['pair_weight']:.3f}", f"{h['pair_weight_q10']:.3f}",
+             "  ".join(f"{o:+d}: {share:.0%}" for o, share in h["offsets"])) for h in doc["heads"]]
+    print(tabulate(rows, headers=["layer", "mixer", "head", "weight on pair", "10th pct", "most-weighted token "
+                                  "(offset from the key: share of queries)"]))
+    for layer, mixer in doc["not_probed"]:
+        print(f"layer {layer} ({mixer}): not probed")
     return 0
 
 
@@ -131,6 +148,19 @@ def add_eval(sub) -> None:
     s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
     add_device(s)
     s.set_defaults(fn=_cmd_eval)
+
+
+def add_probe(sub) -> None:
+    """The ``probe`` command under the subparsers ``sub``."""
+    s = sub.add_parser("probe", help="where each attention layer of an icr run looks when it recalls "
+                       "(weight on the queried key/value pair, offset of the most-weighted token)")
+    s.add_argument("run", help="run directory written by ovqflex train (task icr)")
+    s.add_argument("--length", type=int, default=None, help="context length (default: the training length)")
+    s.add_argument("--examples", type=int, default=64, help="examples (those ovqflex eval measures at this length)")
+    s.add_argument("--batch-size", type=int, default=16)
+    s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    add_device(s)
+    s.set_defaults(fn=_cmd_probe)
 
 
 def add_experiment(sub) -> None:
