@@ -2,15 +2,16 @@
 "Online Vector Quantized Attention" (arXiv 2602.03922, §4.1, Figures 4-5, appendix §8.4-8.5)
 at sizes a CPU or one GPU can run.
 
-Models (``HybridLM`` mixer patterns, sliding window + one other mixer, alternating):
+Models (``HybridLM`` mixer patterns: one mixer alternating with a sliding window, the mixer first, as
+in the ``tiny`` preset; the paper's names say "sw-" for the interleave, whose order it does not fix):
 
-- ``sw-ovq`` ``swa,ovq`` -- OVQ-attention, dictionary cap ``N`` = the preset's (``tiny``: the OVQ default 2048);
+- ``sw-ovq`` ``ovq,swa`` -- OVQ-attention, dictionary cap ``N`` = the preset's (``tiny``: the OVQ default 2048);
   also evaluated with ``N`` ×2 and ×4 at test time (the paper's dictionary sweep: it finds
   that more memory at test time always helps).
-- ``sw-nope`` ``swa,nope`` -- full causal attention without positions (the paper's strongest baseline).
-- ``sw-vq`` ``swa,vq`` -- VQ-attention (Transformer-VQ), codebook of 512 (the layer's default).
-- ``sw-linear`` ``swa,linear`` -- linear attention (ELU+1 features).
-- ``sw-kvm`` ``swa,kvm`` -- Key-Value Means with the growing power-law state ``16 sqrt(ctx)`` rows, uncapped.
+- ``sw-nope`` ``nope,swa`` -- full causal attention without positions (the paper's strongest baseline).
+- ``sw-vq`` ``vq,swa`` -- VQ-attention (Transformer-VQ), codebook of 512 (the layer's default).
+- ``sw-linear`` ``linear,swa`` -- linear attention (ELU+1 features).
+- ``sw-kvm`` ``kvm,swa`` -- Key-Value Means with the growing power-law state ``16 sqrt(ctx)`` rows, uncapped.
 
 Scales (``ovqflex experiment NAME --scale S``):
 
@@ -76,11 +77,11 @@ def get_experiment(name: str) -> Experiment:
 
 
 MODELS = (
-    ModelSpec("sw-ovq", "swa,ovq"),
-    ModelSpec("sw-nope", "swa,nope"),
-    ModelSpec("sw-vq", "swa,vq"),
-    ModelSpec("sw-linear", "swa,linear"),
-    ModelSpec("sw-kvm", "swa,kvm", {"mixer_options": {"kvm": {"budget": "power_law", "growth_factor": 16.0,
+    ModelSpec("sw-ovq", "ovq,swa"),
+    ModelSpec("sw-nope", "nope,swa"),
+    ModelSpec("sw-vq", "vq,swa"),
+    ModelSpec("sw-linear", "linear,swa"),
+    ModelSpec("sw-kvm", "kvm,swa", {"mixer_options": {"kvm": {"budget": "power_law", "growth_factor": 16.0,
                                                               "growth_exponent": 0.5, "max_state_chunks": None}}}),
 )
 DICTIONARY_SWEEP = EvalSweep("max_centroids", (1, 2, 4), ("sw-ovq",), symbol="N")
