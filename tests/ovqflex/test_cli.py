@@ -334,7 +334,7 @@ def test_device_default_is_the_same_in_every_command():
     commands = parser._subparsers._group_actions[0].choices
     with_device = {name: next(a for a in p._actions if a.dest == "device")
                    for name, p in commands.items() if any(a.dest == "device" for a in p._actions)}
-    assert set(with_device) == {"info", "train", "eval", "experiment", "generate", "bench", "profile"}
+    assert set(with_device) == {"info", "train", "eval", "probe", "experiment", "generate", "bench", "profile"}
     assert {(a.default, a.help) for a in with_device.values()} == {("auto", f"{NAMES} (default: auto)")}
 
 

@@ -45,7 +45,7 @@ def test_train_writes_metrics_config_and_a_checkpoint(tmp_path):
     assert rows[0]["lr"] < rows[1]["lr"]  # warmup
     assert result.step == 6 and result.loss == pytest.approx(rows[-1]["loss"], abs=1e-6)
     doc = json.loads((run / "config.json").read_text())
-    assert doc["train_config"]["steps"] == 6 and doc["model_config"]["pattern"] == "swa,ovq"
+    assert doc["train_config"]["steps"] == 6 and doc["model_config"]["pattern"] == "ovq,swa"  # the tiny preset's
     assert load_checkpoint(latest_checkpoint(run)).step == 6
 
 
