@@ -67,6 +67,14 @@ def check_lengths(task, lengths: list[int], what: str = "eval length") -> None:
                              f"use shorter lengths or a larger vocab_size") from None
 
 
+def eval_batches(task, length: int, *, n_examples: int, batch_size: int, seed: int):
+    """The batches ``(x, y)`` ``[count, length]`` of the ``n_examples`` unseen examples measured at
+    ``length`` (drawn from ``seed + EVAL_SEED_OFFSET``, so never a training example)."""
+    for start in range(0, n_examples, batch_size):
+        count = min(batch_size, n_examples - start)
+        yield make_batch(task, seed=seed + EVAL_SEED_OFFSET, step=length, start=start, count=count, seq_len=length)
+
+
 @torch.no_grad()
 def evaluate_model(model, task, lengths: list[int], *, n_examples: int, batch_size: int, seed: int,
                    device: torch.device, progress=None) -> list[EvalRow]:
@@ -79,10 +87,7 @@ def evaluate_model(model, task, lengths: list[int], *, n_examples: int, batch_si
         correct = total = 0
         loss_sum = 0.0
         t0 = time.perf_counter()
-        for start in range(0, n_examples, batch_size):
-            count = min(batch_size, n_examples - start)
-            x, y = make_batch(task, seed=seed + EVAL_SEED_OFFSET, step=length, start=start, count=count,
-                              seq_len=length)
+        for x, y in eval_batches(task, length, n_examples=n_examples, batch_size=batch_size, seed=seed):
             x, y = x.to(device), y.to(device)
             logits, batch_loss = forward_loss(model, x, y, None)
             target = y != IGNORE

@@ -33,9 +33,9 @@ from masks.program import AttentionProgram, build_program
 from ..layers.ovq import OVQAttention
 from ..layers.plain import _PlainAttention
 from ..ops.plain import plain_regions
-from ..tasks import IGNORE, make_batch
+from ..tasks import IGNORE
 from ..tasks.recall import ASSIGN, ICR
-from .evaluate import EVAL_SEED_OFFSET, check_lengths, load_run
+from .evaluate import check_lengths, eval_batches, load_run
 from .trainer import forward_loss
 
 
@@ -137,10 +137,7 @@ def probe_run(run_dir, length: int | None = None, *, n_examples: int = 64, batch
     stats: dict[int, list[Tensor]] = {}
     queries, correct = [], 0
     try:
-        for start in range(0, n_examples, batch_size):
-            count = min(batch_size, n_examples - start)
-            x, y = make_batch(task, seed=cfg.seed + EVAL_SEED_OFFSET, step=length, start=start, count=count,
-                              seq_len=length)
+        for x, y in eval_batches(task, length, n_examples=n_examples, batch_size=batch_size, seed=cfg.seed):
             logits, _ = forward_loss(model, x.to(dev), y.to(dev), None)
             q = recall_queries(x, y, task.key_len)
             correct += int((logits.argmax(-1).cpu()[q[:, 0], q[:, 1]] == y[q[:, 0], q[:, 1]]).sum())
