@@ -19,8 +19,8 @@ Scales (``ovqflex experiment NAME --scale S``):
   2,000 steps of 32 × 64 tokens (4.1M per run); ``icl``: trained at 128, evaluated at
   128 ... 2,048 (16×), 2,000 steps of 16 × 128 (4.1M per run). Measured for all 5 models
   × 2 seeds with their evaluations (64 examples per length: 127k tokens for icr, 254k for
-  icl): icr 42 min on a quiet 2-core CPU (2.6-6 min per training run), icl about 54 min
-  (3-7 min per training run).
+  icl): icr 39 min on a quiet 2-core CPU (2.5-6.5 min per training run), icl about 54 min
+  (3-7 min per training run; measured with the window layer first).
 - ``gpu`` -- the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` = 1,024)
   with the q/k convolution of width 4 the ``tiny`` preset also uses, trained at 2,048
   tokens (5,000 steps × 16 sequences = 164M tokens per run) and evaluated at 2k ... 32k
@@ -35,8 +35,9 @@ distinct keys and values) with the training-only mix of context sizes ``min_pair
 (:class:`ovqflex.tasks.recall.ICR`). 2-token keys of the same vocabulary (the paper's
 multi-token layout) are slower to learn at this size: sw-ovq seed 0 with ``min_pairs=1`` ended
 a 2,000-step run at training accuracy 0.49 (0.37 at step 1,400), while with 1-token keys the
-same seed passed 0.5 at step 1,050 of 4,000 and the others at 440-1,370 (runs made before CPU
-training was deterministic by default; the main job's deterministic runs: 1,240, and 970-1,260). At
+same seed passed 0.5 at step 1,050 of 4,000 and the others at 440-1,370 (runs made with the window
+layer first, before CPU training was deterministic by default; the main job's deterministic runs of
+that order: 1,240, and 970-1,260). At
 the ``gpu`` scale keys and values are 2 tokens of a 1,024 vocabulary (5,455 pairs at 32k), also
 with ``min_pairs=1``.
 
@@ -104,8 +105,8 @@ register_experiment(Experiment(
         "cpu": Scale(preset="tiny", seq_len=64, steps=2000, batch_size=32, eval_lengths=(64, 128, 256, 512, 1024),
                      task_options=_ICR_CPU_TASK, lr=5e-3, warmup=100, ckpt_every=200, eval_examples=64,
                      eval_batch_size=16,
-                     budget="4.1M training tokens per run; measured 42 min for 5 models x 2 seeds with evaluations on "
-                            "a quiet 2-core CPU (12.6-26.5k tokens/s training)"),
+                     budget="4.1M training tokens per run; measured 39 min for 5 models x 2 seeds with evaluations on "
+                            "a quiet 2-core CPU (10-30k tokens/s training)"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
                      task_options=dict(vocab_size=1024, key_len=2, value_len=2, n_queries=6, min_pairs=1),

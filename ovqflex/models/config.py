@@ -22,7 +22,8 @@ class HybridConfig:
     """A hybrid LM: ``n_layers`` blocks whose mixers follow ``pattern`` cyclically.
 
     ``pattern`` is a comma-separated list of mixer names (``"swa,ovq"`` = the OVQ paper's
-    sw-ovq: sliding window with RoPE, then OVQ-attention, repeated). Attention mixers use the
+    sw-ovq: sliding window with RoPE, then OVQ-attention, repeated; the ``tiny`` preset has
+    ``"ovq,swa"``, see :data:`PRESETS`). Attention mixers use the
     paper's unit-norm q/k with a learned per-head ``beta`` when ``qk_norm`` is set.
     """
 

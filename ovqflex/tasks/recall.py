@@ -92,9 +92,11 @@ class ICR(_KVTask):
     ~1,000-2,500 on full contexts (seed 1: ~2,500 on a 4,000-step schedule; seed 0: ~1,000
     on a 2,000-step one). With vocab 256 (the ``tiny`` preset's task, which reaches 1,024
     tokens with distinct keys): 1,050 / 440 / 1,370 / 440 for seeds 0-3, against none of 3
-    seeds by step 1,700 on full contexts (these runs predate deterministic CPU training; the
-    main job's deterministic runs, in the README: 1,240 / 1,260 / 970 for seeds 0-2, and 630 / 370 / 860
-    before a change of the blocked backend's float summation order).
+    seeds by step 1,700 on full contexts (these runs predate deterministic CPU training and
+    had the window layer first, ``swa,ovq``; the main job's deterministic runs of that order:
+    1,240 / 1,260 / 970 for seeds 0-2, and 630 / 370 / 860 before a change of the blocked
+    backend's float summation order). With the OVQ layer first (the ``tiny`` preset's
+    ``ovq,swa``), the main job's runs pass 0.5 within the first few hundred steps (README).
     """
 
     name: ClassVar[str] = "icr"
