@@ -67,6 +67,13 @@ def check_lengths(task, lengths: list[int], what: str = "eval length") -> None:
                              f"use shorter lengths or a larger vocab_size") from None
 
 
+def check_counts(n_examples: object, batch_size: object) -> None:
+    """Refuse, before any model work, an example count or batch size that is not an int >= 1."""
+    for arg, value in (("n_examples", n_examples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+
+
 def eval_batches(task, length: int, *, n_examples: int, batch_size: int, seed: int):
     """The batches ``(x, y)`` ``[count, length]`` of the ``n_examples`` unseen examples measured at
     ``length`` (drawn from ``seed + EVAL_SEED_OFFSET``, so never a training example)."""
@@ -153,9 +160,7 @@ def evaluate(run_dir: str | os.PathLike, lengths: list[int] | None = None, *, n_
         raise ValueError(f"name must be a non-empty file stem of letters, digits, '-', '_' or '.', got {name!r}")
     if lengths is not None and not lengths:
         raise ValueError("lengths must name at least one context length")
-    for arg, value in (("n_examples", n_examples), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+    check_counts(n_examples, batch_size)
     run_dir = Path(run_dir)
     cfg, task, model, step = load_run(run_dir, checkpoint, device)
     lengths = lengths or [cfg.seq_len, 2 * cfg.seq_len, 4 * cfg.seq_len]

@@ -35,7 +35,7 @@ from ..layers.plain import _PlainAttention
 from ..ops.plain import plain_regions
 from ..tasks import IGNORE
 from ..tasks.recall import ASSIGN, ICR
-from .evaluate import check_lengths, eval_batches, load_run
+from .evaluate import check_counts, check_lengths, eval_batches, load_run
 from .trainer import forward_loss
 
 
@@ -124,6 +124,7 @@ def probe_run(run_dir, length: int | None = None, *, n_examples: int = 64, batch
     """Probe a trained ``icr`` run at ``length`` tokens (default: its training length) on the
     examples ``ovqflex eval`` measures there. Returns ``{"length", "accuracy" (first value token
     of each query), "queries", "heads": [HeadProbe as dict], "not_probed": [(layer, mixer)]}``."""
+    check_counts(n_examples, batch_size)
     cfg, task, model, step = load_run(run_dir, checkpoint, device)
     task = task.evaluation()
     if not isinstance(task, ICR):

@@ -92,6 +92,8 @@ def test_probe_command_on_a_trained_run(tmp_path, capsys):
     assert "64 tokens: 12 queries" in out and "most-weighted token" in out
     assert main(["probe", cfg.out, "--length", "4096"]) == 2
     assert "probe length 4096 is too long" in capsys.readouterr().err
+    assert main(["probe", cfg.out, "--examples", "0"]) == 2
+    assert "n_examples must be an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_probe_refuses_other_tasks(tmp_path):
