@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from masks.program import AttentionProgram, build_program
@@ -75,10 +74,9 @@ def layer_attention(mixer, x: Tensor) -> Tensor | None:
     for a mixer the probe does not read. OVQ: its exact token attention (module docstring)."""
     if isinstance(mixer, _PlainAttention):
         return dense_attention(mixer.program(x))
-    if isinstance(mixer, OVQAttention):
-        q, k, v = mixer.split_heads(x)
-        q = F.normalize(q.float(), dim=-1) * mixer.beta.float().view(1, -1, 1, 1)
-        program = build_program(q, F.normalize(k.float(), dim=-1), v.float(), plain_regions(), scale=1.0,
+    if isinstance(mixer, OVQAttention):  # the layer's own beta q̂ and unit keys, as its decode step scores them
+        q_scaled, kn, v, _ = mixer._decode_inputs(mixer.split_heads_cached(x, None))
+        program = build_program(q_scaled.float(), kn, v.float(), plain_regions(), scale=1.0,
                                 block_size=mixer.options.block_size)
         return dense_attention(program)
     return None
