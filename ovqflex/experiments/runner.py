@@ -2,7 +2,7 @@
 
 Layout of ``OUT`` (the plan's ``out``)::
 
-    OUT/experiment.json                 the plan's spec; a resume must match it
+    OUT/experiment.json                 the plan's spec; a resume must match it (it may add seeds or models)
     OUT/<model>-s<seed>/                an ``ovqflex train`` run directory (config.json,
                                         metrics.jsonl, checkpoints/)
     OUT/<model>-s<seed>/eval-<variant>.json, .png   its evaluations (``ovqflex eval`` reports)
@@ -50,10 +50,32 @@ def spec_differences(saved, wanted, path: str = "") -> list[str]:
     return [] if saved == wanted else [f"{path}: {saved!r} in the directory vs {wanted!r} now"]
 
 
-def prepare_out(plan: Plan, resume: bool) -> None:
+def resume_differences(saved: dict, wanted: dict) -> list[str]:
+    """Why ``wanted`` cannot continue the experiment whose spec is ``saved`` (empty: it can).
+    A resume may add seeds and models -- each seed and model of ``saved`` must be in ``wanted``,
+    a model with the same spec -- and must match in every other field."""
+    extendable = ("seeds", "models")
+    diffs = spec_differences({k: v for k, v in saved.items() if k not in extendable},
+                             {k: v for k, v in wanted.items() if k not in extendable})
+    dropped = [s for s in saved.get("seeds", []) if s not in wanted.get("seeds", [])]
+    if dropped:
+        diffs.append(f"seeds: {saved.get('seeds')} in the directory vs {wanted.get('seeds')} now "
+                     f"(a resume may add seeds, not drop {dropped})")
+    saved_models, wanted_models = saved.get("models", {}), wanted.get("models", {})
+    for label, model in saved_models.items():
+        if label not in wanted_models:
+            diffs.append(f"models.{label}: present in the directory, absent now (a resume may add models, not drop them)")
+        else:
+            diffs += spec_differences(model, wanted_models[label], f"models.{label}")
+    return diffs
+
+
+def prepare_out(plan: Plan, resume: bool, log=print) -> None:
     """Create ``OUT`` and write ``experiment.json``, or check that a resumed ``OUT`` holds this
     experiment. Refuses: a fresh run into a directory that holds anything; ``resume`` with
-    nothing to resume; a resume whose spec differs (naming every differing field)."""
+    nothing to resume; a resume whose spec differs other than by added seeds or models (naming
+    every differing field, :func:`resume_differences`). A resume that adds seeds or models
+    rewrites ``experiment.json`` with them (logged); the units already complete stay."""
     out, spec = plan.out, plan.spec()
     path = out / SPEC_FILE
     if path.exists():
@@ -64,10 +86,15 @@ def prepare_out(plan: Plan, resume: bool) -> None:
             saved = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e}); choose another --out") from None
-        diffs = spec_differences(saved, spec)
+        diffs = resume_differences(saved, spec)
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
             raise ValueError(f"cannot resume {out}: it was made by a different experiment spec ({shown})")
+        added = [f"seed {s}" for s in spec["seeds"] if s not in saved["seeds"]]
+        added += [f"model {m}" for m in spec["models"] if m not in saved["models"]]
+        if added:
+            log(f"extending {out}: adds {', '.join(added)}")
+            write_atomic(path, json.dumps(spec, indent=1))
         return
     if resume:
         raise ValueError(f"--resume: {out} holds no experiment to resume (no {SPEC_FILE})")
@@ -116,9 +143,10 @@ class _Clock:
 def run_experiment(plan: Plan, *, resume: bool = False, log=print) -> dict:
     """Run every unit of ``plan`` not already complete in ``plan.out`` and write the results
     (``results.json``, ``results.md``, ``results.png``; see :mod:`ovqflex.experiments.report`).
-    ``resume``: continue the experiment already in ``plan.out`` (same spec). ``log`` gets one
+    ``resume``: continue the experiment already in ``plan.out`` (same spec, or more seeds or
+    models: :func:`prepare_out`). ``log`` gets one
     line per unit (with elapsed time and ETA) and per evaluated length. Returns the results."""
-    prepare_out(plan, resume)
+    prepare_out(plan, resume, log)
     units = plan.units
     n = len(units)
     evaluated = {i: read_eval(plan, u.run, u.variant) is not None for i, u in enumerate(units) if u.kind == "eval"}

@@ -2,6 +2,7 @@
 first training run, resumed (training continues from the checkpoint, complete units are
 skipped), a damaged evaluation report redone alone, runs without checkpoints; and one stopped
 cleanly by SIGTERM."""
+import dataclasses
 import json
 import os
 import shutil
@@ -49,9 +50,29 @@ def test_out_directory_rules(tmp_path):
         runner_mod.prepare_out(p, resume=False)
     runner_mod.prepare_out(p, resume=True)  # same spec: fine
     other = plan(tiny(steps=6), "s", tmp_path / "new", seeds=[0, 1], progress=False)
-    with pytest.raises(ValueError, match=r"different experiment spec \(seeds: \[0\] in the directory vs \[0, 1\] now; "
-                                         r"train.steps: 4 in the directory vs 6 now\)"):
+    with pytest.raises(ValueError, match=r"different experiment spec \(train.steps: 4 in the directory vs 6 now\)"):
         runner_mod.prepare_out(other, resume=True)
+
+
+def test_resume_may_add_seeds_and_models_but_not_drop_them(tmp_path):
+    """A resume with more seeds or models rewrites experiment.json with them; one that drops a seed or
+    a model, or changes a model, is refused by name."""
+    one = tiny()
+    one = Experiment(one.name, one.description, one.task, one.models[:1], one.scales, seeds=(0,), sweeps=one.sweeps)
+    runner_mod.prepare_out(plan(one, "s", tmp_path, progress=False), resume=False)
+    lines = []
+    more = plan(tiny(), "s", tmp_path, seeds=[0, 1], progress=False)
+    runner_mod.prepare_out(more, resume=True, log=lines.append)
+    assert lines == [f"extending {tmp_path}: adds seed 1, model sw-linear"]
+    assert json.loads((tmp_path / "experiment.json").read_text()) == more.spec()
+    with pytest.raises(ValueError, match=r"seeds: \[0, 1\] in the directory vs \[1\] now \(a resume may add seeds, "
+                                         r"not drop \[0\]\); models.sw-linear: present in the directory, absent now"):
+        runner_mod.prepare_out(plan(one, "s", tmp_path, seeds=[1], progress=False), resume=True)
+    changed = dict(MODEL, window=8)
+    scale = dataclasses.replace(one.scales["s"], model_options=changed)
+    other = Experiment(one.name, one.description, one.task, tiny().models, {"s": scale}, seeds=(0, 1), sweeps=one.sweeps)
+    with pytest.raises(ValueError, match=r"models.sw-linear.config.window: 16 in the directory vs 8 now"):
+        runner_mod.prepare_out(plan(other, "s", tmp_path, progress=False), resume=True)
 
 
 def test_spec_differences_names_fields():
