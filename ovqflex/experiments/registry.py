@@ -19,8 +19,8 @@ Scales (``ovqflex experiment NAME --scale S``):
   2,000 steps of 32 × 64 tokens (4.1M per run); ``icl``: trained at 128, evaluated at
   128 ... 2,048 (16×), 2,000 steps of 16 × 128 (4.1M per run). Measured for all 5 models
   × 2 seeds with their evaluations (64 examples per length: 127k tokens for icr, 254k for
-  icl): icr 39 min on a quiet 2-core CPU (2.5-6.5 min per training run), icl about 54 min
-  (3-7 min per training run; measured with the window layer first).
+  icl): icr 39 min on a quiet 2-core CPU (2.5-6.5 min per training run), icl 47 min
+  (2.5-6.4 min per training run).
 - ``gpu`` -- the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` = 1,024)
   with the q/k convolution of width 4 the ``tiny`` preset also uses, trained at 2,048
   tokens (5,000 steps × 16 sequences = 164M tokens per run) and evaluated at 2k ... 32k
@@ -135,10 +135,9 @@ register_experiment(Experiment(
         "cpu": Scale(preset="tiny", seq_len=128, steps=2000, batch_size=16,
                      eval_lengths=(128, 256, 512, 1024, 2048), task_options=_ICL_CPU_TASK, lr=5e-3, warmup=100,
                      ckpt_every=200, eval_examples=64, eval_batch_size=16,
-                     budget="4.1M training tokens per run; measured about 54 min for 5 models x 2 seeds with "
-                            "evaluations on a 2-core CPU (lightly loaded for its first 12 min): sw-nope / sw-linear "
-                            "3.0-4.4 min per run (16-23k tokens/s), sw-ovq / sw-vq / sw-kvm 5.5-7.2 min "
-                            "(10-14k tokens/s)"),
+                     budget="4.1M training tokens per run; measured 47 min for 5 models x 2 seeds with "
+                            "evaluations on a quiet 2-core CPU: sw-nope / sw-linear 2.5-3.1 min per run "
+                            "(20-30k tokens/s), sw-ovq / sw-vq / sw-kvm 4.6-6.4 min (10-16k tokens/s)"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
                      task_options=dict(vocab_size=10000, io_len=12, n_functions=16), model_options=_GPU_MODEL,
