@@ -29,19 +29,21 @@ Scales (``ovqflex experiment NAME --scale S``):
 - ``smoke`` -- 20 steps of 8 × 64 tokens, evaluated at 64 and 128 on 8 examples: checks
   the whole pipeline in a few minutes (it learns nothing).
 
-``icr`` at the ``cpu`` scale is the main job's task: 1-token keys and values of a 256-token
-vocabulary (252 content tokens, so 1,024 tokens = 250 context pairs + 6 queries still have
-distinct keys and values) with the training-only mix of context sizes ``min_pairs=1``
-(:class:`ovqflex.tasks.recall.ICR`). 2-token keys of the same vocabulary (the paper's
-multi-token layout) are slower to learn at this size: sw-ovq seed 0 with ``min_pairs=1`` ended
-a 2,000-step run at training accuracy 0.49 (0.37 at step 1,400), while with 1-token keys the
-same seed passed 0.5 at step 1,050 of 4,000 and the others at 440-1,370 (runs made with the window
-layer first, before CPU training was deterministic by default; the main job's deterministic runs of
-that order: 1,240, and 970-1,260). With the OVQ layer first, as here now, sw-ovq seed 0 learned
-2-token keys within 2,000 steps (plateau left at step 420; 0.958 / 1.00 / 0.995 at 64 / 256 / 1,024);
-the ``cpu`` scale keeps the 1-token keys its table was measured with for all five models. At
-the ``gpu`` scale keys and values are 2 tokens of a 1,024 vocabulary (5,455 pairs at 32k), also
-with ``min_pairs=1``.
+``icr`` at the ``cpu`` scale: 2-token keys and 1-token values of a 256-token vocabulary (63,504
+possible keys; a 1,024-token context holds 199 pairs + 6 queries with distinct keys and values),
+with the training-only mix of context sizes ``min_pairs=1`` (:class:`ovqflex.tasks.recall.ICR`).
+sw-ovq's dictionary cap is ``N = 128`` (``Scale.model_options``): with the plateau schedule that
+gives the paper's rows per context pair at both ends -- about 5 rows per pair at the training length
+(34 rows for the 7 pairs of 64 tokens; the paper's N = 2k at 4k: 1,365 rows for ~230 pairs of 8-token
+keys and values, 18 tokens each when laid out as here, ~6) and about 0.6 at 16x (113 rows for 199 pairs; the paper's at 64k: ~2k rows for ~3.6k
+pairs, 0.55) -- so the dictionary compresses as it does in the paper and the test-time sweep
+(N x2, x4) has something to show. Two pilot runs of sw-ovq seed 0 (``ovqflex train --task-opt
+key_len=2 --model-opt ovq.max_centroids=N``, evaluated at 64 / 256 / 1,024 with N x1 / x2 / x4):
+N = 64: 0.98 / 0.74 / 0.07, 0.99 / 0.94 / 0.35, 0.99 / 0.99 / 0.72; N = 256: 0.95 / 1.00 / 0.57,
+0.95 / 1.00 / 0.89, 0.95 / 1.00 / 1.00. The main job (the ``tiny`` preset's task) keeps 1-token keys
+and N = 2,048; the table with that task for all five models is in the README's history (commit
+d62a22a: every model but sw-linear >= 0.92 at 16x, the sweep changed nothing). At the ``gpu`` scale
+keys and values are 2 tokens of a 1,024 vocabulary (5,455 pairs at 32k), also with ``min_pairs=1``.
 
 ``icl`` at the ``cpu`` scale: 2-token inputs (the smallest ``io_len`` with a permutation to
 infer), 4 functions out of 16 id tokens, ``a, b <= 3`` and ``x <= 16`` (outputs <= 51) in a
@@ -98,7 +100,8 @@ def _smoke(task_options: dict) -> Scale:
                  budget="a few minutes for 2 models x 1 seed (compilation dominates); it learns nothing")
 
 
-_ICR_CPU_TASK = dict(vocab_size=256, key_len=1, value_len=1, n_queries=6, min_pairs=1)
+_ICR_CPU_TASK = dict(vocab_size=256, key_len=2, value_len=1, n_queries=6, min_pairs=1)
+_ICR_CPU_MODEL = {"ovq.max_centroids": 128}  # the paper's rows per pair (module docstring)
 register_experiment(Experiment(
     name="icr",
     description="basic in-context recall; accuracy from the training length to 16x it",
@@ -106,8 +109,8 @@ register_experiment(Experiment(
     models=MODELS,
     scales={
         "cpu": Scale(preset="tiny", seq_len=64, steps=2000, batch_size=32, eval_lengths=(64, 128, 256, 512, 1024),
-                     task_options=_ICR_CPU_TASK, lr=5e-3, warmup=100, ckpt_every=200, eval_examples=64,
-                     eval_batch_size=16,
+                     task_options=_ICR_CPU_TASK, model_options=_ICR_CPU_MODEL, lr=5e-3, warmup=100,
+                     ckpt_every=200, eval_examples=64, eval_batch_size=16,
                      budget="4.1M training tokens per run; measured 39 min for 5 models x 2 seeds with evaluations on "
                             "a quiet 2-core CPU (10-30k tokens/s training)"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
@@ -121,7 +124,7 @@ register_experiment(Experiment(
     },
     sweeps=(DICTIONARY_SWEEP,),
     notes="the OVQ paper's basic ICR (Figure 4, §8.4) uses 8-token keys and values of a 10k vocabulary, 8 layers "
-          "of width 768, trained at 0.5k-4k and tested to 64k; the cpu scale keeps its layout at tiny size",
+          "of width 768, trained at 0.5k-4k and tested to 64k; the cpu scale keeps multi-token keys and the dictionary's rows per pair at tiny size",
 ))
 
 _ICL_CPU_TASK = dict(vocab_size=256, io_len=2, n_functions=4, n_function_tokens=16, a_max=3, b_max=3, x_max=16,

@@ -18,10 +18,12 @@ def test_icr_cpu_plan(tmp_path):
     assert p.units[-1].describe() == "eval sw-kvm seed 1" and p.units[3].describe() == "eval sw-ovq seed 0 (N×4)"
     ovq = p.runs[0]
     assert ovq.dir == tmp_path / "out" / "sw-ovq-s0" and ovq.train.out == str(ovq.dir) and ovq.train.seed == 0
-    assert [v.overrides for v in ovq.variants] == [{}, {"max_centroids": 4096}, {"max_centroids": 8192}]
+    assert ovq.config.mixer_options == {"ovq": {"max_centroids": 128}}  # the paper's rows per pair
+    assert [v.overrides for v in ovq.variants] == [{}, {"max_centroids": 256}, {"max_centroids": 512}]
     assert [v.label for v in ovq.variants] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4"]
     # the full task options are passed, so the preset's TASK_SCALES cannot change the experiment's task
     assert ovq.train.task_options == p.task.options() and ovq.train.task_options["min_pairs"] == 1
+    assert (ovq.train.task_options["key_len"], ovq.train.task_options["value_len"]) == (2, 1)
     assert set(TASK_SCALES["tiny"]["icr"]) <= set(ovq.train.task_options)
     kvm = p.runs[4]
     assert kvm.model.label == "sw-kvm" and kvm.config.mixer_options["kvm"]["budget"] == "power_law"
