@@ -35,9 +35,9 @@ with the training-only mix of context sizes ``min_pairs=1`` (:class:`ovqflex.tas
 sw-ovq's dictionary cap is ``N = 128`` (``Scale.model_options``): with the plateau schedule that
 gives the paper's rows per context pair at both ends -- about 5 rows per pair at the training length
 (34 rows for the 7 pairs of 64 tokens; the paper's N = 2k at 4k: 1,365 rows for ~230 pairs of 8-token
-keys and values, 18 tokens each when laid out as here, ~6) and about 0.6 at 16x (113 rows for 199 pairs; the paper's at 64k: ~2k rows for ~3.6k
-pairs, 0.55) -- so the dictionary compresses as it does in the paper and the test-time sweep
-(N x2, x4) has something to show. Two pilot runs of sw-ovq seed 0 (``ovqflex train --task-opt
+keys and values, 18 tokens each when laid out as here, ~6) and about 0.6 at 16x (113 rows for 199
+pairs; the paper's at 64k: ~2k rows for ~3.6k pairs, 0.55) -- so the dictionary compresses as it
+does in the paper and the test-time sweep (N x2, x4) has something to show. Two pilot runs of sw-ovq seed 0 (``ovqflex train --task-opt
 key_len=2 --model-opt ovq.max_centroids=N``, evaluated at 64 / 256 / 1,024 with N x1 / x2 / x4):
 N = 64: 0.98 / 0.74 / 0.07, 0.99 / 0.94 / 0.35, 0.99 / 0.99 / 0.72; N = 256: 0.95 / 1.00 / 0.57,
 0.95 / 1.00 / 0.89, 0.95 / 1.00 / 1.00. The main job (the ``tiny`` preset's task) keeps 1-token keys
@@ -124,7 +124,8 @@ register_experiment(Experiment(
     },
     sweeps=(DICTIONARY_SWEEP,),
     notes="the OVQ paper's basic ICR (Figure 4, §8.4) uses 8-token keys and values of a 10k vocabulary, 8 layers "
-          "of width 768, trained at 0.5k-4k and tested to 64k; the cpu scale keeps multi-token keys and the dictionary's rows per pair at tiny size",
+          "of width 768, trained at 0.5k-4k and tested to 64k; the cpu scale keeps multi-token keys and the "
+          "dictionary's rows per pair at tiny size",
 ))
 
 _ICL_CPU_TASK = dict(vocab_size=256, io_len=2, n_functions=4, n_function_tokens=16, a_max=3, b_max=3, x_max=16,

@@ -64,7 +64,8 @@ def resume_differences(saved: dict, wanted: dict) -> list[str]:
     saved_models, wanted_models = saved.get("models", {}), wanted.get("models", {})
     for label, model in saved_models.items():
         if label not in wanted_models:
-            diffs.append(f"models.{label}: present in the directory, absent now (a resume may add models, not drop them)")
+            diffs.append(f"models.{label}: present in the directory, absent now "
+                         f"(a resume may add models, not drop them)")
         else:
             diffs += spec_differences(model, wanted_models[label], f"models.{label}")
     return diffs

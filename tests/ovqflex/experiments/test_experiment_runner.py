@@ -70,7 +70,8 @@ def test_resume_may_add_seeds_and_models_but_not_drop_them(tmp_path):
         runner_mod.prepare_out(plan(one, "s", tmp_path, seeds=[1], progress=False), resume=True)
     changed = dict(MODEL, window=8)
     scale = dataclasses.replace(one.scales["s"], model_options=changed)
-    other = Experiment(one.name, one.description, one.task, tiny().models, {"s": scale}, seeds=(0, 1), sweeps=one.sweeps)
+    other = Experiment(one.name, one.description, one.task, tiny().models, {"s": scale}, seeds=(0, 1),
+                       sweeps=one.sweeps)
     with pytest.raises(ValueError, match=r"models.sw-linear.config.window: 16 in the directory vs 8 now"):
         runner_mod.prepare_out(plan(other, "s", tmp_path, progress=False), resume=True)
 
