@@ -34,16 +34,17 @@ possible keys; a 1,024-token context holds 199 pairs + 6 queries with distinct k
 with the training-only mix of context sizes ``min_pairs=1`` (:class:`ovqflex.tasks.recall.ICR`).
 sw-ovq's dictionary cap is ``N = 128`` (``Scale.model_options``): with the plateau schedule that
 gives the paper's rows per context pair at both ends -- about 5 rows per pair at the training length
-(34 rows for the 7 pairs of 64 tokens; the paper's N = 2k at 4k: 1,365 rows for ~230 pairs of 8-token
-keys and values, 18 tokens each when laid out as here, ~6) and about 0.6 at 16x (113 rows for 199
-pairs; the paper's at 64k: ~2k rows for ~3.6k pairs, 0.55) -- so the dictionary compresses as it
-does in the paper and the test-time sweep (N x2, x4) has something to show. Two pilot runs of sw-ovq seed 0 (``ovqflex train --task-opt
-key_len=2 --model-opt ovq.max_centroids=N``, evaluated at 64 / 256 / 1,024 with N x1 / x2 / x4):
-N = 64: 0.98 / 0.74 / 0.07, 0.99 / 0.94 / 0.35, 0.99 / 0.99 / 0.72; N = 256: 0.95 / 1.00 / 0.57,
-0.95 / 1.00 / 0.89, 0.95 / 1.00 / 1.00. The main job (the ``tiny`` preset's task) keeps 1-token keys
-and N = 2,048; the table with that task for all five models is in the README's history (commit
-d62a22a: every model but sw-linear >= 0.92 at 16x, the sweep changed nothing). At the ``gpu`` scale
-keys and values are 2 tokens of a 1,024 vocabulary (5,455 pairs at 32k), also with ``min_pairs=1``.
+(34 rows for the 7 pairs of 64 tokens; the paper's N = 2k at 4k: 1,365 rows for ~230 pairs of
+8-token keys and values, 18 tokens each when laid out as here, ~6) and about 0.6 at 16x (113 rows
+for 199 pairs; the paper's at 64k: ~2k rows for ~3.6k pairs, 0.55) -- so the dictionary compresses
+as it does in the paper and the test-time sweep (N x2, x4) has something to show. Two pilot runs of
+sw-ovq seed 0 (``ovqflex train --task-opt key_len=2 --model-opt ovq.max_centroids=N``, evaluated at
+64 / 256 / 1,024 with N x1 / x2 / x4): N = 64: 0.98 / 0.74 / 0.07, 0.99 / 0.94 / 0.35, 0.99 / 0.99 /
+0.72; N = 256: 0.95 / 1.00 / 0.57, 0.95 / 1.00 / 0.89, 0.95 / 1.00 / 1.00. The main job (the
+``tiny`` preset's task) keeps 1-token keys and N = 2,048; the table with that task for all five
+models is in the README's history (commit d62a22a: every model but sw-linear >= 0.92 at 16x, the
+sweep changed nothing). At the ``gpu`` scale keys and values are 2 tokens of a 1,024 vocabulary
+(5,455 pairs at 32k), also with ``min_pairs=1``.
 
 ``icl`` at the ``cpu`` scale: 2-token inputs (the smallest ``io_len`` with a permutation to
 infer), 4 functions out of 16 id tokens, ``a, b <= 3`` and ``x <= 16`` (outputs <= 51) in a
