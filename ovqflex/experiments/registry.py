@@ -19,7 +19,7 @@ Scales (``ovqflex experiment NAME --scale S``):
   2,000 steps of 32 × 64 tokens (4.1M per run); ``icl``: trained at 128, evaluated at
   128 ... 2,048 (16×), 2,000 steps of 16 × 128 (4.1M per run). Measured for all 5 models
   × 2 seeds with their evaluations (64 examples per length: 127k tokens for icr, 254k for
-  icl): icr 39 min on a quiet 2-core CPU (2.5-6.5 min per training run), icl 47 min
+  icl): icr 38 min on a quiet 2-core CPU (2.5-6.0 min per training run), icl 47 min
   (2.5-6.4 min per training run).
 - ``gpu`` -- the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` = 1,024)
   with the q/k convolution of width 4 the ``tiny`` preset also uses, trained at 2,048
@@ -112,7 +112,7 @@ register_experiment(Experiment(
         "cpu": Scale(preset="tiny", seq_len=64, steps=2000, batch_size=32, eval_lengths=(64, 128, 256, 512, 1024),
                      task_options=_ICR_CPU_TASK, model_options=_ICR_CPU_MODEL, lr=5e-3, warmup=100,
                      ckpt_every=200, eval_examples=64, eval_batch_size=16,
-                     budget="4.1M training tokens per run; measured 39 min for 5 models x 2 seeds with evaluations on "
+                     budget="4.1M training tokens per run; measured 38 min for 5 models x 2 seeds with evaluations on "
                             "a quiet 2-core CPU (10-30k tokens/s training)"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
