@@ -91,8 +91,8 @@ def prepare_out(plan: Plan, resume: bool, log=print) -> None:
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
             raise ValueError(f"cannot resume {out}: it was made by a different experiment spec ({shown})")
-        added = [f"seed {s}" for s in spec["seeds"] if s not in saved["seeds"]]
-        added += [f"model {m}" for m in spec["models"] if m not in saved["models"]]
+        added = [f"seed {s}" for s in spec["seeds"] if s not in saved.get("seeds", [])]
+        added += [f"model {m}" for m in spec["models"] if m not in saved.get("models", {})]
         if added:
             log(f"extending {out}: adds {', '.join(added)}")
             write_atomic(path, json.dumps(spec, indent=1))
@@ -145,8 +145,8 @@ def run_experiment(plan: Plan, *, resume: bool = False, log=print) -> dict:
     """Run every unit of ``plan`` not already complete in ``plan.out`` and write the results
     (``results.json``, ``results.md``, ``results.png``; see :mod:`ovqflex.experiments.report`).
     ``resume``: continue the experiment already in ``plan.out`` (same spec, or more seeds or
-    models: :func:`prepare_out`). ``log`` gets one
-    line per unit (with elapsed time and ETA) and per evaluated length. Returns the results."""
+    models: :func:`prepare_out`). ``log`` gets one line per unit (with elapsed time and ETA) and
+    per evaluated length. Returns the results."""
     prepare_out(plan, resume, log)
     units = plan.units
     n = len(units)
