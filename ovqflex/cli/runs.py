@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from tabulate import tabulate
 
@@ -22,22 +23,25 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    """Evaluate a run at several context lengths; print the table, write eval.json/png."""
+    """Evaluate a run at several context lengths; print the table, write ``<name>.json`` / ``.png``
+    (default name: ``eval``, or one naming the overrides)."""
     from ..training import evaluate
+    from ..training.evaluate import report_name
 
     def show(row):
         print(f"  length {row.length:>7}: accuracy {row.accuracy:.4f}  ({row.seconds:.1f} s)", flush=True)
 
+    overrides = parse_options(args.override, "--override")
+    name = args.name or report_name(overrides)
     doc = evaluate(args.run, args.lengths, n_examples=args.examples, batch_size=args.batch_size,
-                   overrides=parse_options(args.override, "--override"), checkpoint=args.checkpoint,
-                   device=args.device, progress=show)
+                   overrides=overrides, checkpoint=args.checkpoint, device=args.device, progress=show, name=name)
     over = ", ".join(f"{k}={v}" for k, v in doc["overrides"].items()) or "none"
     print(f"\n{doc['task']} ({doc['task_description']}), pattern {doc['pattern']}, step {doc['step']}, "
           f"trained at {doc['train_seq_len']} tokens, overrides: {over}")
     print(tabulate([(r["length"], f"{r['accuracy']:.4f}", f"{r['loss']:.4f}", r["targets"], f"{r['seconds']:.1f}")
                     for r in doc["rows"]], headers=["length", "accuracy", "loss", "targets", "seconds"]))
-    png = " and eval.png" if doc.get("plot") else " (no plot: matplotlib is not installed)"
-    print(f"wrote {args.run}/eval.json{png}")
+    png = f" and {name}.png" if doc.get("plot") else " (no plot: matplotlib is not installed)"
+    print(f"wrote {Path(args.run) / name}.json{png}")
     return 0
 
 
@@ -146,6 +150,8 @@ def add_eval(sub) -> None:
     s.add_argument("--override", action="append", metavar="NAME=VALUE",
                    help="test-time mixer override, e.g. max_centroids=4096 or backend=blocked (repeatable)")
     s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    s.add_argument("--name", default=None, help="report file stem in the run directory (default: eval, or with "
+                   "overrides e.g. eval-max_centroids-4096, so evaluations with other overrides keep their reports)")
     add_device(s)
     s.set_defaults(fn=_cmd_eval)
 

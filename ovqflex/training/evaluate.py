@@ -1,7 +1,8 @@
 """``evaluate(run_dir, lengths)``: per-token accuracy on the target positions at several
 context lengths (length extrapolation), with optional test-time overrides (e.g. OVQ
 ``max_centroids``). Writes ``eval.json`` and ``eval.png`` into the run directory (``name=`` picks
-another stem, e.g. one per test-time variant).
+another stem, e.g. one per test-time variant; ``ovqflex eval`` names them by their overrides,
+:func:`report_name`).
 
 Evaluation examples come from a stream disjoint from training (seed offset), so the
 numbers are on unseen sequences.
@@ -120,6 +121,15 @@ def parse_overrides(items: list[str]) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def report_name(overrides: dict | None) -> str:
+    """The report stem ``ovqflex eval`` writes for ``overrides``, so evaluations with different
+    overrides keep their own files: ``eval`` without, else e.g. ``eval-max_centroids-4096`` (keys in
+    the given order; characters other than letters, digits, ``-``, ``_``, ``.`` become ``_``)."""
+    parts = [f"{k}-{v}" for k, v in (overrides or {}).items()]
+    stem = "-".join(["eval", *parts])
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in stem)
 
 
 def write_report(run_dir: Path, doc: dict, name: str = "eval") -> tuple[Path, Path | None]:

@@ -14,7 +14,8 @@ import torch
 
 from ovqflex.training import (CheckpointError, TrainConfig, evaluate, latest_checkpoint, load_checkpoint,
                               save_checkpoint, train)
-from ovqflex.training.evaluate import load_run
+from ovqflex.cli import main
+from ovqflex.training.evaluate import load_run, report_name
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
 from ovqflex.training.interrupt import StopRequest, TrainingInterrupted
 from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_SIGNAL_ENV
@@ -232,6 +233,23 @@ def test_eval_reports_lengths_and_overrides(tmp_path):
     assert json.loads((Path(c.out) / "eval.json").read_text())["overrides"] == {"max_centroids": 64}
     with pytest.raises(ValueError, match="name must be a non-empty file stem"):
         evaluate(c.out, [64], n_examples=1, name="../x")
+
+
+def test_cli_eval_names_reports_by_their_overrides(tmp_path, capsys):
+    """``ovqflex eval`` with other overrides writes its own report: none is overwritten."""
+    c = cfg(tmp_path, steps=2, task_options=dict(vocab_size=64, key_len=1, value_len=1, min_pairs=1))
+    train(c)
+    base = ["eval", c.out, "--lengths", "64", "--examples", "2", "--batch-size", "2"]
+    assert main(base) == 0
+    assert main(base + ["--override", "max_centroids=64", "--override", "growth=full"]) == 0
+    assert main(base + ["--name", "mine"]) == 0
+    out = capsys.readouterr().out
+    names = ["eval", "eval-max_centroids-64-growth-full", "mine"]
+    for name in names:
+        assert f"wrote {Path(c.out) / name}.json and {name}.png" in out
+    docs = {n: json.loads((Path(c.out) / f"{n}.json").read_text()) for n in names}
+    assert [d["overrides"] for d in docs.values()] == [{}, {"max_centroids": 64, "growth": "full"}, {}]
+    assert report_name({"backend": "blocked", "x": "a/b c"}) == "eval-backend-blocked-x-a_b_c"
 
 
 def _as_saved_by_an_earlier_release(checkpoint: Path) -> None:
