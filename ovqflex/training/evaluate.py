@@ -123,13 +123,18 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def _stem_char(c: str) -> bool:
+    """A character a report stem may hold: a letter, a digit, ``-``, ``_`` or ``.``."""
+    return c.isalnum() or c in "-_."
+
+
 def report_name(overrides: dict | None) -> str:
     """The report stem ``ovqflex eval`` writes for ``overrides``, so evaluations with different
     overrides keep their own files: ``eval`` without, else e.g. ``eval-max_centroids-4096`` (keys in
     the given order; characters other than letters, digits, ``-``, ``_``, ``.`` become ``_``)."""
     parts = [f"{k}-{v}" for k, v in (overrides or {}).items()]
     stem = "-".join(["eval", *parts])
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in stem)
+    return "".join(c if _stem_char(c) else "_" for c in stem)
 
 
 def write_report(run_dir: Path, doc: dict, name: str = "eval") -> tuple[Path, Path | None]:
@@ -166,7 +171,7 @@ def evaluate(run_dir: str | os.PathLike, lengths: list[int] | None = None, *, n_
              progress=None, name: str = "eval") -> dict:
     """Evaluate the run in ``run_dir`` at ``lengths`` (default: 1x, 2x, 4x its training length);
     returns the report dict and writes it to ``run_dir/<name>.json`` and ``<name>.png``."""
-    if not name or not all(c.isalnum() or c in "-_." for c in name):
+    if not name or not all(map(_stem_char, name)):
         raise ValueError(f"name must be a non-empty file stem of letters, digits, '-', '_' or '.', got {name!r}")
     if lengths is not None and not lengths:
         raise ValueError("lengths must name at least one context length")
