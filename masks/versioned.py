@@ -23,7 +23,7 @@ interval bounds alone (``masks.viz.stats``) count every candidate row, live or n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -148,9 +148,11 @@ class VersionRows(Region):
         return (_touched_chunks(geom, self.chunk_size) + self.every - 2) * self.chunk_size
 
 
-def versioned_regions(plan: VersionPlan, sizes: list[int], born: Tensor, dies: Tensor) -> tuple[Region, Region]:
-    """The two state regions of a versioned layout; ``sizes[c]``: rows chunk ``c`` reads."""
-    live = torch.tensor([sizes[k * plan.every] for k in range(plan.n_ckpt)], dtype=torch.int32, device=born.device)
+def versioned_regions(plan: VersionPlan, sizes: Tensor | Sequence[int], born: Tensor,
+                      dies: Tensor) -> tuple[Region, Region]:
+    """The two state regions of a versioned layout; ``sizes [>= n_chunks]`` (ints or an int tensor): rows
+    chunk ``c`` reads."""
+    live = torch.as_tensor(sizes, device=born.device)[:: plan.every][: plan.n_ckpt].to(torch.int32)
     return (CheckpointBank(plan.rows, plan.chunk_size, plan.every, plan.n_chunks, live, born, dies),
             VersionRows(plan.chunk_size, plan.every, plan.lag, plan.n_chunks, plan.n_ckpt * plan.rows, plan.n_versions,
                         born, dies))

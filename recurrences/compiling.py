@@ -22,6 +22,7 @@ from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 #: Routing implementations of OVQ and KVM: ``"auto"`` (``"static"`` on CUDA, ``"loop"`` elsewhere), the
 #: chunk loop, or the compiled static-shape step (on CUDA the whole run replayed from one CUDA graph).
@@ -257,6 +258,25 @@ def static_rows(n: int) -> int:
     rounding lets every length whose dictionary falls in one bucket share one compiled step (an OVQ
     dictionary of ``N = 2048`` rows: every length from 2k tokens on)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def is_symbolic(n: int) -> bool:
+    """Whether ``n`` is a symbolic int: a size derived from a dynamic dimension under ``torch.compile``
+    (dynamo shows it to traced code as a plain ``int``). A symbolic size has no static upper bound (its
+    range is open above), a plain int has one; the check adds no guard and works in eager code too."""
+    return not statically_known_true(n < 2 ** 62)
+
+
+def bucket_rows(n: int, cap: int) -> int:
+    """A symbolic ``n`` rounded up to a power of two, at most ``cap`` (0 stays 0), as a plain int. Found by
+    comparisons, so a graph guards the range of lengths the bucket holds, not one length; a plain ``n``
+    is returned as is."""
+    if not is_symbolic(n) or n == 0:
+        return n
+    bucket = 1
+    while bucket < n and bucket < cap:
+        bucket *= 2
+    return min(bucket, cap)
 
 
 #: Static routers kept per process, least recently used dropped first. Each holds an fp32 copy of its

@@ -14,8 +14,8 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import OwnChunk
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor, options_of
-from recurrences.ovq import (GROWTHS, ROUTING_IMPLS, SEEDINGS, build_ovq_snapshots, build_ovq_versioned,
-                             dictionary_size, dictionary_sizes, route_ovq)
+from recurrences.ovq import (GROWTHS, ROUTING_IMPLS, SEEDINGS, DictionarySchedule, build_ovq_snapshots,
+                             build_ovq_versioned, route_ovq)
 from recurrences.precision import routing_keys, to_compute_dtype
 from recurrences.versioned import check_state_layout
 
@@ -46,7 +46,7 @@ class OVQOptions:
     ``"random"`` from ``seed``); ``normalize_centroids``: unit-norm dictionary keys (also for
     routing); ``state_layout`` (docs/design.md §5): ``"snapshot"`` lays out one dictionary per
     chunk (``n_chunks * N`` state rows), ``"versioned"`` checkpoints every ``checkpoint_every``
-    chunks (None: ``ceil(N / 2L)``) plus one version row per token (about ``2T`` rows,
+    chunks (None: ``ceil(N / 2L)``) plus one version row per token (about ``3T`` rows,
     memory-linear), ``"auto"`` picks the one with fewer rows — same outputs and gradients;
     ``block_size``: the attention block (a power of two >= 16); ``routing``: ``"auto"``
     (``"static"`` on CUDA, ``"loop"`` elsewhere), ``"loop"`` or ``"static"`` (the same routes from a
@@ -76,20 +76,28 @@ class OVQOptions:
             check_int("growth_horizon", self.growth_horizon)
         check_state_layout(self.state_layout, self.checkpoint_every, self.block_size)
 
+    @property
+    def schedule(self) -> DictionarySchedule:
+        """The chunk size and the dictionary size each chunk reads."""
+        return DictionarySchedule(self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
+
     def size(self, c: int) -> int:
         """Dictionary rows chunk ``c`` reads."""
-        return dictionary_size(c, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
+        return self.schedule.size(c)
 
     def sizes(self, n_chunks: int) -> list[int]:
         """``sizes[c]``: dictionary rows chunk ``c`` reads, for ``c = 0..n_chunks``."""
-        return dictionary_sizes(n_chunks, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
+        return self.schedule.sizes(n_chunks)
 
 
 def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOptions | None = None,
-                **option_kwargs) -> tuple[AttentionProgram, Tensor, list[int]]:
+                **option_kwargs) -> tuple[AttentionProgram, Tensor, Tensor]:
     """The OVQ attention program, without running it (what the visualizer draws).
 
-    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, beta ``[H]`` -> ``(program, routes [B, H, T], sizes)``.
+    q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, beta ``[H]`` -> ``(program, routes [B, H, T], sizes)``,
+    ``sizes [n_chunks + 1]`` int64: the dictionary rows each chunk reads. Nothing here is planned
+    from the length in Python: the sizes are a formula of it (:class:`DictionarySchedule`), so under
+    ``torch.compile(dynamic=True)`` one graph serves every length.
     Options: an :class:`OVQOptions`, or its fields as keywords. q, k, v are cast to one compute
     dtype; routing reads fp32 unit keys (:mod:`recurrences.precision`). Stages are labelled
     ``ovqflex.proj`` (normalization), ``ovqflex.routing``, ``ovqflex.state_build`` and
@@ -100,21 +108,21 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     check_tensor("beta", beta, 1)
     if beta.shape[0] != q.shape[1]:
         raise ValueError(f"beta must have shape [H]=[{q.shape[1]}], got {tuple(beta.shape)}")
-    chunk_size = o.chunk_size
+    schedule = o.schedule
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
-    n_chunks = max(1, -(-T // chunk_size))
-    sizes = o.sizes(n_chunks)
+    n_chunks = max(1, -(-T // o.chunk_size))
+    sizes = schedule.size(torch.arange(n_chunks + 1, device=q.device))
     with stage("proj"):
         qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
     with stage("routing"):
-        routes = route_ovq(routing_keys(k), chunk_size=chunk_size, sizes=sizes, seeding=o.seeding, seed=o.seed,
+        routes = route_ovq(routing_keys(k), schedule=schedule, seeding=o.seeding, seed=o.seed,
                            normalize_centroids=o.normalize_centroids, impl=o.routing)
     program = build_state_program(
-        q_scaled, kn, v, OwnChunk(chunk_size), scale=1.0, sizes=sizes, rows=max(sizes[:n_chunks]), lag=1, options=o,
-        snapshots=lambda: build_ovq_snapshots(kn, v, routes, chunk_size=chunk_size, sizes=sizes,
-                                              normalize_centroids=o.normalize_centroids),
+        q_scaled, kn, v, OwnChunk(o.chunk_size), scale=1.0, sizes=sizes, rows=schedule.rows(n_chunks), lag=1,
+        options=o, snapshots=lambda: build_ovq_snapshots(kn, v, routes, schedule=schedule,
+                                                         normalize_centroids=o.normalize_centroids),
         versioned=lambda plan: build_ovq_versioned(kn, v, routes, plan, o.normalize_centroids), count_bias=True)
     return program, routes, sizes
 
@@ -136,7 +144,7 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, backend: str
     if not return_state:
         return out
     T = q.shape[2]
-    return out, OVQState(routes, _route_histogram(routes, sizes[T // o.chunk_size]), sizes)
+    return out, OVQState(routes, _route_histogram(routes, o.size(T // o.chunk_size)), sizes.tolist())
 
 
 def _route_histogram(routes: Tensor, n_slots: int) -> Tensor:

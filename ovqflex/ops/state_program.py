@@ -8,7 +8,7 @@ chunk reads a state. This module owns that fork; a method supplies
 
 - its token region (``window``: ``OwnChunk``, ``BlockWindow``) and the queries and keys the
   program reads (temperatures already folded in);
-- ``sizes`` (rows each chunk reads), ``rows`` and ``lag`` (its schedule);
+- ``sizes`` (rows each chunk reads: ints, or an int tensor), ``rows`` and ``lag`` (its schedule);
 - two builders of the same state after its per-row readout: ``snapshots() -> Snapshots`` and
   ``versioned(plan) -> Versioned`` (segment sums, :mod:`recurrences.segments`, and
   ``versioned_sums``);
@@ -17,7 +17,7 @@ chunk reads a state. This module owns that fork; a method supplies
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -55,15 +55,16 @@ def _readout(state: Snapshots | Versioned, count_bias: bool, key_scale: Tensor |
     return keys, bias if bias_shift is None else bias - _per_head(bias_shift.float(), bias)
 
 
-def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scale: float, sizes: list[int], rows: int,
-                        lag: int, options: StateLayoutOptions, snapshots: Callable[[], Snapshots],
-                        versioned: Callable[[VersionPlan], Versioned], count_bias: bool = False,
-                        key_scale: Tensor | None = None, bias_shift: Tensor | None = None) -> AttentionProgram:
+def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scale: float,
+                        sizes: Tensor | Sequence[int], rows: int, lag: int, options: StateLayoutOptions,
+                        snapshots: Callable[[], Snapshots], versioned: Callable[[VersionPlan], Versioned],
+                        count_bias: bool = False, key_scale: Tensor | None = None,
+                        bias_shift: Tensor | None = None) -> AttentionProgram:
     """The program ``[state rows ; tokens]`` of a stateful method, in the layout ``options.state_layout``.
 
     q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``: the queries and token keys/values the program reads;
-    ``window``: the token region; ``scale``: the softmax scale. ``sizes[c]``: state rows chunk ``c``
-    reads (non-decreasing); ``rows``: ``R``, the rows of the largest state (0: no state — the
+    ``window``: the token region; ``scale``: the softmax scale. ``sizes [>= n_chunks]`` (ints or an int tensor):
+    state rows chunk ``c`` reads (non-decreasing); ``rows``: ``R``, the rows of the largest state (0: no state — the
     program is the window alone); ``lag``: a token of chunk ``ct`` enters the state of chunk
     ``ct + lag``. ``options``: ``chunk_size``, ``state_layout`` (``"snapshot"``, ``"versioned"``,
     ``"auto"``: :func:`~recurrences.versioned.choose_state_layout`: the one with fewer rows when

@@ -107,8 +107,8 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     # + local_bias on window rows == - local_bias on state rows (softmax is shift invariant per query, and every
     # query sees the whole window region): exact, differentiable
     program = build_state_program(
-        q_scaled, k_hat, v, BlockWindow(2, chunk_size), scale=1.0, sizes=vq_state_sizes(n_chunks, N), rows=N, lag=LAG,
-        options=o, snapshots=lambda: build_vq_snapshots(k_hat, v, codes, chunk_size=chunk_size, n_codes=N),
+        q_scaled, k_hat, v, BlockWindow(2, chunk_size), scale=1.0, sizes=vq_state_sizes(n_chunks, N, q.device), rows=N,
+        lag=LAG, options=o, snapshots=lambda: build_vq_snapshots(k_hat, v, codes, chunk_size=chunk_size, n_codes=N),
         versioned=lambda plan: build_vq_versioned(k_hat, v, codes, plan), count_bias=True, bias_shift=local_bias)
     return program, {"codes": codes, "k_unit": kn, "k_hat": k_hat}
 

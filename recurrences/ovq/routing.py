@@ -7,12 +7,14 @@ rows are exactly the segment means the differentiable state build produces.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import resolve_routing
+from ..checks import check_choice
+from ..compiling import bucket_rows, resolve_routing
 from ..precision import no_autocast
 
 GROWTHS = ("plateau", "linear", "full")
@@ -29,18 +31,68 @@ def dictionary_sizes(n_chunks: int, chunk_size: int, max_centroids: int, growth:
     return [dictionary_size(c, chunk_size, max_centroids, growth, growth_horizon) for c in range(n_chunks + 1)]
 
 
-def dictionary_size(c: int, chunk_size: int, max_centroids: int, growth: str = "plateau",
-                    growth_horizon: int | None = None) -> int:
-    """``N_c``: the dictionary size chunk ``c`` reads (one entry of :func:`dictionary_sizes`)."""
+def dictionary_size(c, chunk_size: int, max_centroids: int, growth: str = "plateau",
+                    growth_horizon: int | None = None):
+    """``N_c``: the dictionary size chunk ``c`` reads (one entry of :func:`dictionary_sizes`).
+
+    ``c`` may be an int, a symbolic int (a length under ``torch.compile(dynamic=True)``: the size
+    stays a formula of it, so the graph is not specialized on the length) or an int tensor of chunk
+    indices (the sizes of many chunks at once). Non-decreasing in ``c``.
+    """
     N, L, t = max_centroids, chunk_size, c * chunk_size
     if growth == "plateau":
         return t * N // (t + N)
     if growth == "full":
-        return min(t, N)
+        return _at_most(t, N)
     if growth == "linear":
         per = min(L, math.ceil(N * L / (growth_horizon or 4 * N)))
-        return min(N, c * per)
+        return _at_most(c * per, N)
     raise ValueError(f"growth must be one of {list(GROWTHS)}, got {growth!r}")
+
+
+def _at_most(x, n: int):
+    return x.clamp(max=n) if isinstance(x, Tensor) else torch.sym_min(x, n)
+
+
+@dataclass(frozen=True)
+class DictionarySchedule:
+    """How OVQ's dictionary grows: chunk ``c`` of ``chunk_size`` tokens reads ``size(c)`` rows
+    (:func:`dictionary_size`: ``growth`` of ``max_centroids`` over ``growth_horizon``).
+
+    Every size is a closed form of the chunk index, so what an op derives from the length — the sizes
+    as a tensor, the largest dictionary — stays a formula of it under ``torch.compile(dynamic=True)``
+    and one compiled graph serves every length.
+    """
+
+    chunk_size: int
+    max_centroids: int
+    growth: str = "plateau"
+    growth_horizon: int | None = None
+
+    def __post_init__(self):
+        check_choice("growth", self.growth, GROWTHS)
+
+    def size(self, c):
+        """Rows chunk ``c`` reads (int, symbolic int or int tensor of chunk indices)."""
+        return dictionary_size(c, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
+
+    def sizes(self, n_chunks: int) -> list[int]:
+        """``[size(0), ..., size(n_chunks)]``."""
+        return dictionary_sizes(n_chunks, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
+
+    def live(self, n_chunks, device) -> Tensor:
+        """``[n_chunks]`` int64: rows chunks ``0..n_chunks-1`` read."""
+        return self.size(torch.arange(n_chunks, device=device))
+
+    def rows(self, n_chunks: int) -> int:
+        """Rows of a state holding the dictionary of each of chunks ``0..n_chunks-1``: the largest,
+        ``size(n_chunks - 1)`` (sizes never decrease). For a symbolic ``n_chunks`` (a length under
+        ``torch.compile`` with dynamic shapes) rounded up to a power of two, at most ``max_centroids``
+        (:func:`~recurrences.compiling.bucket_rows`): a plain int that holds for every length of the
+        bucket, where the exact floor division of ``n_chunks`` would make every shape and guard built on
+        it a nested formula (measured: 10x the compile time, and a recompile at the next length). The
+        rows past a chunk's size are dead (empty, outside its state region)."""
+        return bucket_rows(self.size(n_chunks - 1), self.max_centroids)
 
 
 def _rank_first(key: Tensor, n: int) -> Tensor:
@@ -48,12 +100,12 @@ def _rank_first(key: Tensor, n: int) -> Tensor:
     return torch.sort(key, dim=-1, stable=True).indices[..., :n]
 
 
-def route_ovq(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
+def route_ovq(k: Tensor, *, schedule: DictionarySchedule, seeding: str = "spread", seed: int = 0,
               normalize_centroids: bool = False, impl: str = "auto") -> Tensor:
     """Slot of every token, ``[B, H, T]`` int64 (-1: not routed).
 
     k: ``[B, H, T, D]`` unit keys (any float dtype; similarities in fp32).
-    ``sizes``: ``dictionary_sizes(...)`` for the complete chunks. Only complete
+    ``schedule``: the chunk size and the dictionary size each chunk reads. Only complete
     chunks route (the tokens of a final partial chunk stay -1, as in a decode cache).
     ``impl``: ``"loop"``, the chunk loop below; ``"static"``, the same routes from a compiled
     static-shape chunk step (:func:`~recurrences.ovq.routing_static.route_ovq_static`; on CUDA the
@@ -61,15 +113,20 @@ def route_ovq(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "s
     elsewhere (:func:`~recurrences.compiling.resolve_routing`).
 
     Routing is an opaque custom op: ``torch.compile`` keeps it as one call (no graph
-    break, no unrolled chunk loop in the graph); it runs eagerly, without grad.
+    break, no unrolled chunk loop in the graph); it runs eagerly, without grad. It takes the
+    schedule, not the list of sizes, so a graph compiled with a symbolic length holds for every
+    length: the sizes are computed inside, from the length of ``k``.
     """
     resolve_routing(impl, k.device)  # checks impl here, where the error names the caller's argument
-    return _route_op(k.detach(), chunk_size, list(sizes), seeding, seed, normalize_centroids, impl)
+    o = schedule
+    return _route_op(k.detach(), o.chunk_size, o.max_centroids, o.growth, o.growth_horizon, seeding, seed,
+                     normalize_centroids, impl)
 
 
 @torch.library.custom_op("ovqflex::route_ovq", mutates_args=())
-def _route_op(k: Tensor, chunk_size: int, sizes: list[int], seeding: str, seed: int,
-              normalize_centroids: bool, impl: str) -> Tensor:
+def _route_op(k: Tensor, chunk_size: int, max_centroids: int, growth: str, growth_horizon: int | None,
+              seeding: str, seed: int, normalize_centroids: bool, impl: str) -> Tensor:
+    sizes = dictionary_sizes(k.shape[2] // chunk_size, chunk_size, max_centroids, growth, growth_horizon)
     if resolve_routing(impl, k.device) == "static":
         from .routing_static import route_ovq_static  # routing_static builds on this module
 
@@ -80,7 +137,7 @@ def _route_op(k: Tensor, chunk_size: int, sizes: list[int], seeding: str, seed: 
 
 
 @_route_op.register_fake
-def _(k, chunk_size, sizes, seeding, seed, normalize_centroids, impl):
+def _(k, chunk_size, max_centroids, growth, growth_horizon, seeding, seed, normalize_centroids, impl):
     return k.new_empty(k.shape[:3], dtype=torch.long)
 
 

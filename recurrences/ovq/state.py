@@ -12,26 +12,26 @@ from torch import Tensor
 
 from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_means
+from .routing import DictionarySchedule
 
 
-def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, chunk_size: int, sizes: list[int],
+def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, schedule: DictionarySchedule,
                         normalize_centroids: bool = False) -> Snapshots:
     """Snapshot of chunk ``c``: running means of the (unit) keys/values routed before it.
 
-    k ``[B, H, T, D]`` unit keys, v ``[B, H, T, Dv]``, routes ``[B, H, T]``; ``sizes[c]``
-    live rows for chunk c. ``normalize_centroids`` L2-normalizes the key rows at readout.
-    Rows ``R`` = the largest dictionary any chunk reads; counts are the tokens per row.
+    k ``[B, H, T, D]`` unit keys, v ``[B, H, T, Dv]``, routes ``[B, H, T]``; ``schedule``: the chunk
+    size and ``schedule.size(c)``, the live rows of chunk c. ``normalize_centroids`` L2-normalizes the
+    key rows at readout. Rows ``R`` = the largest dictionary any chunk reads; counts are the tokens per row.
     """
     T = k.shape[2]
+    chunk_size = schedule.chunk_size
     n_chunks = -(-T // chunk_size)
-    rows = max(sizes[:n_chunks])
-    (ks, vs), counts = segment_snapshot_sums((k, v), routes, chunk_size, n_chunks, rows)
+    (ks, vs), counts = segment_snapshot_sums((k, v), routes, chunk_size, n_chunks, schedule.rows(n_chunks))
     denom = counts.clamp_min(1.0)[..., None]
     keys, values = ks / denom.to(ks.dtype), vs / denom.to(vs.dtype)
     if normalize_centroids:
         keys = F.normalize(keys, dim=-1)
-    live = torch.tensor(sizes[:n_chunks], dtype=torch.long, device=k.device)
-    return Snapshots(keys, values, counts, live)
+    return Snapshots(keys, values, counts, schedule.live(n_chunks, k.device))
 
 
 def build_ovq_versioned(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan,

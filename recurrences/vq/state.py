@@ -26,13 +26,14 @@ def build_vq_snapshots(k_hat: Tensor, v: Tensor, codes: Tensor, *, chunk_size: i
     n_chunks = max(1, -(-T // chunk_size))
     (ks, vs), counts = segment_snapshot_sums((k_hat, v), codes, chunk_size, n_chunks, n_codes, lag=LAG)
     denom = counts.clamp_min(1.0)[..., None]
-    live = torch.where(torch.arange(n_chunks, device=k_hat.device) >= LAG, n_codes, 0)
-    return Snapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts, live)
+    return Snapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts,
+                     vq_state_sizes(n_chunks, n_codes, k_hat.device))
 
 
-def vq_state_sizes(n_chunks: int, n_codes: int) -> list[int]:
-    """Rows chunk ``c`` reads: the whole codebook from chunk ``LAG`` on, none before."""
-    return [0 if c < LAG else n_codes for c in range(n_chunks)]
+def vq_state_sizes(n_chunks: int, n_codes: int, device=None) -> Tensor:
+    """Rows chunk ``c`` reads, ``[n_chunks]`` int64: the whole codebook from chunk ``LAG`` on, none before
+    (a tensor, so a symbolic ``n_chunks`` under dynamic shapes stays symbolic)."""
+    return torch.where(torch.arange(n_chunks, device=device) >= LAG, n_codes, 0)
 
 
 def build_vq_versioned(k_hat: Tensor, v: Tensor, codes: Tensor, plan: VersionPlan) -> Versioned:

@@ -187,7 +187,7 @@ def test_auto_routing_replays_a_cached_cuda_graph_with_the_loops_routes(method):
     ``"auto"`` is the loop, checks ``"static"`` (a cached router without a graph) instead."""
     from recurrences import compiling
     from recurrences.kvm import KVMBudget, kvm_state_sizes, route_kvm
-    from recurrences.ovq import dictionary_sizes, route_ovq
+    from recurrences.ovq import DictionarySchedule, route_ovq
 
     compiling.clear_static_routers()
     impl = "auto" if DEVICE.type == "cuda" else "static"
@@ -195,7 +195,7 @@ def test_auto_routing_replays_a_cached_cuda_graph_with_the_loops_routes(method):
     for call in range(2):
         k = F.normalize(torch.randn(1, 4, ROUTING_T, 64, generator=g), dim=-1).to(DEVICE)
         if method == "ovq":
-            kw = dict(chunk_size=128, sizes=dictionary_sizes(ROUTING_T // 128, 128, 512))
+            kw = dict(schedule=DictionarySchedule(128, 512))
             routes, loop = route_ovq(k, impl=impl, **kw), route_ovq(k, impl="loop", **kw)
         else:
             sizes = kvm_state_sizes(ROUTING_T, 128, 2, KVMBudget("power_law", max_state_chunks=None))

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import torch
 
-from recurrences.compiling import RECOMPILE_LIMIT, compile_fixed_shapes
+from recurrences.compiling import RECOMPILE_LIMIT, bucket_rows, compile_fixed_shapes
 from recurrences.kvm import routing_static as kvm_static
 from recurrences.ovq import routing_static as ovq_static
 
@@ -113,3 +113,20 @@ def test_replay_or_run_runs_inside_a_callers_capture(monkeypatch):
         replay_or_run(Graph(), run)
     assert calls == ["run", "replay", "run"]
 
+
+
+def test_bucket_rows_rounds_symbolic_sizes_only_and_guards_ranges():
+    """Plain ints pass as they are; a symbolic size (dynamic shapes) becomes a power of two at most the
+    cap, and the graph holds for every length of its bucket: one graph for n = 10 and 12 (bucket 16),
+    another for n = 20 (32), and one for every n past the cap."""
+    from torch._dynamo.utils import counters
+
+    assert [bucket_rows(n, 48) for n in (0, 5, 47, 100)] == [0, 5, 47, 100]
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda x: x.new_full((1,), bucket_rows(x.shape[0] // 3, 48)), dynamic=True,
+                      backend="eager", fullgraph=True)
+    got = [int(f(torch.zeros(3 * n))) for n in (10, 12, 20, 100, 200)]
+    assert got == [16, 16, 32, 48, 48]
+    assert counters["stats"]["unique_graphs"] == 3
+    assert int(f(torch.zeros(0))) == 0  # an empty state stays empty

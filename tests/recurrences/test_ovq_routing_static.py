@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch._dynamo.utils import counters
 
-from recurrences.ovq import GROWTHS, SEEDINGS, dictionary_sizes, ovq_absorb, route_ovq
+from recurrences.ovq import GROWTHS, SEEDINGS, DictionarySchedule, dictionary_sizes, ovq_absorb, route_ovq
 from recurrences.ovq.routing_static import StaticOVQRouter, route_ovq_static
 from tests.helpers import count_router_builds
 
@@ -24,10 +24,9 @@ def _keys(seed, B, H, T, D, n_distinct, dtype):
 
 def _check_equal(seed, B, H, T, L, D, N, growth, seeding, normalize, n_distinct, dtype):
     k = _keys(seed, B, H, T, D, n_distinct, dtype)
-    sizes = dictionary_sizes(-(-T // L), L, N, growth)
-    kw = dict(chunk_size=L, sizes=sizes, seeding=seeding, seed=seed, normalize_centroids=normalize)
-    loop = route_ovq(k, impl="loop", **kw)
-    static = route_ovq_static(k, compile=False, **kw)
+    kw = dict(seeding=seeding, seed=seed, normalize_centroids=normalize)
+    loop = route_ovq(k, schedule=DictionarySchedule(L, N, growth), impl="loop", **kw)
+    static = route_ovq_static(k, chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, N, growth), compile=False, **kw)
     assert static.dtype == loop.dtype and static.shape == loop.shape
     assert torch.equal(static, loop)
 
@@ -64,14 +63,14 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_dictionary_bit_for_bit(s
     B, H, T, D, L, N = 2, 3, 300, 8, 16, 40  # full growth: the dictionary saturates at chunk 3 (n_new = 0 after)
     k = _keys(1, B, H, T, D, 0, torch.float32)
     k[:, :, 100:140] = k[:, :, 20:60]       # duplicated keys: tied similarities and tied best slots
-    kw = dict(chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, N, "full"), seeding=seeding, seed=5,
-              normalize_centroids=normalize)
-    router = StaticOVQRouter(tuple(k.shape), **kw)
+    kw = dict(seeding=seeding, seed=5, normalize_centroids=normalize)
+    router = StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, N, "full"), **kw)
+    schedule = DictionarySchedule(L, N, "full")
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(router(k), route_ovq(k, impl="loop", **kw))
-        flipped = route_ovq(k.flip(2), impl="loop", **kw)
+        assert torch.equal(router(k), route_ovq(k, schedule=schedule, impl="loop", **kw))
+        flipped = route_ovq(k.flip(2), schedule=schedule, impl="loop", **kw)
         assert torch.equal(router(k.flip(2)), flipped)  # the buffers are reset between calls
     assert counters["stats"]["unique_graphs"] == 1  # one graph for all 2 x 17 static chunk steps
     # the dictionary the compiled steps built is the loop's absorb of the loop's routes, bit for bit
@@ -85,12 +84,11 @@ def test_route_ovq_impl_static_and_the_op_option():
     from ovqflex.ops.ovq import OVQOptions, ovq_attention
 
     k = _keys(2, 1, 2, 100, 16, 0, torch.float32)
-    sizes = dictionary_sizes(7, 16, 24)
-    assert torch.equal(route_ovq(k, chunk_size=16, sizes=sizes, impl="static"),
-                       route_ovq(k, chunk_size=16, sizes=sizes, impl="loop"))
-    assert torch.equal(route_ovq(k, chunk_size=16, sizes=sizes), route_ovq(k, chunk_size=16, sizes=sizes, impl="loop"))
+    schedule = DictionarySchedule(16, 24)
+    assert torch.equal(route_ovq(k, schedule=schedule, impl="static"), route_ovq(k, schedule=schedule, impl="loop"))
+    assert torch.equal(route_ovq(k, schedule=schedule), route_ovq(k, schedule=schedule, impl="loop"))
     with pytest.raises(ValueError, match="impl must be one of"):
-        route_ovq(k, chunk_size=16, sizes=sizes, impl="graph")
+        route_ovq(k, schedule=schedule, impl="graph")
     assert OVQOptions().routing == "auto"  # the loop on the CPU: the same routes as below
     q, v, beta = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16), torch.full((2,), 4.0)
     out, state = ovq_attention(q, k, v, beta, chunk_size=16, max_centroids=24, backend="blocked", return_state=True,
@@ -118,7 +116,7 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
     with torch._dynamo.config.patch(error_on_recompile=True):
         for T in (300, 600, 300):
             k = _keys(T, 2, 2, T, 8, 0, torch.float32)
-            kw = dict(chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, N), seeding="spread")
+            kw = dict(schedule=DictionarySchedule(L, N), seeding="spread")
             assert torch.equal(route_ovq(k, impl="static", **kw), route_ovq(k, impl="loop", **kw))
     assert made == [(2, 2, 300, 8), (2, 2, 600, 8)]  # T = 300 again: the cached router
     assert counters["stats"]["unique_graphs"] == 1

@@ -205,15 +205,16 @@ def _static_routers(make, dev: torch.device) -> dict:
 
 def _ovq_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.device) -> dict:
     """OVQ routing cases: name -> a call returning ``(routes,)``, of unit keys ``[B, H, T, D]``."""
-    from recurrences.ovq import dictionary_sizes, route_ovq
+    from recurrences.ovq import DictionarySchedule, route_ovq
     from recurrences.ovq.routing_static import StaticOVQRouter
 
     L = sc.chunk_size
     k = F.normalize(torch.randn(sc.batch, sc.heads, T, sc.head_dim, generator=g), dim=-1).to(dev)
-    kw = dict(chunk_size=L, sizes=dictionary_sizes(-(-T // L), L, sc.max_centroids))
-    routers = _static_routers(lambda cuda_graph: StaticOVQRouter(tuple(k.shape), **kw, device=dev,
+    schedule = DictionarySchedule(L, sc.max_centroids)
+    routers = _static_routers(lambda cuda_graph: StaticOVQRouter(tuple(k.shape), chunk_size=L,
+                                                                 sizes=schedule.sizes(-(-T // L)), device=dev,
                                                                  cuda_graph=cuda_graph), dev)
-    return {"loop": lambda: (route_ovq(k, impl="loop", **kw),),
+    return {"loop": lambda: (route_ovq(k, schedule=schedule, impl="loop"),),
             **{name: lambda r=r: (r(k),) for name, r in routers.items()}}
 
 

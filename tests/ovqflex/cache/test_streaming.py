@@ -183,7 +183,7 @@ def test_ovq_prefill_holds_the_dictionary_routing_built_bit_for_bit(threads, T, 
     kn = torch.nn.functional.normalize(torch.randn(2, 3, T, 8, generator=g), dim=-1)
     v = 100 * torch.randn(2, 3, T, 5, generator=g)  # large values: a different order of adds shows
     opts = OVQOptions(chunk_size=chunk, max_centroids=24)
-    routes = route_ovq(kn, chunk_size=chunk, sizes=opts.sizes(T // chunk))
+    routes = route_ovq(kn, schedule=opts.schedule)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

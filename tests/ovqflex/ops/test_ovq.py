@@ -97,3 +97,31 @@ def test_a_nan_token_leaves_every_earlier_output_unchanged(backend, layout, whic
     assert out[:, :, t].isnan().all()
     if which == "v":
         assert out[:, :, t:].isnan().all()
+
+
+@pytest.mark.parametrize("layout", ["snapshot", "versioned"])
+def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
+    """Nothing in the op is planned from the length in Python (docs/design.md §3.5): compiled with
+    dynamic shapes, one graph runs lengths 520, 730 and 1000 (their dictionaries, 31 rows, share one
+    32-row bucket; 33, 46 and 63 chunks, no two alike modulo the versioned spacing of 4), forward and
+    backward, equal to the eager op. ``aot_eager`` traces what inductor would compile, guards
+    included, without generating code. (Lengths on the other side of a size guard get a graph of their
+    own, docs/design.md §3.5: a much shorter one, or one whose rows need no padding to a block.)"""
+    from torch._dynamo.utils import counters
+
+    kw = dict(backend="blocked", chunk_size=16, max_centroids=32, state_layout=layout)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda *x: ovqflex.ovq_attention(*x, **kw), dynamic=True, backend="aot_eager",
+                             fullgraph=True)
+    for T in (520, 730, 1000):
+        x = inputs(1, 2, 16, T, seed=T)
+        w = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(T))
+        out = compiled(*x)
+        want = ovqflex.ovq_attention(*x, **kw)
+        assert_close(out, want, FWD_TOL[torch.float32], f"T={T} output")
+        for got, ref, name in zip(torch.autograd.grad((out * w).sum(), x), torch.autograd.grad((want * w).sum(), x),
+                                  "qkvb"):
+            assert_close(got, ref, GRAD_TOL[torch.float32], f"T={T} grad {name}")
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
