@@ -15,7 +15,7 @@ from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import OwnChunk
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor, options_of
 from recurrences.ovq import (GROWTHS, ROUTING_IMPLS, SEEDINGS, DictionarySchedule, build_ovq_snapshots,
-                             build_ovq_versioned, route_ovq)
+                             build_ovq_versioned, dictionary_size, dictionary_sizes, route_ovq)
 from recurrences.precision import routing_keys, to_compute_dtype
 from recurrences.versioned import check_state_layout
 
@@ -83,11 +83,11 @@ class OVQOptions:
 
     def size(self, c: int) -> int:
         """Dictionary rows chunk ``c`` reads."""
-        return self.schedule.size(c)
+        return dictionary_size(c, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
 
     def sizes(self, n_chunks: int) -> list[int]:
         """``sizes[c]``: dictionary rows chunk ``c`` reads, for ``c = 0..n_chunks``."""
-        return self.schedule.sizes(n_chunks)
+        return dictionary_sizes(n_chunks, self.chunk_size, self.max_centroids, self.growth, self.growth_horizon)
 
 
 def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOptions | None = None,
@@ -143,8 +143,8 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, backend: str
         out = attend(program, backend)
     if not return_state:
         return out
-    T = q.shape[2]
-    return out, OVQState(routes, _route_histogram(routes, o.size(T // o.chunk_size)), sizes.tolist())
+    sizes = sizes.tolist()
+    return out, OVQState(routes, _route_histogram(routes, sizes[q.shape[2] // o.chunk_size]), sizes)
 
 
 def _route_histogram(routes: Tensor, n_slots: int) -> Tensor:
