@@ -17,12 +17,13 @@ from one CUDA graph (the static decode's ``"graph"`` path).
 from __future__ import annotations
 
 import functools
+import operator
 from collections import OrderedDict
 from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import has_static_value
 
 #: Routing implementations of OVQ and KVM: ``"auto"`` (``"static"`` on CUDA, ``"loop"`` elsewhere), the
 #: chunk loop, or the compiled static-shape step (on CUDA the whole run replayed from one CUDA graph).
@@ -262,9 +263,25 @@ def static_rows(n: int) -> int:
 
 def is_symbolic(n: int) -> bool:
     """Whether ``n`` is a symbolic int: a size derived from a dynamic dimension under ``torch.compile``
-    (dynamo shows it to traced code as a plain ``int``). A symbolic size has no static upper bound (its
-    range is open above), a plain int has one; the check adds no guard and works in eager code too."""
-    return not statically_known_true(n < 2 ** 62)
+    (dynamo shows it to traced code as a plain ``int``) whose value the graph's guards have not yet pinned
+    to one. Its range has more than one value (guards that bound it, e.g. a bucket's ``33 <= n <= 64``,
+    leave it symbolic); a plain int's has one. The check adds no guard and works in eager code too."""
+    return not has_static_value(n)
+
+
+def plain_int(x: int) -> int:
+    """``x`` as a plain int. Under ``torch.compile(dynamic=True)`` an int that reaches traced code as an
+    argument (an option of a dataclass passed in) is symbolic, which Python code that plans from it (a
+    loop, a constant function) cannot use; this specializes it to its value, with a guard on that value,
+    so another value compiles anew. A plain int is returned as is."""
+    return operator.index(x)  # (dynamo specializes a symbolic int it indexes with; int() would keep it symbolic)
+
+
+def plain_float(x: float) -> float:
+    """``x`` (a float or an int) as a plain float; :func:`plain_int`'s counterpart (``dynamic=True`` makes a
+    float attribute of a module symbolic too). Exact: the ratio of two ints."""
+    numerator, denominator = x.as_integer_ratio()  # (dynamo specializes a symbolic float here; float() does not)
+    return numerator / denominator
 
 
 def bucket_rows(n: int, cap: int) -> int:

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import torch
 
-from recurrences.compiling import RECOMPILE_LIMIT, bucket_rows, compile_fixed_shapes
+from recurrences.compiling import (RECOMPILE_LIMIT, bucket_rows, compile_fixed_shapes, is_symbolic, plain_float,
+                                  plain_int)
 from recurrences.kvm import routing_static as kvm_static
 from recurrences.ovq import routing_static as ovq_static
 
@@ -130,3 +131,54 @@ def test_bucket_rows_rounds_symbolic_sizes_only_and_guards_ranges():
     assert got == [16, 16, 32, 48, 48]
     assert counters["stats"]["unique_graphs"] == 3
     assert int(f(torch.zeros(0))) == 0  # an empty state stays empty
+
+
+def test_a_size_stays_symbolic_inside_the_range_its_guards_allow():
+    """``is_symbolic``: a size whose guards bound it to a range of lengths (a bucket's ``33 <= n <= 64``) is
+    still symbolic, one guarded to a single value is not, and a plain int never is."""
+    assert not is_symbolic(5)
+
+    def f(x):
+        n = x.shape[0]
+        if 33 <= n <= 64:  # guards the range
+            return x.new_full((1,), 10 + is_symbolic(n))
+        return x.new_full((1,), is_symbolic(n))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, dynamic=True, backend="eager", fullgraph=True)
+    assert [int(compiled(torch.zeros(n))) for n in (40, 50, 100)] == [11, 11, 1]
+
+    def pinned(x):
+        if x.shape[0] == 7:  # guards the one value
+            return x.new_full((1,), is_symbolic(x.shape[0]))
+        return x.new_full((1,), 10)
+
+    assert int(torch.compile(pinned, dynamic=True, backend="eager", fullgraph=True)(torch.zeros(7))) == 0
+
+
+def test_plain_int_and_float_specialize_symbolic_options_with_a_guard():
+    """``dynamic=True`` makes the numbers of an options object passed in symbolic: ``plain_int`` and
+    ``plain_float`` give their values as plain numbers (usable by code run, not traced, at compile time)
+    and guard them, so other values compile anew; plain numbers pass unchanged."""
+    from dataclasses import dataclass
+
+    from torch._dynamo.utils import counters
+
+    @dataclass(frozen=True)
+    class Options:
+        n: int
+        f: float
+
+    @torch.compiler.assume_constant_result
+    def planned(n, f):  # accepts plain values only under torch.compile
+        return n * 10 + int(f)
+
+    assert (plain_int(3), plain_float(0.1), plain_float(2)) == (3, 0.1, 2.0)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, o: x + planned(plain_int(o.n), plain_float(o.f)), dynamic=True,
+                             backend="eager", fullgraph=True)
+    x = torch.zeros(2)
+    assert [int(compiled(x, o)[0]) for o in (Options(3, 2.5), Options(3, 2.5), Options(4, 2.5), Options(4, 7.0))] \
+        == [32, 32, 42, 47]
+    assert counters["stats"]["unique_graphs"] == 3
