@@ -15,8 +15,8 @@ from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import BlockWindow
 from recurrences.checks import (check_choice, check_chunk, check_companion, check_int, check_qkv, check_tensor,
                                 options_of)
-from recurrences.kvm import (ROUTING_IMPLS, KVMBudget, build_kvm_snapshots, build_kvm_versioned, kvm_state_sizes,
-                             memory_keys, route_kvm, routing_memory_keys)
+from recurrences.kvm import (ROUTING_IMPLS, KVMBudget, KVMSchedule, build_kvm_snapshots, build_kvm_versioned,
+                             kvm_state_sizes, memory_keys, route_kvm, routing_memory_keys)
 from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout
 
@@ -29,11 +29,16 @@ from .state_program import build_state_program
 class KVMState:
     """What ``return_state=True`` adds: routes ``[B, H, T]`` (state row of each absorbed
     token, -1 otherwise), founder ``[B, H, T]`` bool (the token created its row) and
-    ``sizes`` (``sizes[c]``: state rows query chunk ``c`` reads)."""
+    ``live [n_chunks]`` int64 (state rows query chunk ``c`` reads; :attr:`sizes` as a list)."""
 
     routes: Tensor
     founder: Tensor
-    sizes: list[int]
+    live: Tensor
+
+    @property
+    def sizes(self) -> list[int]:
+        """``sizes[c]``: state rows query chunk ``c`` reads (read from :attr:`live`, a host sync)."""
+        return self.live.tolist()
 
 
 def _check_vector(name: str, x, n: int, like: Tensor) -> None:
@@ -95,6 +100,11 @@ class KVMOptions(KVMBudget):
             raise ValueError(f"rope_dims must be an even int in [0, head_dim={head_dim}], got {rope_dims!r}")
         return rope_dims
 
+    @property
+    def schedule(self) -> KVMSchedule:
+        """The state rows each query chunk reads: chunk size, block window and budget."""
+        return KVMSchedule(self.chunk_size, self.n_bswa_chunks, self)  # (options are a budget, and more)
+
     def state_sizes(self, seq_len: int) -> list[int]:
         """``sizes[c]``: state rows query chunk ``c`` reads, for the chunks of ``seq_len`` tokens."""
         return kvm_state_sizes(seq_len, self.chunk_size, self.n_bswa_chunks, self)
@@ -125,24 +135,24 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
     chunk_size, n_bswa_chunks, ln_eps = o.chunk_size, o.n_bswa_chunks, o.ln_eps
     q, k, v, gate = to_compute_dtype(q, k, v, gate)
     B, H, T, D = q.shape
-    sizes = o.state_sizes(T)
+    schedule = o.schedule
+    n_chunks = -(-T // chunk_size)
+    live = schedule.live(n_chunks, q.device)
     gate = torch.ones(B, H, T, dtype=q.dtype, device=q.device) if gate is None else gate
     with stage("routing"):
         kbar = memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)
         kbar32 = routing_memory_keys(k, rope_dims, ln_s_weight, ln_s_bias, ln_eps)  # fp32, whatever the dtype
-        routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, chunk_size=chunk_size,
-                                    n_bswa_chunks=n_bswa_chunks, sizes=sizes, sink_len=o.sink_len, ln_eps=ln_eps,
-                                    impl=o.routing)
+        routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, schedule=schedule, sink_len=o.sink_len,
+                                    ln_eps=ln_eps, impl=o.routing)
     k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)
     readout = dict(ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps, use_vlens=o.use_vlens)
     program = build_state_program(
-        q, k_win, v, BlockWindow(n_bswa_chunks, chunk_size), scale=D ** -0.5, sizes=sizes, rows=max(sizes, default=0),
+        q, k_win, v, BlockWindow(n_bswa_chunks, chunk_size), scale=D ** -0.5, sizes=live, rows=schedule.rows(n_chunks),
         lag=n_bswa_chunks, options=o,
-        snapshots=lambda: build_kvm_snapshots(kbar, v, gate, routes, founder, chunk_size=chunk_size,
-                                              n_bswa_chunks=n_bswa_chunks, sizes=sizes, **readout),
+        snapshots=lambda: build_kvm_snapshots(kbar, v, gate, routes, founder, schedule=schedule, **readout),
         versioned=lambda plan: build_kvm_versioned(kbar, v, gate, routes, founder, plan, **readout),
         key_scale=tau_state)
-    return program, KVMState(routes, founder, sizes)
+    return program, KVMState(routes, founder, live)
 
 
 def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, backend: str = "auto",

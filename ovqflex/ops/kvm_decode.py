@@ -46,7 +46,7 @@ class KVMReadout(NamedTuple):
 
 def _size(opts: KVMOptions, c: int) -> int:
     """State rows query chunk ``c`` reads."""
-    return opts.state_sizes((c + 1) * opts.chunk_size)[c]
+    return opts.schedule.size(c)
 
 
 def _capacity(opts: KVMOptions, rows: int) -> int:
@@ -187,7 +187,7 @@ def kvm_static(cache: KVMCache, opts: KVMOptions, readout: KVMReadout, capacity:
     token starts a query chunk ``>= Nb``, its absorb is done here."""
     C, Nb = opts.chunk_size, opts.n_bswa_chunks
     W, n_chunks = Nb * C, -(-capacity // C)
-    sizes = [_size(opts, c) if c >= Nb else 0 for c in range(n_chunks)]
+    sizes = opts.schedule.sizes(n_chunks)
     st = _grow({name: getattr(cache, name).clone() for name in _STATE}, _capacity(opts, max(sizes)) + 1)
     w = cache.win_k.shape[2]
     pos = positions(cache.position - w, w, cache.win_k.device)

@@ -20,15 +20,16 @@ from torch import Tensor
 
 from ..compiling import resolve_routing
 from ..precision import no_autocast
+from .budget import KVMBudget, KVMSchedule
 
 
-def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk_size: int, n_bswa_chunks: int,
-              sizes: list[int], sink_len: int, ln_eps: float = 1e-5, impl: str = "auto") -> tuple[Tensor, Tensor]:
+def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, schedule: KVMSchedule,
+              sink_len: int, ln_eps: float = 1e-5, impl: str = "auto") -> tuple[Tensor, Tensor]:
     """Routes of every token.
 
     kbar ``[B, H, T, D]`` memory keys ``LN_s(k with the rope dims zeroed)``; gate ``[B, H, T]``
-    merge gates; ``ln_weight, ln_bias [D]`` of ``LN_s``; ``sizes`` from
-    :func:`~recurrences.kvm.budget.kvm_state_sizes`.
+    merge gates; ``ln_weight, ln_bias [D]`` of ``LN_s``; ``schedule``: the chunk size, the block
+    window and the state budget (:class:`~recurrences.kvm.budget.KVMSchedule`).
     Returns ``routes [B, H, T]`` int64 (state row; -1: not absorbed) and
     ``founder [B, H, T]`` bool (the token created its row: weight 1, radius ``||v||``).
     ``impl``: ``"loop"``, the chunk loop below; ``"static"``, the same routes from a compiled
@@ -36,16 +37,22 @@ def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
     whole run replayed from one CUDA graph); ``"auto"`` (default): ``"static"`` on CUDA, ``"loop"``
     elsewhere (:func:`~recurrences.compiling.resolve_routing`).
 
-    An opaque custom op: ``torch.compile`` keeps it as one call, run eagerly without grad.
+    An opaque custom op: ``torch.compile`` keeps it as one call, run eagerly without grad. It takes the
+    schedule, not the list of sizes, and computes the sizes inside from the length of ``kbar``, so a
+    graph compiled with a symbolic length holds for every length.
     """
     resolve_routing(impl, kbar.device)  # checks impl here, where the error names the caller's argument
-    return _route_op(kbar.detach(), gate.detach(), ln_weight.detach(), ln_bias.detach(), chunk_size, n_bswa_chunks,
-                     list(sizes), sink_len, ln_eps, impl)
+    return _route_op(kbar.detach(), gate.detach(), ln_weight.detach(), ln_bias.detach(), *schedule.args(), sink_len,
+                     ln_eps, impl)
 
 
 @torch.library.custom_op("ovqflex::route_kvm", mutates_args=())
 def _route_op(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, chunk_size: int, n_bswa_chunks: int,
-              sizes: list[int], sink_len: int, ln_eps: float, impl: str) -> tuple[Tensor, Tensor]:
+              budget: str, state_min_len: int | None, growth_factor: float, growth_exponent: float, round_down: int,
+              saturation_n: int, max_state_chunks: int | None, sink_len: int, ln_eps: float,
+              impl: str) -> tuple[Tensor, Tensor]:
+    budget_args = (budget, state_min_len, growth_factor, growth_exponent, round_down, saturation_n, max_state_chunks)
+    sizes = KVMSchedule(chunk_size, n_bswa_chunks, KVMBudget(*budget_args)).sizes(-(-kbar.shape[2] // chunk_size))
     if resolve_routing(impl, kbar.device) == "static":
         from .routing_static import route_kvm_static  # routing_static builds on this module
 
@@ -56,7 +63,7 @@ def _route_op(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, ch
 
 
 @_route_op.register_fake
-def _(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa_chunks, sizes, sink_len, ln_eps, impl):
+def _(kbar, gate, ln_weight, ln_bias, chunk_size, n_bswa_chunks, *budget_sink_eps_impl):
     return kbar.new_empty(kbar.shape[:3], dtype=torch.long), kbar.new_empty(kbar.shape[:3], dtype=torch.bool)
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from ..precision import no_autocast
 from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_sums
+from .budget import KVMSchedule
 
 
 def memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5) -> Tensor:
@@ -69,19 +70,22 @@ def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_d
     return keys, values.to(v_dtype)
 
 
-def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *, chunk_size: int,
-                        n_bswa_chunks: int, sizes: list[int], ln_weight: Tensor, ln_bias: Tensor,
-                        ln_eps: float = 1e-5, use_vlens: bool = True, norm_eps: float = NORM_EPS) -> Snapshots:
+def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *,
+                        schedule: KVMSchedule, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5,
+                        use_vlens: bool = True, norm_eps: float = NORM_EPS) -> Snapshots:
     """kbar ``[B, H, T, D]`` memory keys, v ``[B, H, T, Dv]``, gate ``[B, H, T]``, routes/founder
-    ``[B, H, T]`` from :func:`~recurrences.kvm.routing.route_kvm`; ``sizes[c]`` live rows of chunk c.
-    Keys are ``LN_s`` of the key sums (before ``tau_state``), values the readout values; counts
-    the tokens per row."""
-    n_chunks, rows = len(sizes), max(sizes)
+    ``[B, H, T]`` from :func:`~recurrences.kvm.routing.route_kvm`; ``schedule``: the chunk size, the block
+    window and the rows chunk ``c`` reads (:class:`~recurrences.kvm.budget.KVMSchedule`). Rows ``R``:
+    ``schedule.rows``. Keys are ``LN_s`` of the key sums (before ``tau_state``), values the readout
+    values; counts the tokens per row."""
+    n_chunks = -(-kbar.shape[2] // schedule.chunk_size)
+    rows = schedule.rows(n_chunks)
     wk, wv = _weighted(kbar, v, gate, founder)
-    (sk, sv), counts = segment_snapshot_sums((wk, wv), routes, chunk_size, n_chunks, rows, lag=n_bswa_chunks)
+    (sk, sv), counts = segment_snapshot_sums((wk, wv), routes, schedule.chunk_size, n_chunks, rows,
+                                             lag=schedule.n_bswa_chunks)
     rho = _founder_radius(v, routes, founder, rows)[:, :, None, :rows] if use_vlens else None  # [B, H, 1, R]
     keys, values = readout_rows(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
-    return Snapshots(keys, values, counts, torch.tensor(sizes, dtype=torch.long, device=kbar.device))
+    return Snapshots(keys, values, counts, schedule.live(n_chunks, kbar.device))
 
 
 def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, plan: VersionPlan, *,

@@ -186,7 +186,7 @@ def test_auto_routing_replays_a_cached_cuda_graph_with_the_loops_routes(method):
     different inputs (the second call replays the same graph on new keys). A CPU dry run, where
     ``"auto"`` is the loop, checks ``"static"`` (a cached router without a graph) instead."""
     from recurrences import compiling
-    from recurrences.kvm import KVMBudget, kvm_state_sizes, route_kvm
+    from recurrences.kvm import KVMBudget, KVMSchedule, route_kvm
     from recurrences.ovq import DictionarySchedule, route_ovq
 
     compiling.clear_static_routers()
@@ -198,8 +198,7 @@ def test_auto_routing_replays_a_cached_cuda_graph_with_the_loops_routes(method):
             kw = dict(schedule=DictionarySchedule(128, 512))
             routes, loop = route_ovq(k, impl=impl, **kw), route_ovq(k, impl="loop", **kw)
         else:
-            sizes = kvm_state_sizes(ROUTING_T, 128, 2, KVMBudget("power_law", max_state_chunks=None))
-            kw = dict(chunk_size=128, n_bswa_chunks=2, sizes=sizes, sink_len=1)
+            kw = dict(schedule=KVMSchedule(128, 2, KVMBudget("power_law", max_state_chunks=None)), sink_len=1)
             gate, w, b = 1 + torch.rand(1, 4, ROUTING_T, generator=g), torch.ones(64), torch.zeros(64)
             args = (F.layer_norm(k, (64,)), gate.to(DEVICE), w.to(DEVICE), b.to(DEVICE))
             routes, loop = route_kvm(*args, impl=impl, **kw), route_kvm(*args, impl="loop", **kw)

@@ -2,8 +2,11 @@
 import math
 
 import pytest
+import torch
+from hypothesis import given, settings, strategies as st
 
-from recurrences.kvm import KVMBudget, kvm_state_sizes
+from recurrences.kvm import KVMBudget, KVMSchedule, kvm_state_sizes
+from recurrences.kvm.budget import _chunks_within
 
 
 def test_front_and_initial_state():
@@ -54,3 +57,57 @@ def test_saturation_budget():
 def test_bad_budget(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         KVMBudget(**kw)
+
+
+SCHEDULE_BUDGETS = {
+    "fixed": KVMBudget(),
+    "fixed-min-uncapped": KVMBudget("fixed", state_min_len=40, max_state_chunks=None),
+    "power_law": KVMBudget("power_law", growth_factor=4.0, max_state_chunks=None),
+    "power_law-capped": KVMBudget("power_law", growth_factor=6.0, growth_exponent=0.6, round_down=8,
+                                  max_state_chunks=3),
+    "power_law-flat": KVMBudget("power_law", growth_factor=30.0, growth_exponent=0.0, max_state_chunks=None),
+    "saturation": KVMBudget("saturation", saturation_n=100, round_down=4, max_state_chunks=None),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.sampled_from(sorted(SCHEDULE_BUDGETS)), C=st.sampled_from([16, 32]), Nb=st.integers(1, 3),
+       n=st.sampled_from([0, 1, 3, 63, 64, 65, 130, 300]))
+def test_schedule_views_agree_with_the_recurrence(budget, C, Nb, n):
+    """Every view of a schedule is the recurrence's list: ``sizes`` (read from a table of a power of two of
+    chunks, of which every shorter schedule is a prefix), ``size(c)``, ``rows`` (the largest) and ``live``
+    (the opaque op's tensor)."""
+    b = SCHEDULE_BUDGETS[budget]
+    schedule, sizes = KVMSchedule(C, Nb, b), kvm_state_sizes(n * C, C, Nb, b)
+    long = kvm_state_sizes(1000 * C, C, Nb, b)
+    assert len(sizes) == n and sizes == long[:n]
+    assert schedule.sizes(n) == sizes and [schedule.size(c) for c in range(n)] == sizes
+    assert schedule.rows(n) == max(sizes, default=0)
+    live = schedule.live(n, "cpu")
+    assert live.dtype == torch.long and live.tolist() == sizes
+
+
+@pytest.mark.parametrize("budget", sorted(SCHEDULE_BUDGETS))
+def test_bound_is_the_largest_size_any_length_reaches(budget):
+    """``bound``: the sizes reach it and never pass it (None: they pass any number); below it,
+    ``_chunks_within(r)`` counts the leading chunks that read at most ``r`` rows, what a bucket of a
+    symbolic length compares the chunk count with."""
+    C, Nb = 16, 2
+    schedule = KVMSchedule(C, Nb, SCHEDULE_BUDGETS[budget])
+    sizes = schedule.sizes(20000)
+    if schedule.bound is None:
+        assert budget == "power_law" and sizes[-1] > 500
+    else:
+        assert max(sizes) == schedule.bound == sizes[-1]
+    for rows in (0, 1, 16, 17, 40, 64, 100):
+        if schedule.bound is None or rows < schedule.bound:
+            assert _chunks_within(rows, *schedule.args()) == sum(s <= rows for s in sizes), rows
+
+
+def test_schedule_refuses_bad_arguments_by_name():
+    with pytest.raises(ValueError, match="chunk_size"):
+        KVMSchedule(10, 2)
+    with pytest.raises(ValueError, match="n_bswa_chunks"):
+        KVMSchedule(16, 0)
+    with pytest.raises(TypeError, match="budget must be a KVMBudget"):
+        KVMSchedule(16, 2, "fixed")

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch._dynamo.utils import counters
 
-from recurrences.kvm import KVMBudget, kvm_absorb, kvm_state_sizes, route_kvm
+from recurrences.kvm import KVMBudget, KVMSchedule, kvm_absorb, kvm_state_sizes, route_kvm
 from recurrences.kvm.routing_static import StaticKVMRouter, route_kvm_static
 from tests.helpers import count_router_builds
 
@@ -38,9 +38,11 @@ def _inputs(seed, B, H, T, D, n_distinct, gated, dtype):
 def _check_equal(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, n_distinct, dtype):
     T = n_chunks * C + seed % C  # a ragged last chunk when seed % C > 0
     kbar, gate, w, b = _inputs(seed, B, H, T, D, n_distinct, gated, dtype)
-    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sizes=kvm_state_sizes(T, C, Nb, BUDGETS[budget]), sink_len=sink_len)
-    routes, founder = route_kvm(kbar, gate, w, b, impl="loop", **kw)
-    s_routes, s_founder = route_kvm_static(kbar, gate, w, b, compile=False, **kw)
+    schedule = KVMSchedule(C, Nb, BUDGETS[budget])
+    routes, founder = route_kvm(kbar, gate, w, b, schedule=schedule, sink_len=sink_len, impl="loop")
+    s_routes, s_founder = route_kvm_static(kbar, gate, w, b, chunk_size=C, n_bswa_chunks=Nb,
+                                           sizes=kvm_state_sizes(T, C, Nb, BUDGETS[budget]), sink_len=sink_len,
+                                           compile=False)
     assert s_routes.dtype == routes.dtype and s_founder.dtype == founder.dtype and s_routes.shape == routes.shape
     assert torch.equal(s_routes, routes) and torch.equal(s_founder, founder)
 
@@ -77,13 +79,13 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_l
     kbar[:, :, 100:140] = kbar[:, :, 20:60]  # duplicated keys: tied scores and tied rows
     sizes = kvm_state_sizes(T, C, Nb, BUDGETS["power_law-capped"])  # grows by 3..11 rows a chunk, then stops (48)
     assert len(set(b - a for a, b in zip(sizes[Nb:], sizes[Nb + 1:]))) > 2
-    kw = dict(chunk_size=C, n_bswa_chunks=Nb, sizes=sizes, sink_len=sink_len)
-    router = StaticKVMRouter(tuple(kbar.shape), **kw)
+    router = StaticKVMRouter(tuple(kbar.shape), chunk_size=C, n_bswa_chunks=Nb, sizes=sizes, sink_len=sink_len)
+    kw = dict(schedule=KVMSchedule(C, Nb, BUDGETS["power_law-capped"]), sink_len=sink_len, impl="loop")
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert all(map(torch.equal, router(kbar, gate, w, b), route_kvm(kbar, gate, w, b, impl="loop", **kw)))
-        flipped = route_kvm(kbar.flip(2), gate, w, b, impl="loop", **kw)
+        assert all(map(torch.equal, router(kbar, gate, w, b), route_kvm(kbar, gate, w, b, **kw)))
+        flipped = route_kvm(kbar.flip(2), gate, w, b, **kw)
         assert all(map(torch.equal, router(kbar.flip(2), gate, w, b), flipped))  # the buffers are reset
     assert counters["stats"]["unique_graphs"] == 1  # one graph for all 2 x 14 overflow chunk steps
     # the state the compiled steps built is the loop's absorb of the loop's routes, bit for bit
@@ -102,7 +104,7 @@ def test_route_kvm_impl_static_and_the_op_option():
 
     assert KVMOptions().routing == "auto"  # the loop on the CPU
     kbar, gate, w, b = _inputs(2, 1, 2, 100, 16, 0, True, torch.float32)
-    kw = dict(chunk_size=16, n_bswa_chunks=1, sizes=kvm_state_sizes(100, 16, 1), sink_len=1)
+    kw = dict(schedule=KVMSchedule(16, 1), sink_len=1)
     assert all(map(torch.equal, route_kvm(kbar, gate, w, b, impl="static", **kw),
                            route_kvm(kbar, gate, w, b, impl="loop", **kw)))
     g = torch.Generator().manual_seed(3)
@@ -129,7 +131,7 @@ def test_bad_routing_is_refused_by_name():
         KVMOptions(routing="graph")
     kbar, gate, w, b = _inputs(0, 1, 1, 48, 16, 0, True, torch.float32)
     with pytest.raises(ValueError, match="impl must be one of"):
-        route_kvm(kbar, gate, w, b, chunk_size=16, n_bswa_chunks=1, sizes=[0, 16, 16], sink_len=1, impl="graph")
+        route_kvm(kbar, gate, w, b, schedule=KVMSchedule(16, 1), sink_len=1, impl="graph")
 
 
 def test_cuda_graph_needs_cuda():
@@ -151,9 +153,9 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
     with torch._dynamo.config.patch(error_on_recompile=True):
         for T in (330, 500, 330):
             kbar, gate, w, b = _inputs(T, 2, 2, T, 16, 0, True, torch.float32)
-            sizes = kvm_state_sizes(T, C, Nb, KVMBudget("power_law", growth_factor=4.0, max_state_chunks=None))
-            rows.append(max(sizes))
-            kw = dict(chunk_size=C, n_bswa_chunks=Nb, sizes=sizes, sink_len=1)
+            schedule = KVMSchedule(C, Nb, KVMBudget("power_law", growth_factor=4.0, max_state_chunks=None))
+            rows.append(schedule.rows(-(-T // C)))
+            kw = dict(schedule=schedule, sink_len=1)
             assert all(map(torch.equal, route_kvm(kbar, gate, w, b, impl="static", **kw),
                            route_kvm(kbar, gate, w, b, impl="loop", **kw)))
     assert made == [(2, 2, 330, 16), (2, 2, 500, 16)]  # T = 330 again: the cached router

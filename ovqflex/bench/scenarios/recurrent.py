@@ -231,9 +231,9 @@ def _kvm_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.de
     kbar = F.layer_norm(torch.randn(B, H, T, D, generator=g), (D,)).to(dev)
     gate = (1 + F.elu(torch.randn(B, H, T, generator=g))).to(dev)
     ln = (torch.ones(D, device=dev), torch.zeros(D, device=dev))
-    kw = dict(chunk_size=o.chunk_size, n_bswa_chunks=o.n_bswa_chunks, sizes=o.state_sizes(T), sink_len=o.sink_len,
-              ln_eps=o.ln_eps)
-    routers = _static_routers(lambda cuda_graph: StaticKVMRouter(tuple(kbar.shape), **kw, device=dev,
-                                                                 cuda_graph=cuda_graph), dev)
-    return {"loop": lambda: route_kvm(kbar, gate, *ln, impl="loop", **kw),
+    kw = dict(sink_len=o.sink_len, ln_eps=o.ln_eps)
+    routers = _static_routers(lambda cuda_graph: StaticKVMRouter(
+        tuple(kbar.shape), chunk_size=o.chunk_size, n_bswa_chunks=o.n_bswa_chunks, sizes=o.state_sizes(T), **kw,
+        device=dev, cuda_graph=cuda_graph), dev)
+    return {"loop": lambda: route_kvm(kbar, gate, *ln, schedule=o.schedule, impl="loop", **kw),
             **{name: lambda r=r: r(kbar, gate, *ln) for name, r in routers.items()}}

@@ -139,3 +139,41 @@ def test_bad_arguments(change, match):
     args = dict(chunk_size=16) | params | change
     with pytest.raises((ValueError, TypeError), match=match):
         ovqflex.kvm_attention(q, k, v, **args)
+
+
+def _op_with(kw):
+    """The op with these keyword options, as a closure: every closure made here shares one code object,
+    whose compiled graphs dynamo keeps together and chooses among by their guards on the options."""
+    return lambda *x, **p: ovqflex.kvm_attention(*x, backend="blocked", **p, **kw)
+
+
+@pytest.mark.parametrize("layout, budget", [("snapshot", "power_law"), ("versioned", "fixed")])
+def test_one_graph_serves_every_length_under_dynamic_shapes(layout, budget):
+    """The state sizes reach a compiled graph as an opaque op's tensor and its largest state as a bucket
+    (docs/design.md §3.5): compiled with dynamic shapes, one graph runs lengths 520, 730 and 1000
+    (33, 46 and 63 chunks; power law 4 sqrt(ctx): 87, 104 and 124 rows, one 128-row bucket), forward
+    and backward, equal to the eager op. ``dynamic=True`` makes the options' floats symbolic; the op
+    specializes them with a guard (``plain_float``), so another growth factor compiles a graph of its
+    own rather than being served the first one's buckets. ``aot_eager`` traces what inductor would
+    compile, guards included."""
+    from torch._dynamo.utils import counters
+
+    kw = dict(chunk_size=16, n_bswa_chunks=2, state_layout=layout, **BUDGETS[budget])
+    calls = [(520, kw), (730, kw), (1000, kw)]
+    if budget == "power_law":
+        calls.append((1000, {**kw, "growth_factor": 6.0}))
+    torch._dynamo.reset()
+    counters.clear()
+    for T, options in calls:
+        q, k, v, params, leaves = inputs(1, 2, 16, T, seed=T)
+        w = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(T))
+        out = torch.compile(_op_with(options), dynamic=True, backend="aot_eager", fullgraph=True)(q, k, v, **params)
+        want = _op_with(options)(q, k, v, **params)
+        assert_close(out, want, FWD_TOL[torch.float32], f"T={T} output")
+        for got, ref, name in zip(torch.autograd.grad((out * w).sum(), leaves),
+                                  torch.autograd.grad((want * w).sum(), leaves), "qkv gwbst"):
+            assert_close(got, ref, GRAD_TOL[torch.float32], f"T={T} grad {name}")
+        if options is kw:
+            assert counters["stats"]["unique_graphs"] == 1, f"T={T} compiled a graph of its own"
+    assert counters["stats"]["unique_graphs"] == len(calls) - 2
+    assert not counters["graph_break"]
