@@ -112,7 +112,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
     n_chunks = max(1, -(-T // o.chunk_size))
-    sizes = schedule.size(torch.arange(n_chunks + 1, device=q.device))
+    sizes = schedule.live(n_chunks + 1, q.device)  # chunks 0..n_chunks: the last is the dictionary after T
     with stage("proj"):
         qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)

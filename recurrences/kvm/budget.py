@@ -28,6 +28,7 @@ from ..checks import check_chunk, check_choice, check_int
 from ..compiling import is_symbolic, plain_float, plain_int
 
 BUDGETS = ("fixed", "power_law", "saturation")
+_FLOAT_FIELDS = ("growth_factor", "growth_exponent")  # the budget's float fields; the others are ints, str or None
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class KVMBudget:
         check_choice("budget", self.budget, BUDGETS)
         if self.state_min_len is not None:
             check_int("state_min_len", self.state_min_len, minimum=0)
-        for name in ("growth_factor", "growth_exponent"):
+        for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             # compared, not math.isfinite: under torch.compile(dynamic=True) a float option may be symbolic
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
@@ -75,7 +76,6 @@ def kvm_state_sizes(seq_len: int, chunk_size: int, n_bswa_chunks: int, budget: K
 
 #: the fields of :class:`KVMBudget`, in order: what the opaque ops below take in its place
 BUDGET_FIELDS = tuple(f.name for f in fields(KVMBudget))
-_FLOAT_FIELDS = ("growth_factor", "growth_exponent")
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,8 @@ class KVMSchedule:
         symbolic (a float attribute of a module, any number in an argument with ``dynamic=True``): each
         is specialized to its value (:func:`~recurrences.compiling.plain_int`, ``plain_float``), with a
         guard, so options of other values compile anew."""
-        budget = (getattr(self.budget, name) for name in BUDGET_FIELDS)
         return (plain_int(self.chunk_size), plain_int(self.n_bswa_chunks),
-                *(x if x is None or isinstance(x, str) else plain_float(x) if name in _FLOAT_FIELDS else plain_int(x)
-                  for name, x in zip(BUDGET_FIELDS, budget)))
+                *(_plain(name, getattr(self.budget, name)) for name in BUDGET_FIELDS))
 
     def sizes(self, n_chunks: int) -> list[int]:
         """``[sizes[0], ..., sizes[n_chunks - 1]]`` (a plain ``n_chunks``)."""
@@ -147,6 +145,13 @@ class KVMSchedule:
                 return bucket
             bucket = max(1, 2 * bucket)
         return bound
+
+
+def _plain(field: str, value):
+    """A budget field's value as a plain value (:meth:`KVMSchedule.args`)."""
+    if value is None or isinstance(value, str):
+        return value
+    return plain_float(value) if field in _FLOAT_FIELDS else plain_int(value)
 
 
 def _table(n_chunks: int, chunk_size: int, n_bswa_chunks: int, *budget_args) -> tuple[int, ...]:
@@ -206,23 +211,18 @@ def _chunks_within(rows: int, chunk_size: int, n_bswa_chunks: int, *budget_args)
     return bisect.bisect_right(_table(n, chunk_size, n_bswa_chunks, *budget_args), rows)
 
 
-_LIVE_KEPT: dict = {}
-
-
 @torch.library.custom_op("ovqflex::kvm_state_sizes", mutates_args=())
 def _live_op(n_chunks: int, chunk_size: int, n_bswa_chunks: int, budget: str, state_min_len: int | None,
              growth_factor: float, growth_exponent: float, round_down: int, saturation_n: int,
              max_state_chunks: int | None, device: torch.device) -> Tensor:
-    args = (n_chunks, chunk_size, n_bswa_chunks, budget, state_min_len, growth_factor, growth_exponent, round_down,
-            saturation_n, max_state_chunks)
-    key = (*args, device)
-    kept = _LIVE_KEPT.get(key)
-    if kept is None:  # made once per length and device: a copy from the host waits for the device
-        kept = torch.tensor(_table(*args)[:n_chunks], dtype=torch.long, device=device)
-        if len(_LIVE_KEPT) >= 64:
-            _LIVE_KEPT.pop(next(iter(_LIVE_KEPT)))
-        _LIVE_KEPT[key] = kept
-    return kept.clone()
+    return _live_kept(device, n_chunks, chunk_size, n_bswa_chunks, budget, state_min_len, growth_factor,
+                      growth_exponent, round_down, saturation_n, max_state_chunks).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _live_kept(device: torch.device, n_chunks: int, *schedule_args) -> Tensor:
+    """The sizes tensor, made once per length and device (a copy from the host waits for the device)."""
+    return torch.tensor(_table(n_chunks, *schedule_args)[:n_chunks], dtype=torch.long, device=device)
 
 
 @_live_op.register_fake
