@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from recurrences.compiling import size_max, size_min
 from recurrences.scan import cumsum
 
 from .regions import Geometry, Region
@@ -148,7 +149,7 @@ def build_block_layout(
         bhi = _cdiv(hi_last.long(), bk)
         flo = _cdiv(lo_last.long(), bk)
         fhi = hi_first.long() // bk
-        width = min(_cdiv(region.max_span(geom), bk) + 1, nkv)
+        width = size_min(_cdiv(region.max_span(geom), bk) + 1, nkv)
         cand = blo[:, None] + torch.arange(width, device=dev)
         valid = (cand < bhi[:, None]) & (cand < nkv)
         full = valid & (cand >= flo[:, None]) & (cand < fhi[:, None])
@@ -169,9 +170,9 @@ def build_block_layout(
     prev = torch.cat([torch.full_like(blk[:, :1], -1), blk[:, :-1]], dim=-1)
     keep = (key < big) & (blk != prev)
     is_full = (key % 2) == 0
-    out_w = min(cand.shape[-1], nkv)
+    out_w = size_min(cand.shape[-1], nkv)
     kv_num, kv_idx = _compact(blk, keep & ~is_full, out_w, big)
-    full_num, full_idx = _compact(blk, keep & is_full, max(1, min(full_width, nkv)), big)
+    full_num, full_idx = _compact(blk, keep & is_full, size_max(1, size_min(full_width, nkv)), big)
     return BlockLayout(geom, kv_num, kv_idx, full_num, full_idx)
 
 

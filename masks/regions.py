@@ -11,7 +11,7 @@ The kv sequence of a program is ``[S state rows ; token rows]`` (docs/design.md 
 token ``j`` lives at kv row ``S + j``. Regions keep their Python parameters (for
 the static block structure) and receive them again as small int32 tensors at
 trace time (``bounds(p, q_idx)``), so a new window size or state size does not
-recompile a FlexAttention graph (docs/design.md §3.3: Python ints in closures are guards).
+recompile a FlexAttention graph (docs/design.md §3.5: a Python int a graph reads is a guard).
 
 All ``bounds`` functions use tensor ops only; they work on the scalar index
 tensors FlexAttention passes to a ``mask_mod`` and on the broadcast index

@@ -1,7 +1,8 @@
 """Compiling fixed-shape code (docs/design.md §3 backends, §4.2-4.3 static-shape routing), and what
 OVQ's and KVM's static routing share: ``ROUTING_IMPLS`` and :func:`resolve_routing`, :func:`stable_rank`,
 :func:`chunk_bounds`, chunk-major buffers (:func:`chunks_first`), :func:`static_rows` and the
-per-process router cache (:func:`static_router`).
+per-process router cache (:func:`static_router`); and what keeps a length symbolic under dynamic shapes
+(:func:`is_symbolic`, :func:`bucket_rows`, :func:`plain_int`, :func:`size_min`; docs/design.md §3.5).
 
 ``torch.compile(..., dynamic=False)`` makes one graph per input shape, and dynamo allows a
 function only ``recompile_limit`` graphs (8 by default). Past it, a ``fullgraph=True`` function
@@ -282,6 +283,20 @@ def plain_float(x: float) -> float:
     float attribute of a module symbolic too). Exact: the ratio of two ints."""
     numerator, denominator = x.as_integer_ratio()  # (dynamo specializes a symbolic float here; float() does not)
     return numerator / denominator
+
+
+def size_min(a: int, b: int) -> int:
+    """``min(a, b)`` of two sizes, either of which may be symbolic: decided by a comparison, so under
+    ``torch.compile`` with a symbolic length the result is ``a`` or ``b`` itself, under a guard on which one
+    is smaller (none where that is statically known). Python's ``min`` would give the expression
+    ``Min(a, b)``, which every shape derived from it then carries, and sympy's reasoning on such nested
+    expressions dominated a symbolic trace's time (docs/design.md §3.5). Plain ints: ``min``."""
+    return a if a <= b else b
+
+
+def size_max(a: int, b: int) -> int:
+    """``max(a, b)`` of two sizes, decided by a comparison like :func:`size_min`."""
+    return a if a >= b else b
 
 
 def bucket_rows(n: int, cap: int) -> int:

@@ -14,6 +14,7 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import OwnChunk
 from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor, options_of
+from recurrences.compiling import size_max
 from recurrences.ovq import (GROWTHS, ROUTING_IMPLS, SEEDINGS, DictionarySchedule, build_ovq_snapshots,
                              build_ovq_versioned, dictionary_size, dictionary_sizes, route_ovq)
 from recurrences.precision import routing_keys, to_compute_dtype
@@ -111,7 +112,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     schedule = o.schedule
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
-    n_chunks = max(1, -(-T // o.chunk_size))
+    n_chunks = size_max(1, -(-T // o.chunk_size))
     sizes = schedule.live(n_chunks + 1, q.device)  # chunks 0..n_chunks: the last is the dictionary after T
     with stage("proj"):
         qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)

@@ -25,6 +25,7 @@ from torch import Tensor
 from masks.program import AttentionProgram, build_program
 from masks.regions import Region, StateBank
 from masks.versioned import versioned_regions
+from recurrences.compiling import size_max
 from recurrences.segments import Snapshots
 from recurrences.versioned import Versioned, VersionPlan, choose_state_layout, plan_versioned
 
@@ -81,7 +82,7 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     if rows == 0:
         with stage("block_mask"):
             return build_program(q, k, v, (window,), scale=scale, block_size=block_size)
-    n_chunks = max(1, -(-q.shape[2] // C))
+    n_chunks = size_max(1, -(-q.shape[2] // C))
     plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_scale))
     layout = choose_state_layout(options.state_layout, n_chunks=n_chunks, rows=rows, plan=plan,

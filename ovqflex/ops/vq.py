@@ -23,6 +23,7 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import BlockWindow
 from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor, options_of
+from recurrences.compiling import size_max
 from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout
 from recurrences.vq import (ESTIMATORS, LAG, assign_codes, build_vq_snapshots, build_vq_versioned, codebook_metrics,
@@ -103,7 +104,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
         codes = assign_codes(k, codebook, code_bias)  # fp32 unit keys and codes (recurrences.precision)
     with stage("state_build"):
         k_hat = quantize(kn, cb, codes, o.estimator)
-    n_chunks = max(1, -(-T // chunk_size))
+    n_chunks = size_max(1, -(-T // chunk_size))
     # + local_bias on window rows == - local_bias on state rows (softmax is shift invariant per query, and every
     # query sees the whole window region): exact, differentiable
     program = build_state_program(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..compiling import size_max
 from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_means
 
@@ -23,7 +24,7 @@ def build_vq_snapshots(k_hat: Tensor, v: Tensor, codes: Tensor, *, chunk_size: i
     """k_hat ``[B, H, T, D]`` quantized keys, v ``[B, H, T, Dv]``, codes ``[B, H, T]`` (-1: none) -> per-code
     means, ``N = n_codes`` rows per chunk (live: ``N`` from chunk ``LAG`` on, else 0)."""
     T = k_hat.shape[2]
-    n_chunks = max(1, -(-T // chunk_size))
+    n_chunks = size_max(1, -(-T // chunk_size))
     (ks, vs), counts = segment_snapshot_sums((k_hat, v), codes, chunk_size, n_chunks, n_codes, lag=LAG)
     denom = counts.clamp_min(1.0)[..., None]
     return Snapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts,

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 import torch
 
 from recurrences.compiling import (RECOMPILE_LIMIT, bucket_rows, compile_fixed_shapes, is_symbolic, plain_float,
-                                  plain_int)
+                                  plain_int, size_max, size_min)
 from recurrences.kvm import routing_static as kvm_static
 from recurrences.ovq import routing_static as ovq_static
 
@@ -131,6 +131,33 @@ def test_bucket_rows_rounds_symbolic_sizes_only_and_guards_ranges():
     assert got == [16, 16, 32, 48, 48]
     assert counters["stats"]["unique_graphs"] == 3
     assert int(f(torch.zeros(0))) == 0  # an empty state stays empty
+
+
+@pytest.mark.parametrize("pick", ["min", "max"])
+def test_size_min_and_max_give_one_of_their_sizes_not_an_expression(pick):
+    """``size_min``/``size_max`` equal ``min``/``max`` on plain ints. On a symbolic length they pick a side by a
+    guard, so the shape built from them is the picked size itself (``s0 // 2``), never ``Min(...)``/``Max(...)``
+    (which every later shape would carry into sympy); a length on the other side of the guard compiles anew and
+    is still right."""
+    from torch._dynamo.utils import counters
+
+    ours, builtin = {"min": (size_min, min), "max": (size_max, max)}[pick]
+    assert [ours(a, b) for a, b in ((3, 7), (7, 3), (5, 5))] == [builtin(a, b) for a, b in ((3, 7), (7, 3), (5, 5))]
+    shapes = []
+
+    def backend(gm, example_inputs):  # records the symbolic shape of each graph's output
+        (out,) = gm.graph.find_nodes(op="output")[0].args[0]
+        shapes.append(str(out.meta["example_value"].shape))
+        return gm
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda x: x.new_zeros(ours(x.shape[0] // 2, 100)), dynamic=True, backend=backend,
+                      fullgraph=True)
+    lengths = (60, 80, 400, 600) if pick == "min" else (400, 600, 60, 80)
+    assert [f(torch.zeros(n)).shape[0] for n in lengths] == [builtin(n // 2, 100) for n in lengths]
+    assert counters["stats"]["unique_graphs"] == 2  # one per side of the guard, each serving two lengths
+    assert shapes and not any("Min" in s or "Max" in s for s in shapes), shapes
 
 
 def test_a_size_stays_symbolic_inside_the_range_its_guards_allow():
