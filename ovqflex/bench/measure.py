@@ -108,19 +108,22 @@ class Measurement:
     seconds_min: float
     peak_mb: float  # peak memory growth during one run
     first_s: float | None = None  # the first call (a compiled case's compile, when the process has not compiled it)
+    first_graphs: int = 0  # graphs dynamo compiled during the first call (0: every graph it ran was compiled before)
 
 
 def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup: int = 1) -> Measurement:
-    """Median wall time of ``fn()`` over ``repeats`` runs (after ``warmup``), its peak memory and the
-    wall time of its first call (synchronized: the first warm-up, or with ``warmup=0`` the first timed run)."""
+    """Median wall time of ``fn()`` over ``repeats`` runs (after ``warmup``), its peak memory, and the wall
+    time of its first call (synchronized: the first warm-up, or with ``warmup=0`` the first timed run)
+    with the number of graphs dynamo compiled in it (a new length that a compiled op serves without
+    recompiling shows 0)."""
     device = torch.device(device)
-    first = None
+    first, graphs_before = None, _compiled_graphs()
     for _ in range(warmup):
         t0 = time.perf_counter()
         fn()
         if first is None:
             sync(device)
-            first = time.perf_counter() - t0
+            first, first_graphs = time.perf_counter() - t0, _compiled_graphs() - graphs_before
     sync(device)
     times = []
     for _ in range(repeats):
@@ -138,7 +141,16 @@ def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup:
         with _RssSampler() as s:
             fn()
         peak = s.growth_mb
-    return Measurement(statistics.median(times), min(times), peak, times[0] if first is None else first)
+    if first is None:  # no warm-up: the first timed run (its graphs: those of every run, the first's alone)
+        first, first_graphs = times[0], _compiled_graphs() - graphs_before
+    return Measurement(statistics.median(times), min(times), peak, first, first_graphs)
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def saved_for_backward_mb(fn, inputs=()) -> float:
@@ -185,7 +197,8 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
 
     Every row carries its speed-up over its baseline case ``baseline_of(name)`` (``x_vs_sdpa``) and
     over its reference case ``reference_of(name)`` (``x_vs_reference``; None where that case is absent or
-    None) and the wall time of its first call (``first_call_s``: a compiled case's compile); with FLOPs
+    None), the wall time of its first call (``first_call_s``: a compiled case's compile) and the graphs
+    compiled in it (``graphs_first_call``); with FLOPs
     and ``peak_gflops`` (the matmul rate measured on the spot) also its GFLOP/s and FLOP efficiency. A
     case that fails (e.g. a compile error) is a row with its ``error``, not a crash."""
     results, failed, rows = {}, {}, []
@@ -202,7 +215,8 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
             rows.append({"T": T, "case": name, "error": failed[name]})
             continue
         m, ref, base = results[name], results.get(reference_of(name)), results.get(baseline_of(name))
-        row = {"T": T, "case": name, "time_s": m.seconds, "first_call_s": m.first_s, "peak_mb": m.peak_mb,
+        row = {"T": T, "case": name, "time_s": m.seconds, "first_call_s": m.first_s,
+               "graphs_first_call": m.first_graphs, "peak_mb": m.peak_mb,
                "x_vs_reference": ref.seconds / m.seconds if ref else None,
                "x_vs_sdpa": base.seconds / m.seconds if base else None}
         if flops and peak_gflops:

@@ -15,6 +15,10 @@ from .base import Scenario, check_sizes, register
 
 #: an op scenario's ``dtype`` key -> the dtype of every floating input of its cases
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: an op scenario's ``compile_shapes`` key -> ``torch.compile``'s ``dynamic`` for its compiled cases: one
+#: static graph per length, or torch's default (the second length compiles a graph with a symbolic length,
+#: which the later ones reuse: docs/design.md §3.5)
+COMPILE_SHAPES = {"static": False, "dynamic": None}
 
 
 @dataclass(kw_only=True)
@@ -22,7 +26,9 @@ class OpScenario(Scenario):
     """Keys of every per-method op scenario (:func:`_op_scenario`). ``dtype``: every floating input
     (q, k, v and the method's own, as a model cast to that dtype holds them) in ``"fp32"`` or
     ``"bf16"``; the forward+backward cases run up to ``max_backward_len`` tokens, the reference
-    loop up to ``max_reference_len``."""
+    loop up to ``max_reference_len`` (0: never). ``compile_shapes``: how the compiled cases compile
+    (:data:`COMPILE_SHAPES`); with ``"dynamic"`` a row's ``graphs_first_call`` shows whether its length
+    compiled anew."""
 
     seq_lens: list[int]
     heads: int = 4
@@ -32,10 +38,12 @@ class OpScenario(Scenario):
     max_backward_len: int = 1 << 30
     max_reference_len: int = 1 << 30
     repeats: int = 3
+    compile_shapes: str = "static"
 
     def __post_init__(self):
         check_sizes("seq_lens", self.seq_lens)
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("compile_shapes", self.compile_shapes, COMPILE_SHAPES)
 
 
 def _baseline_of(name: str) -> str:
@@ -96,14 +104,14 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
     repeats, peak = sc.repeats, matmul_gflops(dev)
     trains = training_backend(dev)
     rows = []
+    # compiled once for every length, so that with dynamic shapes the later lengths meet the graphs of the first
+    compiled = {backend: torch.compile(lambda inputs, b=backend: op(**inputs, backend=b, **options),
+                                       fullgraph=True, dynamic=COMPILE_SHAPES[sc.compile_shapes])
+                for backend in {"flex", trains}}
     for T in sc.seq_lens:
         t = op_inputs(T, H, D, extra, dev, dtype)
         grad_t = {n: x.clone().requires_grad_(x.is_floating_point()) for n, x in t.items()}
         sdpa_grad = [grad_t[n].detach().clone().requires_grad_() for n in "qkv"]
-        # dynamic=False: a second length would otherwise trace dynamic shapes, which CPU flex
-        # codegen rejects (docs/design.md §11)
-        compiled = {backend: torch.compile(lambda inputs, b=backend: op(**inputs, backend=b, **options),
-                                           fullgraph=True, dynamic=False) for backend in {"flex", trains}}
 
         def no_grad(fn):
             def run():
@@ -129,7 +137,7 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
         rows += compare_cases(T, cases, dev, repeats, peak_gflops=peak, baseline_of=_baseline_of,
                               reference_of=lambda name: None if "fwd+bwd" in name else "reference loop fwd")
         for row in rows[-len(cases):]:
-            row["dtype"] = sc.dtype
+            row.update(dtype=sc.dtype, compile_shapes=sc.compile_shapes)
     return rows
 
 

@@ -90,6 +90,22 @@ def test_the_first_call_is_timed_apart(warmup):
         assert m.seconds < 0.2
 
 
+@pytest.mark.parametrize("warmup", [0, 1], ids=["no-warmup", "one-warmup"])
+def test_the_first_call_counts_the_graphs_it_compiled(warmup):
+    """``first_graphs``: the graphs dynamo compiled during the first call. A static compiled function compiles
+    one per new shape and none for a shape it has met; with dynamic shapes the second length compiles the
+    symbolic graph and the third reuses it (what a bench row's ``graphs_first_call`` shows)."""
+    torch._dynamo.reset()
+    static = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    firsts = [REAL_MEASURE(lambda: static(torch.ones(n)), device="cpu", repeats=1, warmup=warmup).first_graphs
+              for n in (3, 5, 3)]
+    assert firsts == [1, 1, 0]
+    default = torch.compile(lambda x: x * 3 - 1, backend="eager")
+    firsts = [REAL_MEASURE(lambda: default(torch.ones(n)), device="cpu", repeats=1, warmup=warmup).first_graphs
+              for n in (3, 5, 7)]
+    assert firsts == [1, 1, 0]
+
+
 def test_fresh_compile_caches_point_inductor_at_an_empty_directory_and_restore_it(monkeypatch):
     """Inside the block inductor writes what it compiles under a new temporary directory (so a compile
     there is cold); after it the directory is gone and the caches are back where they were (inductor's

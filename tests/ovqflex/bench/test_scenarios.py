@@ -66,6 +66,8 @@ STAGES = '[[scenario]]\nname = "st"\nkind = "stages"\nseq_lens = [64]\n'
     (ROUTING + 'method = "vq"\n', r"scenario 'r': method must be one of \['kvm', 'ovq'\], got 'vq'"),
     (ROUTING + 'method = "kvm"\nbudgt = "power_law"\n', r"unknown key 'budgt' \(did you mean 'budget'\?\)"),
     (OVQ + 'seq_lens = [64]\nmax_centroids = 8\ndtype = "fp16"\n', r"dtype must be one of \['bf16', 'fp32'\], got 'fp16'"),
+    (OVQ + 'seq_lens = [64]\nmax_centroids = 8\ncompile_shapes = "symbolic"\n',
+     r"compile_shapes must be one of \['dynamic', 'static'\], got 'symbolic'"),
     (OVQ + "seq_lens = []\nmax_centroids = 8\n", r"seq_lens must list at least one size"),
     (STAGES + 'method = "linear"\n',
      r"scenario 'st': method must be one of \['kvm', 'ovq', 'vq'\], got 'linear'"),
@@ -74,7 +76,7 @@ STAGES = '[[scenario]]\nname = "st"\nkind = "stages"\nseq_lens = [64]\n'
         "decode-kind", "decode-mode", "kvm-budget", "decode-batch-0", "decode-batch-empty",
         "decode-batch-key", "generate-batch-0", "generate-prompt", "generate-decode", "generate-decode-twice",
         "generate-new-tokens", "generate-key", "generate-preset", "routing-method",
-                                 "routing-kvm-key", "op-dtype", "op-no-lengths", "stages-method", "stages-layout"])
+                                 "routing-kvm-key", "op-dtype", "op-compile-shapes", "op-no-lengths", "stages-method", "stages-layout"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)
@@ -124,6 +126,24 @@ def test_op_scenario_times_forward_and_backward_against_sdpa_like_for_like():
                   "max_centroids": 8, "dtype": "bf16", "max_backward_len": 32, "max_reference_len": 32,
                   "repeats": 1})
     assert [r["case"] for r in short] == ["fused flex fwd, compiled op", "fused flex fwd, eager op", "sdpa causal fwd"]
+
+
+@pytest.mark.slow
+def test_a_dynamic_op_scenario_compiles_nothing_after_its_second_length():
+    """``compile_shapes = "dynamic"``: the compiled cases compile at the first length (static) and the second
+    (a symbolic length), and run the third with no new graph (``graphs_first_call`` 0); the eager flex case
+    compiles its flex kernel at every length. With ``"static"`` every compiled case compiles at every length."""
+    table = {"kind": "ovq", "name": "o", "seq_lens": [256, 384, 640], "heads": 2, "head_dim": 16, "chunk_size": 64,
+             "max_centroids": 64, "max_reference_len": 0, "repeats": 1}
+    for shapes in ("dynamic", "static"):
+        torch._dynamo.reset()  # each pass compiles from nothing
+        rows = _run({**table, "compile_shapes": shapes})
+        assert all("error" not in r and r["compile_shapes"] == shapes for r in rows), rows
+        graphs = {(r["case"], r["T"]): r["graphs_first_call"] for r in rows}
+        for case in ("fused flex fwd, compiled op", "fused blocked fwd+bwd, compiled op"):
+            assert graphs[case, 256] >= 1 and graphs[case, 384] >= 1, (shapes, graphs)
+            assert (graphs[case, 640] == 0) == (shapes == "dynamic"), (shapes, graphs)
+        assert [graphs["fused flex fwd, eager op", T] for T in (256, 384, 640)] == [1, 1, 1], graphs
 
 
 def _check_stages(rows, T, layouts):
