@@ -1,10 +1,12 @@
 """MultiHeadProjection: shapes, size checks, the optional causal q/k convolution."""
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
 import ovqflex
 from ovqflex.layers import OVQAttention, SlidingWindowAttention
-from ovqflex.layers.heads import MultiHeadProjection
+from ovqflex.layers.heads import MultiHeadProjection, _causal_depthwise
 
 
 def test_split_heads_shapes_and_size_check():
@@ -34,6 +36,37 @@ def test_qk_conv_starts_as_identity():
     x = torch.randn(2, 9, 32)
     for a, b in zip(plain.split_heads(x), conv.split_heads(x)):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=20, deadline=None)
+@given(width=st.integers(1, 5), T=st.integers(1, 40), channels=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_qk_conv_is_the_depthwise_convolution(width, T, channels, seed):
+    """The shifted-product sum equals ``F.conv1d(groups=C)`` on the same padded input (fp64: the two sum
+    their taps in their own orders)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, channels, T + width - 1, generator=g, dtype=torch.float64)
+    w = torch.randn(channels, 1, width, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(_causal_depthwise(x, w, T), F.conv1d(x, w, groups=channels), rtol=1e-12, atol=1e-12)
+
+
+def test_qk_conv_traces_to_elementwise_ops_not_a_convolution():
+    """With dynamic shapes the projection's graph has no convolution (inductor's convolution backward
+    guards the input gradient's strides to ints, one graph per length) and its length stays symbolic."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    m = MultiHeadProjection(32, 4, None, "blocked", qk_conv=4)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: m.split_heads(x)[1], backend=backend, dynamic=True, fullgraph=True)
+    for T in (9, 13):
+        x = torch.randn(2, T, 32)
+        torch.testing.assert_close(f(x), m.split_heads(x)[1])
+    assert len(graphs) == 1
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert not any("conv" in t for t in targets), targets
 
 
 def test_qk_conv_mixes_earlier_tokens_only():
