@@ -141,7 +141,7 @@ def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup:
         with _RssSampler() as s:
             fn()
         peak = s.growth_mb
-    if first is None:  # no warm-up: the first timed run (its graphs: those of every run, the first's alone)
+    if first is None:  # no warm-up: the first timed run (graphs counted over the timed runs: a repeat compiles none)
         first, first_graphs = times[0], _compiled_graphs() - graphs_before
     return Measurement(statistics.median(times), min(times), peak, first, first_graphs)
 

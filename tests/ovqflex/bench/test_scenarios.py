@@ -76,7 +76,8 @@ STAGES = '[[scenario]]\nname = "st"\nkind = "stages"\nseq_lens = [64]\n'
         "decode-kind", "decode-mode", "kvm-budget", "decode-batch-0", "decode-batch-empty",
         "decode-batch-key", "generate-batch-0", "generate-prompt", "generate-decode", "generate-decode-twice",
         "generate-new-tokens", "generate-key", "generate-preset", "routing-method",
-                                 "routing-kvm-key", "op-dtype", "op-compile-shapes", "op-no-lengths", "stages-method", "stages-layout"])
+                                 "routing-kvm-key", "op-dtype", "op-compile-shapes", "op-no-lengths", "stages-method",
+                                 "stages-layout"])
 def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)
