@@ -73,7 +73,7 @@ class MultiHeadProjection(AttentionLayer):
             prev = qk.new_zeros(B, n, self.qk_conv - 1) if conv_tail is None else conv_tail.to(qk.dtype)
             qk = torch.cat([prev, qk], dim=2)  # causal: the K-1 tokens before x, then x
             tail = qk[:, :, qk.shape[2] - (self.qk_conv - 1):]
-            qk = _causal_depthwise(qk, self.qk_conv_weight.to(qk.dtype), T).transpose(1, 2)
+            qk = _causal_depthwise(qk, self.qk_conv_weight.to(qk.dtype)).transpose(1, 2)
             qkv = torch.cat([qk, qkv[..., n:]], dim=-1)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v, tail
@@ -94,15 +94,16 @@ class MultiHeadProjection(AttentionLayer):
             return self.merge(o)
 
 
-def _causal_depthwise(x: Tensor, weight: Tensor, T: int) -> Tensor:
+def _causal_depthwise(x: Tensor, weight: Tensor) -> Tensor:
     """Depthwise convolution of ``x [B, C, T + K - 1]`` (the ``K - 1`` earlier tokens first) with
     ``weight [C, 1, K]`` (oldest tap first) -> ``[B, C, T]``: ``sum_j weight[:, 0, j] * x[:, :, j:j + T]``, the
     same sum as ``F.conv1d(x, weight, groups=C)`` written as ``K`` shifted products. Elementwise, so a
     compiled graph fuses it and keeps ``T`` symbolic: inductor's convolution backward guards the input
     gradient's strides to ints, which pins a graph to one length (docs/design.md §3.5)."""
+    K = weight.shape[-1]
+    T = x.shape[-1] - K + 1
     taps = weight[:, 0, :, None]  # [C, K, 1]
     out = x[:, :, :T] * taps[:, 0]
-    for j in range(1, weight.shape[-1]):
+    for j in range(1, K):
         out = out + x[:, :, j:j + T] * taps[:, j]
     return out
-

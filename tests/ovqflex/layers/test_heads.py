@@ -46,7 +46,7 @@ def test_qk_conv_is_the_depthwise_convolution(width, T, channels, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, channels, T + width - 1, generator=g, dtype=torch.float64)
     w = torch.randn(channels, 1, width, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(_causal_depthwise(x, w, T), F.conv1d(x, w, groups=channels), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_causal_depthwise(x, w), F.conv1d(x, w, groups=channels), rtol=1e-12, atol=1e-12)
 
 
 def test_qk_conv_traces_to_elementwise_ops_not_a_convolution():
