@@ -18,7 +18,10 @@ from one CUDA graph (the static decode's ``"graph"`` path).
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import operator
+import sys
 from collections import OrderedDict
 from typing import Callable, TypeVar
 
@@ -94,27 +97,47 @@ def patch_inductor_cpu_atomic_add() -> bool:
     return True
 
 
-_MEND_AT_COMPILE = False
+_CPP_CODEGEN = "torch._inductor.codegen.cpp"
+
+
+class _MendOnImport(importlib.abc.MetaPathFinder):
+    """Finds inductor's CPU code generator for the import system and mends it
+    (:func:`patch_inductor_cpu_atomic_add`) as soon as it has run: importing it takes ~1.5 s, which
+    a process that never compiles for the CPU does not pay. One entry of ``sys.meta_path``, removed
+    once it has found the module."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _CPP_CODEGEN:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            patch_inductor_cpu_atomic_add()
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def prepare_compile() -> None:
     """What the project's compiled code needs from torch before it compiles: dynamo's recompile limit
     raised (:func:`raise_recompile_limit`) and inductor's CPU scatter-add mended
-    (:func:`patch_inductor_cpu_atomic_add`) when the process first compiles anything (a dynamo
-    compile-start callback: importing inductor's code generator takes ~1.5 s, which a process that
-    never compiles does not pay). Layers call it when made, the fixed-shape helpers when they first
-    compile; cheap after the first call."""
-    global _MEND_AT_COMPILE
+    (:func:`patch_inductor_cpu_atomic_add`): at once if inductor's CPU code generator is loaded,
+    else when it is first imported (:class:`_MendOnImport`). The mend is a change to torch's code,
+    so nothing undoes it: a ``torch._dynamo.reset()`` (which drops dynamo's compile callbacks)
+    between making a layer and compiling it leaves it in place. Layers call this when made, the
+    fixed-shape helpers when they first compile; cheap after the first call."""
     raise_recompile_limit()
-    if _MEND_AT_COMPILE:
+    if _INDUCTOR_PATCHED or any(isinstance(f, _MendOnImport) for f in sys.meta_path):
         return
-    try:
-        from torch._dynamo.callback import on_compile_start
-    except ImportError:  # a torch without compile callbacks: mend now
+    if _CPP_CODEGEN in sys.modules:
         patch_inductor_cpu_atomic_add()
     else:
-        on_compile_start(lambda _args: patch_inductor_cpu_atomic_add())  # a no-op once mended
-    _MEND_AT_COMPILE = True
+        sys.meta_path.insert(0, _MendOnImport())
 
 
 def compile_fixed_shapes(fn: Callable) -> Callable:

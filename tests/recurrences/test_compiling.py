@@ -209,3 +209,49 @@ def test_plain_int_and_float_specialize_symbolic_options_with_a_guard():
     assert [int(compiled(x, o)[0]) for o in (Options(3, 2.5), Options(3, 2.5), Options(4, 2.5), Options(4, 7.0))] \
         == [32, 32, 42, 47]
     assert counters["stats"]["unique_graphs"] == 3
+
+
+_SCATTER_ADD_SCRIPT = """
+import torch
+from recurrences.compiling import prepare_compile
+
+prepare_compile()  # what a layer does when made
+torch._dynamo.reset()  # drops dynamo's compile callbacks: the mend must not depend on one
+torch.manual_seed(0)
+torch.set_num_threads(2)
+V, D, B, T = 64, 128, 8, 63
+emb = torch.randn(V, D, requires_grad=True)
+a = torch.randn(B, T, D)
+c = [torch.randn(D, B, T) for _ in range(3)]
+
+
+def loss(ids):
+    h = emb[ids]  # [B, T, D]; its backward is a scatter-add into emb's gradient
+    hp = h.permute(2, 0, 1)  # most gradient terms laid out [D, B, T]: a transposing 2-D tile kernel
+    return (h * a).tanh().sum() + (hp * c[0]).sin().sum() + (hp * c[1]).cos().sum() + (hp * c[2]).tanh().sum()
+
+
+ids = torch.randint(0, V, (B, T))
+loss(ids).backward()
+eager, emb.grad = emb.grad.clone(), None
+torch.compile(loss)(ids).backward()
+print((emb.grad - eager).abs().max().item())
+"""
+
+
+def test_inductor_scatter_add_is_mended_after_a_dynamo_reset():
+    """torch 2.13's inductor maps the index of a threaded scatter-add in a transposing CPU tile twice
+    (``patch_inductor_cpu_atomic_add``): this embedding backward then writes past its gradient (the
+    script aborts with heap corruption without ``prepare_compile``, checked by hand on torch 2.13).
+    ``prepare_compile`` mends it when inductor's code generator is imported, so a ``torch._dynamo.reset()``
+    between making a layer and compiling it
+    leaves it mended. A fresh process, caches off: the mend is process-wide."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    run = subprocess.run([sys.executable, "-c", _SCATTER_ADD_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 1e-4, run.stdout
