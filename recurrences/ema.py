@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .compiling import is_symbolic, size_max, size_min
+
 
 def ema_kernel(delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor, length: int) -> Tensor:
     """``K [D, length]`` of the damped EMA (parameters ``[D, n]``), fp32."""
@@ -35,7 +37,16 @@ def ema_chunk(T: int) -> int:
     carry matrix then both hold ``O(T)`` entries per channel (a fixed chunk of 64 would make the
     carry matrix quadratic in ``T``: 1 GB at T = 16k, hidden 256, 16 EMA heads) — or ``T`` when
     shorter: one chunk without padding (a one-token decode step would otherwise build a 64 x 64
-    Toeplitz block per channel for one row of it)."""
+    Toeplitz block per channel for one row of it).
+
+    A symbolic ``T`` (a compiled graph with dynamic shapes, where ``math.isqrt`` cannot be traced) gets
+    the smallest power of two ``>= 64`` whose square holds ``T``, found by comparisons: the graph then
+    serves every length up to that square (still ``O(T)`` entries: the chunk is below ``2 sqrt(T)``)."""
+    if is_symbolic(T):
+        chunk = 64
+        while chunk * chunk < T:
+            chunk *= 2
+        return size_min(T, chunk)
     root = math.isqrt(T - 1) + 1 if T > 1 else 1  # ceil(sqrt(T))
     return min(T, max(64, -(-root // 16) * 16)) if T > 0 else 64
 
@@ -59,7 +70,7 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
     """
     B, T, D = x.shape
     L = ema_chunk(T) if chunk_size is None else chunk_size
-    nc = max(1, -(-T // L))
+    nc = size_max(1, -(-T // L))
     xf = F.pad(x.float(), (0, 0, 0, nc * L - T)).view(B, nc, L, D)
     p = torch.sigmoid(delta_logit.float())
     loga = torch.log(1 - p * torch.sigmoid(alpha_logit.float()))  # [D, n], < 0

@@ -47,3 +47,23 @@ def test_default_chunk_grows_like_sqrt_t_and_stays_exact():
     head, state = damped_ema(x[:, :4200], *params, omega, output_final_state=True)
     tail = damped_ema(x[:, 4200:], *params, omega, h0=state)
     assert_close(torch.cat([head, tail], 1), ref, 10 * FWD_TOL[torch.float32], "continued from the state")
+
+
+def test_compiles_with_a_symbolic_length():
+    """Under ``torch.compile`` with dynamic shapes the default chunk is a power of two found by comparisons
+    (``math.isqrt`` of a symbolic length cannot be traced): one graph serves 70, 90 and 300 tokens (chunk
+    64, guarded ``64 < T <= 4096``), another 5,000 (chunk 128), each equal to the recurrence."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, 2, generator=g) for _ in range(4)]
+    omega = torch.randn(3, generator=g)
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda x: damped_ema(x, *params, omega), dynamic=True, backend="eager", fullgraph=True)
+    graphs = []
+    for T in (70, 90, 300, 5000):
+        x = torch.randn(1, T, 3, generator=g)
+        assert_close(f(x), damped_ema_reference(x, *params, omega), 10 * FWD_TOL[torch.float32], f"T={T}")
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 1, 2]
