@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recurrences.checks import check_block_size, check_qkv
+from recurrences.compiling import is_symbolic, pad_to
 from recurrences.precision import compute_dtype, to_dtype
 
 from .blocks import BlockLayout, build_block_layout
@@ -102,14 +103,18 @@ def _round_up(x: int, m: int) -> int:
 
 def _pad_rows(x: Tensor, n: int) -> Tensor:
     """``x [B, H, T, D]`` with zero rows up to ``n`` along dim 2 (x itself when ``T == n``)."""
-    return x if x.shape[2] == n else F.pad(x, (0, 0, 0, n - x.shape[2]))
+    return pad_to(x, 2, n)
 
 
 def _kv_rows(state: Tensor | None, n_state: int, tokens: Tensor, t_pad: int) -> Tensor:
     """``[state ; zeros ; tokens ; zeros]`` along dim 2, ``[B, H, n_state + t_pad, D]``: one
-    concatenation, each row written once (padding each part first would copy the state twice)."""
+    concatenation, each row written once (padding each part first would copy the state twice). Under
+    symbolic sizes the parts are padded instead: a gap of zero rows whose size can be 0 or 1 makes
+    torch guard on those values, so the graph would recompile for lengths that fill their blocks."""
     if state is None:
         return _pad_rows(tokens, t_pad)
+    if is_symbolic(n_state) or is_symbolic(t_pad):
+        return torch.cat([_pad_rows(state, n_state), _pad_rows(tokens, t_pad)], dim=2)
     B, H, S, D = state.shape
     gaps = [state.new_zeros(B, H, n, D) for n in (n_state - S, t_pad - tokens.shape[2])]
     return torch.cat([state, gaps[0], tokens, gaps[1]], dim=2)
@@ -153,10 +158,9 @@ def build_program(
     if state_k is not None:
         s_real = state_k.shape[2]
         n_state = _round_up(s_real, block_size) if s_real else 0
-        sb = state_bias if state_bias is not None else torch.zeros(B, H, s_real, device=q.device)
-        bias = torch.zeros(B, H, n_state + t_pad, dtype=torch.float32, device=q.device)
-        bias[:, :, :s_real] = sb.float()
-        bias[:, :, s_real:n_state] = float("-inf")
+        sb = state_bias.float() if state_bias is not None else torch.zeros(B, H, s_real, dtype=torch.float32, device=q.device)
+        # pads, not slice writes: a symbolic S would guard whether the state rows fill their blocks
+        bias = F.pad(F.pad(sb, (0, n_state - s_real), value=float("-inf")), (0, t_pad))
     k = _kv_rows(state_k, n_state, k, t_pad)
     v = _kv_rows(state_v, n_state, v, t_pad)
     q = _pad_rows(q, q_pad)

@@ -60,7 +60,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from masks.program import AttentionProgram
 from recurrences.checks import check_choice, host_check_is_free
-from recurrences.compiling import prepare_compile
+from recurrences.compiling import narrow_rows, prepare_compile
 
 log = logging.getLogger("ovqflex")
 
@@ -131,7 +131,7 @@ def attend(program: AttentionProgram, backend: str = "auto") -> Tensor:
         out = _blocked(program)
     else:
         out = _dense(program)
-    return out[:, :, : program.q_len]
+    return narrow_rows(out, 2, 0, program.q_len)
 
 
 @torch.library.custom_op("ovqflex::realize", mutates_args=())

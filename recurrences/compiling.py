@@ -2,7 +2,8 @@
 OVQ's and KVM's static routing share: ``ROUTING_IMPLS`` and :func:`resolve_routing`, :func:`stable_rank`,
 :func:`chunk_bounds`, chunk-major buffers (:func:`chunks_first`), :func:`static_rows` and the
 per-process router cache (:func:`static_router`); and what keeps a length symbolic under dynamic shapes
-(:func:`is_symbolic`, :func:`bucket_rows`, :func:`plain_int`, :func:`size_min`; docs/design.md §3.5).
+(:func:`is_symbolic`, :func:`bucket_rows`, :func:`plain_int`, :func:`size_min`, :func:`pad_to`,
+:func:`narrow_rows`; docs/design.md §3.5).
 
 ``torch.compile(..., dynamic=False)`` makes one graph per input shape, and dynamo allows a
 function only ``recompile_limit`` graphs (8 by default). Past it, a ``fullgraph=True`` function
@@ -26,6 +27,7 @@ from collections import OrderedDict
 from typing import Callable, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import has_static_value
 
@@ -320,6 +322,51 @@ def size_min(a: int, b: int) -> int:
 def size_max(a: int, b: int) -> int:
     """``max(a, b)`` of two sizes, decided by a comparison like :func:`size_min`."""
     return a if a >= b else b
+
+
+def pad_to(x: Tensor, dim: int, n: int, value: float = 0.0) -> Tensor:
+    """``x`` padded with ``value`` along ``dim`` up to length ``n`` (at least its own): ``x`` itself when
+    it is ``n`` long already. A symbolic length always pads, by a symbolic amount that may be 0, rather
+    than guard on whether it fills ``n`` (a recompile for the lengths that do); see :func:`_pad_symbolic`."""
+    length = x.shape[dim]
+    if not is_symbolic(length):
+        return x if length == n else F.pad(x, _widths(x, dim, 0, n - length), value=value)
+    return _pad_symbolic(x, _widths(x, dim, 0, n - length), value)
+
+
+def narrow_rows(x: Tensor, dim: int, start: int, length: int) -> Tensor:
+    """``x.narrow(dim, start, length)``: a view for a plain ``length``. For a symbolic one a cropped copy
+    (a negative padding, whose backward is a padding): whether a narrowed view is contiguous depends on
+    the rows filling ``x`` (the real rows of a buffer padded to whole blocks: lengths that fill their
+    blocks), and torch guards on that, so the graph would recompile for them."""
+    if not is_symbolic(length):
+        return x.narrow(dim, start, length)
+    return _pad_symbolic(x, _widths(x, dim, -start, start + length - x.shape[dim]), 0.0)
+
+
+def _widths(x: Tensor, dim: int, before: int, after: int) -> list[int]:
+    """``F.pad``'s widths (last dim first) that pad ``dim`` of ``x`` by ``before`` and ``after``."""
+    return [0, 0] * (x.dim() - 1 - dim % x.dim()) + [before, after]
+
+
+def _pad_symbolic(x: Tensor, widths: list[int], value: float) -> Tensor:
+    """``F.pad`` by symbolic widths that may all be 0. Eager ``constant_pad_nd`` returns a padding of 0
+    with its input's strides where its meta function says contiguous, so in a graph run by eager kernels
+    (``aot_eager``) a later ``view`` of the result, or of its gradient, would fail: both the input and the
+    incoming gradient are made contiguous first (free where they are: in a fused graph they are)."""
+    return _ContiguousGrad.apply(F.pad(x.contiguous(), widths, value=value))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (see :func:`_pad_symbolic`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 def bucket_rows(n: int, cap: int) -> int:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .compiling import narrow_rows, pad_to
 from .scan import cumsum
 
 
@@ -38,17 +39,15 @@ def to_chunks(x: Tensor, chunk_size: int, lead: int = 0) -> Tensor:
     continuation's chunks fall on absolute chunk boundaries), zero-padded at the end to ``n * chunk_size``."""
     T = x.shape[2]
     n = -(-(lead + T) // chunk_size)
-    pad = n * chunk_size - T - lead
     if lead:
         x = torch.cat([x.new_zeros(*x.shape[:2], lead, *x.shape[3:]), x], dim=2)
-    if pad:
-        x = torch.cat([x, x.new_zeros(*x.shape[:2], pad, *x.shape[3:])], dim=2)
+    x = pad_to(x, 2, n * chunk_size)
     return x.view(*x.shape[:2], n, chunk_size, *x.shape[3:])
 
 
 def from_chunks(x: Tensor, T: int, lead: int = 0) -> Tensor:
     """``[B, H, n, chunk, D]`` -> ``[B, H, T, D]`` (drops ``lead`` front rows and the end padding)."""
-    return x.flatten(2, 3)[:, :, lead:lead + T]
+    return narrow_rows(x.flatten(2, 3), 2, lead, T)
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:

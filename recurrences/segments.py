@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .compiling import pad_to
 from .scan import cumsum
 
 
@@ -34,8 +34,7 @@ def segment_snapshot_sums(xs: Sequence[Tensor], routes: Tensor, chunk_size: int,
     """
     T = routes.shape[2]
     pad = -T % chunk_size  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
-    if pad:
-        xs, routes = [F.pad(x, (0, 0, 0, pad)) for x in xs], F.pad(routes, (0, pad), value=-1)
+    xs, routes = [pad_to(x, 2, T + pad) for x in xs], pad_to(routes, 2, T + pad, value=-1)
     B, H, T = routes.shape
     dev = routes.device
     slot = torch.where((routes >= 0) & (routes < rows), routes, rows)  # spare slot `rows` drops a token

@@ -47,10 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_block_size, check_choice, check_int, host_check_is_free
+from .compiling import pad_to
 from .scan import cumsum
 from .segments import segment_snapshot_sums
 
@@ -172,8 +172,7 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
     T = routes.shape[2]
     if T > Tp:
         raise ValueError(f"routes cover T={T} tokens, more than the plan's {Tp}")
-    if Tp > T:
-        xs, routes = [F.pad(x, (0, 0, 0, Tp - T)) for x in xs], F.pad(routes, (0, Tp - T), value=-1)
+    xs, routes = [pad_to(x, 2, Tp) for x in xs], pad_to(routes, 2, Tp, value=-1)
     B, H = routes.shape[:2]
     dev = routes.device
     ckpt, ckpt_counts = segment_snapshot_sums(xs, routes, L, nc, rows, lag=lag, every=R)

@@ -1,11 +1,53 @@
 """Every registered method passes the conformance checks (``tests/ovqflex/conformance.py``)."""
 import pytest
+import torch
 
 from ovqflex.methods import METHODS, method_names
-from tests.ovqflex.conformance import CHECKS
+from tests.helpers import FWD_TOL, assert_close
+from tests.ovqflex.conformance import CHECKS, HIDDEN, layer_of
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("name", method_names())
 def test_method_conforms(name, check):
     CHECKS[check](METHODS[name])
+
+
+#: methods whose recurrence runs a Python loop over the chunks (``recurrences/delta.py``,
+#: ``recurrences/vla.py``): a compiled layer unrolls it, so each chunk count is a graph of its own
+UNROLLED_CHUNK_LOOP = {"deltanet", "vla"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", method_names())
+def test_a_compiled_layer_keeps_the_length_symbolic(name):
+    """``torch.compile(layer, fullgraph=True)`` with torch's default dynamic shapes, forward and backward
+    at three lengths (ragged, ragged, whole blocks): the second length compiles the symbolic graph and
+    the third reuses it, except where the chunk loop is unrolled; no graph break; outputs and gradients
+    equal the eager layer's (a copy, called in the same order: VQ's codebooks move at every training
+    call). KVM's layer is traced by inductor: ``aot_eager`` fails on its gate's ``elu`` backward (a
+    torch debugging-backend fault)."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    eager = layer_of(METHODS[name])
+    layer = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor" if name == "kvm" else "aot_eager")
+    graphs = []
+    for T in (100, 150, 240):
+        x = torch.randn(2, T, HIDDEN, generator=torch.Generator().manual_seed(T))
+        before = counters["stats"]["unique_graphs"]
+        out = compiled(x)
+        out.square().mean().backward()
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        ref = eager(x)
+        ref.square().mean().backward()
+        assert_close(out, ref, 10 * FWD_TOL[torch.float32], f"{name} at T={T}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs == ([1, 1, 1] if name in UNROLLED_CHUNK_LOOP else [1, 1, 0])
+    for (what, p), q in zip(eager.named_parameters(), layer.parameters()):
+        if p.grad is not None:
+            assert_close(q.grad, p.grad, 10 * FWD_TOL[torch.float32], what)

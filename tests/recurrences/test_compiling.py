@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import torch
 
-from recurrences.compiling import (RECOMPILE_LIMIT, bucket_rows, compile_fixed_shapes, is_symbolic, plain_float,
-                                  plain_int, size_max, size_min)
+from recurrences.compiling import (RECOMPILE_LIMIT, bucket_rows, compile_fixed_shapes, is_symbolic, narrow_rows,
+                                  pad_to, plain_float, plain_int, size_max, size_min)
 from recurrences.kvm import routing_static as kvm_static
 from recurrences.ovq import routing_static as ovq_static
 
@@ -158,6 +158,43 @@ def test_size_min_and_max_give_one_of_their_sizes_not_an_expression(pick):
     assert [f(torch.zeros(n)).shape[0] for n in lengths] == [builtin(n // 2, 100) for n in lengths]
     assert counters["stats"]["unique_graphs"] == 2  # one per side of the guard, each serving two lengths
     assert shapes and not any("Min" in s or "Max" in s for s in shapes), shapes
+
+
+def test_pad_to_and_narrow_rows_equal_pad_and_narrow_on_plain_sizes():
+    x = torch.randn(2, 3, 10, 4)
+    assert pad_to(x, 2, 10) is x
+    assert torch.equal(pad_to(x, -2, 13, value=-1.0), torch.nn.functional.pad(x, (0, 0, 0, 3), value=-1.0))
+    assert torch.equal(narrow_rows(x, 2, 2, 5), x[:, :, 2:7])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_padding_to_whole_blocks_and_back_compiles_once_for_every_length(backend):
+    """A buffer padded to whole 16-row blocks (``pad_to``) and its real rows taken back (``narrow_rows``),
+    forward and backward, under the default dynamic shapes: the second length compiles the symbolic graph,
+    which then serves ragged lengths and lengths that fill their blocks alike (an ``if`` on the padding, or
+    a slice of the real rows, would guard on that), with the values and gradients of eager code. The
+    input is a transposed view: eager ``constant_pad_nd`` keeps its strides for a padding of 0."""
+    from torch._dynamo.utils import counters
+
+    def f(x):  # x [T, 3] (a transposed view)
+        T = x.shape[0]
+        blocks = pad_to(x.t(), 1, -(-T // 16) * 16)  # [3, Tp]
+        y = (blocks.view(3, -1, 16) * 2).view(3, -1)
+        return narrow_rows(y, 1, 0, T).t().reshape(-1).sin()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    graphs = []
+    for T in (100, 150, 240, 37, 64):
+        x = torch.randn(3, T).t().requires_grad_()
+        out = compiled(x)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        ref = f(x)
+        (ref_grad,) = torch.autograd.grad(ref.square().sum(), x)
+        assert torch.allclose(out, ref) and torch.allclose(grad, ref_grad), T
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 2, 2, 2, 2]
 
 
 def test_a_size_stays_symbolic_inside_the_range_its_guards_allow():
