@@ -158,7 +158,8 @@ def build_program(
     if state_k is not None:
         s_real = state_k.shape[2]
         n_state = _round_up(s_real, block_size) if s_real else 0
-        sb = state_bias.float() if state_bias is not None else torch.zeros(B, H, s_real, dtype=torch.float32, device=q.device)
+        sb = torch.zeros(B, H, s_real, device=q.device) if state_bias is None else state_bias
+        sb = sb.float()
         # pads, not slice writes: a symbolic S would guard whether the state rows fill their blocks
         bias = F.pad(F.pad(sb, (0, n_state - s_real), value=float("-inf")), (0, t_pad))
     k = _kv_rows(state_k, n_state, k, t_pad)
