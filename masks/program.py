@@ -159,9 +159,7 @@ def build_program(
         s_real = state_k.shape[2]
         n_state = _round_up(s_real, block_size) if s_real else 0
         sb = torch.zeros(B, H, s_real, device=q.device) if state_bias is None else state_bias
-        sb = sb.float()
-        # pads, not slice writes: a symbolic S would guard whether the state rows fill their blocks
-        bias = F.pad(F.pad(sb, (0, n_state - s_real), value=float("-inf")), (0, t_pad))
+        bias = pad_to(pad_to(sb.float(), 2, n_state, value=float("-inf")), 2, n_state + t_pad)
     k = _kv_rows(state_k, n_state, k, t_pad)
     v = _kv_rows(state_v, n_state, v, t_pad)
     q = _pad_rows(q, q_pad)
