@@ -15,6 +15,7 @@ import sys
 
 from recurrences.checks import ConfigError
 
+from ..experiments.runner import ExperimentInterrupted
 from ..training.interrupt import TrainingInterrupted
 
 from . import runs, tools
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"ovqflex {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except TrainingInterrupted as e:  # SIGINT/SIGTERM: stopped cleanly after a step, with its checkpoint
+    except (TrainingInterrupted, ExperimentInterrupted) as e:  # SIGINT/SIGTERM: stopped after a step, checkpointed
         if os.environ.get("RANK", "0") == "0":
             print(f"\novqflex {args.command}: {e}", file=sys.stderr)
         return e.exit_code

@@ -11,9 +11,9 @@ See :mod:`ovqflex.experiments.registry` for the named experiments and their scal
 from .plan import Plan, Run, Unit, Variant, plan
 from .registry import EXPERIMENTS, get_experiment, register_experiment
 from .report import collect, table, write_results
-from .runner import run_experiment, spec_differences
+from .runner import ExperimentFailed, ExperimentInterrupted, run_experiment, spec_differences
 from .spec import EvalSweep, Experiment, ModelSpec, Scale
 
-__all__ = ["EXPERIMENTS", "EvalSweep", "Experiment", "ModelSpec", "Plan", "Run", "Scale", "Unit", "Variant",
+__all__ = ["EXPERIMENTS", "EvalSweep", "Experiment", "ExperimentFailed", "ExperimentInterrupted", "ModelSpec", "Plan", "Run", "Scale", "Unit", "Variant",
            "collect", "get_experiment", "plan", "register_experiment", "run_experiment", "spec_differences", "table",
            "write_results"]

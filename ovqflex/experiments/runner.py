@@ -8,7 +8,9 @@ Layout of ``OUT`` (the plan's ``out``)::
     OUT/<model>-s<seed>/eval-<variant>.json, .png   its evaluations (``ovqflex eval`` reports)
     OUT/results.json, results.md, results.png       the aggregate (rewritten after every evaluation)
 
-Units run in order (per seed, per model: train, then its evaluations). A unit whose output
+Units run in order (per seed, per model: train, then its evaluations), in this process, or with
+``jobs`` > 1 one run's units per worker process, that many runs at a time (:func:`_run_in_workers`:
+for a GPU that one small model leaves idle). A unit whose output
 exists and is complete is skipped: an evaluation report with the planned lengths, examples,
 overrides and checkpoint step; a run whose latest checkpoint is at the final step, or whose
 evaluations are all complete (its checkpoints may then be deleted to save space). A run
@@ -20,12 +22,29 @@ propagates), so ``--resume`` loses nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import multiprocessing
+import os
 import shutil
+import signal
+import sys
+import threading
 import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
-from ..training import evaluate, latest_checkpoint, train
+import torch
+
+from recurrences.checks import check_int
+
+from ..training import TrainingInterrupted, evaluate, latest_checkpoint, train
 from ..training.checkpoint import read_state
+from ..training.interrupt import STOP_SIGNALS
+from ..training.trainer import METRICS_FILE
 from .plan import Plan, Unit
 from ..files import write_atomic
 from .report import read_eval, write_results
@@ -119,21 +138,23 @@ def _duration(seconds: float) -> str:
 
 
 class _Clock:
-    """Elapsed time and an ETA from the mean duration of the units of each kind run so far."""
+    """Elapsed time and an ETA from the mean duration of the units of each kind run so far; with
+    ``jobs`` runs at a time, the work left is shared by as many of them as there are runs left."""
 
-    def __init__(self, units: tuple):
+    def __init__(self, units: tuple, jobs: int = 1):
         self.t0 = time.perf_counter()
         self.spent: dict[str, list[float]] = {"train": [], "eval": []}
-        self.units = units
+        self.units, self.jobs = units, jobs
 
     def add(self, kind: str, seconds: float) -> None:
         self.spent[kind].append(seconds)
 
-    def status(self, index: int, todo: list[bool]) -> str:
-        """``index``: 0-based unit about to run; ``todo[i]``: unit ``i`` still has work."""
-        left = {k: sum(1 for u, t in zip(self.units[index:], todo[index:]) if t and u.kind == k) for k in self.spent}
+    def status(self, todo: list[bool]) -> str:
+        """``todo[i]``: unit ``i`` still has work (the units running now included)."""
+        left = {k: sum(1 for u, t in zip(self.units, todo) if t and u.kind == k) for k in self.spent}
         known = {k: sum(v) / len(v) for k, v in self.spent.items() if v}
-        eta = sum(known[k] * n for k, n in left.items() if k in known)
+        runs_left = len({u.run.dir for u, t in zip(self.units, todo) if t})
+        eta = sum(known[k] * n for k, n in left.items() if k in known) / max(1, min(self.jobs, runs_left))
         unknown = [k for k, n in left.items() if n and k not in known]
         elapsed = f"elapsed {_duration(time.perf_counter() - self.t0)}"
         if not known:
@@ -141,12 +162,16 @@ class _Clock:
         return f"{elapsed}, ETA {_duration(eta)}" + (f" + the {' and '.join(unknown)} units" if unknown else "")
 
 
-def run_experiment(plan: Plan, *, resume: bool = False, log=print) -> dict:
+def run_experiment(plan: Plan, *, resume: bool = False, log=print, jobs: int = 1,
+                   progress_every: float = 60.0) -> dict:
     """Run every unit of ``plan`` not already complete in ``plan.out`` and write the results
     (``results.json``, ``results.md``, ``results.png``; see :mod:`ovqflex.experiments.report`).
     ``resume``: continue the experiment already in ``plan.out`` (same spec, or more seeds or
     models: :func:`prepare_out`). ``log`` gets one line per unit (with elapsed time and ETA) and
-    per evaluated length. Returns the results."""
+    per evaluated length. ``jobs``: runs (a model at a seed: its training, then its evaluations)
+    in progress at once, each in a process of its own (:func:`_run_in_workers`; ``log`` then also
+    gets every run's step, loss and tokens/s each ``progress_every`` seconds). Returns the results."""
+    check_int("jobs", jobs)
     prepare_out(plan, resume, log)
     units = plan.units
     n = len(units)
@@ -159,37 +184,291 @@ def run_experiment(plan: Plan, *, resume: bool = False, log=print) -> dict:
             for i, u in enumerate(units)]
     skipped = n - sum(todo)
     log(f"experiment {plan.experiment.name}, scale {plan.scale_name}: {n} units into {plan.out}"
-        + (f" ({skipped} already complete)" if skipped else ""))
-    clock = _Clock(units)
-    results = None
-    for i, unit in enumerate(units):
-        head = f"[{i + 1}/{n}] {unit.describe()}"
-        if not todo[i]:
-            log(f"{head}: complete, skipped")
-            continue
-        t0 = time.perf_counter()
-        if unit.kind == "train":
-            _train_unit(unit, head, clock.status(i, todo), log)
-        else:
-            _eval_unit(plan, unit, head, clock.status(i, todo), log)
-        clock.add(unit.kind, time.perf_counter() - t0)
-        todo[i] = False
-        if unit.kind == "eval":
-            results = write_results(plan)
+        + (f" ({skipped} already complete)" if skipped else "") + (f", {jobs} runs at a time" if jobs > 1 else ""))
+    clock = _Clock(units, jobs)
+    if jobs == 1:
+        results = _run_in_order(plan, todo, clock, log)
+    else:
+        results = _run_in_workers(plan, todo, clock, jobs, log, progress_every)
     if results is None:  # nothing evaluated now: (re)write from the reports on disk
         results = write_results(plan)
     log(f"done in {_duration(time.perf_counter() - clock.t0)}")
     return results
 
 
-def _train_unit(unit: Unit, head: str, status: str, log) -> None:
-    cfg = unit.run.train
+def _head(plan: Plan, i: int) -> str:
+    return f"[{i + 1}/{len(plan.units)}] {plan.units[i].describe()}"
+
+
+def _run_in_order(plan: Plan, todo: list[bool], clock: _Clock, log) -> dict | None:
+    """The units in plan order in this process; the results after the last evaluation (None: none ran)."""
+    results = None
+    for i, unit in enumerate(plan.units):
+        if not todo[i]:
+            log(f"{_head(plan, i)}: complete, skipped")
+            continue
+        t0 = time.perf_counter()
+        _run_unit(plan, i, clock.status(todo), log)
+        clock.add(unit.kind, time.perf_counter() - t0)
+        todo[i] = False
+        if unit.kind == "eval":
+            results = write_results(plan)
+    return results
+
+
+class ExperimentInterrupted(KeyboardInterrupt):
+    """Runs in worker processes stopped on ``signum`` (SIGINT/SIGTERM): each training stopped after
+    its step in flight with a checkpoint of it, an evaluation in flight is lost (``--resume`` redoes
+    it). ``stopped``: one line per run that was in progress. A ``KeyboardInterrupt``, like
+    :class:`~ovqflex.training.TrainingInterrupted`; ``exit_code``: the shell's ``128 + signal number``."""
+
+    def __init__(self, signum: int, stopped: list[str]):
+        self.signum, self.stopped = signum, stopped
+        super().__init__(f"stopped by {signal.Signals(signum).name}: {'; '.join(stopped) or 'no run was in progress'}"
+                         f"; continue with --resume")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class ExperimentFailed(RuntimeError):
+    """A run in a worker process failed (its traceback in the message); the others were stopped
+    with checkpoints, so ``--resume`` continues once the cause is fixed."""
+
+
+@dataclass
+class _Worker:
+    """A worker process running the pending ``units`` of one run, in order; ``messages`` from it
+    (:func:`_worker`), ``control`` to it (a signal number: stop as on that signal); ``current``:
+    the unit it runs; ``end``: its last message if it said why it ends (``stopped``, ``failed``);
+    ``asked``: it was asked to stop."""
+
+    process: multiprocessing.process.BaseProcess
+    messages: Connection
+    control: Connection
+    units: list
+    label: str
+    current: int | None = None
+    end: tuple | None = None
+    asked: bool = False
+
+    def stop(self, signum: int) -> None:
+        """Ask it to stop as on ``signum`` (once)."""
+        if self.asked:
+            return
+        self.asked = True
+        try:
+            self.control.send(signum)
+        except OSError:  # it has exited
+            pass
+
+
+def _run_in_workers(plan: Plan, todo: list[bool], clock: _Clock, jobs: int, log, progress_every: float) -> dict | None:
+    """Each run with work left (its training, then its evaluations, in order) in a process of its own,
+    ``jobs`` at a time, started in plan order; each gets this process's torch threads divided by
+    ``jobs``. Workers are spawned (safe with CUDA) into a process group of their own, so a Ctrl-C at
+    the terminal reaches this process only: the first SIGINT or SIGTERM here starts no more runs and is
+    passed on, once, to every worker, whose training then stops as it would alone (after the step in
+    flight, with a checkpoint); :class:`ExperimentInterrupted` follows once all have exited. A worker
+    whose parent dies stops the same way (SIGTERM); one stopped by a signal sent to it alone ends its
+    run there, and no more runs start. Only this process writes the results (after every
+    evaluation). A run that fails stops the others and raises :class:`ExperimentFailed` naming it.
+    Returns the results after the last evaluation (None: none ran)."""
+    ctx = multiprocessing.get_context("spawn")
+    threads = max(1, torch.get_num_threads() // jobs)
+    queue: deque[list[int]] = deque()       # the pending units of each run, runs in plan order
+    for i, unit in enumerate(plan.units):
+        if not todo[i]:
+            log(f"{_head(plan, i)}: complete, skipped")
+        elif queue and plan.units[queue[-1][0]].run.dir == unit.run.dir:
+            queue[-1].append(i)
+        else:
+            queue.append([i])
+    active: dict[Connection, _Worker] = {}
+    failed: list[str] = []
+    stopped: list[tuple[int, str]] = []     # (first unit, why), sorted into plan order at the end
+    signum: int | None = None
+    results = None
+    next_progress = time.perf_counter() + progress_every
+
+    def on_signal(sig, frame):
+        nonlocal signum
+        signum = sig
+        restore()  # a second signal acts as it would without this handler
+        for w in active.values():
+            w.stop(sig)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+
+    def restore():
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        previous.clear()
+
+    try:
+        while active or (queue and signum is None and not failed):
+            while queue and len(active) < jobs and signum is None and not failed:
+                w = _start_worker(ctx, plan, queue.popleft(), threads)
+                active[w.messages] = w
+                if signum is not None:  # the signal came while it started
+                    w.stop(signum)
+            ready = wait(list(active), timeout=max(0.0, next_progress - time.perf_counter()))
+            if time.perf_counter() >= next_progress:
+                log(_progress(plan, active.values(), clock.status(todo)))
+                next_progress = time.perf_counter() + progress_every
+            for conn in ready:
+                w = active[conn]
+                try:
+                    message = conn.recv()
+                except EOFError:  # the worker has exited
+                    w.process.join()
+                    del active[conn]
+                    conn.close()
+                    w.control.close()
+                    why = _ending(plan, w)
+                    if why is None:
+                        continue
+                    if w.end is not None and w.end[0] == "stopped" or w.end is None and w.asked:
+                        stopped.append((w.units[0], f"{w.label}: {why}"))
+                        signum = signum or (w.end[2] if w.end else signal.SIGTERM)  # stopped from outside
+                        continue
+                    failed.append(f"{w.label}: {why}")
+                    for other in active.values():
+                        other.stop(signal.SIGTERM)
+                    continue
+                if message[0] == "log":
+                    log(message[1])
+                elif message[0] == "start":
+                    w.current = message[1]
+                elif message[0] == "done":
+                    i, seconds = message[1], message[2]
+                    todo[i], w.current = False, None
+                    clock.add(plan.units[i].kind, seconds)
+                    if plan.units[i].kind == "eval":
+                        results = write_results(plan)
+                else:
+                    w.end = message
+    finally:
+        restore()
+    if failed:
+        raise ExperimentFailed("\n".join(failed) + "\nthe other runs stopped with checkpoints; fix the cause and "
+                               "continue with --resume")
+    if signum is not None:
+        raise ExperimentInterrupted(signum, [why for _, why in sorted(stopped)])
+    return results
+
+
+def _start_worker(ctx, plan: Plan, units: list[int], threads: int) -> _Worker:
+    """A started :func:`_worker` process for ``units`` (one run's), with its two pipes."""
+    receive, send = ctx.Pipe(duplex=False)
+    control_in, control_out = ctx.Pipe(duplex=False)
+    run = plan.units[units[0]].run
+    process = ctx.Process(target=_worker, args=(plan, units, threads, send, control_in), name=f"ovqflex-{run.dir.name}")
+    process.start()
+    send.close()  # the worker's ends: closed here, so its exit shows as EOF
+    control_in.close()
+    return _Worker(process, receive, control_out, units, f"{run.model.label} seed {run.seed}")
+
+
+def _ending(plan: Plan, w: _Worker) -> str | None:
+    """Why worker ``w`` (exited) ended early, or None: it ran all its units."""
+    if w.end is not None:
+        return w.end[1]
+    code = w.process.exitcode
+    if code == 0 and w.current is None:
+        return None
+    what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    where = "" if w.current is None else f" during {_head(plan, w.current)}"
+    return f"its process ended ({what}){where}"
+
+
+def _progress(plan: Plan, workers, status: str) -> str:
+    """One line: each worker's unit and, while it trains, its last logged step, loss and tokens/s."""
+    parts = []
+    for w in workers:
+        if w.current is None:
+            parts.append(f"{w.label}: starting")
+            continue
+        unit = plan.units[w.current]
+        text = unit.describe()
+        row = _last_metrics(unit.run.dir) if unit.kind == "train" else None
+        if row is not None:
+            text += (f" step {row['step']:,}/{unit.run.train.steps:,}, loss {row['loss']:.3f}, "
+                     f"{row['tokens_per_s']:,.0f} tokens/s")
+        parts.append(text)
+    return f"    running ({status}): " + "; ".join(parts)
+
+
+def _last_metrics(run_dir: Path) -> dict | None:
+    """The last complete line of a run's ``metrics.jsonl`` (None: none yet)."""
+    try:
+        lines = (run_dir / METRICS_FILE).read_text().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, json.JSONDecodeError, IndexError):
+        return None
+
+
+def _worker(plan: Plan, units: list[int], threads: int, messages: Connection, control: Connection) -> None:
+    """A worker process of :func:`_run_in_workers`: run ``units`` in order, without a progress bar,
+    and say so on ``messages``: ``("log", line)``, ``("start", i)``, ``("done", i, seconds)``, and
+    ``("stopped", why, signal number)`` or ``("failed", traceback)`` when it ends early."""
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()  # the terminal's Ctrl-C reaches the parent only, which passes it on once
+    torch.set_num_threads(threads)
+    threading.Thread(target=_stop_when_asked, args=(control,), daemon=True).start()
+
+    def log(line: str) -> None:
+        messages.send(("log", line))
+
+    i = units[0]
+    try:
+        for i in units:
+            messages.send(("start", i))
+            t0 = time.perf_counter()
+            _run_unit(plan, i, None, log, alone=False)
+            messages.send(("done", i, time.perf_counter() - t0))
+    except TrainingInterrupted as e:
+        where = "" if e.checkpoint is None else f": checkpoint {e.checkpoint}"
+        messages.send(("stopped", f"stopped after step {e.step:,}{where}", e.signum))
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # a SIGINT outside training
+        messages.send(("stopped", f"stopped during {_head(plan, i)}", signal.SIGINT))
+        sys.exit(128 + signal.SIGINT)
+    except BaseException:
+        messages.send(("failed", traceback.format_exc()))
+        sys.exit(1)
+
+
+def _stop_when_asked(control: Connection) -> None:
+    """In a worker: deliver to it the signal its parent sends, or SIGTERM if the parent dies."""
+    try:
+        signum = control.recv()
+    except (EOFError, OSError):
+        signum = signal.SIGTERM
+    os.kill(os.getpid(), signum)
+
+
+def _run_unit(plan: Plan, i: int, status: str | None, log, alone: bool = True) -> None:
+    """Unit ``i``; not ``alone`` (one of several worker processes): no progress bar, and each
+    evaluated length's line names the unit."""
+    unit = plan.units[i]
+    if unit.kind == "train":
+        _train_unit(unit, _head(plan, i), status, log, progress=alone)
+    else:
+        _eval_unit(plan, unit, _head(plan, i), status, log, tag="" if alone else f"[{i + 1}/{len(plan.units)}] ")
+
+
+def _train_unit(unit: Unit, head: str, status: str | None, log, progress: bool = True) -> None:
+    cfg = unit.run.train if progress else dataclasses.replace(unit.run.train, progress=False)
     step = trained_step(unit)
     if step is None and unit.run.dir.exists():
         shutil.rmtree(unit.run.dir)  # died before its first checkpoint: nothing worth keeping
     how = "from scratch" if step is None else f"resuming from step {step:,}"
-    log(f"{head}: {cfg.steps:,} steps x {cfg.batch_size} x {cfg.seq_len} tokens, {how} -> {unit.run.dir} "
-        f"({status})")
+    log(f"{head}: {cfg.steps:,} steps x {cfg.batch_size} x {cfg.seq_len} tokens, {how} -> {unit.run.dir}"
+        + (f" ({status})" if status else ""))
     t0 = time.perf_counter()
     result = train(cfg, resume=step is not None)
     what = "" if result.loss is None else \
@@ -197,14 +476,14 @@ def _train_unit(unit: Unit, head: str, status: str, log) -> None:
     log(f"{head}: trained in {_duration(time.perf_counter() - t0)}{what}")
 
 
-def _eval_unit(plan: Plan, unit: Unit, head: str, status: str, log) -> None:
+def _eval_unit(plan: Plan, unit: Unit, head: str, status: str | None, log, tag: str = "") -> None:
     overrides = plan.eval_overrides(unit.variant)
     shown = ", ".join(f"{k}={v}" for k, v in overrides.items()) or "no overrides"
-    log(f"{head}: {plan.scale.eval_examples} examples at {', '.join(map(str, plan.lengths))} tokens, {shown} "
-        f"({status})")
+    log(f"{head}: {plan.scale.eval_examples} examples at {', '.join(map(str, plan.lengths))} tokens, {shown}"
+        + (f" ({status})" if status else ""))
 
     def show(row):
-        log(f"    length {row.length:>7}: accuracy {row.accuracy:.4f} ({row.seconds:.1f} s)")
+        log(f"    {tag}length {row.length:>7}: accuracy {row.accuracy:.4f} ({row.seconds:.1f} s)")
 
     evaluate(unit.run.dir, plan.lengths, n_examples=plan.scale.eval_examples,
              batch_size=plan.scale.eval_batch_size, overrides=overrides, device=unit.run.train.device,

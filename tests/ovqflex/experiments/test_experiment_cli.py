@@ -44,3 +44,10 @@ def test_bad_seed_list_is_refused(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["experiment", "icr", "--seeds", "0,-1"])
     assert "expected distinct comma-separated integers >= 0" in capsys.readouterr().err
+
+
+def test_jobs_below_one_is_refused_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "x"
+    assert main(["experiment", "icr", "--scale", "smoke", "--out", str(out), "--jobs", "0"]) == 2
+    assert "jobs must be >= 1, got 0" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,21 +1,29 @@
 """The runner: output directory rules, and one tiny experiment end to end -- killed during its
 first training run, resumed (training continues from the checkpoint, complete units are
-skipped), a damaged evaluation report redone alone, runs without checkpoints; and one stopped
-cleanly by SIGTERM."""
+skipped), a damaged evaluation report redone alone, runs without checkpoints; one stopped
+cleanly by SIGTERM; and its runs in worker processes (``jobs``): the same training, stopped with
+checkpoints when the parent gets SIGTERM or dies, a dead worker reported by name."""
 import dataclasses
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import ovqflex
-from ovqflex.experiments import Experiment, ModelSpec, Scale, plan, run_experiment, spec_differences
+from ovqflex.experiments import (Experiment, ExperimentFailed, ModelSpec, Scale, plan, run_experiment,
+                                 spec_differences)
 from ovqflex.experiments import runner as runner_mod
 from ovqflex.experiments.registry import DICTIONARY_SWEEP
+from ovqflex.training import latest_checkpoint
+from ovqflex.training.checkpoint import load_checkpoint, read_state
 from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_SIGNAL_ENV
 
 # a model small enough that a step takes milliseconds; eval on the blocked backend (no compilation)
@@ -23,16 +31,17 @@ MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{
 TASK = dict(vocab_size=256, key_len=2, value_len=1)
 
 
-def tiny(steps: int = 4) -> Experiment:
+def tiny(steps: int = 4, ckpt_every: int = 2) -> Experiment:
     scale = Scale(preset="tiny", seq_len=64, steps=steps, batch_size=4, eval_lengths=(64, 128), task_options=TASK,
-                  model_options=MODEL, warmup=1, ckpt_every=2, train_options={"compile": False, "log_every": 1},
+                  model_options=MODEL, warmup=1, ckpt_every=ckpt_every, train_options={"compile": False, "log_every": 1},
                   eval_examples=4, eval_batch_size=4, eval_overrides={"backend": "blocked"})
     return Experiment("tiny", "test", "icr", (ModelSpec("sw-ovq", "swa,ovq"), ModelSpec("sw-linear", "swa,linear")),
                       {"s": scale}, seeds=(0,), sweeps=(DICTIONARY_SWEEP,))
 
 
-def run_tiny(out, resume=False, log=print):
-    return run_experiment(plan(tiny(), "s", out, progress=False), resume=resume, log=log)
+def run_tiny(out, resume=False, log=print, jobs=1, steps=4, ckpt_every=2, progress_every=60.0):
+    return run_experiment(plan(tiny(steps, ckpt_every), "s", out, progress=False), resume=resume, log=log, jobs=jobs,
+                          progress_every=progress_every)
 
 
 def test_out_directory_rules(tmp_path):
@@ -159,3 +168,127 @@ def test_killed_experiment_resumes_and_skips_complete_units(tmp_path, monkeypatc
     assert run_tiny(out, resume=True, log=lines.append)["lines"] == res["lines"]
     assert calls == ["eval", "train", "eval"]
     assert "[5/6] train sw-linear seed 0: 4 steps x 4 x 64 tokens, from scratch" in "\n".join(lines)
+
+
+def _latest_step(run_dir: Path) -> int | None:
+    ckpt = latest_checkpoint(run_dir)
+    return None if ckpt is None else int(read_state(ckpt)["step"])
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_runs_in_worker_processes_train_what_one_process_trains(tmp_path):
+    """jobs=2: every unit runs once, each run in its own process, with the weights a run in this
+    process gets (one thread each: bit for bit); a resume then finds everything complete."""
+    lines = []
+    res = run_tiny(tmp_path / "two", log=lines.append, jobs=2)
+    text = "\n".join(lines)
+    assert "6 units into" in lines[0] and lines[0].endswith(", 2 runs at a time")
+    for unit in ("[1/6] train sw-ovq seed 0", "[4/6] eval sw-ovq seed 0 (N×4)", "[5/6] train sw-linear seed 0"):
+        assert text.count(f"{unit}:") >= 1, unit
+    assert "    [6/6] length     128: accuracy" in text  # a worker's lines name their unit
+    assert [line["label"] for line in res["lines"]] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4", "sw-linear"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = run_tiny(tmp_path / "one", log=lambda line: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert one["lines"] == res["lines"]
+    for run in ("sw-ovq-s0", "sw-linear-s0"):
+        a, b = (load_checkpoint(latest_checkpoint(tmp_path / d / run)).model for d in ("two", "one"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), run
+    lines.clear()
+    run_tiny(tmp_path / "two", resume=True, log=lines.append, jobs=2)
+    assert "(6 already complete)" in lines[0]
+
+
+def test_a_worker_that_dies_is_named_and_the_experiment_fails(tmp_path, monkeypatch):
+    """Both workers inherit the fault: each is killed after its step 3. The first to die is named;
+    the other is asked to stop (it stops, or dies of the fault first)."""
+    monkeypatch.setenv(FAULT_KILL_ENV, "3")
+    with pytest.raises(ExperimentFailed) as failure:
+        run_tiny(tmp_path, log=lambda line: None, jobs=2)
+    first = re.match(r"(sw-ovq|sw-linear) seed 0: its process ended \(signal SIGKILL\) during \[(1|5)/6\] train "
+                     r"\1 seed 0\n(.|\n)*continue with --resume$", str(failure.value))
+    assert first, str(failure.value)
+    assert _latest_step(tmp_path / f"{first[1]}-s0") == 2
+
+
+def test_jobs_must_be_a_positive_int(tmp_path):
+    for bad, match in ((0, "jobs must be >= 1, got 0"), (1.5, "jobs must be an int, got float 1.5")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            run_tiny(tmp_path, jobs=bad)
+    assert not tmp_path.joinpath("experiment.json").exists()
+
+
+def _start_parallel(out: Path, steps: int, resume: bool) -> subprocess.Popen:
+    root = Path(ovqflex.__file__).resolve().parents[1]
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t\n"
+            f"from ovqflex.experiments import ExperimentInterrupted\n"
+            f"try:\n    t.run_tiny({str(out)!r}, resume={resume}, jobs=2, steps={steps}, ckpt_every=50)\n"
+            f"except ExperimentInterrupted as e:\n    print(e)\n    sys.exit(e.exit_code)")
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _when(condition, proc: subprocess.Popen | None = None, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc is None or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _stopped_where_it_logged(run: Path, steps: int) -> bool:
+    """The run's latest checkpoint is its last logged step, short of the end: it stopped after a step
+    with a checkpoint of it (every 50 steps otherwise)."""
+    logged = _logged_steps(run)
+    return bool(logged) and _latest_step(run) == logged[-1] < steps
+
+
+def test_sigterm_or_death_of_the_parent_stops_its_workers_with_checkpoints(tmp_path):
+    """SIGTERM to the parent (what ``timeout --foreground`` sends it alone) is passed on to both
+    workers: each stops after its step in flight with a checkpoint, and the parent exits 143 naming
+    them. SIGKILL of the parent: the workers stop the same way on their own. A resume then finishes,
+    with a line of each run's progress every ``progress_every`` seconds."""
+    out, steps = tmp_path / "exp", 400
+    runs = [out / "sw-ovq-s0", out / "sw-linear-s0"]
+    proc = _start_parallel(out, steps, resume=False)
+    _when(lambda: all(_logged_steps(r) for r in runs), proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    assert re.search(r"stopped by SIGTERM: sw-ovq seed 0: stopped after step \d+: checkpoint \S+sw-ovq-s0\S+; "
+                     r"sw-linear seed 0: stopped after step \d+: checkpoint \S+; continue with --resume$", stdout), \
+        stdout
+    assert all(_stopped_where_it_logged(r, steps) for r in runs)
+
+    stopped = [_latest_step(r) for r in runs]
+    proc = _start_parallel(out, steps, resume=True)
+    _when(lambda: all(len(_logged_steps(r)) > n for r, n in zip(runs, stopped)), proc)
+    proc.kill()
+    proc.communicate()
+    sizes = []
+
+    def settled():  # both stopped with a checkpoint of their last step, and nothing more is logged
+        sizes.append([len(_logged_steps(r)) for r in runs])
+        return len(sizes) > 20 and sizes[-1] == sizes[-21] and all(_stopped_where_it_logged(r, steps) for r in runs)
+
+    _when(settled, seconds=120)
+    killed = [_latest_step(r) for r in runs]
+    assert all(k > n for k, n in zip(killed, stopped))
+
+    lines = []
+    res = run_tiny(out, resume=True, log=lines.append, jobs=2, steps=steps, ckpt_every=50, progress_every=0.2)
+    text = "\n".join(lines)
+    assert re.search(r"^    running \(elapsed \d+s\): .*train sw-ovq seed 0 step \d+/400, loss \d\.\d{3}, [\d,]+ tokens/s",
+                     text, re.M), text  # each run's progress, while the bars are off
+    for r, k, head in zip(runs, killed, ("[1/6] train sw-ovq", "[5/6] train sw-linear")):
+        assert f"{head} seed 0: {steps} steps x 4 x 64 tokens, resuming from step {k} -> {r}" in text
+        assert _logged_steps(r) == list(range(1, steps + 1))
+    assert [line["label"] for line in res["lines"]] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4", "sw-linear"]
