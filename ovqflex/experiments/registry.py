@@ -19,8 +19,8 @@ Scales (``ovqflex experiment NAME --scale S``):
   2,000 steps of 32 × 64 tokens (4.1M per run); ``icl``: trained at 128, evaluated at
   128 ... 2,048 (16×), 2,000 steps of 16 × 128 (4.1M per run). Measured for all 5 models
   × 2 seeds with their evaluations (64 examples per length: 127k tokens for icr, 254k for
-  icl): icr 38 min on a quiet 2-core CPU (2.5-6.0 min per training run), icl 47 min
-  (2.5-6.4 min per training run).
+  icl), two runs at a time (``--jobs 2``, one thread each) on a quiet 2-core CPU: icr 25 min
+  (3.1-7.5 min per training run), icl 29 min (3.1-7.6 min per training run).
 - ``gpu`` -- the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` = 1,024)
   with the q/k convolution of width 4 the ``tiny`` preset also uses, trained at 2,048
   tokens (5,000 steps × 16 sequences = 164M tokens per run) and evaluated at 2k ... 32k
@@ -112,8 +112,8 @@ register_experiment(Experiment(
         "cpu": Scale(preset="tiny", seq_len=64, steps=2000, batch_size=32, eval_lengths=(64, 128, 256, 512, 1024),
                      task_options=_ICR_CPU_TASK, model_options=_ICR_CPU_MODEL, lr=5e-3, warmup=100,
                      ckpt_every=200, eval_examples=64, eval_batch_size=16,
-                     budget="4.1M training tokens per run; measured 38 min for 5 models x 2 seeds with evaluations on "
-                            "a quiet 2-core CPU (10-30k tokens/s training)"),
+                     budget="4.1M training tokens per run; measured 25 min for 5 models x 2 seeds with evaluations on "
+                            "a quiet 2-core CPU with --jobs 2 (10-23k tokens/s per run, one thread each)"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
                      task_options=dict(vocab_size=1024, key_len=2, value_len=2, n_queries=6, min_pairs=1),
@@ -140,9 +140,9 @@ register_experiment(Experiment(
         "cpu": Scale(preset="tiny", seq_len=128, steps=2000, batch_size=16,
                      eval_lengths=(128, 256, 512, 1024, 2048), task_options=_ICL_CPU_TASK, lr=5e-3, warmup=100,
                      ckpt_every=200, eval_examples=64, eval_batch_size=16,
-                     budget="4.1M training tokens per run; measured 47 min for 5 models x 2 seeds with "
-                            "evaluations on a quiet 2-core CPU: sw-nope / sw-linear 2.5-3.1 min per run "
-                            "(20-30k tokens/s), sw-ovq / sw-vq / sw-kvm 4.6-6.4 min (10-16k tokens/s)"),
+                     budget="4.1M training tokens per run; measured 29 min for 5 models x 2 seeds with "
+                            "evaluations on a quiet 2-core CPU with --jobs 2: sw-nope / sw-linear 3.1-3.7 min per "
+                            "run (21-22k tokens/s), sw-ovq / sw-vq / sw-kvm 5.0-7.6 min (10-14k tokens/s)"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
                      task_options=dict(vocab_size=10000, io_len=12, n_functions=16), model_options=_GPU_MODEL,

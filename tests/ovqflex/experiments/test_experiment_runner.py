@@ -286,7 +286,7 @@ def test_sigterm_or_death_of_the_parent_stops_its_workers_with_checkpoints(tmp_p
     lines = []
     res = run_tiny(out, resume=True, log=lines.append, jobs=2, steps=steps, ckpt_every=50, progress_every=0.2)
     text = "\n".join(lines)
-    assert re.search(r"^    running \(elapsed \d+s\): .*train sw-ovq seed 0 step \d+/400, loss \d\.\d{3}, [\d,]+ tokens/s",
+    assert re.search(r"^    running \(elapsed \d+s[^)]*\): .*train sw-ovq seed 0 step \d+/400, loss \d\.\d{3}, [\d,]+ tokens/s",
                      text, re.M), text  # each run's progress, while the bars are off
     for r, k, head in zip(runs, killed, ("[1/6] train sw-ovq", "[5/6] train sw-linear")):
         assert f"{head} seed 0: {steps} steps x 4 x 64 tokens, resuming from step {k} -> {r}" in text
