@@ -14,6 +14,6 @@ from .report import collect, table, write_results
 from .runner import ExperimentFailed, ExperimentInterrupted, run_experiment, spec_differences
 from .spec import EvalSweep, Experiment, ModelSpec, Scale
 
-__all__ = ["EXPERIMENTS", "EvalSweep", "Experiment", "ExperimentFailed", "ExperimentInterrupted", "ModelSpec", "Plan", "Run", "Scale", "Unit", "Variant",
-           "collect", "get_experiment", "plan", "register_experiment", "run_experiment", "spec_differences", "table",
-           "write_results"]
+__all__ = ["EXPERIMENTS", "EvalSweep", "Experiment", "ExperimentFailed", "ExperimentInterrupted", "ModelSpec",
+           "Plan", "Run", "Scale", "Unit", "Variant", "collect", "get_experiment", "plan", "register_experiment",
+           "run_experiment", "spec_differences", "table", "write_results"]

@@ -263,6 +263,23 @@ class _Worker:
         except OSError:  # it has exited
             pass
 
+    def close(self, plan: Plan) -> tuple[str, str, int] | None:
+        """After its process exited: its pipes closed, and how it ended early -- ``("stopped", why,
+        signal)`` (it said so, or died after it was asked to stop) or ``("failed", why, 0)`` -- or
+        None: it ran all its units."""
+        self.process.join()
+        self.messages.close()
+        self.control.close()
+        if self.end is not None:
+            return self.end if self.end[0] == "stopped" else (*self.end, 0)
+        code = self.process.exitcode
+        if code == 0 and self.current is None:
+            return None
+        what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        where = "" if self.current is None else f" during {_head(plan, self.current)}"
+        why = f"its process ended ({what}){where}"
+        return ("stopped", why, signal.SIGTERM) if self.asked else ("failed", why, 0)
+
 
 def _run_in_workers(plan: Plan, todo: list[bool], clock: _Clock, jobs: int, log, progress_every: float) -> dict | None:
     """Each run with work left (its training, then its evaluations, in order) in a process of its own,
@@ -324,16 +341,14 @@ def _run_in_workers(plan: Plan, todo: list[bool], clock: _Clock, jobs: int, log,
                 try:
                     message = conn.recv()
                 except EOFError:  # the worker has exited
-                    w.process.join()
                     del active[conn]
-                    conn.close()
-                    w.control.close()
-                    why = _ending(plan, w)
-                    if why is None:
+                    outcome = w.close(plan)
+                    if outcome is None:
                         continue
-                    if w.end is not None and w.end[0] == "stopped" or w.end is None and w.asked:
+                    kind, why, sig = outcome
+                    if kind == "stopped":
                         stopped.append((w.units[0], f"{w.label}: {why}"))
-                        signum = signum or (w.end[2] if w.end else signal.SIGTERM)  # stopped from outside
+                        signum = signum or sig  # a worker stopped from outside: no more runs start
                         continue
                     failed.append(f"{w.label}: {why}")
                     for other in active.values():
@@ -366,23 +381,12 @@ def _start_worker(ctx, plan: Plan, units: list[int], threads: int) -> _Worker:
     receive, send = ctx.Pipe(duplex=False)
     control_in, control_out = ctx.Pipe(duplex=False)
     run = plan.units[units[0]].run
-    process = ctx.Process(target=_worker, args=(plan, units, threads, send, control_in), name=f"ovqflex-{run.dir.name}")
+    process = ctx.Process(target=_worker, args=(plan, units, threads, send, control_in),
+                          name=f"ovqflex-{run.dir.name}")
     process.start()
     send.close()  # the worker's ends: closed here, so its exit shows as EOF
     control_in.close()
     return _Worker(process, receive, control_out, units, f"{run.model.label} seed {run.seed}")
-
-
-def _ending(plan: Plan, w: _Worker) -> str | None:
-    """Why worker ``w`` (exited) ended early, or None: it ran all its units."""
-    if w.end is not None:
-        return w.end[1]
-    code = w.process.exitcode
-    if code == 0 and w.current is None:
-        return None
-    what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    where = "" if w.current is None else f" during {_head(plan, w.current)}"
-    return f"its process ended ({what}){where}"
 
 
 def _progress(plan: Plan, workers, status: str) -> str:

@@ -33,7 +33,8 @@ TASK = dict(vocab_size=256, key_len=2, value_len=1)
 
 def tiny(steps: int = 4, ckpt_every: int = 2) -> Experiment:
     scale = Scale(preset="tiny", seq_len=64, steps=steps, batch_size=4, eval_lengths=(64, 128), task_options=TASK,
-                  model_options=MODEL, warmup=1, ckpt_every=ckpt_every, train_options={"compile": False, "log_every": 1},
+                  model_options=MODEL, warmup=1, ckpt_every=ckpt_every,
+                  train_options={"compile": False, "log_every": 1},
                   eval_examples=4, eval_batch_size=4, eval_overrides={"backend": "blocked"})
     return Experiment("tiny", "test", "icr", (ModelSpec("sw-ovq", "swa,ovq"), ModelSpec("sw-linear", "swa,linear")),
                       {"s": scale}, seeds=(0,), sweeps=(DICTIONARY_SWEEP,))
@@ -131,8 +132,7 @@ def test_killed_experiment_resumes_and_skips_complete_units(tmp_path, monkeypatc
     assert "[1/6] train sw-ovq seed 0: 4 steps x 4 x 64 tokens, resuming from step 2" in text
     assert "[5/6] train sw-linear seed 0: 4 steps x 4 x 64 tokens, from scratch" in text
     assert "elapsed" in text and "ETA" in text and "length     128: accuracy" in text
-    steps = [json.loads(line)["step"] for line in (out / "sw-ovq-s0" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]  # the killed run's step-3 line was dropped on resume
+    assert _logged_steps(out / "sw-ovq-s0") == [1, 2, 3, 4]  # the killed run's step-3 line was dropped on resume
     assert [line["label"] for line in res["lines"]] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4", "sw-linear"]
     assert all(pt["n"] == 1 and 0 <= pt["mean"] <= 1 for line in res["lines"] for pt in line["points"])
     x4 = json.loads((out / "sw-ovq-s0" / "eval-max_centroids-x4.json").read_text())
@@ -286,8 +286,8 @@ def test_sigterm_or_death_of_the_parent_stops_its_workers_with_checkpoints(tmp_p
     lines = []
     res = run_tiny(out, resume=True, log=lines.append, jobs=2, steps=steps, ckpt_every=50, progress_every=0.2)
     text = "\n".join(lines)
-    assert re.search(r"^    running \(elapsed \d+s[^)]*\): .*train sw-ovq seed 0 step \d+/400, loss \d\.\d{3}, [\d,]+ tokens/s",
-                     text, re.M), text  # each run's progress, while the bars are off
+    line = r"^    running \(elapsed \d+s[^)]*\): .*train sw-ovq seed 0 step \d+/400, loss \d\.\d{3}, [\d,]+ tokens/s"
+    assert re.search(line, text, re.M), text  # each run's progress, while the bars are off
     for r, k, head in zip(runs, killed, ("[1/6] train sw-ovq", "[5/6] train sw-linear")):
         assert f"{head} seed 0: {steps} steps x 4 x 64 tokens, resuming from step {k} -> {r}" in text
         assert _logged_steps(r) == list(range(1, steps + 1))
