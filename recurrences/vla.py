@@ -16,7 +16,10 @@ directions of the chunk at once, ``A_t k̂_t = A_0 k̂_t - Σ_{s<=t} (k̂_t·w_s
 (``cholesky_ex``: no host sync). Chunks must end on refresh steps (``refresh_every`` a
 multiple of the chunk). **S:** with ``α̂`` known, ``X`` is a delta rule that writes along
 ``α̂`` and erases along ``k̂`` with ``β = 1``: one batched triangular solve for all chunks
-(:func:`recurrences.delta.chunk_wy`), then a loop over chunks of 3 matmuls.
+(:func:`recurrences.delta.chunk_wy`), then the chunks as the delta rule runs them
+(:func:`recurrences.delta.delta_chunks`: a loop, or a blocked scan on a GPU and while compiling).
+``A``'s chunk steps are not associative (each factorises a matrix of the ``A`` before it): they stay a
+loop over the chunks, which a compiled graph unrolls.
 
 **Continuing** (a decode cache, docs/design.md §6) from a :class:`VLAState` at absolute position ``p``:
 chunks stay on absolute boundaries, so the refreshes still fall on chunk ends — the new
@@ -36,7 +39,7 @@ from torch import Tensor
 
 from .checks import check_int, check_number
 from .scan import cumsum
-from .delta import chunk_wy
+from .delta import chunk_wy, delta_chunks
 from .linear import feature_map, from_chunks, to_chunks, work_dtype
 
 
@@ -95,13 +98,13 @@ def vla_write_directions(k_unit: Tensor, u_unit: Tensor, opts: VLAOptions, T: in
     the last real token, ``A0`` ``[B, H, Dk, Dk]`` the penalty inverse at ``base`` (None:
     ``I / lambda0``, a sequence start) -> (α̂ ``[B, H, n, C, Dk]``, ``A_T`` ``[B, H, Dk, Dk]``).
     """
-    B, H, n, C, Dk = k_unit.shape
+    B, H, _, C, Dk = k_unit.shape
     eye = torch.eye(Dk, dtype=k_unit.dtype, device=k_unit.device)
     eye_c = torch.eye(C, dtype=k_unit.dtype, device=k_unit.device)
     A = (eye / opts.lambda0).expand(B, H, Dk, Dk) if A0 is None else A0
     alphas = []
-    for c in range(n):
-        uc, kc = u_unit[:, :, c], k_unit[:, :, c]
+    # (unbind: a select of each chunk would add a gradient the size of all chunks, per chunk, in backward)
+    for c, (uc, kc) in enumerate(zip(u_unit.unbind(2), k_unit.unbind(2))):
         ua = uc @ A                                                     # [B, H, C, Dk] (A symmetric)
         L = torch.linalg.cholesky_ex(eye_c + ua @ uc.transpose(-1, -2)).L
         w = torch.linalg.solve_triangular(L, ua, upper=False)           # rows w_s
@@ -115,12 +118,14 @@ def vla_write_directions(k_unit: Tensor, u_unit: Tensor, opts: VLAOptions, T: in
 
 
 def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = VLAOptions(), *,
-                initial_state: VLAState | None = None, output_final_state: bool = False):
+                initial_state: VLAState | None = None, output_final_state: bool = False,
+                blocked: bool | None = None):
     """q, k, u ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` -> o ``[B, H, T, Dv]`` (q's dtype).
 
     ``initial_state``: the :class:`VLAState` before q, k, v (None: a sequence start at
     position 0). ``output_final_state=True`` returns ``(o, VLAState)`` after the last token
-    (work dtype).
+    (work dtype). ``blocked``: how the states of ``S`` before the chunks are found
+    (:func:`recurrences.delta.delta_chunks`; default by device).
     """
     T, Dv, dt, C = q.shape[2], v.shape[-1], work_dtype(q), opts.chunk
     start = 0 if initial_state is None else initial_state.position
@@ -134,21 +139,16 @@ def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = V
         alpha, A = vla_write_directions(kh, uh, opts, start + T, A0=A0, base=start - lead)
         sol = chunk_wy(kh, alpha, torch.cat([vc, kh], dim=-1))
         e0, wk = sol.split([Dv, kh.shape[-1]], dim=-1)
-        qa = torch.tril(fq @ alpha.transpose(-1, -2))                   # [B, H, n, C, C]
         if initial_state is None:
-            X = q.new_zeros(*q.shape[:2], k.shape[-1], Dv, dtype=dt)
+            X0 = q.new_zeros(*q.shape[:2], k.shape[-1], Dv, dtype=dt)
         else:
-            X = initial_state.S.to(dt).transpose(-1, -2)
-        nums = []
-        for c in range(kh.shape[2]):
-            e = e0[:, :, c] - wk[:, :, c] @ X                           # residuals e_t of the chunk
-            nums.append(fq[:, :, c] @ X + qa[:, :, c] @ e)
-            X = X + alpha[:, :, c].transpose(-1, -2) @ e
+            X0 = initial_state.S.to(dt).transpose(-1, -2)
+        num, last = delta_chunks(fq, alpha, wk, e0, X0, blocked=blocked)   # residuals e = e0 - wk X per chunk
         ksum = cumsum(feature_map(k.to(dt)), 2)                         # [B, H, T, Dk], real tokens only
         if initial_state is not None:
             ksum = ksum + initial_state.z.to(dt).unsqueeze(2)
         den = (feature_map(q.to(dt)) * ksum).sum(-1, keepdim=True)
-        out = (from_chunks(torch.stack(nums, 2), T, lead) / torch.clamp(den, min=opts.eps)).to(q.dtype)
+        out = (from_chunks(num, T, lead) / torch.clamp(den, min=opts.eps)).to(q.dtype)
     if output_final_state:
-        return out, VLAState(X.transpose(-1, -2), A, ksum[:, :, -1], start + T)
+        return out, VLAState(last.transpose(-1, -2), A, ksum[:, :, -1], start + T)
     return out

@@ -57,24 +57,25 @@ def test_linear_attention_continued_equals_reference(shape, chunk, data):
     assert_close(state.z, feature_map(inputs[1].double()).sum(2), FWD_TOL[torch.float32], "z_T")
 
 
-@given(shapes(), st.integers(1, 32), st.data())
-def test_delta_rule_continued_equals_reference(shape, chunk, data):
+@given(shapes(), st.integers(1, 32), st.booleans(), st.data())
+def test_delta_rule_continued_equals_reference(shape, chunk, blocked, data):
     B, H, T, Dk, Dv, seed = shape
     ends = data.draw(cuts(T))
     inputs = randn(seed, torch.float32, (B, H, T, Dk), (B, H, T, Dk), (B, H, T, Dv), (B, H, T))
     gated = lambda q, k, v, b: (q, F.normalize(k, dim=-1), v, torch.sigmoid(b))  # noqa: E731  the layer's regime
     step = lambda q, k, v, b, s: delta_rule_chunked(*gated(q, k, v, b), chunk_size=chunk,  # noqa: E731
-                                                    initial_state=s, output_final_state=True)
+                                                    initial_state=s, output_final_state=True, blocked=blocked)
     assert_fast_matches_reference(lambda *a: segmented(step, a, ends)[0],
-                                  lambda *a: delta_rule_reference(*gated(*a)).out, inputs, f"chunk {chunk} ends {ends}")
+                                  lambda *a: delta_rule_reference(*gated(*a)).out, inputs,
+                                  f"chunk {chunk} ends {ends} blocked {blocked}")
     with torch.no_grad():
         _, state = segmented(step, inputs, ends)
         ref = delta_rule_reference(*gated(*(x.double() for x in inputs)))
     assert_close(state, ref.state, FWD_TOL[torch.float32], "S_T")
 
 
-@given(shapes(), SCHEDULES, st.sampled_from([0.1, 1.0]), st.data())
-def test_vla_continued_equals_reference(shape, schedule, lambda0, data):
+@given(shapes(), SCHEDULES, st.sampled_from([0.1, 1.0]), st.booleans(), st.data())
+def test_vla_continued_equals_reference(shape, schedule, lambda0, blocked, data):
     B, H, T, Dk, Dv, seed = shape
     refresh, chunk = schedule
     ends = data.draw(cuts(T))
@@ -82,9 +83,9 @@ def test_vla_continued_equals_reference(shape, schedule, lambda0, data):
     kw = dict(lambda0=lambda0, refresh_every=refresh, refresh_eps=0.05)
     inputs = randn(seed, torch.float32, (B, H, T, Dk), (B, H, T, Dk), (B, H, T, Dv), (B, H, T, Dk))
     step = lambda q, k, v, u, s: vla_chunked(q, k, v, u, opts, initial_state=s,  # noqa: E731
-                                             output_final_state=True)
+                                             output_final_state=True, blocked=blocked)
     assert_fast_matches_reference(lambda *a: segmented(step, a, ends)[0], lambda *a: vla_reference(*a, **kw).out,
-                                  inputs, f"{opts} ends {ends}")
+                                  inputs, f"{opts} ends {ends} blocked {blocked}")
     with torch.no_grad():
         _, state = segmented(step, inputs, ends)
         ref = vla_reference(*(x.double() for x in inputs), **kw)

@@ -24,20 +24,23 @@ from tests.recurrences.recurrent_cases import assert_fast_matches_reference, one
 SCHEDULES = st.sampled_from([(20, 20), (20, 10), (20, 4), (20, 1), (12, 6), (0, 16), (0, 5)])
 
 
-@given(shapes(), SCHEDULES, st.sampled_from([0.1, 1.0]))
-def test_chunked_equals_reference_fp32(shape, schedule, lambda0):
+@given(shapes(), SCHEDULES, st.sampled_from([0.1, 1.0]), st.booleans())
+def test_chunked_equals_reference_fp32(shape, schedule, lambda0, blocked):
+    """Either way of running the chunks (a loop, or the blocked scan of GPUs and compiled graphs)."""
     B, H, T, Dk, Dv, seed = shape
     refresh, chunk = schedule
     opts = VLAOptions(lambda0=lambda0, refresh_every=refresh, chunk_size=chunk)
     kw = dict(lambda0=lambda0, refresh_every=refresh)
     inputs = randn(seed, torch.float32, (B, H, T, Dk), (B, H, T, Dk), (B, H, T, Dv), (B, H, T, Dk))
-    assert_fast_matches_reference(lambda *a: vla_chunked(*a, opts), lambda *a: vla_reference(*a, **kw).out,
-                                  inputs, f"{opts}")
+    assert_fast_matches_reference(lambda *a: vla_chunked(*a, opts, blocked=blocked),
+                                  lambda *a: vla_reference(*a, **kw).out, inputs, f"{opts} blocked {blocked}")
 
 
-def test_final_state_and_penalty_match_reference_fp64():
+@pytest.mark.parametrize("blocked", [False, True], ids=["loop", "blocked"])
+def test_final_state_and_penalty_match_reference_fp64(blocked):
+    """95 tokens in chunks of 5: 19 chunks, two levels of the blocked scan."""
     q, k, v, u = randn(4, torch.float64, *[(2, 3, 95, 8)] * 4)
-    out, state = vla_chunked(q, k, v, u, VLAOptions(chunk_size=10), output_final_state=True)
+    out, state = vla_chunked(q, k, v, u, VLAOptions(chunk_size=5), output_final_state=True, blocked=blocked)
     S, A = state.S, state.A
     ref = vla_reference(q, k, v, u)
     assert_close(out, ref.out, 1e-12, "forward")

@@ -25,7 +25,9 @@ class RecurrentScenario(Scenario):
     max_centroids: int = 2048     # OVQ
     ovq_chunk: int = 128
     ovq_backend: str = "blocked"
+    ovq: bool = True              # the OVQ baseline (slow on a CPU at long T)
     max_reference_len: int = 1024
+    other_chunk_form: bool = False
     repeats: int = 3
 
 
@@ -33,10 +35,15 @@ class RecurrentScenario(Scenario):
 def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
     """Non-softmax recurrences (linear attention, DeltaNet, VLA; docs/design.md §4.6): chunked op forward
     and forward+backward, their token-by-token reference loops (up to ``max_reference_len``),
-    OVQ (``ovq_backend``, forward) and full causal SDPA, at each ``seq_len`` of ``seq_lens``.
-    The runner fits the log-log slope of time and memory vs T of each case.
+    OVQ (``ovq_backend``, forward; unless ``ovq = false``) and full causal SDPA, at each ``seq_len`` of
+    ``seq_lens``. ``other_chunk_form``: also DeltaNet and VLA with their chunks run the way the device's
+    default does not (``recurrences.delta.delta_chunks``: the blocked scan on a CPU, the loop on a GPU),
+    named ``deltanet blocked ...`` or ``deltanet loop ...``, whose ``x_vs_reference`` is their speed-up
+    over the default form. The runner fits the log-log slope of time and memory vs T of each case.
     """
+    from recurrences.delta import delta_rule_chunked
     from recurrences.reference import delta_rule_reference, linear_attention_reference, vla_reference
+    from recurrences.vla import VLAOptions, vla_chunked
 
     from ...ops.linear import delta_rule, linear_attention, vla_attention
     from ...ops.ovq import ovq_attention
@@ -58,6 +65,13 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
                          lambda: delta_rule_reference(q, kn, v, beta)),
             "vla": (lambda *a: vla_attention(*a, chunk_size=Cv), (q, k, v, u), lambda: vla_reference(q, k, v, u)),
         }
+        if sc.other_chunk_form:
+            blocked = dev.type == "cpu"           # what delta_chunks does not pick by default here
+            form = "blocked" if blocked else "loop"
+            ops[f"deltanet {form}"] = (lambda *a: delta_rule_chunked(*a, chunk_size=C, blocked=blocked),
+                                       (q, kn, v, beta), None)
+            ops[f"vla {form}"] = (lambda *a: vla_chunked(*a, VLAOptions(chunk_size=Cv), blocked=blocked),
+                                  (q, k, v, u), None)
         cases = []
         for name, (op, args, ref) in ops.items():
             def fwd(op=op, args=args):
@@ -70,7 +84,7 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
                 op(*grad_args).sum().backward()
 
             cases += [(f"{name} chunked fwd", fwd), (f"{name} chunked fwd+bwd", fwd_bwd)]
-            if T <= max_ref:
+            if ref is not None and T <= max_ref:
                 def reference(ref=ref):
                     with torch.no_grad():
                         return ref()
@@ -85,13 +99,18 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
             with torch.no_grad():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        cases += [(f"ovq {ovq_backend} fwd", ovq), ("sdpa causal fwd", sdpa)]
+        cases += ([(f"ovq {ovq_backend} fwd", ovq)] if sc.ovq else []) + [("sdpa causal fwd", sdpa)]
         rows += compare_cases(T, cases, dev, repeats, reference_of=_reference_case)
     return rows
 
 
 def _reference_case(name: str) -> str | None:
-    """``"linear chunked fwd"`` -> ``"linear reference loop fwd"`` (forward cases only)."""
+    """``"linear chunked fwd"`` -> ``"linear reference loop fwd"`` (forward cases only); a case of the
+    other chunk form -> the device default's: ``"deltanet blocked chunked fwd+bwd"`` -> ``"deltanet chunked
+    fwd+bwd"``, so its ``x_vs_reference`` is its speed-up over the default."""
+    for form in (" blocked chunked", " loop chunked"):
+        if form in name:
+            return name.replace(form, " chunked")
     return name.replace("chunked fwd", "reference loop fwd") if name.endswith("chunked fwd") else None
 
 

@@ -237,6 +237,21 @@ def test_routing_times_the_kvm_loop_and_static_router_and_compares_the_routes():
     assert all(r["time_s"] > 0 and r["same_routes"] is True for r in rows)
 
 
+def test_recurrent_times_the_other_chunk_form_against_the_default():
+    """On a CPU the default runs the chunks in a loop; ``other_chunk_form`` adds the blocked scan, whose
+    ``x_vs_reference`` is its speed-up over the default; ``ovq = false`` leaves the OVQ baseline out."""
+    rows = _run({"kind": "recurrent", "name": "r", "seq_lens": [160], "heads": 2, "head_dim": 8, "chunk_size": 4,
+                 "vla_chunk": 4, "ovq": False, "max_reference_len": 0, "other_chunk_form": True, "repeats": 1})
+    by_case = {r["case"]: r for r in rows}
+    assert set(by_case) == {f"{name} chunked {what}" for name in
+                            ("linear", "deltanet", "vla", "deltanet blocked", "vla blocked")
+                            for what in ("fwd", "fwd+bwd")} | {"sdpa causal fwd"}
+    for name in ("deltanet", "vla"):
+        for what in ("fwd", "fwd+bwd"):
+            other, default = by_case[f"{name} blocked chunked {what}"], by_case[f"{name} chunked {what}"]
+            assert other["x_vs_reference"] == pytest.approx(default["time_s"] / other["time_s"])
+
+
 def test_generate_times_prefill_and_new_tokens_and_compares_the_tokens(capsys):
     """... and leaves the CUDA-graph decode out on the CPU, saying so."""
     rows = _run({"kind": "generate", "name": "g", "preset": "tiny", "vocab_size": 64, "prompt_lens": [40],
