@@ -123,13 +123,15 @@ def test_plain_flex_equals_dense(kw):
 
 @pytest.mark.parametrize("name", ["linear", "delta", "vla"])
 def test_linear_recurrences_equal_reference(name):
+    """DeltaNet and VLA in more than 16 chunks (19 and 30), so on CUDA they run the blocked scan
+    (``recurrences.delta.delta_chunks``)."""
     t = _inputs(5)
     t["k_unit"] = F.normalize(t["k"], dim=-1)
     ops = {"linear": (lambda x: ovqflex.linear_attention(x["q"], x["k"], x["v"]),
                       lambda r: linear_attention_reference(r["q"], r["k"], r["v"]).out, "q k v"),
-           "delta": (lambda x: ovqflex.delta_rule(x["q"], x["k_unit"], x["v"], x["beta_t"]),
+           "delta": (lambda x: ovqflex.delta_rule(x["q"], x["k_unit"], x["v"], x["beta_t"], chunk_size=16),
                      lambda r: delta_rule_reference(r["q"], r["k_unit"], r["v"], r["beta_t"]).out, "q k_unit v beta_t"),
-           "vla": (lambda x: ovqflex.vla_attention(x["q"], x["k"], x["v"], x["u"]),
+           "vla": (lambda x: ovqflex.vla_attention(x["q"], x["k"], x["v"], x["u"], chunk_size=10),
                    lambda r: vla_reference(r["q"], r["k"], r["v"], r["u"]).out, "q k v u")}
     op, ref, names = ops[name]
     names = names.split()
