@@ -25,7 +25,7 @@ from torch import Tensor
 from .compiling import is_symbolic, narrow_rows, pad_to
 from .linear import from_chunks, to_chunks, work_dtype
 
-#: chunks per block of :func:`erase_write_states`: each level of its scan is this many steps
+#: chunks per block of :func:`affine_chunk_states`: each level of its scan is this many steps
 SCAN_CHUNKS = 16
 
 

@@ -143,7 +143,7 @@ def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = V
             X0 = q.new_zeros(*q.shape[:2], k.shape[-1], Dv, dtype=dt)
         else:
             X0 = initial_state.S.to(dt).transpose(-1, -2)
-        num, last = delta_chunks(fq, alpha, wk, e0, X0, blocked=blocked)   # residuals e = e0 - wk X per chunk
+        num, last = delta_chunks(fq, alpha, wk, e0, X0, blocked=blocked)   # writes along α̂, erases along k̂
         ksum = cumsum(feature_map(k.to(dt)), 2)                         # [B, H, T, Dk], real tokens only
         if initial_state is not None:
             ksum = ksum + initial_state.z.to(dt).unsqueeze(2)

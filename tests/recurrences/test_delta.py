@@ -120,3 +120,20 @@ def test_hundreds_of_chunks_continue_the_token_loop(blocked):
                                     output_final_state=True, blocked=blocked)
     assert_close(out, ref.out[:, :, 50:], 1e-12, "outputs after the prefix")
     assert_close(state, ref.state, 1e-12, "final state")
+
+
+@pytest.mark.parametrize("compiling, chunks, blocked", [(False, 20, False), (True, 20, True), (True, 16, False)],
+                         ids=["eager-20-chunks-loop", "compiling-20-chunks-blocked", "compiling-16-chunks-loop"])
+def test_the_default_runs_the_blocked_scan_when_compiling_more_than_16_chunks(monkeypatch, compiling, chunks, blocked):
+    """On a CPU: the loop in eager code; the blocked scan while compiling (``is_compiling`` patched here)
+    once there are more than SCAN_CHUNKS chunks. (A GPU takes the compiled choice in eager code too.)"""
+    import recurrences.delta as delta
+
+    calls = []
+    real = delta.affine_chunk_states
+    monkeypatch.setattr(delta, "affine_chunk_states", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    args = _unit_keys_and_gates(*randn(chunks, torch.float64, *[(1, 2, 4 * chunks, 8)] * 3, (1, 2, 4 * chunks)))
+    out = delta_rule_chunked(*args, chunk_size=4)
+    assert bool(calls) == blocked
+    assert_close(out, delta_rule_reference(*args).out, 1e-12, "forward")
