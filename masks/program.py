@@ -101,20 +101,15 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _pad_rows(x: Tensor, n: int) -> Tensor:
-    """``x [B, H, T, D]`` with zero rows up to ``n`` along dim 2 (x itself when ``T == n``)."""
-    return pad_to(x, 2, n)
-
-
 def _kv_rows(state: Tensor | None, n_state: int, tokens: Tensor, t_pad: int) -> Tensor:
     """``[state ; zeros ; tokens ; zeros]`` along dim 2, ``[B, H, n_state + t_pad, D]``: one
     concatenation, each row written once (padding each part first would copy the state twice). Under
     symbolic sizes the parts are padded instead: a gap of zero rows whose size can be 0 or 1 makes
     torch guard on those values, so the graph would recompile for lengths that fill their blocks."""
     if state is None:
-        return _pad_rows(tokens, t_pad)
+        return pad_to(tokens, 2, t_pad)
     if is_symbolic(n_state) or is_symbolic(t_pad):
-        return torch.cat([_pad_rows(state, n_state), _pad_rows(tokens, t_pad)], dim=2)
+        return torch.cat([pad_to(state, 2, n_state), pad_to(tokens, 2, t_pad)], dim=2)
     B, H, S, D = state.shape
     gaps = [state.new_zeros(B, H, n, D) for n in (n_state - S, t_pad - tokens.shape[2])]
     return torch.cat([state, gaps[0], tokens, gaps[1]], dim=2)
@@ -162,7 +157,7 @@ def build_program(
         bias = pad_to(pad_to(sb.float(), 2, n_state, value=float("-inf")), 2, n_state + t_pad)
     k = _kv_rows(state_k, n_state, k, t_pad)
     v = _kv_rows(state_v, n_state, v, t_pad)
-    q = _pad_rows(q, q_pad)
+    q = pad_to(q, 2, q_pad)
     geom = Geometry(q_len=T, q_pad=q_pad, n_state=n_state, kv_tokens=t_pad, block_q=block_size, block_kv=block_size)
     params = tuple(r.params(geom, q.device) for r in regions)
     layout = build_block_layout(regions, params, geom)

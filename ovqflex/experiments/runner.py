@@ -407,7 +407,7 @@ def _progress(plan: Plan, workers, status: str) -> str:
 
 
 def _last_metrics(run_dir: Path) -> dict | None:
-    """The last complete line of a run's ``metrics.jsonl`` (None: none yet)."""
+    """The last line of a run's ``metrics.jsonl`` (None: none yet, or that line is still being written)."""
     try:
         lines = (run_dir / METRICS_FILE).read_text().splitlines()
         return json.loads(lines[-1]) if lines else None
