@@ -109,13 +109,15 @@ class Measurement:
     peak_mb: float  # peak memory growth during one run
     first_s: float | None = None  # the first call (a compiled case's compile, when the process has not compiled it)
     first_graphs: int = 0  # graphs dynamo compiled during the first call (0: every graph it ran was compiled before)
+    timed_graphs: int = 0  # graphs dynamo compiled during the timed runs after the first call (0 unless a case is wrong)
 
 
 def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup: int = 1) -> Measurement:
     """Median wall time of ``fn()`` over ``repeats`` runs (after ``warmup``), its peak memory, and the wall
     time of its first call (synchronized: the first warm-up, or with ``warmup=0`` the first timed run)
     with the number of graphs dynamo compiled in it (a new length that a compiled op serves without
-    recompiling shows 0)."""
+    recompiling shows 0). Graphs compiled in the timed runs after the first call (``timed_graphs``)
+    mean the times include compiles: a line on stderr says so."""
     device = torch.device(device)
     first, graphs_before = None, _compiled_graphs()
     for _ in range(warmup):
@@ -125,12 +127,18 @@ def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup:
             sync(device)
             first, first_graphs = time.perf_counter() - t0, _compiled_graphs() - graphs_before
     sync(device)
-    times = []
-    for _ in range(repeats):
+    times, graphs_timed = [], None
+    not_first = 0 if warmup else 1  # with no warm-up the first timed run is the first call
+    for i in range(repeats):
+        if i == not_first:
+            graphs_timed = _compiled_graphs()
         t0 = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
+    timed_graphs = 0 if graphs_timed is None else _compiled_graphs() - graphs_timed
+    if timed_graphs:
+        progress(f"warning: {timed_graphs} graph(s) compiled during the timed runs: these times include compiles")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -143,7 +151,7 @@ def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup:
         peak = s.growth_mb
     if first is None:  # no warm-up: the first timed run (graphs counted over the timed runs: a repeat compiles none)
         first, first_graphs = times[0], _compiled_graphs() - graphs_before
-    return Measurement(statistics.median(times), min(times), peak, first, first_graphs)
+    return Measurement(statistics.median(times), min(times), peak, first, first_graphs, timed_graphs)
 
 
 def _compiled_graphs() -> int:

@@ -125,17 +125,22 @@ def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, mode: str):
     """A run of ``n_dec`` static decode steps continuing one static cache made from ``cache``
     (room for ``measure``'s warm-up, ``repeats`` and memory runs and the final one): eager
     (``mode="static"``), compiled, or the compiled step replayed from one CUDA graph (``"graph"``);
-    returns the static cache."""
-    static = layer.static_cache(cache, T + n_dec * (repeats + 3))
+    returns the static cache. Before it returns, ``chunk_size`` steps (the layer's, if it has one) run
+    untimed: they cross one chunk boundary, so the compile of the boundary's routing step (once per
+    cache bound) is not timed either when ``n_dec`` is shorter than a chunk."""
+    warm = getattr(layer, "chunk_size", 0)
+    static = layer.static_cache(cache, T + warm + n_dec * (repeats + 3))
     compiled = mode != "static"
     step = static_step(lambda xt, c: layer(xt, cache=c)[0], mode, x.device)
     position = [T]
 
-    def run():
-        for i in range(n_dec):
+    def steps(n: int):
+        for i in range(n):
+            i %= n_dec
             step(x[:, T + i:T + i + 1], static)
             position[0] += 1
             layer.static_boundary(static, position[0], compile=compiled)
         return static
 
-    return run
+    steps(warm)
+    return lambda: steps(n_dec)

@@ -106,6 +106,21 @@ def test_the_first_call_counts_the_graphs_it_compiled(warmup):
     assert firsts == [1, 1, 0]
 
 
+@pytest.mark.parametrize("warmup", [0, 1], ids=["no-warmup", "one-warmup"])
+def test_graphs_compiled_in_the_timed_runs_are_counted_and_reported(warmup, capsys):
+    """``timed_graphs``: graphs compiled after the first call, in the runs whose median is reported (a
+    case whose later runs meet new shapes times compiles); 0 for a function compiled in its first call."""
+    torch._dynamo.reset()
+    static = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    sizes = iter(range(1, 10))
+    growing = REAL_MEASURE(lambda: static(torch.ones(next(sizes))), device="cpu", repeats=3, warmup=warmup)
+    assert growing.timed_graphs == 3 - (warmup == 0)  # one graph per new shape, the first call's apart
+    assert "graph(s) compiled during the timed runs" in capsys.readouterr().err
+    same = REAL_MEASURE(lambda: static(torch.ones(20)), device="cpu", repeats=3, warmup=warmup)
+    assert same.first_graphs == 1 and same.timed_graphs == 0
+    assert "compiled during the timed runs" not in capsys.readouterr().err
+
+
 def test_fresh_compile_caches_point_inductor_at_an_empty_directory_and_restore_it(monkeypatch):
     """Inside the block inductor writes what it compiles under a new temporary directory (so a compile
     there is cold); after it the directory is gone and the caches are back where they were (inductor's

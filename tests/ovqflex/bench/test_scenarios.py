@@ -230,6 +230,26 @@ def test_decode_times_the_static_cache_eager_and_compiled():
     assert rows[0]["cache_mb"] == rows[1]["cache_mb"]
 
 
+def test_static_decode_compiles_its_chunk_boundary_before_the_timed_runs(monkeypatch):
+    """With fewer decode tokens than a chunk, the first chunk boundary (whose compiled routing step
+    compiles once per cache bound) would fall in a timed run: the static run crosses one untimed."""
+    from ovqflex.bench.scenarios import decode
+
+    seen, real = [], decode.measure
+
+    def recording_measure(fn, **kw):
+        seen.append(real(fn, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(decode, "measure", recording_measure)
+    torch._dynamo.reset()
+    _run({"kind": "decode", "name": "d", "seq_lens": [56], "batch_sizes": [1], "hidden": 32, "heads": 2,
+          "decode_tokens": 4, "repeats": 2,
+          "cases": [{"name": "ovq-compiled", "kind": "ovq", "chunk_size": 16, "max_centroids": 32,
+                     "decode": "compiled"}, {"name": "full", "kind": "full"}]})
+    assert [m.timed_graphs for m in seen] == [0, 0]
+
+
 def test_routing_times_the_kvm_loop_and_static_router_and_compares_the_routes():
     rows = _run({"kind": "routing", "name": "r", "method": "kvm", "seq_lens": [160], "heads": 2, "head_dim": 8,
                  "chunk_size": 16, "budget": "power_law", "growth_factor": 4.0, "max_state_chunks": 0, "repeats": 1})
