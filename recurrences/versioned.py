@@ -125,8 +125,12 @@ def check_state_layout(state_layout: str, checkpoint_every: int | None, block_si
 #: type: the forward's program build plus its flex kernel, per state row (docs/design.md §5, "Choosing
 #: the layout"). The ``stages`` benchmark prints it for each method and length (``row_cost_vs_snapshot``).
 #: CPU (2 cores, torch 2.13, fp32, ``profiles/stages.toml``, two runs): 1.5-1.6 for VQ, 2.1-3.8 for OVQ
-#: and KVM at 4k-16k; 2 takes the faster layout in each of its six cases. Types not listed count a row as a row.
-LAYOUT_ROW_COST = {"cpu": 2.0}
+#: and KVM at 4k-16k; 2 takes the faster layout in each of its six cases. CUDA (one H200, torch 2.11, bf16, H=8,
+#: D=64, chunk 128, ``ovqflex bench profiles/gpu.toml --device cuda --only stages``, one run): 2.4-4.2 for VQ,
+#: 5.4-6.3 for OVQ, 3.9-7.9 for KVM at 4k-64k; the snapshot layout has 1.33x (VQ), 3.5-5.2x (OVQ) and
+#: 2.6-10.7x (KVM) the versioned rows there, and 5.25 takes the faster layout in all nine cases (the two
+#: nearest, OVQ at 64k and KVM at 16k, differ by 4% and 6%). Types not listed count a row as a row.
+LAYOUT_ROW_COST = {"cpu": 2.0, "cuda": 5.25}
 
 
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan,

@@ -1,4 +1,6 @@
 """The versioned state build (docs/design.md §5): every query chunk sees exactly its snapshot."""
+import types
+
 import pytest
 import torch
 from hypothesis import given
@@ -116,20 +118,40 @@ def test_plan_and_layout_choice():
 
 
 @pytest.mark.parametrize("device_type,grad,want", [("cpu", False, "snapshot"), ("cpu", True, "versioned"),
-                                                   ("cuda", False, "versioned"), ("meta", False, "versioned")],
-                         ids=["cpu-no-grad", "cpu-grad", "unmeasured-device", "unknown-device"])
+                                                   ("cuda", False, "snapshot"), ("cuda", True, "versioned"),
+                                                   ("meta", False, "versioned")],
+                         ids=["cpu-no-grad", "cpu-grad", "cuda-no-grad", "cuda-grad", "unmeasured-device"])
 def test_auto_weighs_rows_by_the_device_cost_without_gradients(device_type, grad, want):
     """VQ at 4k (codebook 512, lag 2): the snapshot has 4/3 the versioned rows. A versioned row costs
-    LAYOUT_ROW_COST["cpu"] = 2 snapshot rows on the CPU, so its forward keeps snapshots; with gradients,
-    or on a device type without a measured cost, fewer rows win."""
+    LAYOUT_ROW_COST["cpu"] = 2 snapshot rows on the CPU (5.25 on CUDA), so its forward keeps snapshots;
+    with gradients, or on a device type without a measured cost, fewer rows win."""
     plan = plan_versioned(n_chunks=32, chunk_size=128, rows=512, lag=2, align=128)
     assert 32 * 512 == plan.state_rows * 4 / 3 and LAYOUT_ROW_COST["cpu"] == 2.0
     assert choose_state_layout("auto", n_chunks=32, rows=512, plan=plan, device_type=device_type, grad=grad) == want
     big = plan_versioned(n_chunks=256, chunk_size=128, rows=1927, lag=1, align=128)  # OVQ at 32k: 5x fewer rows
     assert choose_state_layout("auto", n_chunks=256, rows=1927, plan=big, device_type=device_type,
-                               grad=grad) == "versioned"
+                               grad=grad) == ("snapshot" if (device_type, grad) == ("cuda", False) else "versioned")
     with pytest.raises(ValueError, match="checkpoint_every"):
         plan_versioned(4, 32, 40, 1, every=0)
+
+
+# One H200 (torch 2.11, bf16, B=1, H=8, D=64, chunk 128; `ovqflex bench profiles/gpu.toml --device cuda
+# --only stages`): state rows of each layout and the measured forward (program build + flex kernel), ms.
+H200_STAGES = {  # (method, T): (snapshot rows, versioned rows, snapshot ms, versioned ms)
+    ("ovq", 4096): (43264, 12544, 3.87, 7.09), ("ovq", 16384): (232704, 47104, 9.14, 10.96),
+    ("ovq", 65536): (1016320, 196608, 30.95, 32.21), ("kvm", 4096): (32256, 12288, 4.89, 7.26),
+    ("kvm", 16384): (260992, 49152, 19.59, 18.47), ("kvm", 65536): (2094592, 196608, 122.28, 91.14),
+    ("vq", 4096): (16384, 12288, 3.10, 9.83), ("vq", 16384): (65536, 49152, 3.67, 7.83),
+    ("vq", 65536): (262144, 196608, 8.72, 15.71)}
+
+
+@pytest.mark.parametrize("case", list(H200_STAGES), ids=[f"{m}-{t // 1024}k" for m, t in H200_STAGES])
+def test_cuda_row_cost_chooses_the_layout_measured_faster_on_the_h200(case):
+    """LAYOUT_ROW_COST["cuda"] picks, without gradients, the layout whose forward was faster on the H200."""
+    snapshot_rows, versioned_rows, snapshot_ms, versioned_ms = H200_STAGES[case]
+    plan = types.SimpleNamespace(state_rows=versioned_rows)
+    faster = "snapshot" if snapshot_ms < versioned_ms else "versioned"
+    assert choose_state_layout("auto", n_chunks=1, rows=snapshot_rows, plan=plan, device_type="cuda") == faster
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
