@@ -60,7 +60,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from masks.program import AttentionProgram
 from recurrences.checks import check_choice, host_check_is_free
-from recurrences.compiling import narrow_rows, prepare_compile
+from recurrences.compiling import narrow_rows, prepare_compile, realize
 
 log = logging.getLogger("ovqflex")
 
@@ -134,28 +134,14 @@ def attend(program: AttentionProgram, backend: str = "auto") -> Tensor:
     return narrow_rows(out, 2, 0, program.q_len)
 
 
-@torch.library.custom_op("ovqflex::realize", mutates_args=())
-def _realize(x: Tensor) -> Tensor:
-    """Identity that inductor keeps as an extern kernel, so its output is a real buffer."""
-    return x.clone()
-
-
-@_realize.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-_realize.register_autograd(lambda ctx, grad: grad)  # identity: a captured bias keeps its gradient
-
-
 def _realized_captures(p: AttentionProgram) -> AttentionProgram:
     """Route every captured tensor of the mask_mod/score_mod through an extern identity, so
     inductor sees real buffers (graph inputs or extern outputs), never tensors computed
     in-graph by pointwise ops. On CPU the flex template otherwise rejects the kernel ("No
     choices to select"); on CUDA the lowering fails with "'function' object has no attribute
     'graph'" (a compiled KVM layer's training step; a whole op compiled under no_grad)."""
-    params = tuple(tuple(_realize(t) for t in ps) for ps in p.params)
-    bias = None if p.bias is None else _realize(p.bias)
+    params = tuple(tuple(realize(t) for t in ps) for ps in p.params)
+    bias = None if p.bias is None else realize(p.bias)
     return dataclasses.replace(p, params=params, bias=bias, _mask_mod=None)
 
 

@@ -39,6 +39,21 @@ ROUTING_IMPLS = ("auto", "loop", "static")
 RECOMPILE_LIMIT = 64
 
 
+@torch.library.custom_op("ovqflex::realize", mutates_args=())
+def realize(x: Tensor) -> Tensor:
+    """Identity that inductor keeps as an extern kernel, so its output is a real buffer in x's dtype
+    (a graph's pointwise producer of x cannot fuse into its consumers). Eager: a copy of x."""
+    return x.clone()
+
+
+@realize.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+realize.register_autograd(lambda ctx, grad: grad)  # identity: a captured bias keeps its gradient
+
+
 def raise_recompile_limit() -> None:
     """Raise dynamo's ``recompile_limit`` to at least :data:`RECOMPILE_LIMIT` (never lower it)."""
     import torch._dynamo.config as dynamo_config

@@ -15,7 +15,8 @@
 
 2. **Routing in fp32.** The discrete decisions (OVQ slots, KVM state rows, VQ codes) read fp32
    copies of the compute-dtype keys — OVQ and VQ the unit keys ``F.normalize(k.float())``
-   (:func:`routing_keys`), KVM ``LN_s`` of ``k.float()`` with fp32 ``LN_s`` parameters — with fp32
+   (:func:`routing_keys`), KVM ``LN_s`` of ``k.float()`` with fp32 ``LN_s`` parameters; each copy
+   made by :func:`exact_float`, which keeps the keys' rounding under ``torch.compile`` — with fp32
    similarities, sums and counts, autocast switched off (:func:`no_autocast`: autocast would run
    the similarity matmuls in bf16, even inside the routing custom ops). The fused ops, the decode caches and the sequential
    references (``recurrences/reference``) all follow this, so on the same inputs, in any dtype,
@@ -34,6 +35,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .compiling import realize
 
 
 def compute_dtype(*xs: Tensor | None) -> torch.dtype:
@@ -63,7 +66,21 @@ def no_autocast(x: Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
+def exact_float(x: Tensor) -> Tensor:
+    """``x.float()``, holding exactly the values of x, compiled too.
+
+    Inductor may drop the rounding of an explicit fp32 -> bf16/fp16 -> fp32 round trip inside one
+    fused kernel (torch 2.11 on CUDA: pytorch/pytorch#179561, fixed by #180575): a copy taken there
+    holds the producer's unrounded fp32 values, not the low-precision tensor the eager code has, and
+    routing on it can choose other slots than the eager layer and the references. While compiling,
+    a low-precision x passes first through :func:`~recurrences.compiling.realize`, whose output is a
+    real buffer in x's dtype."""
+    if x.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
+        x = realize(x)
+    return x.float()
+
+
 def routing_keys(k: Tensor) -> Tensor:
     """The fp32 unit keys OVQ and VQ routing read: k ``[B, H, T, D]`` (compute dtype) ->
-    ``F.normalize(k.float())`` ``[B, H, T, D]`` fp32, detached."""
-    return F.normalize(k.detach().float(), dim=-1)
+    ``F.normalize(k.float())`` ``[B, H, T, D]`` fp32 (:func:`exact_float`), detached."""
+    return F.normalize(exact_float(k.detach()), dim=-1)

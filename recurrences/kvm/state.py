@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..precision import no_autocast
+from ..precision import exact_float, no_autocast
 from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_sums
 from .budget import KVMSchedule
@@ -29,9 +29,10 @@ def memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, l
 def routing_memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor,
                         ln_eps: float = 1e-5) -> Tensor:
     """The fp32 memory keys KVM routing reads (:mod:`recurrences.precision`): :func:`memory_keys`
-    of ``k.float()`` with fp32 ``LN_s`` parameters, autocast off, detached. ``[B, H, T, D]``."""
+    of ``k.float()`` (:func:`~recurrences.precision.exact_float`) with fp32 ``LN_s`` parameters, autocast
+    off, detached. ``[B, H, T, D]``."""
     with no_autocast(k):
-        return memory_keys(k.detach().float(), rope_dims, ln_weight.detach().float(), ln_bias.detach().float(),
+        return memory_keys(exact_float(k.detach()), rope_dims, ln_weight.detach().float(), ln_bias.detach().float(),
                            ln_eps)
 
 

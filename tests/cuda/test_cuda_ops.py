@@ -10,6 +10,7 @@ from recurrences.reference import (delta_rule_reference, kvm_attention_reference
                                    ovq_attention_reference, vla_reference, vq_attention_reference)
 from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, GRAD_TOL_CUDA, TRAIN_BACKEND, seeded
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.recurrences.test_precision import routing_copies
 
 pytestmark = CUDA_TIER
 
@@ -261,3 +262,16 @@ def test_long_scan_with_broadcast_input_compiles():
     x, b = torch.randn(1, 4096, 64, generator=g).to(DEVICE), torch.randn(64, generator=g).to(DEVICE)
     out = torch.compile(lambda x, b: cumsum(x + b, 1), fullgraph=True, dynamic=False)(x, b)
     assert_close(out.cpu(), (x + b).cumsum(1).cpu(), FWD_TOL_CUDA, "compiled long cumsum")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_compiled_routing_copies_hold_the_rounded_keys(dtype):
+    """Inductor in torch 2.11 on CUDA drops an explicit fp32 -> bf16 -> fp32 round trip inside one fused
+    kernel (pytorch/pytorch#179561), which made a compiled KVM layer under bf16 autocast route unlike the
+    eager one. The routing copies (``recurrences.precision.exact_float``) keep the rounding: compiled
+    equals eager up to fp32 reduction order (1e-6), where the dropped rounding differs by ~1e-3."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 4, 300, 64, generator=seeded(3)).to(DEVICE)
+    got = torch.compile(routing_copies, fullgraph=True)(x, dtype)
+    for g, want in zip(got, routing_copies(x, dtype)):
+        assert (g - want).abs().max().item() <= 1e-5

@@ -194,15 +194,6 @@ def test_torchs_default_cuda_flex_tiles_divide_the_cuda_block(monkeypatch, capab
     assert small_block_fails, "every default tile divides 32: the 128-row floor may be revisited"
 
 
-def test_realize_passes_gradients_through():
-    """The extern identity that captured tensors go through keeps a captured bias trainable."""
-    from ovqflex.attention import _realize
-
-    x = torch.randn(5, requires_grad=True)
-    (g,) = torch.autograd.grad((_realize(x) * torch.arange(5.0)).sum(), x)
-    assert torch.equal(g, torch.arange(5.0))
-
-
 def test_the_cuda_flex_path_compiles_and_runs_on_cpu_flex(monkeypatch):
     """What flex runs on CUDA, traced in one graph (program moved to 128-row blocks, captures
     through the extern identity) and run by CPU flex: an OVQ op with 32-row blocks, whose state

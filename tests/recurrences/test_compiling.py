@@ -292,3 +292,15 @@ def test_inductor_scatter_add_is_mended_after_a_dynamo_reset():
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout.split()[-1]) < 1e-4, run.stdout
+
+
+def test_realize_is_an_identity_with_gradients_through_it():
+    """The extern identity (flex's captured tensors, exact fp32 copies of bf16 keys) copies its input
+    and keeps a captured bias trainable."""
+    from recurrences.compiling import realize
+
+    x = torch.randn(5, requires_grad=True)
+    y = realize(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    (g,) = torch.autograd.grad((y * torch.arange(5.0)).sum(), x)
+    assert torch.equal(g, torch.arange(5.0))

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recurrences.precision import compute_dtype, routing_keys, to_compute_dtype
+from recurrences.kvm import routing_memory_keys
+from recurrences.precision import compute_dtype, exact_float, routing_keys, to_compute_dtype
 
 f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
 
@@ -58,3 +59,32 @@ def test_routing_keys_are_fp32_unit_copies(dtype):
     assert r.dtype == f32 and not r.requires_grad
     assert torch.equal(r, F.normalize(k.detach().float(), dim=-1))
     assert torch.allclose(r.norm(dim=-1), torch.ones(2, 3, 5))
+
+
+def routing_copies(x, dtype):
+    """Keys computed in the graph (fp32 math rounded to ``dtype``) and the routing copies of them."""
+    k = (x * 1.37 + 0.1).to(dtype)
+    D, dev = k.shape[-1], k.device
+    ln_w, ln_b = torch.linspace(0.5, 1.5, D, device=dev), torch.linspace(-0.1, 0.1, D, device=dev)
+    return routing_keys(k), routing_memory_keys(k, 4, ln_w, ln_b)
+
+
+@pytest.mark.parametrize("dtype, barriers", [(bf16, 2), (torch.float16, 2), (f32, 0)], ids=["bf16", "fp16", "fp32"])
+def test_routing_copies_of_low_precision_keys_pass_a_real_buffer_when_compiled(dtype, barriers):
+    """Compiled, each routing copy of bf16/fp16 keys (:func:`exact_float`) reads them through the extern
+    identity ``ovqflex::realize``, so inductor cannot drop their rounding in a fused kernel (the CUDA
+    tier checks the values); fp32 keys need none. Eager code takes the plain ``.float()``."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(2, 3, 20, 8, generator=torch.Generator().manual_seed(0))
+    got = torch.compile(routing_copies, backend=capture, fullgraph=True)(x, dtype)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("ovqflex.realize" in t for t in targets) == barriers
+    for g, want in zip(got, routing_copies(x, dtype)):
+        assert torch.equal(g, want)
+    k = torch.randn(3, 4, dtype=dtype)
+    assert torch.equal(exact_float(k), k.float())
