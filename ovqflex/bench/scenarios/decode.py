@@ -136,8 +136,8 @@ def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, mode: str):
 
     def steps(n: int):
         for i in range(n):
-            i %= n_dec
-            step(x[:, T + i:T + i + 1], static)
+            t = T + i % n_dec  # the warm-up's steps reuse the decode tokens
+            step(x[:, t:t + 1], static)
             position[0] += 1
             layer.static_boundary(static, position[0], compile=compiled)
         return static
