@@ -65,3 +65,22 @@ def test_layer_compiled_no_grad_forward(name):
         y_ref = ref(x)
     assert_close(y.cpu(), y_ref.cpu(), FWD_TOL_CUDA, f"{name} compiled no-grad forward")
 
+
+
+def test_compiled_kvm_layer_routes_on_the_eager_layers_keys():
+    """Under bf16 autocast the fp32 memory keys a compiled KVM layer routes on (its projection, q/k
+    norms, RoPE, the cast to bf16, then ``LN_s`` of an exact fp32 copy) equal the eager layer's up to
+    fp32 reduction order; torch 2.11's inductor on CUDA dropped the bf16 rounding in that chain, which
+    moved routes by ~1e-2 (``recurrences.precision.exact_float``)."""
+    layer, _ = _pair("kvm")
+    x = torch.randn(4, 100, WIDTH, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    def memory_keys(x):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            return layer._cached_operands(layer._project(x, None))[4]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got, want = torch.compile(memory_keys, fullgraph=True)(x), memory_keys(x)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= 1e-4
