@@ -66,7 +66,6 @@ def test_layer_compiled_no_grad_forward(name):
     assert_close(y.cpu(), y_ref.cpu(), FWD_TOL_CUDA, f"{name} compiled no-grad forward")
 
 
-
 def test_compiled_kvm_layer_routes_on_the_eager_layers_keys():
     """Under bf16 autocast the fp32 memory keys a compiled KVM layer routes on (its projection, q/k
     norms, RoPE, the cast to bf16, then ``LN_s`` of an exact fp32 copy) equal the eager layer's up to
