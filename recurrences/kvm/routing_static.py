@@ -3,8 +3,9 @@
 
 The loop's routing state is one fixed buffer (fp32 row sums ``[B, H, S, D]``, ``S = max(sizes)``);
 what changes per chunk is the number of live rows ``m`` it reads and the number ``n_app`` of
-tokens that found new rows. Here the state is padded to ``R = static_rows(S+1)`` rows (a power of
-two, the last row the spare, the rows past ``S`` dead like it) and a step reads all ``R`` rows:
+tokens that found new rows. Here the state is padded to ``R = static_rows(S)`` rows (a power of
+two, the rows past ``S`` dead) with a spare after them (``R + 1`` rows), and a step reads all ``R``
+rows, not the spare:
 ``LN_s`` of every row, append scores over the live ones (``arange(R) < m``, the others ``-inf``),
 ``m, m + n_app`` from a device tensor, the founders the tokens whose rank in the stable sort of
 their scores is below ``n_app`` (a mask, not a slice), their new rows ``LN_s`` of their keys
@@ -79,8 +80,8 @@ class StaticKVMRouter:
     A call copies the chunks that are absorbed (chunk 0 and the overflow chunks ``u = 1..len(sizes)
     - Nb - 1``) of kbar and gate into chunk-major fp32 buffers ``kf [n, B, H, C, D]``, ``gf [n, B, H,
     C]`` (:func:`~recurrences.compiling.chunks_first`), the ``LN_s`` parameters into ``ln [2, D]``,
-    and runs :meth:`run`: zero the state (``[B, H, R, D]``, ``R = static_rows(S + 1)``, the last row
-    the spare), found rows ``0..C-1`` with chunk 0, then route every overflow chunk with one static
+    and runs :meth:`run`: zero the state (``[B, H, R+1, D]``, ``R = static_rows(S)``, row ``R`` the
+    spare), found rows ``0..C-1`` with chunk 0, then route every overflow chunk with one static
     step (:func:`route_overflow_static`) into ``routes``/``founder [n, B, H, C]``.
 
     ``cuda_graph=True`` (CUDA only): :meth:`run` is warmed up (which compiles the step) and
@@ -102,7 +103,7 @@ class StaticKVMRouter:
         self.kf = torch.zeros(n, B, H, C, D, device=device)
         self.gf = torch.zeros(n, B, H, C, device=device)
         self.ln = torch.zeros(2, D, device=device)  # LN_s weight, bias
-        self.state = torch.zeros(B, H, static_rows(max(self.sizes, default=0) + 1), D, device=device)
+        self.state = torch.zeros(B, H, static_rows(max(self.sizes, default=0)) + 1, D, device=device)  # spare last
         self.routes = torch.full((n, B, H, C), -1, dtype=torch.long, device=device)
         self.founder = torch.zeros(n, B, H, C, dtype=torch.bool, device=device)
         self.bounds = chunk_bounds(self.sizes[Nb:], n_overflow, device)  # [n_overflow, 2]: (m, m + n_app)
@@ -141,7 +142,7 @@ def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, gf: Tenso
 
     routes ``[n, B, H, C]`` int64 and founder ``[n, B, H, C]`` bool (chunk ``u``'s row written), kf
     ``[n, B, H, C, D]`` fp32 memory keys and gf ``[n, B, H, C]`` fp32 gates (chunk-major: every chunk
-    the same strides), state ``[B, H, R, D]`` fp32 (updated; chunk 0 already founded), bounds
+    the same strides), state ``[B, H, R+1, D]`` fp32 (updated; chunk 0 already founded), bounds
     ``[n_overflow, 2]`` int64 ``(m, m + n_app)`` of chunk ``u`` at row ``u - 1`` on kf's device, ln
     ``[2, D]`` fp32 ``LN_s`` weight and bias; ``step(ok, og, state, bounds_u, ln_weight, ln_bias,
     out=)``: :func:`kvm_static_step` (or ``compiled_static_step``) with ``sink_len, ln_eps`` bound,
@@ -157,21 +158,21 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     """One overflow chunk against a state of ``m = bounds[0]`` live rows: ``target [B, H, C]`` int64 and
     ``appended [B, H, C]`` bool (what :func:`~recurrences.kvm.routing.kvm_route_chunk` returns), then absorbed.
 
-    ok ``[B, H, C, D]`` fp32 memory keys, og ``[B, H, C]`` fp32 gates; state ``[B, H, R, D]`` fp32
-    (the last row the spare; updated in place by :func:`kvm_absorb_static`); bounds ``[2]`` int64 ``(m,
+    ok ``[B, H, C, D]`` fp32 memory keys, og ``[B, H, C]`` fp32 gates; state ``[B, H, R+1, D]`` fp32
+    (rows ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`kvm_absorb_static`); bounds ``[2]`` int64 ``(m,
     m + n_app)``; ``ln_weight, ln_bias [D]`` fp32 of ``LN_s``. The ``n_app`` tokens first in the
     stable order of their best score over the live rows found rows ``m, m+1, …`` in temporal order;
     the others join their argmax row ``>= sink_len`` over the ``m + n_app`` rows (first index on ties).
     """
-    R = state.shape[2]
+    R = state.shape[2] - 1
     m, n_rows = bounds[0], bounds[1]
     col = torch.arange(R, device=ok.device)                                              # [R]
-    rows = _ln_rows(state, ln_weight, ln_bias, ln_eps)                                   # [B, H, R, D]
-    score = (ok @ rows.transpose(-1, -2)).masked_fill(col >= m, float("-inf")).amax(-1)  # [B, H, C]
+    rows = _ln_rows(state, ln_weight, ln_bias, ln_eps)                                   # [B, H, R+1, D]
+    score = (ok @ rows[:, :, :R].transpose(-1, -2)).masked_fill(col >= m, float("-inf")).amax(-1)  # [B, H, C]
     appended = stable_rank(score) < n_rows - m
-    slot = torch.where(appended, m + appended.cumsum(-1) - 1, R - 1)  # founders' new rows; the others the spare
+    slot = torch.where(appended, m + appended.cumsum(-1) - 1, R)  # founders' new rows; the others the spare
     rows = rows.scatter(2, slot[..., None].expand_as(ok), _ln_rows(ok, ln_weight, ln_bias, ln_eps))
-    logits = (og[..., None] * ok) @ rows.transpose(-1, -2)                               # [B, H, C, R]
+    logits = (og[..., None] * ok) @ rows[:, :, :R].transpose(-1, -2)                     # [B, H, C, R]
     logits = logits.masked_fill((col < sink_len) | (col >= n_rows), float("-inf"))
     target = torch.where(appended, slot, logits.argmax(-1))
     kvm_absorb_static(state, ok, og, target, appended)
@@ -184,7 +185,7 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
 def kvm_absorb_static(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appended: Tensor) -> None:
     """:func:`~recurrences.kvm.routing.kvm_absorb` without its host int ``n_app`` (which slices the
     founders out of a sort): every token writes its key, a founder to its fresh row, the others to
-    the spare last row of ``state [B, H, R, D]``; then the same merge add. The founders' rows get
+    the spare last row of ``state [B, H, R+1, D]``; then the same merge add. The founders' rows get
     the keys bit for bit as in the loop (rows are distinct), and the spare is never read live."""
     spare = state.shape[2] - 1
     state.scatter_(2, torch.where(appended, target, spare)[..., None].expand_as(ok), ok)

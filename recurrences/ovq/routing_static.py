@@ -3,8 +3,9 @@
 
 The loop's dictionary already lives in fixed buffers (fp32 ``sums [B, H, S+1, D]``,
 ``counts [B, H, S+1]``, ``S = max(sizes)``, row ``S`` the spare); what grows is the
-number of live rows it reads. Here a step reads all ``R`` rows of a buffer padded to
-``R = static_rows(S+1)`` (a power of two, the last row the spare) and masks the dead ones
+number of live rows it reads. Here the rows are padded to ``R = static_rows(S)`` (a power of
+two) with the spare after them (``R + 1`` rows); a step reads all ``R`` rows, not the spare
+(so ``N = 2048`` reads 2048 rows, not 4096), and masks the dead ones
 (``arange(R) < N_c``, scores ``-inf``); the sizes ``N_c, N_{c+1}`` are a device tensor; the
 ``n_new`` founders are the tokens whose rank in the stable sort is below ``N_{c+1} - N_c``
 (a mask, not a slice). So ``torch.compile(fullgraph=True, dynamic=False)`` compiles the step
@@ -70,8 +71,8 @@ class StaticOVQRouter:
 
     A call copies the complete chunks of k into the chunk-major fp32 key buffer ``kf [n, B, H, L,
     D]`` (:func:`~recurrences.compiling.chunks_first`, ``n = T // L``) and runs :meth:`run`: zero the
-    dictionary (``sums [B, H, R, D]``, ``counts [B, H, R]``, ``R = static_rows(S + 1)`` with ``S =
-    max(sizes)``: the last row the spare, the rows past ``S`` dead like it), route the leading
+    dictionary (``sums [B, H, R+1, D]``, ``counts [B, H, R+1]``, ``R = static_rows(S)`` with ``S =
+    max(sizes)``: row ``R`` the spare, the rows ``S..R-1`` dead), route the leading
     chunks that read an empty dictionary (``N_c = 0``: chunk 0, the first seeding) with the loop's
     own :func:`ovq_route_chunk`, then every later chunk with one static step
     (:func:`route_chunks_static`) into ``routes [n, B, H, L]``. The random-seeding draws are the
@@ -90,9 +91,9 @@ class StaticOVQRouter:
         self.chunk_size, self.sizes, self.normalize_centroids, self.T = L, list(sizes), normalize_centroids, T
         n_slots = max(self.sizes[: n_full + 1] + [0])
         self.kf = torch.zeros(n_full, B, H, L, D, device=device)
-        R = static_rows(n_slots + 1)
-        self.sums = torch.zeros(B, H, R, D, device=device)
-        self.counts = torch.zeros(B, H, R, device=device)
+        R = static_rows(n_slots)
+        self.sums = torch.zeros(B, H, R + 1, D, device=device)  # row R the spare
+        self.counts = torch.zeros(B, H, R + 1, device=device)
         self.routes = torch.full((n_full, B, H, L), -1, dtype=torch.long, device=device)
         self.bounds = chunk_bounds(self.sizes, n_full, device)
         gen = torch.Generator().manual_seed(seed) if seeding == "random" else None
@@ -131,7 +132,7 @@ def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor
     """Routes and absorbs the complete chunks ``first..n - 1`` in place.
 
     routes ``[n, B, H, L]`` int64 (chunk ``c``'s row written), kf ``[n, B, H, L, D]`` fp32 unit keys
-    (chunk-major: every chunk the same strides), sums ``[B, H, R, D]`` / counts ``[B, H, R]`` fp32
+    (chunk-major: every chunk the same strides), sums ``[B, H, R+1, D]`` / counts ``[B, H, R+1]`` fp32
     (updated), bounds ``[n, 2]`` int64 ``(N_c, N_{c+1})`` on kf's device (``N_first > 0``), u ``[n,
     B, H, L]`` random-seeding draws or None (spread); ``step(kc, sums, counts, bounds_c, u_c, out=)``:
     :func:`ovq_static_step` (or ``compiled_static_step``) with ``normalize_centroids`` bound, writing
@@ -147,18 +148,18 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
                     out: Tensor | None = None) -> Tensor:
     """One chunk against a dictionary with ``N_c = bounds[0] > 0`` live rows: routes ``[B, H, L]``, then absorbs them.
 
-    kc ``[B, H, L, D]`` fp32 unit keys; sums ``[B, H, R, D]``, counts ``[B, H, R]`` fp32 (the
-    last row the spare; updated in place by :func:`ovq_absorb`); bounds ``[2]`` int64 ``(N_c,
+    kc ``[B, H, L, D]`` fp32 unit keys; sums ``[B, H, R+1, D]``, counts ``[B, H, R+1]`` fp32 (rows
+    ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`ovq_absorb`); bounds ``[2]`` int64 ``(N_c,
     N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread); value_sums ``[B, H, R, Dv]``
     and vc ``[B, H, L, Dv]`` fp32: the values absorbed too (a static decode cache); out ``[B, H, L]``
     int64: the routes written there too (compiled, by the step's own kernels). The
     ``N_{c+1} - N_c`` tokens first in the stable order of their best similarity (or of u) found
     slots ``N_c, N_c + 1, …``; the others join their best live slot (first index on ties).
     """
-    R = sums.shape[2]
+    R = sums.shape[2] - 1
     n_old, n_new = bounds[0], bounds[1] - bounds[0]
     live = torch.arange(R, device=kc.device) < n_old                        # [R]
-    d = sums / torch.where(live, counts, 1.0)[..., None]
+    d = sums[:, :, :R] / torch.where(live, counts[:, :, :R], 1.0)[..., None]
     if normalize_centroids:
         d = _unit_rows(d)
     sim = (kc @ d.transpose(-1, -2)).masked_fill(~live, float("-inf"))       # [B, H, L, R]

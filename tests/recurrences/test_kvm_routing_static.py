@@ -47,6 +47,18 @@ def _check_equal(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, n_dist
     assert torch.equal(s_routes, routes) and torch.equal(s_founder, founder)
 
 
+def _absorbed(router, gate, routes, founder, sizes, C, Nb):
+    """The state ``[B, H, R, D]`` (the router's rows, spare excluded) that the loop's absorb builds
+    from the router's keys and the given routes: chunk 0 founds, then every overflow chunk."""
+    state = torch.zeros_like(router.state[:, :, :-1])
+    state[:, :, :C] = router.kf[0]
+    for c in range(Nb + 1, len(sizes)):
+        sl = slice((c - Nb) * C, (c - Nb + 1) * C)
+        kvm_absorb(state, router.kf[c - Nb], gate[:, :, sl], routes[:, :, sl], founder[:, :, sl],
+                   sizes[c] - sizes[c - 1])
+    return state
+
+
 CONFIGS = dict(B=st.integers(1, 2), H=st.integers(1, 3), Nb=st.integers(1, 3), budget=st.sampled_from(sorted(BUDGETS)),
                sink_len=st.sampled_from([0, 1]), gated=st.booleans(), dtype=st.sampled_from([torch.float32,
                                                                                               torch.float64]))
@@ -90,13 +102,28 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_l
     assert counters["stats"]["unique_graphs"] == 1  # one graph for all 2 x 14 overflow chunk steps
     # the state the compiled steps built is the loop's absorb of the loop's routes, bit for bit
     routes, founder = flipped
-    state = torch.zeros_like(router.state[:, :, :-1])
-    state[:, :, :C] = router.kf[0]
-    for c in range(Nb + 1, len(sizes)):
-        sl = slice((c - Nb) * C, (c - Nb + 1) * C)
-        kvm_absorb(state, router.kf[c - Nb], gate[:, :, sl], routes[:, :, sl], founder[:, :, sl],
-                   sizes[c] - sizes[c - 1])
-    assert torch.equal(router.state[:, :, :-1], state)
+    assert torch.equal(router.state[:, :, :-1], _absorbed(router, gate, routes, founder, sizes, C, Nb))
+
+
+@pytest.mark.parametrize("sink_len", [0, 1])
+def test_a_state_that_fills_its_bucket_reads_no_spare(sink_len):
+    """A fixed state of 32 rows is its own bucket: the buffer holds 32 rows and the spare (33), the
+    compiled step reads all 32 (every one live once the state is full), and routes, founders and state
+    equal the loop's."""
+    B, H, D, C, Nb = 2, 2, 8, 16, 1
+    T = 12 * C
+    budget = KVMBudget("fixed", state_min_len=32, max_state_chunks=2)
+    kbar, gate, w, b = _inputs(6, B, H, T, D, 0, True, torch.float32)
+    sizes = kvm_state_sizes(T, C, Nb, budget)
+    assert max(sizes) == 32
+    router = StaticKVMRouter(tuple(kbar.shape), chunk_size=C, n_bswa_chunks=Nb, sizes=sizes, sink_len=sink_len)
+    assert router.state.shape[2] == 33
+    routes, founder = route_kvm(kbar, gate, w, b, schedule=KVMSchedule(C, Nb, budget), sink_len=sink_len,
+                                impl="loop")
+    s_routes, s_founder = router(kbar, gate, w, b)
+    assert torch.equal(s_routes, routes) and torch.equal(s_founder, founder)
+    assert bool((routes < 32).all()) and bool((routes == 31).any())  # the last row joined, never the spare
+    assert torch.equal(router.state[:, :, :-1], _absorbed(router, gate, routes, founder, sizes, C, Nb))
 
 
 def test_route_kvm_impl_static_and_the_op_option():
@@ -143,8 +170,8 @@ def test_cuda_graph_needs_cuda():
 def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monkeypatch):
     """``route_kvm(impl="static")`` builds one router per input shape and options and reuses it; the
     state buffer is padded to a power of two, so lengths whose states fall in one bucket (power law
-    4·sqrt(ctx), C = 16: 71 and 89 rows at T = 330 and 500, a 128-row buffer with the spare) share
-    one compiled step."""
+    4·sqrt(ctx), C = 16: 71 and 89 rows at T = 330 and 500, a 128-row buffer and the spare after it)
+    share one compiled step."""
     from recurrences import compiling
     from recurrences.kvm import routing_static
 
@@ -160,5 +187,5 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
                            route_kvm(kbar, gate, w, b, impl="loop", **kw)))
     assert made == [(2, 2, 330, 16), (2, 2, 500, 16)]  # T = 330 again: the cached router
     assert counters["stats"]["unique_graphs"] == 1
-    assert rows[0] != rows[1] and [r.state.shape[2] for r in compiling._ROUTERS.values()] == [128, 128]
+    assert rows[0] != rows[1] and [r.state.shape[2] for r in compiling._ROUTERS.values()] == [129, 129]
     compiling.clear_static_routers()

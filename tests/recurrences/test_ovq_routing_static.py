@@ -31,6 +31,16 @@ def _check_equal(seed, B, H, T, L, D, N, growth, seeding, normalize, n_distinct,
     assert torch.equal(static, loop)
 
 
+def _absorbed(router, routes):
+    """The dictionary (sums, counts, shaped as the router's) that the loop's absorb builds from the
+    router's chunk keys and the given routes ``[B, H, T]``."""
+    sums, counts = torch.zeros_like(router.sums), torch.zeros_like(router.counts)
+    L = router.chunk_size
+    for c in range(router.kf.shape[0]):
+        ovq_absorb(sums, counts, router.kf[c], routes[:, :, c * L:(c + 1) * L])
+    return sums, counts
+
+
 CONFIGS = dict(growth=st.sampled_from(GROWTHS), seeding=st.sampled_from(SEEDINGS), normalize=st.booleans(),
                dtype=st.sampled_from([torch.float32, torch.float64]))
 
@@ -74,10 +84,25 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_dictionary_bit_for_bit(s
         assert torch.equal(router(k.flip(2)), flipped)  # the buffers are reset between calls
     assert counters["stats"]["unique_graphs"] == 1  # one graph for all 2 x 17 static chunk steps
     # the dictionary the compiled steps built is the loop's absorb of the loop's routes, bit for bit
-    sums, counts = torch.zeros_like(router.sums), torch.zeros_like(router.counts)
-    for c in range(T // L):
-        ovq_absorb(sums, counts, router.kf[c], flipped[:, :, c * L:(c + 1) * L])
+    sums, counts = _absorbed(router, flipped)
     assert torch.equal(router.sums, sums) and torch.equal(router.counts, counts)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_dictionary_that_fills_its_bucket_reads_no_spare(normalize):
+    """``N = 32`` is its own bucket: the buffers hold 32 rows and the spare (33), the compiled step reads
+    all 32 (once full, every one live), and routes and dictionary equal the loop's."""
+    B, H, T, D, L, N = 2, 2, 160, 8, 16, 32
+    k = _keys(4, B, H, T, D, 0, torch.float32)
+    sizes = dictionary_sizes(T // L, L, N, "full")
+    assert max(sizes) == N
+    router = StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=sizes, normalize_centroids=normalize)
+    assert router.sums.shape[2] == N + 1 and router.counts.shape[2] == N + 1
+    loop = route_ovq(k, schedule=DictionarySchedule(L, N, "full"), normalize_centroids=normalize, impl="loop")
+    assert torch.equal(router(k), loop)
+    sums, counts = _absorbed(router, loop)
+    assert torch.equal(router.sums, sums) and torch.equal(router.counts, counts)
+    assert counts[:, :, N].sum() == 0  # the spare collected nothing
 
 
 def test_route_ovq_impl_static_and_the_op_option():
@@ -106,8 +131,8 @@ def test_cuda_graph_needs_cuda():
 def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monkeypatch):
     """``route_ovq(impl="static")`` builds one router per input shape and options and reuses it; the
     dictionary buffer is padded to a power of two, so lengths whose dictionaries fall in one bucket
-    (plateau, N = 64: 52 and 57 rows at T = 300 and 600, a 64-row buffer with the spare) share one
-    compiled step."""
+    (plateau, N = 64: 52 and 57 rows at T = 300 and 600, a 64-row buffer and the spare after it) share
+    one compiled step."""
     from recurrences import compiling
     from recurrences.ovq import routing_static
 
@@ -120,7 +145,7 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
             assert torch.equal(route_ovq(k, impl="static", **kw), route_ovq(k, impl="loop", **kw))
     assert made == [(2, 2, 300, 8), (2, 2, 600, 8)]  # T = 300 again: the cached router
     assert counters["stats"]["unique_graphs"] == 1
-    assert [r.sums.shape[2] for r in compiling._ROUTERS.values()] == [64, 64]
+    assert [r.sums.shape[2] for r in compiling._ROUTERS.values()] == [65, 65]
     compiling.clear_static_routers()
 
 
