@@ -96,6 +96,8 @@ class ProfileConfig:
     modes: tuple[str, ...] = field(default=MODES, metadata={
         "flag": "--mode", "choices": MODES, "help": "comma-separated: fwd (no grad), fwd+bwd"})
     steps: int = field(default=2, metadata={"help": "profiled steps per mode"})
+    kernels: int = field(default=5, metadata={
+        "help": "kernels (CUDA; operators by self time on a CPU) listed per stage, the most time first; 0: none"})
     warmup: int = field(default=1, metadata={"help": "unprofiled steps per mode first (compilation)"})
     seed: int = field(default=0, metadata={"help": "seed of the init and the input"})
     device: str = field(default=devices.AUTO, metadata={"help": devices.NAMES})
@@ -104,6 +106,7 @@ class ProfileConfig:
         for name in ("seq_len", "batch", "heads", "head_dim", "steps"):
             check_int(name, getattr(self, name))
         check_int("warmup", self.warmup, minimum=0)
+        check_int("kernels", self.kernels, minimum=0)
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(self.modes)!r}")

@@ -3,16 +3,28 @@
 Runs ``warmup`` untimed steps (compilation happens there), then ``steps`` profiled steps
 per mode — ``fwd`` (no grad: inference, what ``auto`` sends to flex) and ``fwd+bwd``
 (forward with grad, then backward) — exports the Chrome/Perfetto trace and reduces
-that same trace to a per-stage table: the stages labelled by
-:func:`ovqflex.profiling.stage`, plus ``backward``, ``other`` (step minus stages)
-and the whole ``step``. Memory columns come from the trace's allocator events:
-``peak MB`` is the largest allocation level inside a stage above the level when it
-began (max over calls); ``alloc MB`` the bytes it allocated per step.
+that same trace to two tables:
+
+- per stage (:func:`stage_table`): the stages labelled by :func:`ovqflex.profiling.stage`, plus
+  ``backward``, ``other`` (step minus stages) and the whole ``step``. ``ms/step`` is host time:
+  on CUDA the time to launch, which a stage that does not wait for its kernels ends before they
+  run. So on CUDA a ``gpu ms/step`` column adds the device time of the kernels, copies and
+  memsets each stage launched (busy time, summed). Memory columns come from the trace's allocator
+  events: ``peak MB`` is the largest allocation level inside a stage above the level when it
+  began (max over calls); ``alloc MB`` the bytes it allocated per step.
+- per kernel (:func:`kernel_table`): the ``top`` kernels of each stage by device time on CUDA,
+  the ``top`` operators by self time (their time minus that of the operators they called) on a
+  CPU. A work item belongs to the innermost labelled span open when it was launched (CUDA:
+  the runtime or driver call whose correlation id the kernel carries; every kernel of a CUDA
+  graph replay carries its ``cudaGraphLaunch``'s), so the kernels of a routing run captured in
+  a CUDA graph show under ``routing`` one by one.
 """
 from __future__ import annotations
 
 import bisect
 import json
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +35,19 @@ from ..profiling import MODES, PREFIX, STAGES, ProfileConfig
 
 STEP = PREFIX + "step"
 BACKWARD = PREFIX + "backward"
+#: trace categories of device work, and of the host calls that launch it (matched by correlation id)
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCHES = ("cuda_runtime", "cuda_driver")
+#: a kernel name is cut to this many characters in the kernel table (CUDA template names run to hundreds)
+NAME_WIDTH = 72
+
+
+@dataclass
+class ProfileTables:
+    """What :func:`profile_target` returns: the rows of :func:`stage_table` and of :func:`kernel_table`."""
+
+    stages: list[dict]
+    kernels: list[dict]
 
 
 def _build(cfg: ProfileConfig):
@@ -68,8 +93,9 @@ def _step(module, x, loss, mode: str) -> None:
         sync(x.device)
 
 
-def profile_target(cfg: ProfileConfig, trace: str | Path) -> list[dict]:
-    """Profile, write the trace to ``trace``, return the per-stage rows (also see :func:`stage_table`)."""
+def profile_target(cfg: ProfileConfig, trace: str | Path) -> ProfileTables:
+    """Profile, write the trace to ``trace``, return its per-stage and per-kernel rows (``cfg.kernels``
+    per stage; :func:`stage_table`, :func:`kernel_table`)."""
     module, x, loss = _build(cfg)
     for mode in cfg.modes:
         for _ in range(cfg.warmup):
@@ -82,18 +108,121 @@ def profile_target(cfg: ProfileConfig, trace: str | Path) -> list[dict]:
     trace = Path(trace)
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
-    return stage_table(json.loads(trace.read_text()), device_type=1 if x.device.type == "cuda" else 0)
+    data = json.loads(trace.read_text())
+    device_type = 1 if x.device.type == "cuda" else 0
+    return ProfileTables(stage_table(data, device_type), kernel_table(data, cfg.kernels) if cfg.kernels else [])
+
+
+def _label_spans(events: list[dict]) -> list[dict]:
+    """The host spans of ``ovqflex.*`` labels (on CUDA the trace repeats each on the device's
+    timeline as a ``gpu_user_annotation``, which is left out)."""
+    return [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(PREFIX)
+            and e.get("cat") != "gpu_user_annotation"]
+
+
+def _self_times(ops: list[dict]) -> list[tuple[dict, float]]:
+    """``(op, self time in us)`` for host operator spans: its duration minus its direct children's
+    (the spans of its thread nested inside it)."""
+    out = []
+    by_thread = defaultdict(list)
+    for e in ops:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for mine in by_thread.values():
+        mine.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [op, end, children's time]
+        for e in mine:
+            while stack and e["ts"] >= stack[-1][1]:
+                out.append((stack[-1][0], stack[-1][0]["dur"] - stack.pop()[2]))
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e, e["ts"] + e["dur"], 0.0])
+        out.extend((op, op["dur"] - children) for op, _, children in stack)
+    return out
+
+
+def _work(events: list[dict]) -> tuple[list[tuple[float, str, float]], bool]:
+    """The trace's work items ``(host time it was launched or ran, name, device or self time in us)``,
+    and whether they are device work. Device work (kernels, copies, memsets) when the trace has any,
+    each at the time of the host call that launched it; else the host operators with their self times."""
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_WORK]
+    if device:
+        return [(launched[e["args"]["correlation"]], e["name"], e["dur"]) for e in device
+                if e.get("args", {}).get("correlation") in launched], True
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    return [(op["ts"], op["name"], self_us) for op, self_us in _self_times(ops)], False
+
+
+def _attribute(events: list[dict]) -> tuple[dict, bool]:
+    """Work items by ``(mode, label)``: each goes to the innermost labelled span open at its host time
+    (label ``None``: a step's work outside every stage), within the step span of its mode. Returns
+    ``{(mode, label): [(name, us), ...]}`` and whether the items are device work."""
+    spans = _label_spans(events)
+    steps = [e for e in spans if e["name"].startswith(STEP + "[")]
+    inner = sorted((e for e in spans if not e["name"].startswith(STEP + "[")), key=lambda e: e["dur"])
+    work, on_device = _work(events)
+    out = defaultdict(list)
+    for ts, name, us in work:
+        step = next((s for s in steps if s["ts"] <= ts <= s["ts"] + s["dur"]), None)
+        if step is None:
+            continue
+        label = next((e["name"] for e in inner if e["ts"] <= ts <= e["ts"] + e["dur"]), None)
+        out[(step["name"][len(STEP) + 1:-1], label)].append((name, us))
+    return out, on_device
+
+
+def kernel_table(trace: dict, top: int = 5) -> list[dict]:
+    """The ``top`` kernels (CUDA) or operators (CPU, by self time) of each mode and stage, as rows
+    ``{mode, stage, kernel | op, calls/step, ms/step, % of stage}`` (``% of stage``: of the stage's
+    summed device time, or self time on a CPU; stage ``other``: a step's work outside every stage;
+    a kernel name cut to :data:`NAME_WIDTH` characters)."""
+    attributed, on_device = _attribute(trace["traceEvents"])
+    steps = _step_counts(trace["traceEvents"])
+    what = "kernel" if on_device else "op"
+    rows = []
+    for mode in MODES:
+        for label in [PREFIX + s for s in STAGES] + [BACKWARD, None]:
+            items = attributed.get((mode, label))
+            if not items:
+                continue
+            n, total = steps[mode], sum(us for _, us in items)
+            by_name = defaultdict(lambda: [0, 0.0])
+            for name, us in items:
+                by_name[name][0] += 1
+                by_name[name][1] += us
+            ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+            for name, (calls, us) in ranked:
+                short = name if len(name) <= NAME_WIDTH else name[:NAME_WIDTH - 3] + "..."
+                rows.append({"mode": mode, "stage": "other" if label is None else label[len(PREFIX):],
+                             what: short, "calls/step": calls / n, "ms/step": us / n / 1e3,
+                             "% of stage": 100 * us / total if total else 0.0})
+    return rows
+
+
+def _step_counts(events: list[dict]) -> dict[str, int]:
+    """Profiled steps per mode (host step spans)."""
+    counts = defaultdict(int)
+    for e in _label_spans(events):
+        if e["name"].startswith(STEP + "["):
+            counts[e["name"][len(STEP) + 1:-1]] += 1
+    return counts
 
 
 def stage_table(trace: dict, device_type: int = 0) -> list[dict]:
-    """Reduce a Chrome trace to rows ``{mode, stage, calls/step, ms/step, % of step, alloc MB, peak MB}``."""
+    """Reduce a Chrome trace to rows ``{mode, stage, calls/step, ms/step, % of step, alloc MB, peak MB}``,
+    with ``gpu ms/step`` (the device time of the work each stage launched) when the trace has device work."""
     events = trace["traceEvents"]
     mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
                  if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
     mem_ts = [m[0] for m in mem]
-    spans = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(PREFIX)]
+    spans = _label_spans(events)
     steps = [e for e in spans if e["name"].startswith(STEP + "[")]
     labels = [PREFIX + s for s in STAGES] + [BACKWARD]
+    attributed, on_device = _attribute(events)
+
+    def device_ms(mode, label, n):  # (None where the trace has no device work)
+        return sum(us for _, us in attributed.get((mode, label), [])) / n / 1e3 if on_device else None
 
     def memory(t0, t1):
         i, j = bisect.bisect_left(mem_ts, t0), bisect.bisect_right(mem_ts, t1)
@@ -121,10 +250,16 @@ def stage_table(trace: dict, device_type: int = 0) -> list[dict]:
             mems = [memory(e["ts"], e["ts"] + e["dur"]) for e in hits]
             rows.append({"mode": mode, "stage": label[len(PREFIX):], "calls/step": len(hits) / n,
                          "ms/step": us / n / 1e3, "% of step": 100 * us / step_us,
+                         "gpu ms/step": device_ms(mode, label, n),
                          "alloc MB": sum(m[1] for m in mems) / n / 2**20, "peak MB": max(m[0] for m in mems) / 2**20})
         rows.append({"mode": mode, "stage": "other", "calls/step": None, "ms/step": (step_us - staged) / n / 1e3,
-                     "% of step": 100 * (step_us - staged) / step_us, "alloc MB": None, "peak MB": None})
+                     "% of step": 100 * (step_us - staged) / step_us, "gpu ms/step": device_ms(mode, None, n),
+                     "alloc MB": None, "peak MB": None})
+        step_gpu = sum(device_ms(mode, label, n) for label in [*labels, None]) if on_device else None
         rows.append({"mode": mode, "stage": "step", "calls/step": 1.0, "ms/step": step_us / n / 1e3,
-                     "% of step": 100.0, "alloc MB": sum(m[1] for m in step_mem) / n / 2**20,
+                     "% of step": 100.0, "gpu ms/step": step_gpu, "alloc MB": sum(m[1] for m in step_mem) / n / 2**20,
                      "peak MB": max(m[0] for m in step_mem) / 2**20})
+    if not on_device:
+        for row in rows:
+            del row["gpu ms/step"]
     return rows

@@ -110,11 +110,15 @@ def _cmd_profile(args) -> int:
     from ..profiling import ProfileConfig
 
     cfg = config_from_args(ProfileConfig, args)
-    rows = profile_target(cfg, args.trace)
+    tables = profile_target(cfg, args.trace)
     what = f"model {cfg.preset} {cfg.pattern or ''}".rstrip() if cfg.target == "model" else f"layer {cfg.target}"
     print(f"{what}, x [{cfg.batch}, {cfg.seq_len}, ...], {cfg.steps} profiled steps per mode, "
           f"device {resolve_device(cfg.device)}")
-    print(tabulate(rows, headers="keys", floatfmt=".3g", missingval="-"))
+    print(tabulate(tables.stages, headers="keys", floatfmt=".3g", missingval="-"))
+    if tables.kernels:
+        device = "kernels by device time" if "kernel" in tables.kernels[0] else "operators by self time"
+        print(f"\ntop {cfg.kernels} {device}, per stage:")
+        print(tabulate(tables.kernels, headers="keys", floatfmt=".3g", missingval="-"))
     print(f"wrote {args.trace} (open in chrome://tracing or https://ui.perfetto.dev)")
     return 0
 

@@ -108,7 +108,7 @@ def test_is_drawn_and_profiled(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 0
     assert "#=state" in capsys.readouterr().out
     rows = profile_target(ProfileConfig(target="chunkmean", seq_len=64, heads=2, head_dim=8, steps=1, warmup=0,
-                                        options=dict(backend="blocked")), tmp_path / "trace.json")
+                                        options=dict(backend="blocked")), tmp_path / "trace.json").stages
     assert {r["stage"] for r in rows} >= {"step", "backward"}
 
 

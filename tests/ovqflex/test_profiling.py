@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from ovqflex.bench.profiler import ProfileConfig, profile_target, stage_table
+from ovqflex.bench.profiler import ProfileConfig, kernel_table, profile_target, stage_table
 from ovqflex.cli import main
 from ovqflex.ops import ovq_program
 from ovqflex.profiling import STAGES, stage, stage_timer
@@ -22,8 +22,10 @@ LAYERS = {
 @pytest.mark.parametrize("target", sorted(LAYERS))
 def test_trace_is_a_chrome_trace_with_every_stage(tmp_path, target):
     options, stages = LAYERS[target]
-    cfg = ProfileConfig(target=target, seq_len=96, heads=2, head_dim=8, options=options, steps=1, warmup=0)
-    rows = profile_target(cfg, tmp_path / "trace.json")
+    cfg = ProfileConfig(target=target, seq_len=96, heads=2, head_dim=8, options=options, steps=1, warmup=0,
+                        kernels=1000)
+    tables = profile_target(cfg, tmp_path / "trace.json")
+    rows = tables.stages
     trace = json.loads((tmp_path / "trace.json").read_text())  # valid JSON
     events = trace["traceEvents"]
     assert isinstance(events, list) and all("ph" in e and "name" in e for e in events)
@@ -37,12 +39,20 @@ def test_trace_is_a_chrome_trace_with_every_stage(tmp_path, target):
         mine = {r["stage"]: r for r in rows if r["mode"] == mode}
         assert set(stages) <= set(mine) and mine["step"]["% of step"] == 100.0
         assert sum(mine[s]["ms/step"] for s in mine if s != "step") == pytest.approx(mine["step"]["ms/step"])
+        assert "gpu ms/step" not in mine["step"]  # a CPU trace: no device work
+        # every operator listed (kernels=1000) under the stage that ran it, by self time: within the stage's time
+        ops = [r for r in tables.kernels if r["mode"] == mode]
+        assert set(stages) <= {r["stage"] for r in ops} and all("op" in r and "kernel" not in r for r in ops)
+        for s in stages:
+            mine_ops = [r for r in ops if r["stage"] == s]
+            assert sum(r["% of stage"] for r in mine_ops) == pytest.approx(100)
+            assert 0 < sum(r["ms/step"] for r in mine_ops) <= mine[s]["ms/step"] * (1 + 1e-9)
 
 
 def test_model_training_step_is_profiled(tmp_path):
     cfg = ProfileConfig(target="model", seq_len=64, batch=2, pattern="swa,ovq", modes=("fwd+bwd",), steps=1,
                         warmup=0, options=dict(backend="blocked", n_layers=2))
-    rows = profile_target(cfg, tmp_path / "t.json")
+    rows = profile_target(cfg, tmp_path / "t.json").stages
     got = {r["stage"] for r in rows}
     assert set(STAGES) | {"backward", "step", "other"} <= got and {r["mode"] for r in rows} == {"fwd+bwd"}
 
@@ -65,6 +75,67 @@ def test_stage_table_from_a_known_trace():
     assert rows["attention"]["% of step"] == pytest.approx(50) and rows["attention"]["peak MB"] == pytest.approx(10)
     assert rows["attention"]["alloc MB"] == pytest.approx(10)
     assert rows["other"]["ms/step"] == pytest.approx(0.03) and rows["step"]["peak MB"] == pytest.approx(10)
+
+
+def _cuda_trace():
+    """A hand-written CUDA trace: one fwd step [0, 100) holding routing [10, 40) and attention [50, 90)
+    on the host, each label repeated on the device timeline (``gpu_user_annotation``, not host time).
+    Launches (correlation id -> host time): a kernel in routing (1, t=12), a CUDA graph replay in
+    routing whose four kernels share its id (2, t=20), a copy in routing (6, t=30), a kernel in
+    attention (3, t=60), a driver launch outside the stages (4, t=95); kernel 5 has no launch."""
+    def host(name, ts, dur, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    def launch(name, ts, corr, cat="cuda_runtime"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": 1, "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, corr, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    return {"traceEvents": [
+        host("ovqflex.step[fwd]", 0, 100), host("ovqflex.routing", 10, 30), host("ovqflex.attention", 50, 40),
+        host("ovqflex.step[fwd]", 150, 160, "gpu_user_annotation"), host("ovqflex.routing", 150, 60, "gpu_user_annotation"),
+        launch("cudaLaunchKernel", 12, 1), launch("cudaGraphLaunch", 20, 2), launch("cudaMemcpyAsync", 30, 6),
+        launch("cudaLaunchKernel", 60, 3), launch("cuLaunchKernel", 95, 4, "cuda_driver"),
+        kernel("layer_norm", 150, 4, 1), *(kernel("triton_argmax", 160 + 10 * i, 5, 2) for i in range(3)),
+        kernel("sgemm_" + "x" * 100, 200, 10, 2), kernel("Memcpy DtoD", 215, 1, 6, "gpu_memcpy"),
+        kernel("flex_attention", 230, 30, 3), kernel("tail", 300, 2, 4), kernel("orphan", 305, 7, 5)]}
+
+
+def test_kernel_table_from_a_known_cuda_trace():
+    """Kernels go to the stage whose host span holds their launch (all of a graph replay's to its
+    ``cudaGraphLaunch``'s), ranked by device time; names are cut; an unlaunched kernel is dropped."""
+    rows = kernel_table(_cuda_trace(), top=3)
+    routing = [r for r in rows if r["stage"] == "routing"]
+    assert [r["kernel"] for r in routing] == ["triton_argmax", "sgemm_" + "x" * 63 + "...", "layer_norm"]
+    assert [r["calls/step"] for r in routing] == [3, 1, 1]
+    assert [r["ms/step"] for r in routing] == pytest.approx([0.015, 0.010, 0.004])
+    assert [r["% of stage"] for r in routing] == pytest.approx([50, 100 / 3, 400 / 30])
+    assert [(r["stage"], r["kernel"], r["ms/step"]) for r in rows if r["stage"] != "routing"] == [
+        ("attention", "flex_attention", pytest.approx(0.03)), ("other", "tail", pytest.approx(0.002))]
+
+
+def test_stage_table_of_a_cuda_trace_adds_the_device_time_each_stage_launched():
+    rows = {r["stage"]: r for r in stage_table(_cuda_trace(), device_type=1)}
+    assert rows["step"]["calls/step"] == 1 and rows["step"]["ms/step"] == pytest.approx(0.1)  # host spans only
+    assert rows["routing"]["ms/step"] == pytest.approx(0.03) and rows["routing"]["gpu ms/step"] == pytest.approx(0.03)
+    assert rows["attention"]["gpu ms/step"] == pytest.approx(0.03)
+    assert rows["other"]["gpu ms/step"] == pytest.approx(0.002)
+    assert rows["step"]["gpu ms/step"] == pytest.approx(0.062)
+
+
+def test_operator_self_times_subtract_their_children():
+    """Host operators A [0, 50) calling B [5, 15) and C [20, 40), C calling D [25, 30), inside a
+    routing stage; E [60, 70) on another thread at the same time as nothing of its own."""
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ovqflex.step[fwd]", "ts": 0, "dur": 100},
+              {"ph": "X", "cat": "user_annotation", "name": "ovqflex.routing", "ts": 0, "dur": 80},
+              op("A", 0, 50), op("B", 5, 10), op("C", 20, 20), op("D", 25, 5), op("E", 22, 10, tid=2)]
+    rows = kernel_table({"traceEvents": events}, top=10)
+    assert {r["op"]: r["ms/step"] * 1e3 for r in rows} == pytest.approx({"A": 20, "B": 10, "C": 15, "D": 5, "E": 10})
+    assert {r["stage"] for r in rows} == {"routing"}
 
 
 def test_stage_labels_do_not_break_fullgraph_compile():
@@ -126,4 +197,5 @@ def test_cli_profile_prints_the_table_and_writes_the_trace(tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "block_mask" in out and "attention" in out and "peak MB" in out and f"wrote {trace}" in out
+    assert "top 5 operators by self time, per stage:" in out and "% of stage" in out
     assert "ovqflex.attention" in {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
