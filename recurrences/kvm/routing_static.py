@@ -5,35 +5,41 @@ The loop's routing state is one fixed buffer (fp32 row sums ``[B, H, S, D]``, ``
 what changes per chunk is the number of live rows ``m`` it reads and the number ``n_app`` of
 tokens that found new rows. Here the state is padded to ``R = static_rows(S)`` rows (a power of
 two, the rows past ``S`` dead) with a spare after them (``R + 1`` rows), and a step reads all ``R``
-rows, not the spare:
-``LN_s`` of every row, append scores over the live ones (``arange(R) < m``, the others ``-inf``),
-``m, m + n_app`` from a device tensor, the founders the tokens whose rank in the stable sort of
-their scores is below ``n_app`` (a mask, not a slice), their new rows ``LN_s`` of their keys
-scattered to rows ``m, m+1, …`` in temporal order (the other tokens to the spare), merge logits
-over all rows with rows ``< sink_len`` and ``>= m + n_app`` at ``-inf``. So
-``torch.compile(fullgraph=True, dynamic=False)`` compiles the step once for every chunk and every
-length whose state falls in the same bucket, and the loop over chunks (:func:`route_overflow_static`)
-has no host sync and no data-dependent shape: the target of one CUDA-graph capture
-(:class:`StaticKVMRouter`, ``cuda_graph=True``), which ``route_kvm(impl="static")`` and the op's
-default ``routing="auto"`` use on CUDA, one cached router per input shape and options
+rows, not the spare: one product of the chunk's keys and gated keys against ``LN_s`` of every row
+(``[2C, R]``), append scores over the live rows (``arange(R) < m``, the others ``-inf``), ``m, m +
+n_app`` from a device tensor, the founders the tokens whose rank in the stable sort of their scores
+is below ``n_app`` (a mask, not a slice) on rows ``m, m+1, …`` in temporal order, merge logits over
+the rows ``sink_len..m-1`` and, from a ``[C, C]`` product against the chunk's own ``LN_s(kbar)``,
+over the founders' new rows. So ``torch.compile(fullgraph=True, dynamic=False)`` compiles the step
+once for every chunk and every length whose state falls in the same bucket, and the loop over chunks
+(:func:`route_overflow_static`) has no host sync and no data-dependent shape: the target of one
+CUDA-graph capture (:class:`StaticKVMRouter`, ``cuda_graph=True``), which ``route_kvm(impl="static")``
+and the op's default ``routing="auto"`` use on CUDA, one cached router per input shape and options
 (:func:`~recurrences.compiling.static_router`).
 
-Same routes as the loop: ``LN_s`` is the eager kernel on every row (:func:`_ln_rows`; a row's
-result does not depend on the other rows), dead scores are ``-inf`` (they never win a max; the max
-and the argmax's first index over the live logits are the loop's), the founders are the loop's
-``sort(stable)[:n_app]`` and get the loop's rows (``m`` + their count among the founders before
-them: the loop's ascending ``chosen``), and the write is :func:`kvm_absorb_static`: the loop's
-founder write and its own :func:`~recurrences.kvm.routing.kvm_merge_add` (the state bit for bit).
-What remains are the two products ``kbar @ LN_s(s)^T`` and ``(g kbar) @ LN_s(s+)^T``: the padded
-``[C, R]`` ones may round a logit differently from the loop's ``[C, m]`` and ``[C, m + n_app]``
-ones where the library picks another kernel by shape. On the CPU ATen takes its naive bmm below
-``D * C * cols = 400`` and BLAS above; KVM's ``m >= C >= 16`` (``kvm_state_sizes`` wants a chunk
-that is a multiple of 16) puts both above it from ``D = 2`` on (at ``D = 1`` a logit is one
-product, exact in either), and on every shape tested (tests/recurrences/test_kvm_routing_static.py,
-exact ties from duplicated keys included; the ``routing`` bench's ``same_routes`` at 2048 rows)
-routes and state are bit-identical, compiled or not. On CUDA, cuBLAS picks its kernel by shape too,
-and the loop's ``scatter_add_`` is an unordered atomic sum, so there near-ties can differ, as
-between two runs of the loop (§4.2 "Near ties").
+What a step moves is kept to the chunk's rows, since on a GPU a step's time is its passes over the
+state: the router keeps ``LN_s`` of the state's rows in a second buffer, which the absorb refreshes
+on the rows it wrote, instead of normalizing all ``R`` every step; and the writes are one opaque op
+(:func:`kvm_absorb_static`) that mutates the buffers in place, where compiled code would copy the
+whole state in and out around a functional scatter.
+
+Same routes as the loop: ``LN_s`` is the eager kernel (:func:`_ln_rows`; a row's result does not
+depend on the other rows), dead scores are ``-inf`` (they never win a max; the max and the argmax's
+first index over the live logits are the loop's: the founders' rows follow the state's and their
+columns are in the same order), the founders are the loop's ``sort(stable)[:n_app]`` and get the
+loop's rows (``m`` + their count among the founders before them: the loop's ascending ``chosen``),
+and the write is the loop's founder write and its own
+:func:`~recurrences.kvm.routing.kvm_merge_add` (the state bit for bit). What remains are the
+products: the padded ``[2C, R]`` and the ``[C, C]`` one may round a logit differently from the
+loop's ``[C, m]`` and ``[C, m + n_app]`` ones where the library picks another kernel by shape. On
+the CPU (MKL) a product against a padded matrix gives the exact one's bits on its first ``n``
+columns from ``n = 12`` (``L >= 8``, ``D >= 4``; tests/recurrences/test_ovq_routing_static.py), and
+KVM's ``m >= C >= 16`` (``kvm_state_sizes`` wants a chunk that is a multiple of 16) is above that
+(at ``D = 1`` a logit is one product, exact in either); on every shape tested
+(tests/recurrences/test_kvm_routing_static.py, exact ties from duplicated keys included; the
+``routing`` bench's ``same_routes`` at 2048 rows) routes and state are bit-identical, compiled or
+not. On CUDA, cuBLAS picks its kernel by shape too, and the loop's ``scatter_add_`` is an unordered
+atomic sum, so there near-ties can differ, as between two runs of the loop (§4.2 "Near ties").
 """
 from __future__ import annotations
 
@@ -104,6 +110,8 @@ class StaticKVMRouter:
         self.gf = torch.zeros(n, B, H, C, device=device)
         self.ln = torch.zeros(2, D, device=device)  # LN_s weight, bias
         self.state = torch.zeros(B, H, static_rows(max(self.sizes, default=0)) + 1, D, device=device)  # spare last
+        self.rows = torch.zeros_like(self.state)  # LN_s of the state's rows, kept by the steps
+        self.ln_eps = ln_eps
         self.routes = torch.full((n, B, H, C), -1, dtype=torch.long, device=device)
         self.founder = torch.zeros(n, B, H, C, dtype=torch.bool, device=device)
         self.bounds = chunk_bounds(self.sizes[Nb:], n_overflow, device)  # [n_overflow, 2]: (m, m + n_app)
@@ -132,12 +140,13 @@ class StaticKVMRouter:
             return
         # every chunk's row of self.routes / self.founder is written: chunk 0 here, the others by the steps
         found_first_chunk(self.state, self.routes[0], self.founder[0], self.kf[0], self.chunk_size)
-        route_overflow_static(self.routes, self.founder, self.kf, self.gf, self.state, self.bounds, self.ln,
+        self.rows.copy_(_ln_rows(self.state, self.ln[0], self.ln[1], self.ln_eps))
+        route_overflow_static(self.routes, self.founder, self.kf, self.gf, self.state, self.rows, self.bounds, self.ln,
                               step=self.step)
 
 
-def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, gf: Tensor, state: Tensor, bounds: Tensor,
-                          ln: Tensor, *, step) -> None:
+def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, gf: Tensor, state: Tensor, rows: Tensor,
+                          bounds: Tensor, ln: Tensor, *, step) -> None:
     """Routes and absorbs the overflow chunks ``u = 1..len(bounds)`` in place.
 
     routes ``[n, B, H, C]`` int64 and founder ``[n, B, H, C]`` bool (chunk ``u``'s row written), kf
@@ -150,46 +159,80 @@ def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, gf: Tenso
     launched per chunk). Every launch reads and writes fixed buffers at fixed offsets, with no host sync.
     """
     for u in range(1, bounds.shape[0] + 1):
-        step(kf[u], gf[u], state, bounds[u - 1], ln[0], ln[1], out=(routes[u], founder[u]))
+        step(kf[u], gf[u], state, bounds[u - 1], ln[0], ln[1], rows=rows, out=(routes[u], founder[u]))
 
 
 def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
-                    sink_len: int, ln_eps: float, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                    sink_len: int, ln_eps: float, rows: Tensor | None = None,
+                    out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """One overflow chunk against a state of ``m = bounds[0]`` live rows: ``target [B, H, C]`` int64 and
     ``appended [B, H, C]`` bool (what :func:`~recurrences.kvm.routing.kvm_route_chunk` returns), then absorbed.
 
     ok ``[B, H, C, D]`` fp32 memory keys, og ``[B, H, C]`` fp32 gates; state ``[B, H, R+1, D]`` fp32
-    (rows ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`kvm_absorb_static`); bounds ``[2]`` int64 ``(m,
-    m + n_app)``; ``ln_weight, ln_bias [D]`` fp32 of ``LN_s``. The ``n_app`` tokens first in the
-    stable order of their best score over the live rows found rows ``m, m+1, …`` in temporal order;
-    the others join their argmax row ``>= sink_len`` over the ``m + n_app`` rows (first index on ties).
+    (rows ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`kvm_absorb_static`);
+    bounds ``[2]`` int64 ``(m, m + n_app)``; ``ln_weight, ln_bias [D]`` fp32 of ``LN_s``; rows
+    ``[B, H, R+1, D]`` fp32: ``LN_s`` of every state row, kept by the caller across steps (updated here:
+    the rows this chunk wrote are normalized again), or None: normalized here from the state. The
+    ``n_app`` tokens first in the stable order of their best score over the live rows found rows ``m,
+    m+1, …`` in temporal order; the others join their argmax row ``>= sink_len`` over the ``m + n_app``
+    rows (first index on ties).
+
+    One product serves both decisions: the keys and the gated keys ``[2C, D]`` against the state's
+    rows (``[2C, R]``: append scores over rows ``< m``, merge logits over rows ``sink_len..m-1``); the
+    merge logits on the founders' rows are a ``[C, C]`` product against the chunk's own ``LN_s(kbar)``,
+    one column per token, live where the token founds. Their argmax over ``[R + C]`` columns (state
+    rows, then tokens) takes the loop's first index on ties: the founders' rows follow the state's and
+    are in temporal order, as their columns are.
     """
-    R = state.shape[2] - 1
+    R, C = state.shape[2] - 1, ok.shape[2]
     m, n_rows = bounds[0], bounds[1]
-    col = torch.arange(R, device=ok.device)                                              # [R]
-    rows = _ln_rows(state, ln_weight, ln_bias, ln_eps)                                   # [B, H, R+1, D]
-    score = (ok @ rows[:, :, :R].transpose(-1, -2)).masked_fill(col >= m, float("-inf")).amax(-1)  # [B, H, C]
+    col = torch.arange(R, device=ok.device)                                                  # [R]
+    kept = rows is not None
+    if not kept:
+        rows = _ln_rows(state, ln_weight, ln_bias, ln_eps)                                   # [B, H, R+1, D]
+    gk = og[..., None] * ok                                                                  # [B, H, C, D]
+    both = torch.cat([ok, gk], dim=2) @ rows[:, :, :R].transpose(-1, -2)                     # [B, H, 2C, R]
+    score = both[:, :, :C].masked_fill(col >= m, float("-inf")).amax(-1)                     # [B, H, C]
     appended = stable_rank(score) < n_rows - m
     slot = torch.where(appended, m + appended.cumsum(-1) - 1, R)  # founders' new rows; the others the spare
-    rows = rows.scatter(2, slot[..., None].expand_as(ok), _ln_rows(ok, ln_weight, ln_bias, ln_eps))
-    logits = (og[..., None] * ok) @ rows[:, :, :R].transpose(-1, -2)                     # [B, H, C, R]
-    logits = logits.masked_fill((col < sink_len) | (col >= n_rows), float("-inf"))
-    target = torch.where(appended, slot, logits.argmax(-1))
-    kvm_absorb_static(state, ok, og, target, appended)
+    own = gk @ _ln_rows(ok, ln_weight, ln_bias, ln_eps).transpose(-1, -2)                    # [B, H, C, C]
+    on_state = both[:, :, C:].masked_fill((col < sink_len) | (col >= m), float("-inf")).max(-1)
+    on_own = own.masked_fill((~appended | (slot < sink_len))[..., None, :], float("-inf")).max(-1)
+    # argmax over the state's columns, then the tokens' (first index on ties; NaN wins, as in argmax)
+    later = (on_own.values > on_state.values) | (on_own.values.isnan() & ~on_state.values.isnan())
+    joined = torch.where(later, slot.gather(-1, on_own.indices), on_state.indices)
+    target = torch.where(appended, slot, joined)
+    kvm_absorb_static(state, rows if kept else None, ok, og, target, appended, ln_weight, ln_bias, ln_eps)
     if out is not None:
         out[0].copy_(target)
         out[1].copy_(appended)
     return target, appended
 
 
-def kvm_absorb_static(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appended: Tensor) -> None:
+@torch.library.custom_op("ovqflex::kvm_absorb_", mutates_args=("state", "rows"))
+def kvm_absorb_static(state: Tensor, rows: Tensor | None, ok: Tensor, og: Tensor, target: Tensor, appended: Tensor,
+                      ln_weight: Tensor, ln_bias: Tensor, ln_eps: float) -> None:
     """:func:`~recurrences.kvm.routing.kvm_absorb` without its host int ``n_app`` (which slices the
-    founders out of a sort): every token writes its key, a founder to its fresh row, the others to
-    the spare last row of ``state [B, H, R+1, D]``; then the same merge add. The founders' rows get
-    the keys bit for bit as in the loop (rows are distinct), and the spare is never read live."""
+    founders out of a sort), in place: every token writes its key, a founder to its fresh row, the
+    others to the spare last row of ``state [B, H, R+1, D]``; then the same merge add. The founders'
+    rows get the keys bit for bit as in the loop (rows are distinct), and the spare is never read
+    live. With ``rows`` (``LN_s`` of the state's rows, ``[B, H, R+1, D]``): the rows written (every
+    target; a repeated one gets the same values twice) normalized again.
+
+    An opaque op, run by the eager kernels: compiled code would otherwise functionalize these writes
+    into the step's inputs, a copy of the whole state (and of ``rows``) before them and another back
+    after, where the writes touch ``C`` rows."""
     spare = state.shape[2] - 1
     state.scatter_(2, torch.where(appended, target, spare)[..., None].expand_as(ok), ok)
     kvm_merge_add(state, ok, og, target, appended)
+    if rows is not None:
+        written = target[..., None].expand_as(ok)
+        rows.scatter_(2, written, F.layer_norm(state.gather(2, written), (ok.shape[-1],), ln_weight, ln_bias, ln_eps))
+
+
+@kvm_absorb_static.register_fake
+def _(state, rows, ok, og, target, appended, ln_weight, ln_bias, ln_eps):
+    return None
 
 
 @torch.library.custom_op("ovqflex::kvm_ln_rows", mutates_args=())

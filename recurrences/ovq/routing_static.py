@@ -15,17 +15,27 @@ the target of one CUDA-graph capture (:class:`StaticOVQRouter`, ``cuda_graph=Tru
 ``route_ovq(impl="static")`` and the ops' default ``routing="auto"`` use on CUDA, one cached
 router per input shape and options (:func:`~recurrences.compiling.static_router`).
 
-Same routes as the loop: live rows are divided by the same counts (dead rows by 1,
+What a step moves is kept to the chunk's rows, since on a GPU a step's time is its passes
+over the dictionary: the router keeps the rows' read form (means, unit with
+``normalize_centroids``: :func:`dictionary_means`), which the absorb derives again on the
+rows it wrote, instead of dividing all ``R`` every step; and the absorb is one opaque op
+(:func:`absorb_in_place`) that writes the buffers in place, where compiled code would copy
+the whole dictionary in and out around a functional scatter-add.
+
+Same routes as the loop: live rows are divided by the same counts (dead rows read 0,
 never 0/0), dead scores are ``-inf`` (they never win a max; the max and its first
 index over the live scores are the loop's), the founders are the loop's
 ``sort(stable)[:n_new]`` in the same order, the absorb is the loop's own
 :func:`~recurrences.ovq.routing.ovq_absorb` (its sums bit for bit), and with
-``normalize_centroids`` the row norm is the eager kernel (:func:`_unit_rows`). What
-remains is the product ``kc @ d^T``: the padded ``[L, R]`` one may round a score
-differently from the loop's ``[L, N_c]`` one when the library picks another kernel by
-shape. On the CPU it does when ``D * L * N_c < 400`` (ATen's naive bmm) or ``B * H = 1,
-N_c = 1`` (a matrix-vector product); there an exact tie between two scores (duplicated
-keys) can break the other way. Elsewhere scores are bit-identical and so are routes
+``normalize_centroids`` the row norm is the eager kernel (:func:`_unit_rows`; a row's
+result does not depend on the others). What remains is the product ``kc @ d^T``: the
+padded ``[L, R]`` one may round a score differently from the loop's ``[L, N_c]`` one when
+the library picks another kernel by shape. On the CPU (MKL) the padded product gives the
+exact one's bits from ``N_c = 12`` rows on (``L >= 8``, ``D >= 4``); below that ATen's naive
+bmm or MKL's small-matrix kernels round some columns otherwise, and an exact tie between two
+scores (duplicated keys) can break the other way. A dictionary reads at least 12 rows from its
+first non-empty chunk whenever ``N`` is not tiny (``N = 2048``, ``L = 128``: 120 rows, plateau
+growth), and then scores are bit-identical and so are routes
 (tests/recurrences/test_ovq_routing_static.py). On CUDA, cuBLAS picks its kernel by
 shape too, and the loop's ``scatter_add_`` is an unordered atomic sum, so there only
 near-ties can differ, as between the loop and the paper's reference (§4.2 "Near ties").
@@ -94,6 +104,7 @@ class StaticOVQRouter:
         R = static_rows(n_slots)
         self.sums = torch.zeros(B, H, R + 1, D, device=device)  # row R the spare
         self.counts = torch.zeros(B, H, R + 1, device=device)
+        self.means = torch.zeros_like(self.sums)  # the rows' read form, kept by the steps
         self.routes = torch.full((n_full, B, H, L), -1, dtype=torch.long, device=device)
         self.bounds = chunk_bounds(self.sizes, n_full, device)
         gen = torch.Generator().manual_seed(seed) if seeding == "random" else None
@@ -123,34 +134,39 @@ class StaticOVQRouter:
             ovq_absorb(self.sums, self.counts, self.kf[first], route)
             self.routes[first] = route
             first += 1
-        route_chunks_static(self.routes, self.kf, self.sums, self.counts, self.bounds, self.u, first=first,
-                            step=self.step)
+        self.means.copy_(dictionary_means(self.sums, self.counts, self.normalize_centroids))
+        route_chunks_static(self.routes, self.kf, self.sums, self.counts, self.means, self.bounds, self.u,
+                            first=first, step=self.step)
 
 
-def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None,
-                        *, first: int, step) -> None:
+def route_chunks_static(routes: Tensor, kf: Tensor, sums: Tensor, counts: Tensor, means: Tensor, bounds: Tensor,
+                        u: Tensor | None, *, first: int, step) -> None:
     """Routes and absorbs the complete chunks ``first..n - 1`` in place.
 
     routes ``[n, B, H, L]`` int64 (chunk ``c``'s row written), kf ``[n, B, H, L, D]`` fp32 unit keys
     (chunk-major: every chunk the same strides), sums ``[B, H, R+1, D]`` / counts ``[B, H, R+1]`` fp32
-    (updated), bounds ``[n, 2]`` int64 ``(N_c, N_{c+1})`` on kf's device (``N_first > 0``), u ``[n,
-    B, H, L]`` random-seeding draws or None (spread); ``step(kc, sums, counts, bounds_c, u_c, out=)``:
+    and their read form means ``[B, H, R+1, D]`` (:func:`dictionary_means`; all updated), bounds
+    ``[n, 2]`` int64 ``(N_c, N_{c+1})`` on kf's device (``N_first > 0``), u ``[n,
+    B, H, L]`` random-seeding draws or None (spread); ``step(kc, sums, counts, bounds_c, u_c, means=, out=)``:
     :func:`ovq_static_step` (or ``compiled_static_step``) with ``normalize_centroids`` bound, writing
     chunk ``c``'s routes into ``routes[c]`` itself (no copy launched per chunk). Every launch reads
     and writes fixed buffers at fixed offsets, with no host sync.
     """
     for c in range(first, kf.shape[0]):
-        step(kf[c], sums, counts, bounds[c], None if u is None else u[c], out=routes[c])
+        step(kf[c], sums, counts, bounds[c], None if u is None else u[c], means=means, out=routes[c])
 
 
 def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u: Tensor | None, *,
-                    normalize_centroids: bool, value_sums: Tensor | None = None, vc: Tensor | None = None,
-                    out: Tensor | None = None) -> Tensor:
+                    normalize_centroids: bool, means: Tensor | None = None, value_sums: Tensor | None = None,
+                    vc: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """One chunk against a dictionary with ``N_c = bounds[0] > 0`` live rows: routes ``[B, H, L]``, then absorbs them.
 
     kc ``[B, H, L, D]`` fp32 unit keys; sums ``[B, H, R+1, D]``, counts ``[B, H, R+1]`` fp32 (rows
-    ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`ovq_absorb`); bounds ``[2]`` int64 ``(N_c,
-    N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread); value_sums ``[B, H, R, Dv]``
+    ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`absorb_in_place`);
+    bounds ``[2]`` int64 ``(N_c, N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread); means
+    ``[B, H, R+1, D]`` fp32: what the rows are read as (``sums / counts``, unit with
+    ``normalize_centroids``; 0 for an empty row), kept by the caller across steps (the rows this
+    chunk writes are derived again by the absorb), or None: derived here from every row; value_sums ``[B, H, R, Dv]``
     and vc ``[B, H, L, Dv]`` fp32: the values absorbed too (a static decode cache); out ``[B, H, L]``
     int64: the routes written there too (compiled, by the step's own kernels). The
     ``N_{c+1} - N_c`` tokens first in the stable order of their best similarity (or of u) found
@@ -159,18 +175,49 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
     R = sums.shape[2] - 1
     n_old, n_new = bounds[0], bounds[1] - bounds[0]
     live = torch.arange(R, device=kc.device) < n_old                        # [R]
-    d = sums[:, :, :R] / torch.where(live, counts[:, :, :R], 1.0)[..., None]
-    if normalize_centroids:
-        d = _unit_rows(d)
+    if means is None:
+        d = sums[:, :, :R] / torch.where(live, counts[:, :, :R], 1.0)[..., None]
+        d = _unit_rows(d) if normalize_centroids else d
+    else:
+        d = means[:, :, :R]
     sim = (kc @ d.transpose(-1, -2)).masked_fill(~live, float("-inf"))       # [B, H, L, R]
     best_sim, route = sim.max(dim=-1)
     rank = stable_rank(best_sim if u is None else u)
     route = torch.where(rank < n_new, n_old + rank, route)
-    ovq_absorb(sums, counts, kc, route, value_sums, vc)
+    absorb_in_place(sums, counts, means, kc, route, value_sums, vc, normalize_centroids)
     if out is not None:
         out.copy_(route)
     return route
 
+
+@torch.library.custom_op("ovqflex::ovq_absorb_", mutates_args=("sums", "counts", "means", "value_sums"))
+def absorb_in_place(sums: Tensor, counts: Tensor, means: Tensor | None, kc: Tensor, route: Tensor,
+                    value_sums: Tensor | None, vc: Tensor | None, normalize_centroids: bool) -> None:
+    """:func:`~recurrences.ovq.routing.ovq_absorb` as an opaque op that writes its buffers in place,
+    and with ``means`` (``[B, H, R+1, D]``, :func:`ovq_static_step`'s kept read form) the rows it
+    wrote derived again: ``sums / counts`` (unit with ``normalize_centroids``), by the kernels that
+    derive every row (a row's result does not depend on the others; a repeated route writes the same
+    values twice). Compiled code would otherwise functionalize these writes into the step's inputs:
+    a copy of the whole dictionary before them and another back after, two passes over ``[B, H, R+1,
+    D]`` per chunk step where the writes touch ``L`` rows. The absorb's kernels are the loop's own."""
+    ovq_absorb(sums, counts, kc, route, value_sums, vc)
+    if means is not None:
+        idx = route[..., None].expand_as(kc)
+        d = sums.gather(2, idx) / counts.gather(2, route)[..., None]
+        means.scatter_(2, idx, _unit_rows(d) if normalize_centroids else d)
+
+
+@absorb_in_place.register_fake
+def _(sums, counts, means, kc, route, value_sums, vc, normalize_centroids):
+    return None
+
+
+def dictionary_means(sums: Tensor, counts: Tensor, normalize_centroids: bool) -> Tensor:
+    """``[B, H, R+1, D]``: how :func:`ovq_static_step` reads every row of a dictionary (``sums [B, H,
+    R+1, D]``, ``counts [B, H, R+1]``): ``sums / counts`` (unit with ``normalize_centroids``), 0 for
+    an empty row."""
+    d = sums / torch.where(counts > 0, counts, 1.0)[..., None]
+    return _unit_rows(d) if normalize_centroids else d
 
 
 @torch.library.custom_op("ovqflex::ovq_unit_rows", mutates_args=())

@@ -83,6 +83,27 @@ def test_static_routes_equal_the_loop_on_exact_ties(seed, B, H, n_chunks, C, D, 
     _check_equal(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, n_distinct, dtype)
 
 
+def test_the_steps_products_round_as_the_loops_from_16_rows():
+    """What the exact-ties equality rests on, on this machine's CPU: the static step's logits come
+    from a product of the keys stacked on the gated keys (``[2C, R]``) and, for the founders' rows, a
+    ``[C, C]`` product of its own, where the loop's are ``[C, m]`` and ``[C, m + n_app]`` products.
+    With ``C >= 16`` rows and ``>= 12`` columns, a row's bits do not depend on the rows stacked with
+    it, nor a column's on the columns before it."""
+    g = torch.Generator().manual_seed(0)
+    for D in (8, 16, 64):
+        for C in (16, 32, 128):
+            keys, gated = torch.randn(2, C, D, generator=g), torch.randn(2, C, D, generator=g)
+            for n in (12, 16, 33, 128, 1024):
+                rows = torch.randn(2, n, D, generator=g)
+                stacked = torch.cat([keys, gated], 1) @ rows.transpose(-1, -2)
+                assert torch.equal(stacked[:, :C], keys @ rows.transpose(-1, -2)), (D, C, n)
+                assert torch.equal(stacked[:, C:], gated @ rows.transpose(-1, -2)), (D, C, n)
+                for before in (C, 100):
+                    wider = torch.cat([torch.randn(2, before, D, generator=g), rows], 1)
+                    assert torch.equal((gated @ wider.transpose(-1, -2))[..., before:],
+                                       gated @ rows.transpose(-1, -2)), (D, C, n, before)
+
+
 @pytest.mark.parametrize("sink_len", [0, 1])
 def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_len):
     B, H, D, C, Nb = 2, 3, 16, 16, 2
@@ -103,6 +124,8 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_l
     # the state the compiled steps built is the loop's absorb of the loop's routes, bit for bit
     routes, founder = flipped
     assert torch.equal(router.state[:, :, :-1], _absorbed(router, gate, routes, founder, sizes, C, Nb))
+    # LN_s of the rows, kept by the steps and refreshed on the rows each one wrote, is every row's afresh
+    assert torch.equal(router.rows[:, :, :-1], F.layer_norm(router.state[:, :, :-1], (D,), w, b))
 
 
 @pytest.mark.parametrize("sink_len", [0, 1])
