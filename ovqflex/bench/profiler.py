@@ -132,7 +132,8 @@ def _self_times(ops: list[dict]) -> list[tuple[dict, float]]:
         stack: list[list] = []  # [op, end, children's time]
         for e in mine:
             while stack and e["ts"] >= stack[-1][1]:
-                out.append((stack[-1][0], stack[-1][0]["dur"] - stack.pop()[2]))
+                op, _, children = stack.pop()
+                out.append((op, op["dur"] - children))
             if stack:
                 stack[-1][2] += e["dur"]
             stack.append([e, e["ts"] + e["dur"], 0.0])

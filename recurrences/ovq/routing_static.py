@@ -165,21 +165,18 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
     ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`absorb_in_place`);
     bounds ``[2]`` int64 ``(N_c, N_{c+1})``; u ``[B, H, L]`` random-seeding draws (None: spread); means
     ``[B, H, R+1, D]`` fp32: what the rows are read as (``sums / counts``, unit with
-    ``normalize_centroids``; 0 for an empty row), kept by the caller across steps (the rows this
-    chunk writes are derived again by the absorb), or None: derived here from every row; value_sums ``[B, H, R, Dv]``
-    and vc ``[B, H, L, Dv]`` fp32: the values absorbed too (a static decode cache); out ``[B, H, L]``
-    int64: the routes written there too (compiled, by the step's own kernels). The
+    ``normalize_centroids``; 0 for an empty row: :func:`dictionary_means`), kept by the caller across
+    steps (the rows this chunk writes are derived again by the absorb), or None: derived here from
+    every row; value_sums ``[B, H, R+1, Dv]`` and vc ``[B, H, L, Dv]`` fp32: the values absorbed too
+    (a static decode cache); out ``[B, H, L]`` int64: the routes written there too (compiled, by the
+    step's own kernels). The
     ``N_{c+1} - N_c`` tokens first in the stable order of their best similarity (or of u) found
     slots ``N_c, N_c + 1, …``; the others join their best live slot (first index on ties).
     """
     R = sums.shape[2] - 1
     n_old, n_new = bounds[0], bounds[1] - bounds[0]
     live = torch.arange(R, device=kc.device) < n_old                        # [R]
-    if means is None:
-        d = sums[:, :, :R] / torch.where(live, counts[:, :, :R], 1.0)[..., None]
-        d = _unit_rows(d) if normalize_centroids else d
-    else:
-        d = means[:, :, :R]
+    d = (dictionary_means(sums, counts, normalize_centroids) if means is None else means)[:, :, :R]
     sim = (kc @ d.transpose(-1, -2)).masked_fill(~live, float("-inf"))       # [B, H, L, R]
     best_sim, route = sim.max(dim=-1)
     rank = stable_rank(best_sim if u is None else u)

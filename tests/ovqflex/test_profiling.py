@@ -94,7 +94,8 @@ def _cuda_trace():
 
     return {"traceEvents": [
         host("ovqflex.step[fwd]", 0, 100), host("ovqflex.routing", 10, 30), host("ovqflex.attention", 50, 40),
-        host("ovqflex.step[fwd]", 150, 160, "gpu_user_annotation"), host("ovqflex.routing", 150, 60, "gpu_user_annotation"),
+        host("ovqflex.step[fwd]", 150, 160, "gpu_user_annotation"),
+        host("ovqflex.routing", 150, 60, "gpu_user_annotation"),
         launch("cudaLaunchKernel", 12, 1), launch("cudaGraphLaunch", 20, 2), launch("cudaMemcpyAsync", 30, 6),
         launch("cudaLaunchKernel", 60, 3), launch("cuLaunchKernel", 95, 4, "cuda_driver"),
         kernel("layer_norm", 150, 4, 1), *(kernel("triton_argmax", 160 + 10 * i, 5, 2) for i in range(3)),
