@@ -192,7 +192,7 @@ def absorb_in_place(sums: Tensor, counts: Tensor, means: Tensor | None, kc: Tens
                     value_sums: Tensor | None, vc: Tensor | None, normalize_centroids: bool) -> None:
     """:func:`~recurrences.ovq.routing.ovq_absorb` as an opaque op that writes its buffers in place,
     and with ``means`` (``[B, H, R+1, D]``, :func:`ovq_static_step`'s kept read form) the rows it
-    wrote derived again: ``sums / counts`` (unit with ``normalize_centroids``), by the kernels that
+    wrote derived again by :func:`dictionary_means`, the formula and kernels that
     derive every row (a row's result does not depend on the others; a repeated route writes the same
     values twice). Compiled code would otherwise functionalize these writes into the step's inputs:
     a copy of the whole dictionary before them and another back after, two passes over ``[B, H, R+1,
@@ -200,8 +200,7 @@ def absorb_in_place(sums: Tensor, counts: Tensor, means: Tensor | None, kc: Tens
     ovq_absorb(sums, counts, kc, route, value_sums, vc)
     if means is not None:
         idx = route[..., None].expand_as(kc)
-        d = sums.gather(2, idx) / counts.gather(2, route)[..., None]
-        means.scatter_(2, idx, _unit_rows(d) if normalize_centroids else d)
+        means.scatter_(2, idx, dictionary_means(sums.gather(2, idx), counts.gather(2, route), normalize_centroids))
 
 
 @absorb_in_place.register_fake
