@@ -240,18 +240,16 @@ def _version_sums(x: Tensor, order: Tensor, inv: Tensor, seg_start: Tensor) -> T
     xs = rows_at(x, order)  # sorted by (slot, position)
     marked = not (host_check_is_free(x) and bool(torch.isfinite(x.detach().sum(2, dtype=torch.float64)).all()))
     if marked:
-        # non-finite tokens so far (masks of detached values: isfinite's abs would keep its input for the backward)
-        bad_so_far = _slot_running_sums((~torch.isfinite(xs.detach()).all(-1)).long(), seg_start)
-    parts = []
-    for cols in xs.split(FP64_COLUMNS, dim=-1):
-        c64 = cols.double()
-        if marked:
-            c64 = torch.where(torch.isfinite(c64.detach()), c64, torch.zeros_like(c64))
-        sums = _slot_running_sums(c64, seg_start)
-        if marked:
-            sums = torch.where(bad_so_far[..., None] > 0, torch.full_like(sums, float("nan")), sums)
-        parts.append(sums.to(x.dtype))
+        # masks of detached values (isfinite's abs would keep its input for the backward), taken once on the
+        # tokens in their own dtype, not per fp64 column block: non-finite entries summed as 0, and the
+        # non-finite tokens so far in each slot
+        finite = torch.isfinite(xs.detach())
+        bad_so_far = _slot_running_sums((~finite.all(-1)).long(), seg_start)
+        xs = torch.where(finite, xs, 0.0)
+    parts = [_slot_running_sums(cols.double(), seg_start).to(x.dtype) for cols in xs.split(FP64_COLUMNS, dim=-1)]
     sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    if marked:
+        sums = torch.where(bad_so_far[..., None] > 0, float("nan"), sums)
     return rows_at(sums, inv)
 
 
