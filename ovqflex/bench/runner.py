@@ -21,6 +21,11 @@ Progress goes to stderr, a line per scenario and per measured case (a GPU profil
 runs for minutes); after each scenario but the last the rows so far are written to the JSON with
 ``meta.partial = true``, so a run cut short keeps what it measured.
 
+A run may replace the lengths of its scenarios (``seq_lens``, ``ovqflex bench --seq-lens 65536``): every
+chosen scenario must have a ``seq_lens`` list, and ``meta.seq_lens`` records the override. A GPU
+profile's scenario that compiles and measures four lengths for ten minutes can so run one length at a
+time, under a job's time limit, each run's JSON complete.
+
 Compile times (the ``first_call_s`` of compiled cases) depend on the compile caches on disk: by default
 the run uses them as it finds them (``meta.compile_cache = "as found"``); with
 ``fresh_compile_cache=True`` (``ovqflex bench --fresh-compile-cache``) inductor's and Triton's caches
@@ -29,6 +34,7 @@ are an empty temporary directory for the run, so every graph compiles as in a us
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -48,6 +54,7 @@ from ..devices import AUTO, resolve_device
 from .fit import fit_rows, plot_loglog
 from .measure import matmul_gflops, progress
 from .scenarios import KINDS, parse_scenario
+from .scenarios.base import check_sizes
 
 PROFILE_KEYS = ("name", "description", "scenario")
 
@@ -82,17 +89,37 @@ def fresh_compile_caches():
 
 
 def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "bench-out",
-                only: str | None = None, fresh_compile_cache: bool = False) -> list[dict]:
+                only: str | None = None, fresh_compile_cache: bool = False,
+                seq_lens: list[int] | None = None) -> list[dict]:
     """Run the profile at ``path`` on ``device`` (:func:`ovqflex.devices.resolve_device`), the scenarios
     whose name contains ``only`` (all by default); print the table and slopes, write JSON and plot
     to ``out_dir``; returns the rows. ``fresh_compile_cache``: compile with empty caches
-    (:func:`fresh_compile_caches`), so compiled cases' ``first_call_s`` is a cold compile."""
-    with fresh_compile_caches() if fresh_compile_cache else contextlib.nullcontext():
-        return _run_profile(path, device, out_dir, only, "fresh" if fresh_compile_cache else "as found")
-
-
-def _run_profile(path, device, out_dir, only, compile_cache: str) -> list[dict]:
+    (:func:`fresh_compile_caches`), so compiled cases' ``first_call_s`` is a cold compile.
+    ``seq_lens``: these lengths, in this order, in place of each chosen scenario's ``seq_lens``
+    (:func:`with_seq_lens`)."""
     prof = load_profile(path)
+    chosen = [sc for sc in prof["scenario"] if not only or only in (sc.name or sc.kind)]
+    if seq_lens is not None:
+        chosen = with_seq_lens(chosen, seq_lens)
+    with fresh_compile_caches() if fresh_compile_cache else contextlib.nullcontext():
+        return _run_profile(prof, chosen, device, out_dir, {
+            "compile_cache": "fresh" if fresh_compile_cache else "as found",
+            **({} if seq_lens is None else {"seq_lens": list(seq_lens)})})
+
+
+def with_seq_lens(scenarios: list, seq_lens: list[int]) -> list:
+    """``scenarios`` with their ``seq_lens`` replaced by ``seq_lens`` (positive ints); ``ValueError``
+    naming a scenario that has no ``seq_lens`` list (a fixed ``seq_len``, a training run), since its
+    rows would silently keep their lengths."""
+    check_sizes("seq_lens", list(seq_lens))
+    for sc in scenarios:
+        if "seq_lens" not in {f.name for f in dataclasses.fields(sc)}:
+            raise ValueError(f"seq_lens (--seq-lens) replaces a scenario's seq_lens list; scenario "
+                             f"{sc.name or sc.kind!r} (kind {sc.kind!r}) has none: leave it out with only (--only)")
+    return [dataclasses.replace(sc, seq_lens=list(seq_lens)) for sc in scenarios]
+
+
+def _run_profile(prof: dict, chosen: list, device: str, out_dir, run_meta: dict) -> list[dict]:
     device = str(resolve_device(device))
     rows: list[dict] = []
     gflops = matmul_gflops(device)
@@ -100,8 +127,7 @@ def _run_profile(path, device, out_dir, only, compile_cache: str) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     dest = out / f"{prof['name']}.json"
     meta = {"profile": prof["name"], "torch": torch.__version__, "device": device, "machine": platform.machine(),
-            "threads": torch.get_num_threads(), "matmul_gflops": gflops, "compile_cache": compile_cache}
-    chosen = [sc for sc in prof["scenario"] if not only or only in (sc.name or sc.kind)]
+            "threads": torch.get_num_threads(), "matmul_gflops": gflops, **run_meta}
     for i, sc in enumerate(chosen):
         name = sc.name or sc.kind
         progress(f"scenario {name} ({i + 1} of {len(chosen)})")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
-from .flags import add_config_flags, add_device, config_from_args
+from .flags import add_config_flags, add_device, config_from_args, int_list
 
 
 @dataclass
@@ -68,7 +68,7 @@ def _cmd_bench(args) -> int:
     from ..bench import run_profile
 
     run_profile(args.profile, device=args.device, out_dir=args.out, only=args.only,
-                fresh_compile_cache=args.fresh_compile_cache)
+                fresh_compile_cache=args.fresh_compile_cache, seq_lens=args.seq_lens)
     return 0
 
 
@@ -147,6 +147,9 @@ def add_bench(sub) -> None:
     s.add_argument("--fresh-compile-cache", action="store_true",
                    help="compile with empty inductor/Triton caches (a temporary directory), so the compiled "
                         "cases' first_call_s is a cold compile")
+    s.add_argument("--seq-lens", type=int_list, default=None,
+                   help="comma-separated lengths that replace each chosen scenario's seq_lens, e.g. 65536: one "
+                        "length of a long GPU scenario per run (every chosen scenario must have seq_lens)")
     s.set_defaults(fn=_cmd_bench)
 
 

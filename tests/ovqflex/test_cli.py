@@ -67,6 +67,40 @@ def test_bench_records_whether_its_compile_caches_were_fresh(tmp_path):
         assert json.loads((tmp_path / "out" / "one.json").read_text())["meta"]["compile_cache"] == cache
 
 
+def test_bench_seq_lens_replace_the_chosen_scenarios_lengths(tmp_path, capsys, monkeypatch):
+    """``--seq-lens``: each chosen scenario runs those lengths in that order instead of its own, and
+    the JSON's ``meta.seq_lens`` says so; a chosen scenario without a ``seq_lens`` list is refused by
+    name (exit 2) before anything runs, and bad lengths are refused by the flag."""
+    from ovqflex.bench.scenarios import KINDS
+
+    seen = []
+    for kind in ("viz", "blockmask"):
+        schema, _ = KINDS[kind]
+        monkeypatch.setitem(KINDS, kind, (schema, lambda sc, device: seen.append((sc.name, sc.seq_lens)) or
+                                          [{"T": T} for T in sc.seq_lens]))
+    prof = tmp_path / "lens.toml"
+    prof.write_text('name = "lens"\n'
+                    '[[scenario]]\nname = "viz-a"\nkind = "viz"\nmethod = "swa"\nseq_lens = [64, 128, 256]\n'
+                    '[[scenario]]\nname = "viz-b"\nkind = "viz"\nmethod = "ovq"\nseq_lens = [512]\n'
+                    '[[scenario]]\nname = "mask"\nkind = "blockmask"\nseq_len = 512\nchunk_size = 128\n'
+                    'state_rows = 128\n')
+    out = tmp_path / "out"
+    assert main(["bench", str(prof), "--device", "cpu", "--out", str(out), "--only", "viz", "--seq-lens",
+                 "2048,1024"]) == 0
+    assert seen == [("viz-a", [2048, 1024]), ("viz-b", [2048, 1024])]
+    saved = json.loads((out / "lens.json").read_text())
+    assert saved["meta"]["seq_lens"] == [2048, 1024] and [r["T"] for r in saved["rows"]] == [2048, 1024] * 2
+    assert main(["bench", str(prof), "--device", "cpu", "--out", str(out), "--only", "viz"]) == 0
+    assert seen[2:] == [("viz-a", [64, 128, 256]), ("viz-b", [512])]
+    assert "seq_lens" not in json.loads((out / "lens.json").read_text())["meta"]
+    capsys.readouterr()
+    assert main(["bench", str(prof), "--device", "cpu", "--out", str(out), "--seq-lens", "2048"]) == 2
+    assert re.search("scenario 'mask' \\(kind 'blockmask'\\) has none", capsys.readouterr().err)
+    assert len(seen) == 4  # nothing ran
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", str(prof), "--seq-lens", "64,x"])
+
+
 @pytest.mark.parametrize("text, match", [("name = 'x'\n", "no \\[\\[scenario\\]\\]"),
                                          ("[[scenario]]\nkind = 'nope'\n", "kind must be one of"),
                                          ("[[scenario\n", "not valid TOML")], ids=["empty", "kind", "toml"])
