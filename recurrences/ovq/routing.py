@@ -185,7 +185,14 @@ def ovq_absorb(sums: Tensor, counts: Tensor, kc: Tensor, route: Tensor, value_su
     both routing and decode caches use, so a cache rebuilt from routes holds bit for bit
     the dictionary routing saw."""
     spare = sums.shape[2] - 1
-    route = torch.where((route >= 0) & (route < spare), route, spare)
+    add_to_rows(sums, counts, kc, torch.where((route >= 0) & (route < spare), route, spare), value_sums, vc)
+
+
+def add_to_rows(sums: Tensor, counts: Tensor, kc: Tensor, route: Tensor, value_sums: Tensor | None = None,
+                vc: Tensor | None = None) -> None:
+    """:func:`ovq_absorb`'s write for routes that all name a row of ``sums [B, H, S, D]`` (``0 <= route
+    < S``; the static chunk step's are, so it skips the clamp): each token of ``kc [B, H, L, D]`` (and
+    ``vc``) added to its row, one count each."""
     sums.scatter_add_(2, route[..., None].expand(*route.shape, kc.shape[-1]), kc)
     counts.scatter_add_(2, route, torch.ones_like(route, dtype=counts.dtype))
     if value_sums is not None:

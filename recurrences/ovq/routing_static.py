@@ -26,7 +26,7 @@ Same routes as the loop: live rows are divided by the same counts (dead rows rea
 never 0/0), dead scores are ``-inf`` (they never win a max; the max and its first
 index over the live scores are the loop's), the founders are the loop's
 ``sort(stable)[:n_new]`` in the same order, the absorb is the loop's own
-:func:`~recurrences.ovq.routing.ovq_absorb` (its sums bit for bit), and with
+:func:`~recurrences.ovq.routing.ovq_absorb` write (its sums bit for bit), and with
 ``normalize_centroids`` the row norm is the eager kernel (:func:`_unit_rows`; a row's
 result does not depend on the others). What remains is the product ``kc @ d^T``: the
 padded ``[L, R]`` one may round a score differently from the loop's ``[L, N_c]`` one when
@@ -51,7 +51,7 @@ from torch import Tensor
 from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, replay_or_run,
                          stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
-from .routing import ovq_absorb, ovq_route_chunk, seeding_draw
+from .routing import add_to_rows, ovq_absorb, ovq_route_chunk, seeding_draw
 
 
 def route_ovq_static(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
@@ -190,14 +190,17 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
 @torch.library.custom_op("ovqflex::ovq_absorb_", mutates_args=("sums", "counts", "means", "value_sums"))
 def absorb_in_place(sums: Tensor, counts: Tensor, means: Tensor | None, kc: Tensor, route: Tensor,
                     value_sums: Tensor | None, vc: Tensor | None, normalize_centroids: bool) -> None:
-    """:func:`~recurrences.ovq.routing.ovq_absorb` as an opaque op that writes its buffers in place,
+    """The loop's absorb (:func:`~recurrences.ovq.routing.add_to_rows`, the write of
+    :func:`~recurrences.ovq.routing.ovq_absorb`) as an opaque op that writes its buffers in place,
     and with ``means`` (``[B, H, R+1, D]``, :func:`ovq_static_step`'s kept read form) the rows it
     wrote derived again by :func:`dictionary_means`, the formula and kernels that
     derive every row (a row's result does not depend on the others; a repeated route writes the same
     values twice). Compiled code would otherwise functionalize these writes into the step's inputs:
     a copy of the whole dictionary before them and another back after, two passes over ``[B, H, R+1,
-    D]`` per chunk step where the writes touch ``L`` rows. The absorb's kernels are the loop's own."""
-    ovq_absorb(sums, counts, kc, route, value_sums, vc)
+    D]`` per chunk step where the writes touch ``L`` rows. The absorb's kernels are the loop's own,
+    without ``ovq_absorb``'s clamp of the routes to the spare row (four launches per step: a step's
+    routes always name a row ``< R``)."""
+    add_to_rows(sums, counts, kc, route, value_sums, vc)  # a step's routes are rows < R: no clamp to the spare
     if means is not None:
         idx = route[..., None].expand_as(kc)
         means.scatter_(2, idx, dictionary_means(sums.gather(2, idx), counts.gather(2, route), normalize_centroids))
@@ -212,7 +215,7 @@ def dictionary_means(sums: Tensor, counts: Tensor, normalize_centroids: bool) ->
     """``[B, H, R+1, D]``: how :func:`ovq_static_step` reads every row of a dictionary (``sums [B, H,
     R+1, D]``, ``counts [B, H, R+1]``): ``sums / counts`` (unit with ``normalize_centroids``), 0 for
     an empty row."""
-    d = sums / torch.where(counts > 0, counts, 1.0)[..., None]
+    d = sums / counts.clamp_min(1.0)[..., None]  # counts are whole numbers: a live row's own count, 1 for an empty one
     return _unit_rows(d) if normalize_centroids else d
 
 
