@@ -113,8 +113,13 @@ def kvm_merge_add(state: Tensor, ok: Tensor, og: Tensor, target: Tensor, appende
     """The merge half of :func:`kvm_absorb`, after the founders' rows are written: every token of
     the chunk (``ok [B, H, C, D]``) adds ``g * kbar`` to its target row of ``state [B, H, S, D]``,
     a founder ``0 * kbar`` (in token order, so the sums round as the loop's)."""
-    merged_keys = torch.where(appended, 0.0, og)[..., None] * ok
-    state.scatter_add_(2, target[..., None].expand(*target.shape, ok.shape[-1]), merged_keys)
+    state.scatter_add_(2, target[..., None].expand(*target.shape, ok.shape[-1]), merge_keys(ok, og, appended))
+
+
+def merge_keys(ok: Tensor, og: Tensor, appended: Tensor) -> Tensor:
+    """What each token of a chunk adds to its target row in the merge: ``g * kbar``, a founder
+    ``0 * kbar`` (``ok [B, H, C, D]``, ``og``/``appended [B, H, C]`` -> ``[B, H, C, D]``)."""
+    return torch.where(appended, 0.0, og)[..., None] * ok
 
 
 def found_first_chunk(state: Tensor, routes: Tensor, founder: Tensor, kf: Tensor, chunk_size: int) -> None:

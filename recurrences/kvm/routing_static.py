@@ -28,8 +28,8 @@ depend on the other rows), dead scores are ``-inf`` (they never win a max; the m
 first index over the live logits are the loop's: the founders' rows follow the state's and their
 columns are in the same order), the founders are the loop's ``sort(stable)[:n_app]`` and get the
 loop's rows (``m`` + their count among the founders before them: the loop's ascending ``chosen``),
-and the write is the loop's founder write and its own
-:func:`~recurrences.kvm.routing.kvm_merge_add` (the state bit for bit). What remains are the
+and the write is the loop's founder write and merge add (its summands
+:func:`~recurrences.kvm.routing.merge_keys`: the state bit for bit). What remains are the
 products: the padded ``[2C, R]`` and the ``[C, C]`` one may round a logit differently from the
 loop's ``[C, m]`` and ``[C, m + n_app]`` ones where the library picks another kernel by shape. On
 the CPU (MKL) a product against a padded matrix gives the exact one's bits on its first ``n``
@@ -53,7 +53,7 @@ from ..checks import check_int
 from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, replay_or_run,
                          stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
-from .routing import found_first_chunk, kvm_merge_add
+from .routing import found_first_chunk, merge_keys
 
 
 def route_kvm_static(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk_size: int,
@@ -202,7 +202,10 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     later = (on_own.values > on_state.values) | (on_own.values.isnan() & ~on_state.values.isnan())
     joined = torch.where(later, slot.gather(-1, on_own.indices), on_state.indices)
     target = torch.where(appended, slot, joined)
-    kvm_absorb_static(state, rows if kept else None, ok, og, target, appended, ln_weight, ln_bias, ln_eps)
+    # what the absorb writes, computed here where it fuses into the step's kernels: the founders' rows
+    # (the others write their key to the spare R) and the merge's summands
+    kvm_absorb_static(state, rows if kept else None, ok, torch.where(appended, target, R), merge_keys(ok, og, appended),
+                      target, ln_weight, ln_bias, ln_eps)
     if out is not None:
         out[0].copy_(target)
         out[1].copy_(appended)
@@ -210,28 +213,30 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
 
 
 @torch.library.custom_op("ovqflex::kvm_absorb_", mutates_args=("state", "rows"))
-def kvm_absorb_static(state: Tensor, rows: Tensor | None, ok: Tensor, og: Tensor, target: Tensor, appended: Tensor,
-                      ln_weight: Tensor, ln_bias: Tensor, ln_eps: float) -> None:
+def kvm_absorb_static(state: Tensor, rows: Tensor | None, ok: Tensor, founder_rows: Tensor, merged: Tensor,
+                      target: Tensor, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float) -> None:
     """:func:`~recurrences.kvm.routing.kvm_absorb` without its host int ``n_app`` (which slices the
-    founders out of a sort), in place: every token writes its key, a founder to its fresh row, the
-    others to the spare last row of ``state [B, H, R+1, D]``; then the same merge add. The founders'
-    rows get the keys bit for bit as in the loop (rows are distinct), and the spare is never read
-    live. With ``rows`` (``LN_s`` of the state's rows, ``[B, H, R+1, D]``): the rows written (every
-    target; a repeated one gets the same values twice) normalized again.
+    founders out of a sort), in place: every token writes its key ``ok [B, H, C, D]`` to its
+    ``founder_rows [B, H, C]`` row (a founder's fresh row; the others the spare last row of ``state [B,
+    H, R+1, D]``), then adds ``merged`` (:func:`~recurrences.kvm.routing.merge_keys`) to its ``target``
+    row, the loop's merge add. The founders' rows get the keys bit for bit as in the loop (rows are
+    distinct), and the spare is never read live. With ``rows`` (``LN_s`` of the state's rows, ``[B, H,
+    R+1, D]``): the rows written (every target; a repeated one gets the same values twice) normalized
+    again.
 
     An opaque op, run by the eager kernels: compiled code would otherwise functionalize these writes
     into the step's inputs, a copy of the whole state (and of ``rows``) before them and another back
-    after, where the writes touch ``C`` rows."""
-    spare = state.shape[2] - 1
-    state.scatter_(2, torch.where(appended, target, spare)[..., None].expand_as(ok), ok)
-    kvm_merge_add(state, ok, og, target, appended)
+    after, where the writes touch ``C`` rows. The founders' rows and the merge's summands come in
+    computed (by the step's fused kernels, three launches fewer per step here)."""
+    state.scatter_(2, founder_rows[..., None].expand_as(ok), ok)
+    state.scatter_add_(2, target[..., None].expand_as(ok), merged)
     if rows is not None:
         written = target[..., None].expand_as(ok)
         rows.scatter_(2, written, F.layer_norm(state.gather(2, written), (ok.shape[-1],), ln_weight, ln_bias, ln_eps))
 
 
 @kvm_absorb_static.register_fake
-def _(state, rows, ok, og, target, appended, ln_weight, ln_bias, ln_eps):
+def _(state, rows, ok, founder_rows, merged, target, ln_weight, ln_bias, ln_eps):
     return None
 
 
