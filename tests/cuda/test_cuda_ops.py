@@ -217,12 +217,14 @@ def test_auto_routing_replays_a_cached_cuda_graph_with_the_loops_routes(method):
 NO_GRAD_T = 4096
 
 
-@pytest.mark.parametrize("method", ["ovq", "ovq-versioned", "kvm", "vq", "swa"])
-def test_whole_op_compiled_under_no_grad(method):
-    """``torch.compile(lambda t: op(**t, backend="flex"), fullgraph=True, dynamic=False)`` under
-    no_grad at T = 4k (the failing call of the CUDA issue) equals the eager blocked op."""
-    g = seeded(7)
-    t = {n: torch.randn(1, 2, NO_GRAD_T, 64, generator=g).to(DEVICE) for n in "qkv"}
+WHOLE_OPS = ["ovq", "ovq-versioned", "kvm", "vq", "swa"]
+
+
+def _whole_op(method: str, seed: int, T: int = None) -> tuple[dict, callable]:
+    """Inputs ``[1, 2, T, 64]`` on DEVICE (default T: NO_GRAD_T) and ``op(backend, inputs) -> out`` of one
+    whole op with the GPU profile's options (OVQ N = 2048, KVM power law, VQ 256 codes, a window with sinks)."""
+    g = seeded(seed)
+    t = {n: torch.randn(1, 2, T or NO_GRAD_T, 64, generator=g).to(DEVICE) for n in "qkv"}
     if method.startswith("ovq"):
         t["beta"] = torch.full((2,), 8.0, device=DEVICE)
         layout = "versioned" if method == "ovq-versioned" else "auto"  # versioned: split scans (2.11 inductor)
@@ -245,11 +247,49 @@ def test_whole_op_compiled_under_no_grad(method):
     else:
         def op(backend, t):
             return ovqflex.sliding_window_attention(**t, backend=backend, window=512, n_sinks=4)
+    return t, op
+
+
+@pytest.mark.parametrize("method", WHOLE_OPS)
+def test_whole_op_compiled_under_no_grad(method):
+    """``torch.compile(lambda t: op(**t, backend="flex"), fullgraph=True, dynamic=False)`` under
+    no_grad at T = 4k (the failing call of the CUDA issue) equals the eager blocked op."""
+    t, op = _whole_op(method, 7)
     compiled = torch.compile(lambda t: op("flex", t), fullgraph=True, dynamic=False)
     with torch.no_grad():
         out = compiled(t)
         ref = op("blocked", t)
     assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, f"compiled {method} at T={NO_GRAD_T}")
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward-backward"])
+@pytest.mark.parametrize("method", WHOLE_OPS)
+def test_eager_op_makes_no_host_sync_after_its_first_call(method, grad):
+    """The eager op (flex) waits for the device nowhere once its first call has built what it keeps (the
+    routers and their CUDA graphs, the compiled flex kernel, the regions' parameter tensors): its second
+    call, forward or forward and backward, runs under ``torch.cuda.set_sync_debug_mode("error")``, so a
+    copy from the host or a value read back raises. A sync stalls the host's launches until everything
+    queued before it has run. (A CPU dry run calls the op twice without the check.)"""
+    t, op = _whole_op(method, 11, T=1000)
+    if grad:
+        t = {n: x.requires_grad_() if n in "qkv" else x for n, x in t.items()}
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            out = op(TRAIN_BACKEND if grad else "flex", t)  # flex on CUDA (blocked in a CPU dry run)
+            if grad:
+                out.sum().backward()
+
+    call()
+    if DEVICE.type != "cuda":
+        call()
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_long_scan_with_broadcast_input_compiles():

@@ -66,3 +66,26 @@ def test_region_matches_definition_and_is_monotone(name):
 def test_bad_region_parameters_raise(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+def test_region_parameters_are_made_once_per_values_and_device():
+    """Eager, a region's Python parameters become one kept int32 tensor per values and device (on a GPU,
+    ``torch.tensor`` copies from the host and waits for the device at every call otherwise); a tensor
+    first made under ``inference_mode`` is a plain one, usable by a later training forward; compiled, the
+    parameters are the graph's own constants and the region's bounds are the eager ones."""
+    window = TokenWindow(37)
+    first = window.params(GEOM, torch.device("cpu"))[0]
+    assert first is window.params(GEOM, torch.device("cpu"))[0] is TokenWindow(37).params(GEOM, "cpu")[0]
+    assert first.dtype == torch.int32 and first.tolist() == [S, 37]
+    other = Geometry(q_len=300, q_pad=384, n_state=128, kv_tokens=384, block_q=128, block_kv=128)
+    assert window.params(other, torch.device("cpu"))[0].tolist() == [128, 37]
+    with torch.inference_mode():
+        made = TokenWindow(41).params(GEOM, torch.device("cpu"))[0]
+    assert not made.is_inference()
+    q_idx = torch.arange(GEOM.q_len)
+
+    def bounds(q_idx):
+        return TokenWindow.bounds(TokenWindow(41).params(GEOM, q_idx.device), q_idx)
+
+    for got, want in zip(torch.compile(bounds, fullgraph=True)(q_idx), bounds(q_idx)):
+        assert torch.equal(got, want)
