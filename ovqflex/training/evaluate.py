@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..devices import resolve_device
+from ..devices import resolve_device, to_device
 from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
@@ -92,17 +92,17 @@ def evaluate_model(model, task, lengths: list[int], *, n_examples: int, batch_si
     check_lengths(task, lengths)
     rows = []
     for length in lengths:
-        correct = total = 0
-        loss_sum = 0.0
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, targets, loss: read once per length
         t0 = time.perf_counter()
         for x, y in eval_batches(task, length, n_examples=n_examples, batch_size=batch_size, seed=seed):
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(device, x, y)
             logits, batch_loss = forward_loss(model, x, y, None)
             target = y != IGNORE
-            correct += int(((logits.argmax(-1) == y) & target).sum())
-            total += int(target.sum())
-            loss_sum += float(batch_loss)
-        rows.append(EvalRow(length, correct / max(total, 1), loss_sum / max(total, 1), total, n_examples,
+            sums += torch.stack([((logits.argmax(-1) == y) & target).sum().double(), target.sum().double(),
+                                 batch_loss.double()])
+        correct, total, loss_sum = sums.tolist()
+        total = int(total)
+        rows.append(EvalRow(length, int(correct) / max(total, 1), loss_sum / max(total, 1), total, n_examples,
                             time.perf_counter() - t0))
         if progress is not None:
             progress(rows[-1])

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..devices import resolve_device
+from ..devices import resolve_device, to_device
 from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_optimizer, remove_leftovers,
@@ -239,7 +239,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                     group["lr"] = lr
                 x, y = make_batch(task, seed=cfg.seed, step=step, start=info.rank * local_bs, count=local_bs,
                                   seq_len=cfg.seq_len)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = to_device(device, x, y)
                 target = y != IGNORE
                 # [loss sum, correct, targets] summed over ranks; the count normalises the loss
                 n_targets = target.sum().to(torch.float32).reshape(1)

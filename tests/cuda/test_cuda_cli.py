@@ -8,7 +8,9 @@ import json
 import random
 
 import pytest
+import torch
 
+from ovqflex.devices import to_device
 from tests.cuda.cuda_cases import CUDA_TIER, DEVICE
 from tests.ovqflex.training.test_trainer import _cli, metrics
 
@@ -31,3 +33,23 @@ def test_train_then_eval_on_the_device(tmp_path, dtype):
     doc = json.loads((run / "eval.json").read_text())
     assert [r["length"] for r in doc["rows"]] == [64, 128]
     assert all(0 <= r["accuracy"] <= 1 for r in doc["rows"])
+
+
+def test_batches_go_to_the_device_without_a_stream_sync():
+    """The trainer's, eval's and the bench's batches reach the GPU through pinned memory, copied
+    asynchronously (a copy from pageable memory synchronizes the stream first): equal values, and no
+    synchronizing copy under ``torch.cuda.set_sync_debug_mode("error")`` while the GPU is busy. (A
+    CPU dry run checks the values.)"""
+    x, y = torch.randint(0, 256, (16, 2048)), torch.randint(-1, 256, (16, 2048))
+    busy = torch.randn(2048, 2048, device=DEVICE)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            busy = busy @ busy / 2048  # work queued ahead of the copies
+        gx, gy = to_device(DEVICE, x, y)
+    finally:
+        if DEVICE.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert gx.device.type == gy.device.type == DEVICE.type
+    assert torch.equal(gx.cpu(), x) and torch.equal(gy.cpu(), y)

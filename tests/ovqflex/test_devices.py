@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ovqflex.devices import AUTO, resolve_device
+from ovqflex.devices import AUTO, resolve_device, to_device
 
 
 def test_auto_is_cuda_if_available_else_cpu():
@@ -21,3 +21,11 @@ def test_a_bad_device_name_is_refused_by_name(name, match):
 def test_cuda_without_cuda_is_refused():
     with pytest.raises(ValueError, match="device 'cuda' requested but CUDA is not available"):
         resolve_device("cuda")
+
+
+def test_to_device_on_the_cpu_is_to():
+    """On the CPU a batch stays what it is (no pinning: that needs an accelerator); the values and
+    dtypes are the batch's."""
+    x, y = torch.arange(12).view(3, 4), torch.rand(3, 4)
+    gx, gy = to_device(torch.device("cpu"), x, y)
+    assert gx is x and gy is y and to_device(torch.device("cpu")) == ()

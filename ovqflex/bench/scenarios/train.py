@@ -29,6 +29,7 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
     batches, for each mixer ``patterns`` entry."""
     import time
 
+    from ...devices import to_device
     from ...tasks import make_batch
     from ...training import TrainConfig
     from ...training.setup import autocast_dtype, build_model, build_optimizer, build_task
@@ -50,7 +51,7 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
 
         def step(i):
             x, y = make_batch(task, seed=0, step=i, start=0, count=cfg.batch_size, seq_len=cfg.seq_len)
-            x, y = x.to(dev), y.to(dev)
+            x, y = to_device(dev, x, y)
             forward_loss(fwd, x, y, amp)[1].backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
