@@ -138,17 +138,14 @@ def build_block_layout(
     bq, bk, nkv = geom.block_q, geom.block_kv, geom.n_kv_blocks
     dev = params[0][0].device
     q_first = torch.arange(geom.n_q_blocks, device=dev, dtype=torch.int32) * bq
-    q_last = q_first + (bq - 1)
+    ends = torch.stack([q_first, q_first + (bq - 1)])  # [2, nQB]: each query block's first and last query
     cands, valids, fulls = [], [], []
     full_width = 0  # full blocks come only from exact regions: their lists need no wider
     for region, p in zip(regions, params):
-        lo_first, hi_first = region.bounds(p, q_first)
-        lo_last, hi_last = region.bounds(p, q_last)
+        lo, hi = (x.long() for x in region.bounds(p, ends))  # both ends of every block in one evaluation
         # rows some query of the block sees: [lo(first), hi(last)); rows all see: [lo(last), hi(first))
-        blo = lo_first.long() // bk
-        bhi = _cdiv(hi_last.long(), bk)
-        flo = _cdiv(lo_last.long(), bk)
-        fhi = hi_first.long() // bk
+        blo, flo = lo[0] // bk, _cdiv(lo[1], bk)
+        bhi, fhi = _cdiv(hi[1], bk), hi[0] // bk
         width = size_min(_cdiv(region.max_span(geom), bk) + 1, nkv)
         cand = blo[:, None] + torch.arange(width, device=dev)
         valid = (cand < bhi[:, None]) & (cand < nkv)
