@@ -36,11 +36,10 @@ def sync(device: torch.device) -> None:
 def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Host tensors (a batch made on the CPU) on ``device``, without making the host wait for it. A copy
     to a GPU from pageable memory first synchronizes the stream (CUDA's documented behaviour, whatever
-    ``non_blocking`` says), so a training loop copying each step's batch so could not queue a step while
-    the GPU still runs the last one. On CUDA a CPU tensor goes through pinned memory and is copied
+    ``non_blocking`` says): a training loop that copied each step's batch that way could not queue a step
+    while the GPU still ran the last one. On CUDA a CPU tensor goes through pinned memory and is copied
     asynchronously (the pinned block is held until its copy has run); elsewhere it is ``.to(device)``."""
     if device.type != "cuda":
         return tuple(t.to(device) for t in tensors)
     return tuple(t.pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t.to(device)
                  for t in tensors)
-
