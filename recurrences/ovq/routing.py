@@ -192,9 +192,9 @@ def add_to_rows(sums: Tensor, counts: Tensor, kc: Tensor, route: Tensor, value_s
                 vc: Tensor | None = None) -> None:
     """:func:`ovq_absorb`'s write for routes that all name a row of ``sums [B, H, S, D]`` (``0 <= route
     < S``; the static chunk step's are, so it skips the clamp): each token of ``kc [B, H, L, D]`` (and
-    ``vc``) added to its row, one count each."""
+    ``vc``) added to its row, one count each (a scalar add: no tensor of ones to fill first)."""
     sums.scatter_add_(2, route[..., None].expand(*route.shape, kc.shape[-1]), kc)
-    counts.scatter_add_(2, route, torch.ones_like(route, dtype=counts.dtype))
+    counts.scatter_(2, route, 1.0, reduce="add")
     if value_sums is not None:
         value_sums.scatter_add_(2, route[..., None].expand(*route.shape, vc.shape[-1]), vc)
 
