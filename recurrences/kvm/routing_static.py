@@ -202,10 +202,10 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     later = (on_own.values > on_state.values) | (on_own.values.isnan() & ~on_state.values.isnan())
     joined = torch.where(later, slot.gather(-1, on_own.indices), on_state.indices)
     target = torch.where(appended, slot, joined)
-    # what the absorb writes, computed here where it fuses into the step's kernels: the founders' rows
-    # (the others write their key to the spare R) and the merge's summands
-    kvm_absorb_static(state, rows if kept else None, ok, torch.where(appended, target, R), merge_keys(ok, og, appended),
-                      target, ln_weight, ln_bias, ln_eps)
+    # the absorb writes every key to its slot (a founder's new row, the others' the spare R) and adds the
+    # merge's summands, computed here where they fuse into the step's kernels
+    kvm_absorb_static(state, rows if kept else None, ok, slot, merge_keys(ok, og, appended), target, ln_weight, ln_bias,
+                      ln_eps)
     if out is not None:
         out[0].copy_(target)
         out[1].copy_(appended)
