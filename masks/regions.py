@@ -19,7 +19,6 @@ tensors of the ``blocked``/``dense`` backends alike.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,6 +26,7 @@ import torch
 from torch import Tensor
 
 from recurrences.checks import check_chunk, check_int
+from recurrences.compiling import device_constant
 
 
 @dataclass(frozen=True)
@@ -121,20 +121,12 @@ def union_tests(regions, params) -> list:
 
 
 def _i32(values: list[int], device: torch.device) -> Tensor:
-    """A region's Python parameters as an int32 tensor on ``device`` (read only). Eager, one tensor per
-    values and device is kept (:func:`_i32_kept`): ``torch.tensor`` onto a GPU copies from the host and
-    waits for the device, a stream sync in the middle of an op's launches that would stall the host until
-    everything queued before it (routing, the state build) has run. Compiled, the tensor is a constant of
-    the graph."""
+    """A region's Python parameters as an int32 tensor on ``device`` (read only): eager, one kept tensor
+    per values and device (:func:`~recurrences.compiling.device_constant`: no host copy, so no stream
+    sync, at every call); compiled, a constant of the graph."""
     if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=torch.int32, device=device)
-    return _i32_kept(tuple(values), torch.device(device))
-
-
-@functools.lru_cache(maxsize=512)
-def _i32_kept(values: tuple[int, ...], device: torch.device) -> Tensor:
-    with torch.inference_mode(False):  # a plain tensor, also when first made under inference_mode
-        return torch.tensor(values, dtype=torch.int32, device=device)
+    return device_constant(tuple(values), torch.int32, torch.device(device))
 
 
 

@@ -54,6 +54,16 @@ def _(x):
 realize.register_autograd(lambda ctx, grad: grad)  # identity: a captured bias keeps its gradient
 
 
+@functools.lru_cache(maxsize=512)
+def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.tensor(values, dtype, device)`` made once per values, dtype and device, for eager code to
+    read and never write: onto a GPU ``torch.tensor`` copies from the host and synchronizes the stream,
+    which in the middle of an op's launches stalls the host until everything queued before has run.
+    Made outside ``inference_mode``, so a tensor first made while generating also serves training."""
+    with torch.inference_mode(False):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+
 def raise_recompile_limit() -> None:
     """Raise dynamo's ``recompile_limit`` to at least :data:`RECOMPILE_LIMIT` (never lower it)."""
     import torch._dynamo.config as dynamo_config

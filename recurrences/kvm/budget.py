@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_chunk, check_choice, check_int
-from ..compiling import is_symbolic, plain_float, plain_int
+from ..compiling import device_constant, is_symbolic, plain_float, plain_int
 
 BUDGETS = ("fixed", "power_law", "saturation")
 _FLOAT_FIELDS = ("growth_factor", "growth_exponent")  # the budget's float fields; the others are ints, str or None
@@ -215,14 +215,9 @@ def _chunks_within(rows: int, chunk_size: int, n_bswa_chunks: int, *budget_args)
 def _live_op(n_chunks: int, chunk_size: int, n_bswa_chunks: int, budget: str, state_min_len: int | None,
              growth_factor: float, growth_exponent: float, round_down: int, saturation_n: int,
              max_state_chunks: int | None, device: torch.device) -> Tensor:
-    return _live_kept(device, n_chunks, chunk_size, n_bswa_chunks, budget, state_min_len, growth_factor,
-                      growth_exponent, round_down, saturation_n, max_state_chunks).clone()
-
-
-@functools.lru_cache(maxsize=64)
-def _live_kept(device: torch.device, n_chunks: int, *schedule_args) -> Tensor:
-    """The sizes tensor, made once per length and device (a copy from the host waits for the device)."""
-    return torch.tensor(_table(n_chunks, *schedule_args)[:n_chunks], dtype=torch.long, device=device)
+    sizes = _table(n_chunks, chunk_size, n_bswa_chunks, budget, state_min_len, growth_factor, growth_exponent,
+                   round_down, saturation_n, max_state_chunks)[:n_chunks]
+    return device_constant(tuple(sizes), torch.long, device).clone()  # made once per length and device
 
 
 @_live_op.register_fake
