@@ -1,6 +1,8 @@
 """cuda tier: every op through flex on CUDA, forward and backward, against its sequential
 reference (run on the same device and inputs, fp32) in both state layouts, with identical routes;
 in bf16 likewise, within bf16 tolerances; whole ops compiled under no_grad."""
+from typing import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,11 +222,11 @@ NO_GRAD_T = 4096
 WHOLE_OPS = ["ovq", "ovq-versioned", "kvm", "vq", "swa"]
 
 
-def _whole_op(method: str, seed: int, T: int = None) -> tuple[dict, callable]:
+def _whole_op(method: str, seed: int, T: int = NO_GRAD_T) -> tuple[dict, Callable]:
     """Inputs ``[1, 2, T, 64]`` on DEVICE (default T: NO_GRAD_T) and ``op(backend, inputs) -> out`` of one
     whole op with the GPU profile's options (OVQ N = 2048, KVM power law, VQ 256 codes, a window with sinks)."""
     g = seeded(seed)
-    t = {n: torch.randn(1, 2, T or NO_GRAD_T, 64, generator=g).to(DEVICE) for n in "qkv"}
+    t = {n: torch.randn(1, 2, T, 64, generator=g).to(DEVICE) for n in "qkv"}
     if method.startswith("ovq"):
         t["beta"] = torch.full((2,), 8.0, device=DEVICE)
         layout = "versioned" if method == "ovq-versioned" else "auto"  # versioned: split scans (2.11 inductor)
