@@ -8,6 +8,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import ovqflex
+from ovqflex.ops import kvm_program
 from recurrences.reference import kvm_attention_reference
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 
@@ -114,6 +115,21 @@ def test_bf16_inputs_route_like_fp32():
     assert torch.equal(s16.routes, s32.routes) and torch.equal(s16.founder, s32.founder)
     assert out16.dtype == torch.bfloat16
     assert_close(out16.float(), out32, FWD_TOL[torch.bfloat16], "bf16 vs fp32")
+
+
+@pytest.mark.parametrize("layout", ["snapshot", "versioned"])
+def test_bf16_build_keeps_no_fp32_copy_of_the_token_values(layout):
+    """The founder radius is an fp32 norm of each bf16 value: it reads v itself, so what autograd keeps of
+    the build holds no ``[B, H, T, Dv]`` fp32 copy of v (the norm of ``v.float()`` kept one per layer)."""
+    B, H, T, D = 1, 2, 160, 32
+    q, k, v, params, _ = inputs(B, H, D, T, seed=3, requires_grad=False)
+    q, k, v = (x.bfloat16().requires_grad_() for x in (q, k, v))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        kvm_program(q, k, v, params["gate"].bfloat16(), ln_s_weight=params["ln_s_weight"],
+                    ln_s_bias=params["ln_s_bias"], chunk_size=16, state_layout=layout)
+    token_rows_fp32 = [t for t in saved if t.dtype == torch.float32 and tuple(t.shape) == (B, H, T, D)]
+    assert saved and not token_rows_fp32
 
 
 @pytest.mark.parametrize("T, kw", [(256, dict(chunk_size=32, n_bswa_chunks=2, sink_len=1)),
