@@ -47,8 +47,8 @@ def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Te
     (the last entry is a spare for tokens in no row)."""
     B, H = v.shape[:2]
     slot = torch.where(founder & (routes >= 0), routes, rows)
-    # fp32 norms read from v itself: the same bits as the norm of v.float(), without keeping that fp32 copy of
-    # every token's value for the backward (the norm keeps its input)
+    # fp32 norms read from v itself (on the CPU the same bits as the norm of v.float()), without keeping that fp32
+    # copy of every token's value for the backward (the norm keeps its input)
     radius = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32) * founder
     return radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)
 
