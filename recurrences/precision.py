@@ -27,6 +27,16 @@
 3. The attention itself runs in the compute dtype (flex accumulates in fp32; the ``blocked`` and
    ``dense`` backends take the softmax in fp32); the linear recurrences work in fp32 (fp64 for
    fp64 inputs) and return the compute dtype.
+
+4. **The layers' arithmetic before the boundary, the same compiled and eager.** Under autocast, eager
+   code rounds the output of every elementwise op to the autocast dtype, while a compiled graph
+   fuses a chain of them and rounds once at its end. Measured on the CPU under bf16 autocast, the
+   eager and compiled layers' q and k after a trained q/k convolution (``K`` products and sums)
+   differed in about half of their elements, and KVM's gates ``1 + elu(x W_g)`` in 12%; a gate
+   enters KVM's state sums, so at 1,000 tokens 0.3-2% of the routes differed. Such chains are
+   computed in fp32 (:func:`widened`) and rounded once (:func:`rounded`), eager and compiled.
+   Code documented as fp32 inside (LongVQ's damped EMA, the linear recurrences) switches autocast
+   off (:func:`no_autocast`), which would otherwise run its matmuls in bf16.
 """
 from __future__ import annotations
 
@@ -59,6 +69,23 @@ def to_dtype(dtype: torch.dtype, *xs: Tensor | None) -> tuple[Tensor | None, ...
 def to_compute_dtype(*xs: Tensor | None) -> tuple[Tensor | None, ...]:
     """``xs`` cast to their :func:`compute_dtype` (None stays None)."""
     return to_dtype(compute_dtype(*xs), *xs)
+
+
+def widened(x: Tensor) -> Tensor:
+    """x in at least fp32 (bf16 and fp16 to fp32; fp32 and fp64 as they are): the precision of the
+    layers' elementwise chains (rule 4)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype)``: the one rounding of a chain computed :func:`widened` (rule 4). While compiling,
+    a bf16 or fp16 result passes :func:`~recurrences.compiling.realize`, so what reads it reads the
+    rounded buffer: inductor may drop the rounding of an fp32 -> bf16 -> fp32 round trip inside one
+    fused kernel (:func:`exact_float`), as when a norm under autocast reads the rounded q/k."""
+    y = x.to(dtype)
+    if y.dtype != x.dtype and dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
+        y = realize(y)
+    return y
 
 
 def no_autocast(x: Tensor):

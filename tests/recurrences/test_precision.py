@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from recurrences.kvm import routing_memory_keys
-from recurrences.precision import compute_dtype, exact_float, routing_keys, to_compute_dtype
+from recurrences.precision import compute_dtype, exact_float, rounded, routing_keys, to_compute_dtype, widened
 
 f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
 
@@ -88,3 +88,28 @@ def test_routing_copies_of_low_precision_keys_pass_a_real_buffer_when_compiled(d
         assert torch.equal(g, want)
     k = torch.randn(3, 4, dtype=dtype)
     assert torch.equal(exact_float(k), k.float())
+
+
+def widened_chain(x, dtype):
+    """A layer's elementwise chain in fp32, rounded once to ``dtype``, then read in fp32 (as a norm
+    under autocast reads it)."""
+    return rounded(1.0 + F.elu(widened(x.to(dtype)) * 1.37), dtype).float() * 2
+
+
+@pytest.mark.parametrize("dtype, barriers", [(bf16, 1), (torch.float16, 1), (f32, 0)], ids=["bf16", "fp16", "fp32"])
+def test_rounded_chains_pass_a_real_buffer_when_compiled(dtype, barriers):
+    """:func:`rounded` is ``x.to(dtype)``; compiled, a bf16/fp16 result passes ``ovqflex::realize`` (its
+    reader cannot skip the rounding), an fp32 one none; :func:`widened` keeps fp32 and fp64 as they are."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    got = torch.compile(widened_chain, backend=capture, fullgraph=True)(x, dtype)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("ovqflex.realize" in t for t in targets) == barriers
+    assert torch.equal(got, widened_chain(x, dtype))
+    assert torch.equal(rounded(x, dtype), x.to(dtype))
+    assert widened(x.to(dtype)).dtype == f32 and widened(x.double()).dtype == torch.float64
