@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .compiling import is_symbolic, size_max, size_min
+from .precision import no_autocast
 
 
 def ema_kernel(delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor, length: int) -> Tensor:
@@ -66,8 +67,14 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
     entries are exact zeros (built with ``where`` before ``exp``), so an output has an exactly
     zero gradient with respect to later inputs. Work ``O(T·L·D + (T/L)²·D·n)`` (``L`` the chunk), memory
     ``O(D·L² + D·n·(T/L)²)``; ``chunk_size=None`` takes :func:`ema_chunk` (about ``sqrt(T)``),
-    which keeps the memory linear in ``T``.
+    which keeps the memory linear in ``T``. Autocast is switched off inside: it would run the einsums in
+    bf16 (3.7e-3 relative error against the fp64 recurrence where fp32 gives 1.1e-7).
     """
+    with no_autocast(x):
+        return _damped_ema(x, delta_logit, alpha_logit, beta, gamma, omega, chunk_size, h0, output_final_state)
+
+
+def _damped_ema(x, delta_logit, alpha_logit, beta, gamma, omega, chunk_size, h0, output_final_state):
     B, T, D = x.shape
     L = ema_chunk(T) if chunk_size is None else chunk_size
     nc = size_max(1, -(-T // L))
