@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from recurrences.checks import check_choice, check_int, check_layer_input
+from recurrences.precision import rounded, widened
 
 from ..attention import BACKENDS
 from ..profiling import stage
@@ -73,7 +74,8 @@ class MultiHeadProjection(AttentionLayer):
             prev = qk.new_zeros(B, n, self.qk_conv - 1) if conv_tail is None else conv_tail.to(qk.dtype)
             qk = torch.cat([prev, qk], dim=2)  # causal: the K-1 tokens before x, then x
             tail = qk[:, :, qk.shape[2] - (self.qk_conv - 1):]
-            qk = _causal_depthwise(qk, self.qk_conv_weight.to(qk.dtype)).transpose(1, 2)
+            # in fp32, rounded once: the same q, k eager and compiled (recurrences/precision.py, rule 4)
+            qk = rounded(_causal_depthwise(widened(qk), widened(self.qk_conv_weight)), qk.dtype).transpose(1, 2)
             qkv = torch.cat([qk, qkv[..., n:]], dim=-1)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v, tail

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from masks.program import AttentionProgram
 from recurrences.checks import options_of
 from recurrences.kvm import routing_memory_keys
-from recurrences.precision import to_compute_dtype
+from recurrences.precision import rounded, to_compute_dtype, widened
 
 from ..cache.kvm import KVMCache, StaticKVMCache
 from ..ops.decode import positions
@@ -30,6 +30,13 @@ from ..profiling import stage
 from .heads import MultiHeadProjection
 from .options import OptionAttributes
 from .rope import apply_rope
+
+
+def _merge_gate(z: Tensor) -> Tensor:
+    """The merge gates ``1 + elu(z)``: z ``[B, T, H]`` (``x W_g``) -> ``[B, H, T]`` in z's dtype, computed in
+    fp32 and rounded once, so that eager and compiled layers give the same gates under autocast
+    (recurrences/precision.py, rule 4)."""
+    return rounded(1.0 + F.elu(widened(z)), z.dtype).transpose(1, 2)
 
 
 class KVMAttention(OptionAttributes, MultiHeadProjection):
@@ -73,7 +80,7 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
             pos = positions(start, x.shape[1], x.device)
             q = apply_rope(self.q_norm(q), pos, self.rope_dims, self.rope_base, interleaved=True)
             k = apply_rope(self.k_norm(k), pos, self.rope_dims, self.rope_base, interleaved=True)
-            gate = None if self.gate_proj is None else (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)  # [B, H, T]
+            gate = None if self.gate_proj is None else _merge_gate(self.gate_proj(x))  # [B, H, T]
             # one compute dtype here already, so the cache paths see the tensors the op sees
             q, k, v, gate = to_compute_dtype(q, k, v, gate)
         return q, k, v, gate, tail
