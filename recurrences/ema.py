@@ -75,6 +75,7 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
 
 
 def _damped_ema(x, delta_logit, alpha_logit, beta, gamma, omega, chunk_size, h0, output_final_state):
+    """:func:`damped_ema`'s work, autocast off."""
     B, T, D = x.shape
     L = ema_chunk(T) if chunk_size is None else chunk_size
     nc = size_max(1, -(-T // L))

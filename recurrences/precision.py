@@ -89,7 +89,7 @@ def rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def no_autocast(x: Tensor):
-    """A context with autocast off for ``x``'s device type (routing computes in fp32)."""
+    """A context with autocast off for ``x``'s device type (routing, and code that computes in fp32 inside)."""
     return torch.autocast(x.device.type, enabled=False)
 
 
