@@ -103,7 +103,9 @@ def _damped_ema(x, delta_logit, alpha_logit, beta, gamma, omega, chunk_size, h0,
     if h0 is not None:  # the carried state decays into every output: sum_n g (decay^(t+1)) h0
         y = y + torch.einsum("dnt,bdn->btd", torch.exp((t + 1)[None, None, :] * loga[..., None]) * g[..., None],
                              h0.float())
-    y = (y + x.float() * omega.float()).to(x.dtype)
+    # contiguous: the einsums leave y channel-major ([D, B, T] in memory), and a bf16 matmul reading
+    # that layout (LongVQ's z_proj, eagerly) rounds 15% of its outputs otherwise than a contiguous one
+    y = (y + x.float() * omega.float()).to(x.dtype).contiguous()
     if not output_final_state:
         return y
     to_last = torch.exp((T - 1 - t)[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, T]

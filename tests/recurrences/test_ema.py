@@ -42,6 +42,17 @@ def test_fp32_inside_under_autocast(dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("chunk", [16, None], ids=["chunk16", "default-chunk"])
+def test_output_is_contiguous(chunk):
+    """The einsums leave the output channel-major; it is returned contiguous, so the matmul after it
+    (LongVQ's z_proj) takes the same kernel eagerly as compiled."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 100, 8, generator=g)
+    y, state = damped_ema(x, *[torch.randn(8, 4, generator=g) for _ in range(4)], torch.randn(8, generator=g),
+                          chunk_size=chunk, output_final_state=True)
+    assert y.is_contiguous() and y.shape == x.shape
+
+
 def test_exactly_causal():
     x = torch.randn(1, 150, 4, requires_grad=True)
     params = [torch.randn(4, 3) for _ in range(4)]

@@ -81,3 +81,24 @@ def test_compiled_kvm_layer_hands_its_op_the_eager_layers_inputs_under_autocast(
         routes = [ovqflex.kvm_attention(*inputs, backend="blocked", return_state=True, options=layer.options,
                                         **layer._readout()._asdict())[1].routes for inputs in (eager, compiled)]
     assert (routes[0] != routes[1]).float().mean() <= 1e-3
+
+
+def test_compiled_longvq_layer_hands_its_op_the_eager_layers_inputs_under_autocast():
+    """Under bf16 autocast the compiled LongVQ layer's q, k and attention gate equal the eager layer's but
+    for a rare rounding: the damped EMA runs in fp32 (autocast ran its einsums in bf16) and returns a
+    contiguous tensor (its channel-major result made the eager ``z_proj`` round 15% of q and k otherwise
+    than the compiled layer)."""
+    torch.manual_seed(0)
+    layer = ovqflex.LongVQBlock(32, 2, chunk_size=16, codebook_size=16, backend="blocked", block_size=16)
+    x = torch.randn(2, 300, 32, generator=torch.Generator().manual_seed(2))
+
+    def op_inputs(x):
+        with torch.autocast("cpu", dtype=bf16):
+            inputs = layer._project(x, None, False)
+        return inputs.q, inputs.k, inputs.v, inputs.g_a
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager, compiled = op_inputs(x), torch.compile(op_inputs, fullgraph=True)(x)
+    for name, e, c in zip(["q", "k", "v", "g_a"], eager, compiled):
+        assert e.dtype == c.dtype == bf16 and (e != c).float().mean() <= 1e-3, name
