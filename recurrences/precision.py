@@ -36,7 +36,8 @@
    enters KVM's state sums, so at 1,000 tokens 0.3-2% of the routes differed. Such chains are
    computed in fp32 (:func:`widened`) and rounded once (:func:`rounded`), eager and compiled.
    Code documented as fp32 inside (LongVQ's damped EMA, the linear recurrences) switches autocast
-   off (:func:`no_autocast`), which would otherwise run its matmuls in bf16.
+   off (:func:`no_autocast`), which would otherwise run its matmuls in bf16. And a tensor a layer
+   hands to a bf16 matmul is contiguous: eager kernels may round another layout otherwise.
 """
 from __future__ import annotations
 
