@@ -69,29 +69,24 @@ def test_layer_compiled_no_grad_forward(name):
 def test_compiled_kvm_layer_routes_on_the_eager_layers_keys():
     """Under bf16 autocast the fp32 memory keys a compiled KVM layer routes on (its projection, a trained
     q/k convolution, q/k norms, RoPE, the cast to bf16, then ``LN_s`` of an exact fp32 copy) equal the eager
-    layer's but for rare roundings, and so do its gates: torch 2.11's inductor on CUDA dropped the bf16
-    rounding in that chain, which moved routes by ~1e-2 (``recurrences.precision.exact_float``), and
-    eager code rounded the convolution and the gate after every op where the compiled layer rounds once
-    (``recurrences.precision.rounded``)."""
+    layer's but for rare roundings: torch 2.11's inductor on CUDA dropped the bf16 rounding in that chain,
+    which moved routes by ~1e-2 (``recurrences.precision.exact_float``; the gates: the next test)."""
     layer, _ = _pair("kvm")
     with torch.no_grad():
         layer.qk_conv_weight.normal_(0.0, 0.5, generator=torch.Generator(DEVICE).manual_seed(3))  # as after training
     x = torch.randn(4, 100, WIDTH, generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
-    def keys_and_gates(x):
+    def memory_keys(x):
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            operands = layer._cached_operands(layer._project(x, None))
-        return operands[4], operands[3]
+            return layer._cached_operands(layer._project(x, None))[4]
 
     torch._dynamo.reset()
     with torch.no_grad():
-        (got, got_gate), (want, want_gate) = torch.compile(keys_and_gates, fullgraph=True)(x), keys_and_gates(x)
-    # a rare key or gate may still round the other way (fp32 reduction order, FMA contraction, libm);
-    # a dropped or doubled rounding moves about half the keys and a tenth of the gates
-    moved_keys = ((got - want).abs().amax(-1) > 1e-4).float().mean().item()
-    moved_gates = (got_gate != want_gate).float().mean().item()
-    assert got.dtype == torch.float32 and got_gate.dtype == torch.bfloat16
-    assert moved_keys <= 0.01 and moved_gates <= 0.01, (moved_keys, moved_gates)
+        got, want = torch.compile(memory_keys, fullgraph=True)(x), memory_keys(x)
+    # a rare key may still round the other way (fp32 reduction order, FMA contraction); a dropped
+    # rounding moves about half of them
+    assert got.dtype == torch.float32
+    assert ((got - want).abs().amax(-1) > 1e-4).float().mean().item() <= 0.01
 
 
 def _op_inputs(inputs) -> list:

@@ -57,6 +57,18 @@ def test_kvm_layer_under_cpu_autocast_routes_like_the_reference():
     assert_close(y.float(), y_ref.float(), FWD_TOL[bf16], "layer vs reference")
 
 
+def _eager_and_compiled(op_inputs, x, names):
+    """``op_inputs(x)`` (a layer's bf16 op inputs under autocast) eager and compiled, no grad, after checking
+    that each named tensor of the two differs in at most 0.1% of its elements (fp32 reduction order or
+    another libm may move a rare rounding; a dropped or doubled one moves a tenth to a half)."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager, compiled = op_inputs(x), torch.compile(op_inputs, fullgraph=True)(x)
+    for name, e, c in zip(names, eager, compiled, strict=True):
+        assert e.dtype == c.dtype == bf16 and (e != c).float().mean() <= 1e-3, name
+    return eager, compiled
+
+
 def test_compiled_kvm_layer_hands_its_op_the_eager_layers_inputs_under_autocast():
     """Under bf16 autocast the compiled KVM layer's q, k (after a trained q/k convolution) and gates equal
     the eager layer's, so both route alike: each chain is computed in fp32 and rounded once. Rounded
@@ -73,11 +85,8 @@ def test_compiled_kvm_layer_hands_its_op_the_eager_layers_inputs_under_autocast(
         with torch.autocast("cpu", dtype=bf16):
             return layer._project(x, None)[:4]
 
-    torch._dynamo.reset()
+    eager, compiled = _eager_and_compiled(op_inputs, x, ["q", "k", "v", "gate"])
     with torch.no_grad():
-        eager, compiled = op_inputs(x), torch.compile(op_inputs, fullgraph=True)(x)
-        for name, e, c in zip(["q", "k", "v", "gate"], eager, compiled):  # fp32 order or libm may move a rare one
-            assert e.dtype == c.dtype == bf16 and (e != c).float().mean() <= 1e-3, name
         routes = [ovqflex.kvm_attention(*inputs, backend="blocked", return_state=True, options=layer.options,
                                         **layer._readout()._asdict())[1].routes for inputs in (eager, compiled)]
     assert (routes[0] != routes[1]).float().mean() <= 1e-3
@@ -97,8 +106,4 @@ def test_compiled_longvq_layer_hands_its_op_the_eager_layers_inputs_under_autoca
             inputs = layer._project(x, None, False)
         return inputs.q, inputs.k, inputs.v, inputs.g_a
 
-    torch._dynamo.reset()
-    with torch.no_grad():
-        eager, compiled = op_inputs(x), torch.compile(op_inputs, fullgraph=True)(x)
-    for name, e, c in zip(["q", "k", "v", "g_a"], eager, compiled):
-        assert e.dtype == c.dtype == bf16 and (e != c).float().mean() <= 1e-3, name
+    _eager_and_compiled(op_inputs, x, ["q", "k", "v", "g_a"])
