@@ -61,6 +61,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from masks.program import AttentionProgram
 from recurrences.checks import check_choice, host_check_is_free
 from recurrences.compiling import narrow_rows, prepare_compile, realize
+from recurrences.precision import no_autocast
 
 log = logging.getLogger("ovqflex")
 
@@ -123,14 +124,15 @@ def resolve_backend(backend: str, program: AttentionProgram) -> str:
 
 
 def attend(program: AttentionProgram, backend: str = "auto") -> Tensor:
-    """Run ``program``; returns ``[B, H, q_len, Dv]`` in the dtype of ``q``."""
+    """Run ``program``; returns ``[B, H, q_len, Dv]`` in the dtype of ``q``. Every backend computes the
+    scores and the softmax-weighted sum in fp32 (flex accumulates in fp32; ``blocked`` and ``dense``
+    upcast, with autocast off, which would run their matmuls in bf16)."""
     backend = resolve_backend(backend, program)
     if backend == "flex":
         out = _flex(program)
-    elif backend == "blocked":
-        out = _blocked(program)
     else:
-        out = _dense(program)
+        with no_autocast(program.q):
+            out = _blocked(program) if backend == "blocked" else _dense(program)
     return narrow_rows(out, 2, 0, program.q_len)
 
 
@@ -256,9 +258,9 @@ def _blocked(p: AttentionProgram) -> Tensor:
     rows = (idx[:, :, None] * bk + torch.arange(bk, device=dev)).reshape(nqb, W * bk)
     row_valid = valid[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     row_full = full[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
-    kg = p.k[:, :, rows]  # [B, H, nqb, W*bk, D]
-    qb = p.q.view(B, H, nqb, bq, D)
-    s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk]
+    kg = p.k[:, :, rows].float()  # [B, H, nqb, W*bk, D]
+    qb = p.q.view(B, H, nqb, bq, D).float()
+    s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk] fp32, as flex's
     q_idx = torch.arange(Qp, device=dev).view(1, 1, nqb, bq, 1)
     kv_idx = rows.view(1, 1, nqb, 1, W * bk)
     b, h = _index_grid(B, H, dev)
@@ -266,7 +268,7 @@ def _blocked(p: AttentionProgram) -> Tensor:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     visible = row_valid[:, None, :] & (row_full[:, None, :] | p.mask_mod(b, h, q_idx, kv_idx))
     s = torch.where(visible, s, float("-inf"))
-    out = _safe_softmax_av(s.float(), p.v.float(), pick=lambda v: v[:, :, rows])  # [B, H, nqb, bq, Dv]
+    out = _safe_softmax_av(s, p.v.float(), pick=lambda v: v[:, :, rows])  # [B, H, nqb, bq, Dv]
     return out.reshape(B, H, Qp, Dv).to(p.q.dtype)
 
 
@@ -303,9 +305,10 @@ def attend_rows(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Te
     if [t.shape[-2] for t in ks] != [t.shape[-2] for t in vs]:
         raise ValueError(f"k and v parts must have the same rows, got {[t.shape[-2] for t in ks]} and "
                          f"{[t.shape[-2] for t in vs]}")
-    qf = q.float()
-    s = torch.cat([torch.matmul(qf, t.float().transpose(-1, -2)) for t in ks], dim=-1) * scale
-    if bias is not None:
-        s = s + bias[:, :, None, :].float()
-    s = torch.where(visible, s, float("-inf"))
-    return _safe_softmax_av(s, [t.float() for t in vs], nonfinite=v_nonfinite).to(q.dtype)
+    with no_autocast(q):  # fp32 scores and sums, as the backends'
+        qf = q.float()
+        s = torch.cat([torch.matmul(qf, t.float().transpose(-1, -2)) for t in ks], dim=-1) * scale
+        if bias is not None:
+            s = s + bias[:, :, None, :].float()
+        s = torch.where(visible, s, float("-inf"))
+        return _safe_softmax_av(s, [t.float() for t in vs], nonfinite=v_nonfinite).to(q.dtype)

@@ -117,6 +117,28 @@ def test_bf16_inputs_match_fp32():
     assert_close(out, ref, FWD_TOL[torch.bfloat16], "bf16 blocked")
 
 
+@pytest.mark.parametrize("backend", ["blocked", "dense"])
+def test_eager_backends_compute_a_bf16_program_in_fp32_under_autocast_too(backend):
+    """The scores and the weighted sum of a bf16 program are fp32, as flex's are: the output is the
+    fp32 program's of the same values, rounded once, with or without autocast (which would run the
+    matmuls in bf16: scores rounded to bf16 before the softmax)."""
+    q, k, v = (t.bfloat16() for t in make_qkv(1, 2, 32, 100, seed=3))
+    want = ovqflex.attend(program(q.float(), k.float(), v.float(), {"window": 30}), backend).to(torch.bfloat16)
+    assert torch.equal(ovqflex.attend(program(q, k, v, {"window": 30}), backend), want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(ovqflex.attend(program(q, k, v, {"window": 30}), backend), want)
+
+
+def test_attend_rows_computes_in_fp32_under_autocast_too():
+    """A decode step's attention over explicit rows is the same with autocast on as off."""
+    from ovqflex.attention import attend_rows
+
+    q, k, v, visible, bias = (t.bfloat16() if t.is_floating_point() else t for t in _rows_case(None))
+    want = attend_rows(q, k, v, visible, scale=0.3, bias=bias.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(attend_rows(q, k, v, visible, scale=0.3, bias=bias.float()), want)
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
