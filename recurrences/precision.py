@@ -24,9 +24,11 @@
    A bf16 run and an fp32 run of the same model route differently: rounding the keys to bf16
    moves them across near-ties. That is a difference of inputs, not of the op.
 
-3. The attention itself runs in the compute dtype (flex accumulates in fp32; the ``blocked`` and
-   ``dense`` backends take the softmax in fp32); the linear recurrences work in fp32 (fp64 for
-   fp64 inputs) and return the compute dtype.
+3. The attention itself takes its program in the compute dtype and returns it; the scores, the
+   softmax and the weighted sum are fp32 (flex accumulates in fp32; the ``blocked`` and ``dense``
+   backends and a decode step's ``attend_rows`` upcast, with autocast off, which would run their
+   matmuls in bf16 and round the scores before the softmax); the linear recurrences work in fp32
+   (fp64 for fp64 inputs) and return the compute dtype.
 
 4. **The layers' arithmetic before the boundary, the same compiled and eager.** Under autocast, eager
    code rounds the output of every elementwise op to the autocast dtype, while a compiled graph
