@@ -9,8 +9,9 @@ Query chunk ``c`` (checkpoint ``k = c // R``) reads
 
 Both are intervals with non-decreasing bounds (the analytic block builder's contract), and
 inside them a row is visible only while ``born[b, h, r] <= c < dies[b, h, r]`` — a per-row
-predicate read from captured int32 tensors (``[B, H, kv_len]``: token rows are never live), so
-these regions are not ``exact``: their blocks are always partial (the ``mask_mod`` decides). The
+predicate read from captured int32 tensors (``[B, H, rows + 1]``: the last row dead, read for every
+kv row after the state's, so token rows are never live), so these regions are not ``exact``: their
+blocks are always partial (the ``mask_mod`` decides). The
 liveness alone decides (a live row always lies in its region's interval,
 :mod:`recurrences.versioned`), so the two regions share it as one test (``shared_test``): the
 ``mask_mod`` compares two gathered rows with the query's chunk once, not each region's interval
@@ -40,15 +41,16 @@ def _touched_chunks(geom: Geometry, chunk_size: int) -> int:
 
 
 def _liveness(born: Tensor, dies: Tensor, geom: Geometry) -> tuple[Tensor, Tensor]:
-    """born, dies ``[B, H, kv_len]`` int32: the state's rows, then dead rows (state padding, tokens)."""
+    """born, dies ``[B, H, rows + 1]`` int32: the state's rows, then one dead row (``born = dies = 0``),
+    which :func:`_live` reads for every later kv row (state padding, tokens)."""
     if born.shape[-1] > geom.n_state:
         raise ValueError(f"liveness covers {born.shape[-1]} rows, more than the program's {geom.n_state} state rows")
-    pad = geom.kv_len - born.shape[-1]
-    return F.pad(born.to(torch.int32), (0, pad)), F.pad(dies.to(torch.int32), (0, pad))
+    return F.pad(born.to(torch.int32), (0, 1)), F.pad(dies.to(torch.int32), (0, 1))
 
 
 def _live(born: Tensor, dies: Tensor, c: Tensor, kv_idx: Tensor, b, h) -> Tensor:
-    """``born[b, h, r] <= c < dies[b, h, r]`` (``b, h`` None: batch 0, head 0, as a viewer draws)."""
+    """``born[b, h, r] <= c < dies[b, h, r]`` (``b, h`` None: batch 0, head 0, as a viewer draws), a kv
+    row past the liveness (state padding, tokens) reading its last, dead row."""
     r = torch.clamp(kv_idx, min=0, max=born.shape[-1] - 1)
     b = 0 if b is None else b
     h = 0 if h is None else h
