@@ -86,9 +86,15 @@ def rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
     rounded buffer: inductor may drop the rounding of an fp32 -> bf16 -> fp32 round trip inside one
     fused kernel (:func:`exact_float`), as when a norm under autocast reads the rounded q/k."""
     y = x.to(dtype)
-    if y.dtype != x.dtype and dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
-        y = realize(y)
-    return y
+    return y if y.dtype == x.dtype else _held(y)
+
+
+def _held(x: Tensor) -> Tensor:
+    """x; while compiling, a bf16/fp16 x passes :func:`~recurrences.compiling.realize`, whose output is a
+    real buffer in x's dtype, so no fused kernel can skip its rounding (:func:`exact_float`, :func:`rounded`)."""
+    if x.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
+        return realize(x)
+    return x
 
 
 def no_autocast(x: Tensor):
@@ -102,12 +108,9 @@ def exact_float(x: Tensor) -> Tensor:
     Inductor may drop the rounding of an explicit fp32 -> bf16/fp16 -> fp32 round trip inside one
     fused kernel (torch 2.11 on CUDA: pytorch/pytorch#179561, fixed by #180575): a copy taken there
     holds the producer's unrounded fp32 values, not the low-precision tensor the eager code has, and
-    routing on it can choose other slots than the eager layer and the references. While compiling,
-    a low-precision x passes first through :func:`~recurrences.compiling.realize`, whose output is a
-    real buffer in x's dtype."""
-    if x.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
-        x = realize(x)
-    return x.float()
+    routing on it can choose other slots than the eager layer and the references. So a low-precision
+    x is first held in a real buffer (:func:`_held`)."""
+    return _held(x).float()
 
 
 def routing_keys(k: Tensor) -> Tensor:
