@@ -1,7 +1,8 @@
 """Attention backends: one program, three interchangeable executions (docs/design.md §3.4).
 
 - ``flex``: ``torch.compile(flex_attention, dynamic=False)``, the product path.
-  Trains on CUDA; forward-only on CPU in torch 2.13.
+  Trains on CUDA; forward-only on CPU in torch 2.13, where it takes fp32, bf16 and fp16 programs
+  (``auto`` runs a float64 program on ``blocked``, :func:`flex_takes`).
 - ``blocked``: pure PyTorch, differentiable anywhere. Each query block gathers the
   kv blocks its block lists name, applies the same ``mask_mod`` (partial blocks
   only, exactly like flex) and ``score_mod``, softmax, matmul — batched over all
@@ -61,7 +62,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from masks.program import AttentionProgram
 from recurrences.checks import check_choice, host_check_is_free
 from recurrences.compiling import narrow_rows, prepare_compile, realize
-from recurrences.precision import no_autocast
+from recurrences.precision import no_autocast, widened
 
 log = logging.getLogger("ovqflex")
 
@@ -94,6 +95,19 @@ def _needs_grad(program: AttentionProgram) -> bool:
     return any(t is not None and t.requires_grad for t in (program.q, program.k, program.v, program.bias))
 
 
+#: The program dtypes torch's CPU flex kernel takes (its lowering refuses the others, float64 too).
+FLEX_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def flex_takes(dtype: torch.dtype) -> bool:
+    """Whether ``backend="auto"`` may give flex a ``dtype`` program: the dtypes its CPU kernel takes
+    (:data:`FLEX_CPU_DTYPES`), on every device. A float64 program goes to
+    ``blocked``, which computes it in float64 (docs/design.md §2, rule 3): a run in float64 is a
+    check of the arithmetic, where speed matters less than the last digits; flex on CUDA in float64
+    is torch's to run (an explicit ``backend="flex"``) and not among the dtypes ovqflex tests."""
+    return dtype in FLEX_CPU_DTYPES
+
+
 def flex_trains_on(device: torch.device) -> bool:
     """Whether flex attention has a backward on this device (CUDA: yes; CPU in torch 2.13: no)."""
     return device.type == "cuda"
@@ -105,28 +119,30 @@ def training_backend(device: torch.device) -> str:
     return "flex" if flex_trains_on(device) else "blocked"
 
 
-_reported: set[tuple[str, str, bool]] = set()
+_reported: set[tuple[str, str, bool, torch.dtype]] = set()
 
 
 def resolve_backend(backend: str, program: AttentionProgram) -> str:
-    """``auto`` -> ``flex`` when it can run here (no grad needed, or CUDA), else ``blocked``."""
+    """``auto`` -> ``flex`` when it can run here (no grad needed, or CUDA; a program dtype flex takes,
+    :func:`flex_takes`), else ``blocked``."""
     check_choice("backend", backend, BACKENDS)
     if backend != "auto":
         return backend
-    dev = program.q.device
+    dev, dtype = program.q.device, program.q.dtype
     grad = _needs_grad(program)
-    choice = training_backend(dev) if grad else "flex"
-    key = (dev.type, choice, grad)
+    choice = (training_backend(dev) if grad else "flex") if flex_takes(dtype) else "blocked"
+    key = (dev.type, choice, grad, dtype)
     if key not in _reported and not torch.compiler.is_compiling():
         _reported.add(key)
-        log.info("ovqflex: backend auto -> %s (device %s, grad %s)", choice, dev.type, grad)
+        log.info("ovqflex: backend auto -> %s (device %s, grad %s, %s)", choice, dev.type, grad, dtype)
     return choice
 
 
 def attend(program: AttentionProgram, backend: str = "auto") -> Tensor:
     """Run ``program``; returns ``[B, H, q_len, Dv]`` in the dtype of ``q``. Every backend computes the
     scores and the softmax-weighted sum in fp32 (flex accumulates in fp32; ``blocked`` and ``dense``
-    upcast, with autocast off, which would run their matmuls in bf16)."""
+    upcast, with autocast off, which would run their matmuls in bf16), a float64 program in float64
+    (``blocked`` and ``dense``; ``auto`` takes ``blocked`` for it, :func:`flex_takes`)."""
     backend = resolve_backend(backend, program)
     if backend == "flex":
         out = _flex(program)
@@ -153,6 +169,9 @@ def _flex(p: AttentionProgram) -> Tensor:
         raise NotImplementedError(
             f"flex attention has no backward on {dev.type} in this torch; use backend='blocked' (or 'auto')"
         )
+    if dev.type == "cpu" and p.q.dtype not in FLEX_CPU_DTYPES:
+        raise ValueError(f"backend='flex' on cpu takes a float32, bfloat16 or float16 program (torch's CPU flex "
+                         f"kernel), got {p.q.dtype}; use backend='blocked' or 'auto' (which takes blocked for it)")
     p = p.on_blocks(flex_block_size(dev.type, p.geom.block_q))
     compiling = torch.compiler.is_compiling()
     if compiling:
@@ -258,9 +277,9 @@ def _blocked(p: AttentionProgram) -> Tensor:
     rows = (idx[:, :, None] * bk + torch.arange(bk, device=dev)).reshape(nqb, W * bk)
     row_valid = valid[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
     row_full = full[:, :, None].expand(nqb, W, bk).reshape(nqb, W * bk)
-    kg = p.k[:, :, rows].float()  # [B, H, nqb, W*bk, D]
-    qb = p.q.view(B, H, nqb, bq, D).float()
-    s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk] fp32, as flex's
+    kg = widened(p.k[:, :, rows])  # [B, H, nqb, W*bk, D]
+    qb = widened(p.q.view(B, H, nqb, bq, D))
+    s = torch.matmul(qb, kg.transpose(-1, -2)) * p.scale  # [B, H, nqb, bq, W*bk] fp32 (as flex's) or fp64
     q_idx = torch.arange(Qp, device=dev).view(1, 1, nqb, bq, 1)
     kv_idx = rows.view(1, 1, nqb, 1, W * bk)
     b, h = _index_grid(B, H, dev)
@@ -268,7 +287,7 @@ def _blocked(p: AttentionProgram) -> Tensor:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     visible = row_valid[:, None, :] & (row_full[:, None, :] | p.mask_mod(b, h, q_idx, kv_idx))
     s = torch.where(visible, s, float("-inf"))
-    out = _safe_softmax_av(s, p.v.float(), pick=lambda v: v[:, :, rows])  # [B, H, nqb, bq, Dv]
+    out = _safe_softmax_av(s, widened(p.v), pick=lambda v: v[:, :, rows])  # [B, H, nqb, bq, Dv]
     return out.reshape(B, H, Qp, Dv).to(p.q.dtype)
 
 
@@ -276,7 +295,7 @@ def _dense(p: AttentionProgram) -> Tensor:
     B, H, Qp, _ = p.q.shape
     KV = p.k.shape[2]
     dev = p.q.device
-    s = torch.matmul(p.q.float(), p.k.float().transpose(-1, -2)) * p.scale  # [B, H, Qp, KV]
+    s = torch.matmul(widened(p.q), widened(p.k).transpose(-1, -2)) * p.scale  # [B, H, Qp, KV] fp32 or fp64
     q_idx = torch.arange(Qp, device=dev).view(1, 1, Qp, 1)
     kv_idx = torch.arange(KV, device=dev).view(1, 1, 1, KV)
     b = torch.arange(B, device=dev).view(B, 1, 1, 1)
@@ -284,7 +303,7 @@ def _dense(p: AttentionProgram) -> Tensor:
     if p.score_mod is not None:
         s = p.score_mod(s, b, h, q_idx, kv_idx)
     s = torch.where(p.mask_mod(b, h, q_idx, kv_idx), s, float("-inf"))
-    return _safe_softmax_av(s, p.v.float()).to(p.q.dtype)
+    return _safe_softmax_av(s, widened(p.v)).to(p.q.dtype)
 
 
 def attend_rows(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Tensor], visible: Tensor, *,
@@ -293,7 +312,7 @@ def attend_rows(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Te
 
     q ``[B, H, Tq, D]``, k ``[B, H, S, D]``, v ``[B, H, S, Dv]``, visible ``[Tq, S]`` bool
     (or broadcastable to ``[B, H, Tq, S]``), bias ``[B, H, S]`` fp32 -> ``[B, H, Tq, Dv]`` in
-    q's dtype. Softmax in fp32, as the ``dense`` and ``blocked`` backends. k and v may be
+    q's dtype. Softmax in fp32 (fp64 for fp64 q), as the ``dense`` and ``blocked`` backends. k and v may be
     sequences of parts (``[B, H, S_i, *]``, the same split for both, rows in that order): a
     decode step reads a cached state and its few newest rows without concatenating them.
     ``v_nonfinite`` ``[B, H, S]`` bool: v's rows were stored by :func:`split_nonfinite` (non-finite
@@ -305,10 +324,10 @@ def attend_rows(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Te
     if [t.shape[-2] for t in ks] != [t.shape[-2] for t in vs]:
         raise ValueError(f"k and v parts must have the same rows, got {[t.shape[-2] for t in ks]} and "
                          f"{[t.shape[-2] for t in vs]}")
-    with no_autocast(q):  # fp32 scores and sums, as the backends'
-        qf = q.float()
-        s = torch.cat([torch.matmul(qf, t.float().transpose(-1, -2)) for t in ks], dim=-1) * scale
+    with no_autocast(q):  # fp32 (or fp64) scores and sums, as the backends'
+        qf = widened(q)
+        s = torch.cat([torch.matmul(qf, t.to(qf.dtype).transpose(-1, -2)) for t in ks], dim=-1) * scale
         if bias is not None:
-            s = s + bias[:, :, None, :].float()
+            s = s + bias[:, :, None, :].to(s.dtype)
         s = torch.where(visible, s, float("-inf"))
-        return _safe_softmax_av(s, [t.float() for t in vs], nonfinite=v_nonfinite).to(q.dtype)
+        return _safe_softmax_av(s, [t.to(qf.dtype) for t in vs], nonfinite=v_nonfinite).to(q.dtype)

@@ -129,6 +129,49 @@ def test_eager_backends_compute_a_bf16_program_in_fp32_under_autocast_too(backen
         assert torch.equal(ovqflex.attend(program(q, k, v, {"window": 30}), backend), want)
 
 
+def _softmax_attention_f64(q, k, v, mask, scale):
+    """softmax(q k^T scale, masked) v, by hand in float64: the oracle of a float64 program."""
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v.double()
+
+
+@pytest.mark.parametrize("backend", ["blocked", "dense", "auto"])
+def test_a_float64_program_is_computed_in_float64(backend):
+    """The eager backends compute a float64 program in float64 (scores, softmax, weighted sum): fp32
+    scores would leave an error of ~1e-7; ``auto`` takes ``blocked`` for it, with and without a grad."""
+    q, k, v = (t.double() for t in make_qkv(2, 2, 16, 100, seed=4))
+    want = _softmax_attention_f64(q, k, v, explicit_mask(100, window=30), 16**-0.5)
+    with torch.no_grad():
+        out = ovqflex.attend(program(q, k, v, {"window": 30}), backend)
+    assert out.dtype == torch.float64
+    assert_close(out, want, 1e-13, backend)
+
+
+def test_auto_takes_blocked_for_a_float64_program_and_flex_refuses_it_on_cpu():
+    """torch's CPU flex kernel takes fp32, bf16 and fp16 programs only: a float64 one is refused by
+    name (it used to fail deep in inductor's lowering), and ``auto`` never gives it one."""
+    q, k, v = (t.double() for t in make_qkv(1, 1, 16, 40, seed=1, requires_grad=True))
+    p = program(q, k, v, {})
+    assert ovqflex.resolve_backend("auto", p) == "blocked"
+    with torch.no_grad():
+        assert ovqflex.resolve_backend("auto", p) == "blocked"
+        with pytest.raises(ValueError, match=r"backend='flex' on cpu takes .*got torch.float64"):
+            ovqflex.attend(p, "flex")
+        p32 = program(*(t.float() for t in (q, k, v)), {})
+        assert ovqflex.resolve_backend("auto", p32) == "flex"
+
+
+def test_attend_rows_computes_a_float64_query_in_float64():
+    from ovqflex.attention import attend_rows
+
+    q, k, v, visible, bias = (t.double() if t.is_floating_point() else t for t in _rows_case(None))
+    s = (q @ k.transpose(-1, -2)) * 0.3 + bias[:, :, None, :]
+    want = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v
+    out = attend_rows(q, k, v, visible, scale=0.3, bias=bias)
+    assert out.dtype == torch.float64
+    assert_close(out, want, 1e-13, "attend_rows")
+
+
 def test_attend_rows_computes_in_fp32_under_autocast_too():
     """A decode step's attention over explicit rows is the same with autocast on as off."""
     from ovqflex.attention import attend_rows
