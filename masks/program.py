@@ -131,7 +131,8 @@ def build_program(
 
     q, k, v: ``[B, H, T, D]`` (v: ``[B, H, T, Dv]``); state_k/state_v: ``[B, H, S, D]``
     rows placed before the tokens (S padded up to ``block_size``, padded rows get
-    ``-inf`` bias); state_bias: ``[B, H, S]`` fp32 bias of the state rows.
+    ``-inf`` bias); state_bias: ``[B, H, S]`` bias of the state rows (the program keeps it in fp32, in
+    fp64 for a float64 program).
     Sequence lengths are padded up to ``block_size`` (a power of two >= 16); padding
     never reaches a real query because every token region is causal.
 
@@ -154,7 +155,8 @@ def build_program(
         s_real = state_k.shape[2]
         n_state = _round_up(s_real, block_size) if s_real else 0
         sb = torch.zeros(B, H, s_real, device=q.device) if state_bias is None else state_bias
-        bias = pad_to(pad_to(sb.float(), 2, n_state, value=float("-inf")), 2, n_state + t_pad)
+        bias = pad_to(pad_to(sb.to(torch.promote_types(dtype, torch.float32)), 2, n_state, value=float("-inf")), 2,
+                      n_state + t_pad)
     k = _kv_rows(state_k, n_state, k, t_pad)
     v = _kv_rows(state_v, n_state, v, t_pad)
     q = pad_to(q, 2, q_pad)

@@ -71,6 +71,8 @@ class Snapshots:
     counts: Tensor
     live: Tensor
 
-    def bias(self) -> Tensor:
-        """``log(count)`` of the rows, ``-inf`` for empty rows: ``[B, H, n_chunks, R]`` fp32."""
-        return torch.where(self.counts > 0, self.counts.log(), float("-inf"))
+    def bias(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``log(count)`` of the rows, ``-inf`` for empty rows: ``[B, H, n_chunks, R]`` in ``dtype`` (the
+        log taken in it: fp32, or fp64 for an fp64 program)."""
+        counts = self.counts.to(dtype)
+        return torch.where(counts > 0, counts.log(), float("-inf"))

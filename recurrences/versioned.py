@@ -330,9 +330,10 @@ class Versioned:
     dies: Tensor
     plan: VersionPlan
 
-    def bias(self) -> Tensor:
-        """``log(count)`` of live rows, ``-inf`` for rows no chunk sees."""
-        return torch.where(self.dies > self.born, self.counts.clamp_min(1.0).log(), float("-inf"))
+    def bias(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``log(count)`` of live rows, ``-inf`` for rows no chunk sees: ``[B, H, S]`` in ``dtype`` (the log
+        taken in it: fp32, or fp64 for an fp64 program)."""
+        return torch.where(self.dies > self.born, self.counts.to(dtype).clamp_min(1.0).log(), float("-inf"))
 
 
 def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> Versioned:

@@ -48,12 +48,12 @@ def _per_head(x: Tensor, like: Tensor) -> Tensor:
 
 def _readout(state: Snapshots | Versioned, count_bias: bool, key_scale: Tensor | None,
              bias_shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """The state's key rows and their bias (fp32, or None), in the state's own shape."""
+    """The state's key rows and their bias (fp32, fp64 for fp64 keys, or None), in the state's own shape."""
     keys = state.keys if key_scale is None else state.keys * _per_head(key_scale.to(state.keys.dtype), state.keys)
     if not count_bias:
         return keys, None
-    bias = state.bias()
-    return keys, bias if bias_shift is None else bias - _per_head(bias_shift.float(), bias)
+    bias = state.bias(torch.promote_types(keys.dtype, torch.float32))
+    return keys, bias if bias_shift is None else bias - _per_head(bias_shift.to(bias.dtype), bias)
 
 
 def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scale: float,

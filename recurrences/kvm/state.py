@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..precision import exact_float, no_autocast
+from ..precision import exact_float, no_autocast, widened
 from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_sums
 from .budget import KVMSchedule
@@ -43,13 +43,13 @@ def _weighted(kbar: Tensor, v: Tensor, gate: Tensor, founder: Tensor) -> tuple[T
 
 
 def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Tensor:
-    """``rho [B, H, rows + 1]`` fp32: the norm of each row's founder value, fixed for the row's lifetime
-    (the last entry is a spare for tokens in no row)."""
+    """``rho [B, H, rows + 1]`` fp32 (fp64 for fp64 v): the norm of each row's founder value, fixed for the
+    row's lifetime (the last entry is a spare for tokens in no row)."""
     B, H = v.shape[:2]
     slot = torch.where(founder & (routes >= 0), routes, rows)
     # fp32 norms read from v itself (on the CPU the same bits as the norm of v.float()), without keeping that fp32
     # copy of every token's value for the backward (the norm keeps its input)
-    radius = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32) * founder
+    radius = torch.linalg.vector_norm(v, dim=-1, dtype=torch.promote_types(v.dtype, torch.float32)) * founder
     return radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)
 
 
@@ -63,7 +63,7 @@ def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_d
     ``rho * sv / ||sv||`` (``rho [...]``, the founder radius) or, with ``rho=None``, ``sv / count``.
     The state builds and the decode caches (:mod:`ovqflex.ops.kvm_decode`) read their rows through it."""
     keys = F.layer_norm(sk, (sk.shape[-1],), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
-    svf = sv.float()
+    svf = widened(sv)
     if rho is not None:
         # one product with a per-row scale: the backward keeps svf (the norm's input too) and the [..., 1]
         # scale, not a second row-sized product

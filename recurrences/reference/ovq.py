@@ -60,7 +60,7 @@ def _running_mean_update(D: torch.Tensor, counts: torch.Tensor, r: torch.Tensor,
     ``D[s] += sum_{t -> s} (x_t - D_old[s]) / (c_old[s] + c_chunk[s])``; out-of-place.
     """
     new_counts = counts.scatter_add(2, r, torch.ones(r.shape, dtype=counts.dtype, device=r.device))
-    lr = (1.0 / new_counts.gather(2, r)).to(D.dtype)                     # [B,H,l]
+    lr = 1.0 / new_counts.gather(2, r).to(D.dtype)                       # [B,H,l], in D's dtype
     r_d = r.unsqueeze(-1).expand(*r.shape, D.shape[-1])                  # [B,H,l,d]
     delta = (x - D.gather(2, r_d)) * lr.unsqueeze(-1)
     return D.scatter_add(2, r_d, delta), new_counts

@@ -57,5 +57,5 @@ def vq_attention_reference(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, be
         near = (j // chunk_size) >= (i // chunk_size - 1)
         s = s + torch.where(near, 1.0, 0.0).to(s.dtype) * local_bias.view(1, H, 1, 1)
     s = s.masked_fill(j > i, float("-inf"))
-    out = torch.softmax(s.float(), dim=-1).to(v.dtype) @ v
+    out = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1).to(v.dtype) @ v  # fp32 or fp64
     return VQReferenceResult(out.to(q.dtype), codes, k_hat)

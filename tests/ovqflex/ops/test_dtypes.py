@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import ovqflex
-from recurrences.reference import kvm_attention_reference, ovq_attention_reference, vq_attention_reference
+from recurrences.reference import (delta_rule_reference, kvm_attention_reference, linear_attention_reference,
+                                   ovq_attention_reference, vla_reference, vq_attention_reference)
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 
 f32, bf16 = torch.float32, torch.bfloat16
@@ -119,3 +120,65 @@ def test_vq_bf16_codes_like_its_reference(seed):
     ref = vq_attention_reference(q, k, v, t["codebook"], t["beta"], chunk_size=16)
     assert out.dtype == bf16 and torch.equal(aux["codes"], ref.codes)
     _grads_close(out, ref.out, leaves, seed)
+
+
+f64 = torch.float64
+_KVM_F64 = dict(chunk_size=16, budget="power_law", growth_factor=4.0, max_state_chunks=None)
+
+# name -> (fused op on float64 inputs with backend "auto", its sequential reference): outputs [B, H, T, Dv]
+F64_OPS = {
+    "ovq-snapshot": (lambda t: ovqflex.ovq_attention(t["q"], t["k"], t["v"], t["beta"], chunk_size=16, max_centroids=12,
+                                                     state_layout="snapshot", block_size=16),
+                     lambda t: ovq_attention_reference(t["q"], t["k"], t["v"], t["beta"], chunk_size=16,
+                                                       max_centroids=12).out),
+    "ovq-versioned": (lambda t: ovqflex.ovq_attention(t["q"], t["k"], t["v"], t["beta"], chunk_size=16,
+                                                      max_centroids=12, state_layout="versioned", block_size=16),
+                      lambda t: ovq_attention_reference(t["q"], t["k"], t["v"], t["beta"], chunk_size=16,
+                                                        max_centroids=12).out),
+    "kvm-snapshot": (lambda t: ovqflex.kvm_attention(t["q"], t["k"], t["v"], t["gate"], state_layout="snapshot",
+                                                     block_size=16, **_kvm_params(t), **_KVM_F64),
+                     lambda t: kvm_attention_reference(t["q"], t["k"], t["v"], t["gate"], **_kvm_params(t),
+                                                       **_KVM_F64).out),
+    "kvm-versioned": (lambda t: ovqflex.kvm_attention(t["q"], t["k"], t["v"], t["gate"], state_layout="versioned",
+                                                      block_size=16, **_kvm_params(t), **_KVM_F64),
+                      lambda t: kvm_attention_reference(t["q"], t["k"], t["v"], t["gate"], **_kvm_params(t),
+                                                        **_KVM_F64).out),
+    "vq": (lambda t: ovqflex.vq_attention(t["q"], t["k"], t["v"], t["codebook"], t["beta"], chunk_size=16,
+                                          block_size=16)[0],
+           lambda t: vq_attention_reference(t["q"], t["k"], t["v"], t["codebook"], t["beta"], chunk_size=16).out),
+    "linear": (lambda t: ovqflex.linear_attention(t["q"], t["k"], t["v"], chunk_size=16),
+               lambda t: linear_attention_reference(t["q"], t["k"], t["v"]).out),
+    "delta": (lambda t: ovqflex.delta_rule(t["q"], t["k_unit"], t["v"], t["beta_t"], chunk_size=16),
+              lambda t: delta_rule_reference(t["q"], t["k_unit"], t["v"], t["beta_t"]).out),
+    "vla": (lambda t: ovqflex.vla_attention(t["q"], t["k"], t["v"], t["u"], chunk_size=10),
+            lambda t: vla_reference(t["q"], t["k"], t["v"], t["u"]).out),
+}
+
+
+def _kvm_params(t: dict) -> dict:
+    return dict(ln_s_weight=t["ln_w"], ln_s_bias=t["ln_b"], tau_state=t["tau"], tau_bswa=t["tau"])
+
+
+@pytest.mark.parametrize("name", list(F64_OPS))
+def test_float64_ops_equal_their_references_in_float64(name):
+    """In float64 every op, with ``backend="auto"`` (no grad: inference; grad: training), is its
+    reference to float64 precision, gradients too: nothing on the way computes in fp32 but the
+    routing copies (whose decisions are the references' too). Before, the attention ops failed in
+    inductor's CPU flex lowering without a grad, KVM's founder radius failed, and scores, log counts
+    (and the OVQ and VQ references' running-mean rates and softmax) were fp32, ~1e-8."""
+    op, ref_op = F64_OPS[name]
+    t = {n: x.double() for n, x in _inputs(2).items()}
+    with torch.no_grad():
+        out = op(t)
+    ref = ref_op(t)
+    assert out.dtype == f64
+    assert_close(out, ref, FWD_TOL[f64], "forward, no grad")
+    names = {"vq": ("q", "v", "beta"), "delta": ("q", "k_unit", "v", "beta_t")}.get(name, ("q", "k", "v"))
+    leaves = [t[n].requires_grad_() for n in names]  # (VQ's key gradient is its estimator's, not the reference's)
+    out, ref = op(t), ref_op(t)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=f64)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+    assert_close(out, ref, FWD_TOL[f64], "forward")
+    for n, a, b in zip(names, grads, ref_grads):
+        assert_close(a, b, GRAD_TOL[f64], f"d{n}")
