@@ -3,18 +3,21 @@
 ``apply_rope(x, positions, rope_dims, base, interleaved)`` rotates the first
 ``rope_dims`` channels of ``x [B, H, T, D]``; the rest pass through. Pairs are
 ``(x[i], x[i + r/2])`` (half-split, GPT-NeoX/Llama) or ``(x[2i], x[2i+1])``
-(interleaved, as KVM uses). Angles are computed in fp32.
+(interleaved, as KVM uses). Angles and the rotation are computed in fp32 (fp64 for an fp64 ``x``).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from recurrences.precision import widened
 
-def rope_angles(positions: Tensor, rope_dims: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """cos, sin of ``positions [T] * base^(-2i/rope_dims)``: each ``[T, rope_dims // 2]`` fp32."""
-    inv = base ** (-torch.arange(0, rope_dims, 2, device=positions.device, dtype=torch.float32) / rope_dims)
-    ang = positions.to(torch.float32)[:, None] * inv[None, :]
+
+def rope_angles(positions: Tensor, rope_dims: int, base: float = 10000.0,
+                dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """cos, sin of ``positions [T] * base^(-2i/rope_dims)``: each ``[T, rope_dims // 2]`` in ``dtype``."""
+    inv = base ** (-torch.arange(0, rope_dims, 2, device=positions.device, dtype=dtype) / rope_dims)
+    ang = positions.to(dtype)[:, None] * inv[None, :]
     return torch.cos(ang), torch.sin(ang)
 
 
@@ -28,8 +31,8 @@ def apply_rope(
         raise ValueError(f"rope_dims must be even and in [0, {D}], got {r}")
     if r == 0:
         return x
-    cos, sin = rope_angles(positions, r, base)
-    xr, rest = x[..., :r].float(), x[..., r:]
+    xr, rest = widened(x[..., :r]), x[..., r:]
+    cos, sin = rope_angles(positions, r, base, xr.dtype)
     if interleaved:
         a, b = xr[..., 0::2], xr[..., 1::2]
         rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)

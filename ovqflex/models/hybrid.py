@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from recurrences.checks import check_choice, check_int, check_tensor
 from recurrences.compiling import graphed
+from recurrences.precision import widened
 
 from .config import HybridConfig
 from .mixers import build_mixer
@@ -109,7 +110,7 @@ class Block(nn.Module):
 class HybridLM(nn.Module):
     """A decoder-only LM whose layers mix sequence with the mixers of ``config.pattern``.
 
-    ``forward(tokens [B, T] int64) -> logits [B, T, vocab_size]`` (fp32 under autocast too).
+    ``forward(tokens [B, T] int64) -> logits [B, T, vocab_size]`` (fp32 under autocast too; fp64 for an fp64 model).
     """
 
     def __init__(self, config: HybridConfig):
@@ -152,7 +153,7 @@ class HybridLM(nn.Module):
                 h, aux = block(h)
                 if aux is not None:
                     aux_loss = aux_loss + aux.float()
-            logits = F.linear(self.norm(h), self.embed.weight).float()
+            logits = widened(F.linear(self.norm(h), self.embed.weight))
             return (logits, aux_loss) if return_aux else logits
         if return_aux:
             raise ValueError("return_aux is for training forwards; a cached (inference) forward has no aux loss")
@@ -166,7 +167,7 @@ class HybridLM(nn.Module):
         for block, layer_cache in zip(self.blocks, layer_caches):
             h, layer_cache = block(h, layer_cache, use_cache=True)
             layers.append(layer_cache)
-        return F.linear(self.norm(h), self.embed.weight).float(), layers
+        return widened(F.linear(self.norm(h), self.embed.weight)), layers
 
     def static_caches(self, cache: ModelCache, capacity: int) -> list:
         """The in-place caches continuing ``cache`` (a prefill's, not changed), one per block, for

@@ -31,6 +31,16 @@ def test_rope_matches_complex_rotation(interleaved, rope_dims):
     assert torch.allclose(got.double(), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_a_float64_input_is_rotated_in_float64(interleaved):
+    """Angles and rotation in fp64 for fp64 x: fp32 angles at positions near 60,000 are off by ~1e-3 rad."""
+    x = torch.randn(1, 2, 20, 16, dtype=torch.float64)
+    pos = torch.arange(20) + 60_000
+    got = apply_rope(x, pos, 16, 10000.0, interleaved)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, rope_complex(x, pos, 16, 10000.0, interleaved), rtol=0, atol=1e-10)
+
+
 def test_rope_is_relative():
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
     dots = [

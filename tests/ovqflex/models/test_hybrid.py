@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ovqflex.models import HybridConfig, HybridLM, available_mixers
-from tests.helpers import assert_close
+from tests.helpers import FWD_TOL, assert_close
 
 SMALL = dict(vocab_size=64, d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, backend="blocked",
              mixer_options={"ovq": {"max_centroids": 16}})
@@ -64,6 +64,31 @@ def test_causal(pattern):
         la, lb = model(a), model(b)
     assert torch.equal(la[:, :25], lb[:, :25])
     assert not torch.allclose(la[:, 25:], lb[:, 25:])
+
+
+@pytest.mark.parametrize("mixer", ["full", "nope", "swa", "bswa", "ovq", "kvm", "vq", "longvq", "linear", "deltanet",
+                                   "vla"])
+def test_a_float64_model_runs_in_float64_with_the_auto_backend(mixer):
+    """``model.double()`` (a gradient check, say): inference and training forwards with ``backend="auto"``
+    (blocked: CPU flex takes no float64) give float64 logits equal to the dense backend's in float64.
+    The no-grad forward used to fail in inductor's CPU flex lowering, and a KVM model failed either way."""
+    tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def models():  # fresh ones per forward: a training forward moves VQ's codebook
+        return (small(f"{mixer},swa", backend=b).double() for b in ("auto", "dense"))
+
+    auto, dense = models()
+    with torch.no_grad():
+        inference, want = auto(tokens), dense(tokens)
+    assert inference.dtype == torch.float64
+    assert_close(inference, want, FWD_TOL[torch.float64], "no grad")
+    auto, dense = models()
+    training, want = auto(tokens), dense(tokens)
+    assert training.dtype == torch.float64
+    assert_close(training, want, FWD_TOL[torch.float64], "with grad")
+    training.sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float64 and torch.isfinite(p.grad).all()
+               for p in auto.parameters() if p.requires_grad and p.grad is not None)
 
 
 def test_batch_rows_are_independent():
