@@ -28,7 +28,16 @@
    softmax and the weighted sum are fp32 (flex accumulates in fp32; the ``blocked`` and ``dense``
    backends and a decode step's ``attend_rows`` upcast, with autocast off, which would run their
    matmuls in bf16 and round the scores before the softmax); the linear recurrences work in fp32
-   (fp64 for fp64 inputs) and return the compute dtype.
+   and return the compute dtype.
+
+   **float64 stays float64** (a model or op run in fp64 to check the arithmetic, e.g. by gradcheck):
+   everything above that is "fp32" is fp64 for fp64 inputs (:func:`widened`), the state's sums, its
+   ``log(count)`` bias, the scores and softmax, RoPE's angles and the logits, so an fp64 op equals
+   its fp64 reference to ~1e-16. ``backend="auto"`` runs an fp64 program on ``blocked``: torch's CPU
+   flex kernel takes fp32, bf16 and fp16 only (an explicit ``"flex"`` is refused by name there).
+   What stays fp32 in fp64: the routing copies (rule 2: the decisions, the references' too) and the
+   decode caches' state (``ovqflex/ops/*_decode.py``: one set of fp32 sums serves routing and
+   reading), so an fp64 layer decodes to 2e-8-4e-8 (relative) of its fp64 forward.
 
 4. **The layers' arithmetic before the boundary, the same compiled and eager.** Under autocast, eager
    code rounds the output of every elementwise op to the autocast dtype, while a compiled graph
