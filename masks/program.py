@@ -16,7 +16,7 @@ from torch import Tensor
 
 from recurrences.checks import check_block_size, check_qkv
 from recurrences.compiling import is_symbolic, pad_to
-from recurrences.precision import compute_dtype, to_dtype
+from recurrences.precision import compute_dtype, to_dtype, work_dtype
 
 from .blocks import BlockLayout, build_block_layout
 from .regions import Geometry, Region, union_tests
@@ -155,8 +155,7 @@ def build_program(
         s_real = state_k.shape[2]
         n_state = _round_up(s_real, block_size) if s_real else 0
         sb = torch.zeros(B, H, s_real, device=q.device) if state_bias is None else state_bias
-        bias = pad_to(pad_to(sb.to(torch.promote_types(dtype, torch.float32)), 2, n_state, value=float("-inf")), 2,
-                      n_state + t_pad)
+        bias = pad_to(pad_to(sb.to(work_dtype(q)), 2, n_state, value=float("-inf")), 2, n_state + t_pad)
     k = _kv_rows(state_k, n_state, k, t_pad)
     v = _kv_rows(state_v, n_state, v, t_pad)
     q = pad_to(q, 2, q_pad)

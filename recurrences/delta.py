@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from .compiling import is_symbolic, narrow_rows, pad_to
-from .linear import from_chunks, to_chunks, work_dtype
+from .linear import from_chunks, to_chunks
+from .precision import work_dtype
 
 #: chunks per block of :func:`affine_chunk_states`: each level of its scan is this many steps
 SCAN_CHUNKS = 16

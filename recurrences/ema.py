@@ -20,16 +20,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .compiling import is_symbolic, size_max, size_min
-from .precision import no_autocast
+from .precision import no_autocast, work_dtype
 
 
-def ema_kernel(delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor, length: int) -> Tensor:
-    """``K [D, length]`` of the damped EMA (parameters ``[D, n]``), fp32."""
-    p = torch.sigmoid(delta_logit.float())
-    decay = 1 - p * torch.sigmoid(alpha_logit.float())  # [D, n] in (0, 1)
-    t = torch.arange(length, device=p.device, dtype=torch.float32)
+def ema_kernel(delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor, length: int,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """``K [D, length]`` of the damped EMA (parameters ``[D, n]``), in ``dtype`` (fp32 or fp64)."""
+    p = torch.sigmoid(delta_logit.to(dtype))
+    decay = 1 - p * torch.sigmoid(alpha_logit.to(dtype))  # [D, n] in (0, 1)
+    t = torch.arange(length, device=p.device, dtype=dtype)
     vander = torch.exp(torch.log(decay)[..., None] * t)  # [D, n, T]
-    return torch.einsum("dn,dnt->dt", (p * beta.float() * gamma.float()), vander)
+    return torch.einsum("dn,dnt->dt", (p * beta.to(dtype) * gamma.to(dtype)), vander)
 
 
 def ema_chunk(T: int) -> int:
@@ -55,11 +56,11 @@ def ema_chunk(T: int) -> int:
 def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,
                omega: Tensor, *, chunk_size: int | None = None, h0: Tensor | None = None,
                output_final_state: bool = False):
-    """x ``[B, T, D]`` -> ``y [B, T, D]`` (dtype of x), exactly causal, fp32 inside.
+    """x ``[B, T, D]`` -> ``y [B, T, D]`` (dtype of x), exactly causal, fp32 inside (fp64 for fp64 x).
 
     ``h0`` ``[B, D, n]``: the EMA state before ``x`` (None: zeros, a sequence start) — how a
     decode cache continues; ``output_final_state=True`` also returns the state after ``x``
-    ``[B, D, n]`` fp32.
+    ``[B, D, n]`` in the inner dtype.
 
     Chunked two-level form: inside each chunk of ``chunk_size`` tokens a ``[chunk_size, chunk_size]``
     lower-triangular Toeplitz matrix of the kernel; across chunks, the EMA states at chunk
@@ -77,53 +78,56 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
 def _damped_ema(x, delta_logit, alpha_logit, beta, gamma, omega, chunk_size, h0, output_final_state):
     """:func:`damped_ema`'s work, autocast off."""
     B, T, D = x.shape
+    dt = work_dtype(x)
     L = ema_chunk(T) if chunk_size is None else chunk_size
     nc = size_max(1, -(-T // L))
-    xf = F.pad(x.float(), (0, 0, 0, nc * L - T)).view(B, nc, L, D)
-    p = torch.sigmoid(delta_logit.float())
-    loga = torch.log(1 - p * torch.sigmoid(alpha_logit.float()))  # [D, n], < 0
-    b, g = p * beta.float(), gamma.float()
+    xf = F.pad(x.to(dt), (0, 0, 0, nc * L - T)).view(B, nc, L, D)
+    p = torch.sigmoid(delta_logit.to(dt))
+    loga = torch.log(1 - p * torch.sigmoid(alpha_logit.to(dt)))  # [D, n], < 0
+    b, g = p * beta.to(dt), gamma.to(dt)
     i = torch.arange(L, device=x.device)
     lag = i[:, None] - i[None, :]  # [L, L]
-    kernel = ema_kernel(delta_logit, alpha_logit, beta, gamma, L)  # [D, L]
+    kernel = ema_kernel(delta_logit, alpha_logit, beta, gamma, L, dt)  # [D, L]
     toeplitz = torch.where(lag >= 0, kernel[:, lag.clamp_min(0)], 0.0)  # [D, L(t), L(s)]
     y = torch.einsum("dts,bcsd->bctd", toeplitz, xf)
     # state contribution of each chunk at its last token, then carried across chunks
-    to_end = torch.exp((L - 1 - i).float()[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, L]
+    to_end = torch.exp((L - 1 - i).to(dt)[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, L]
     ends = torch.einsum("dns,bcsd->bcdn", to_end, xf)
     ci = torch.arange(nc, device=x.device)
-    dc = (ci[:, None] - ci[None, :]).float()  # [nc, nc]
+    dc = (ci[:, None] - ci[None, :]).to(dt)  # [nc, nc]
     carry = torch.exp(torch.where(dc >= 0, dc.clamp_min(0) * L * loga[..., None, None], float("-inf")))
     states = torch.einsum("dnce,bedn->bcdn", carry, ends)  # EMA state at the end of chunk c
     before = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)  # state entering chunk c
-    from_state = torch.exp((i + 1).float()[None, None, :] * loga[..., None]) * g[..., None]  # [D, n, L]
+    from_state = torch.exp((i + 1).to(dt)[None, None, :] * loga[..., None]) * g[..., None]  # [D, n, L]
     y = y + torch.einsum("dnt,bcdn->bctd", from_state, before)
     y = y.reshape(B, nc * L, D)[:, :T]
-    t = torch.arange(T, device=x.device, dtype=torch.float32)
+    t = torch.arange(T, device=x.device, dtype=dt)
     if h0 is not None:  # the carried state decays into every output: sum_n g (decay^(t+1)) h0
         y = y + torch.einsum("dnt,bdn->btd", torch.exp((t + 1)[None, None, :] * loga[..., None]) * g[..., None],
-                             h0.float())
+                             h0.to(dt))
     # contiguous: the einsums leave y channel-major ([D, B, T] in memory), and a bf16 matmul reading
     # that layout (LongVQ's z_proj, eagerly) rounds 15% of its outputs otherwise than a contiguous one
-    y = (y + x.float() * omega.float()).to(x.dtype).contiguous()
+    y = (y + x.to(dt) * omega.to(dt)).to(x.dtype).contiguous()
     if not output_final_state:
         return y
     to_last = torch.exp((T - 1 - t)[None, None, :] * loga[..., None]) * b[..., None]  # [D, n, T]
-    state = torch.einsum("dnt,btd->bdn", to_last, x.float())
+    state = torch.einsum("dnt,btd->bdn", to_last, x.to(dt))
     if h0 is not None:
-        state = state + torch.exp(T * loga)[None] * h0.float()
+        state = state + torch.exp(T * loga)[None] * h0.to(dt)
     return y, state
 
 
 def damped_ema_reference(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor,
                          omega: Tensor) -> Tensor:
-    """The recurrence, one token at a time (fp32 state)."""
+    """The recurrence, one token at a time (fp32 state, fp64 for fp64 x)."""
     B, T, D = x.shape
+    dt = work_dtype(x)
+    delta_logit, alpha_logit, beta, gamma, omega = (t.to(dt) for t in (delta_logit, alpha_logit, beta, gamma, omega))
     p = torch.sigmoid(delta_logit)
     decay = 1 - p * torch.sigmoid(alpha_logit)
-    h = x.new_zeros(B, D, delta_logit.shape[1], dtype=torch.float32)
+    h = x.new_zeros(B, D, delta_logit.shape[1], dtype=dt)
     ys = []
     for t in range(T):
-        h = p * beta * x[:, t, :, None].float() + decay * h
-        ys.append((h * gamma).sum(-1) + omega * x[:, t].float())
+        h = p * beta * x[:, t, :, None].to(dt) + decay * h
+        ys.append((h * gamma).sum(-1) + omega * x[:, t].to(dt))
     return torch.stack(ys, dim=1).to(x.dtype)

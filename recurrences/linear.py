@@ -21,17 +21,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .compiling import narrow_rows, pad_to
+from .precision import work_dtype
 from .scan import cumsum
 
 
 def feature_map(x: Tensor) -> Tensor:
     """``φ(x) = elu(x) + 1`` (positive), the linear-attention feature map."""
     return F.elu(x) + 1
-
-
-def work_dtype(x: Tensor) -> torch.dtype:
-    """The recurrences compute in float32, or float64 for float64 inputs."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def to_chunks(x: Tensor, chunk_size: int, lead: int = 0) -> Tensor:

@@ -32,12 +32,13 @@
 
    **float64 stays float64** (a model or op run in fp64 to check the arithmetic, e.g. by gradcheck):
    everything above that is "fp32" is fp64 for fp64 inputs (:func:`widened`), the state's sums, its
-   ``log(count)`` bias, the scores and softmax, RoPE's angles and the logits, so an fp64 op equals
+   ``log(count)`` bias, the scores and softmax, the linear recurrences and LongVQ's EMA, RoPE's angles
+   and the logits, so an fp64 op equals
    its fp64 reference to ~1e-16. ``backend="auto"`` runs an fp64 program on ``blocked``: torch's CPU
    flex kernel takes fp32, bf16 and fp16 only (an explicit ``"flex"`` is refused by name there).
    What stays fp32 in fp64: the routing copies (rule 2: the decisions, the references' too) and the
    decode caches' state (``ovqflex/ops/*_decode.py``: one set of fp32 sums serves routing and
-   reading), so an fp64 layer decodes to 2e-8-4e-8 (relative) of its fp64 forward.
+   reading), so an fp64 layer decodes to within 4e-8 (relative) of its fp64 forward.
 
 4. **The layers' arithmetic before the boundary, the same compiled and eager.** Under autocast, eager
    code rounds the output of every elementwise op to the autocast dtype, while a compiled graph
@@ -83,10 +84,15 @@ def to_compute_dtype(*xs: Tensor | None) -> tuple[Tensor | None, ...]:
     return to_dtype(compute_dtype(*xs), *xs)
 
 
+def work_dtype(x: Tensor) -> torch.dtype:
+    """The dtype that computes on x: float32, or float64 for float64 x (rules 3 and 4)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def widened(x: Tensor) -> Tensor:
-    """x in at least fp32 (bf16 and fp16 to fp32; fp32 and fp64 as they are): the precision of the
-    layers' elementwise chains (rule 4)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    """x in its :func:`work_dtype` (bf16 and fp16 to fp32; fp32 and fp64 as they are): the precision of
+    the backends' scores, the state's bias and the layers' elementwise chains (rules 3 and 4)."""
+    return x.to(work_dtype(x))
 
 
 def rounded(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -40,7 +40,8 @@ from torch import Tensor
 from .checks import check_int, check_number
 from .scan import cumsum
 from .delta import chunk_wy, delta_chunks
-from .linear import feature_map, from_chunks, to_chunks, work_dtype
+from .linear import feature_map, from_chunks, to_chunks
+from .precision import work_dtype
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from masks.program import AttentionProgram, build_program
 from masks.regions import Region, StateBank
 from masks.versioned import versioned_regions
 from recurrences.compiling import size_max
+from recurrences.precision import work_dtype
 from recurrences.segments import Snapshots
 from recurrences.versioned import Versioned, VersionPlan, choose_state_layout, plan_versioned
 
@@ -52,7 +53,7 @@ def _readout(state: Snapshots | Versioned, count_bias: bool, key_scale: Tensor |
     keys = state.keys if key_scale is None else state.keys * _per_head(key_scale.to(state.keys.dtype), state.keys)
     if not count_bias:
         return keys, None
-    bias = state.bias(torch.promote_types(keys.dtype, torch.float32))
+    bias = state.bias(work_dtype(keys))
     return keys, bias if bias_shift is None else bias - _per_head(bias_shift.to(bias.dtype), bias)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..precision import exact_float, no_autocast, widened
+from ..precision import exact_float, no_autocast, widened, work_dtype
 from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_sums
 from .budget import KVMSchedule
@@ -49,7 +49,7 @@ def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Te
     slot = torch.where(founder & (routes >= 0), routes, rows)
     # fp32 norms read from v itself (on the CPU the same bits as the norm of v.float()), without keeping that fp32
     # copy of every token's value for the backward (the norm keeps its input)
-    radius = torch.linalg.vector_norm(v, dim=-1, dtype=torch.promote_types(v.dtype, torch.float32)) * founder
+    radius = torch.linalg.vector_norm(v, dim=-1, dtype=work_dtype(v)) * founder
     return radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)
 
 
