@@ -31,11 +31,11 @@
    and return the compute dtype.
 
    **float64 stays float64** (a model or op run in fp64 to check the arithmetic, e.g. by gradcheck):
-   everything above that is "fp32" is fp64 for fp64 inputs (:func:`widened`), the state's sums, its
-   ``log(count)`` bias, the scores and softmax, the linear recurrences and LongVQ's EMA, RoPE's angles
-   and the logits, so an fp64 op equals
-   its fp64 reference to ~1e-16. ``backend="auto"`` runs an fp64 program on ``blocked``: torch's CPU
-   flex kernel takes fp32, bf16 and fp16 only (an explicit ``"flex"`` is refused by name there).
+   everything above that is "fp32" is fp64 for fp64 inputs (:func:`work_dtype`, :func:`widened`): the
+   state's sums and ``log(count)`` bias, the scores and softmax, the linear recurrences and LongVQ's
+   EMA, RoPE's angles and the logits, so an fp64 op equals its fp64 reference to ~1e-16.
+   ``backend="auto"`` runs an fp64 program on ``blocked``: torch's CPU flex kernel takes fp32, bf16
+   and fp16 only (an explicit ``"flex"`` is refused by name there).
    What stays fp32 in fp64: the routing copies (rule 2: the decisions, the references' too) and the
    decode caches' state (``ovqflex/ops/*_decode.py``: one set of fp32 sums serves routing and
    reading), so an fp64 layer decodes to within 4e-8 (relative) of its fp64 forward.
