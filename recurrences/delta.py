@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .compiling import is_symbolic, narrow_rows, pad_to
 from .linear import from_chunks, to_chunks
-from .precision import work_dtype
+from .precision import no_autocast, work_dtype
 
 #: chunks per block of :func:`affine_chunk_states`: each level of its scan is this many steps
 SCAN_CHUNKS = 16
@@ -133,7 +133,7 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_s
     (None: zeros, a sequence start). ``blocked``: how the chunk states are found
     (:func:`delta_chunks`; default by device)."""
     T, Dv, dt = q.shape[2], v.shape[-1], work_dtype(q)
-    with torch.autocast(q.device.type, enabled=False):
+    with no_autocast(q):
         qc, kc, vc = (to_chunks(x.to(dt), chunk_size) for x in (q, k, v))   # [B, H, n, C, *]
         bc = to_chunks(beta.to(dt), chunk_size).unsqueeze(-1)               # [B, H, n, C, 1]; padding: β = 0
         sol = chunk_wy(bc * kc, kc, torch.cat([bc * vc, bc * kc], dim=-1))

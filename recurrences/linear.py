@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .compiling import narrow_rows, pad_to
-from .precision import work_dtype
+from .precision import no_autocast, work_dtype
 from .scan import cumsum
 
 
@@ -67,7 +67,7 @@ def linear_attention_chunked(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int
     ``output_final_state=True`` returns ``(o, LinearState)`` after the last token (work dtype).
     """
     T, dt = q.shape[2], work_dtype(q)
-    with torch.autocast(q.device.type, enabled=False):
+    with no_autocast(q):
         fq = to_chunks(feature_map(q.to(dt)), chunk_size)            # [B, H, n, C, Dk]; padding rows 0
         fk = to_chunks(feature_map(k.to(dt)), chunk_size)
         vc = to_chunks(v.to(dt), chunk_size)                         # [B, H, n, C, Dv]

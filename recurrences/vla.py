@@ -41,7 +41,7 @@ from .checks import check_int, check_number
 from .scan import cumsum
 from .delta import chunk_wy, delta_chunks
 from .linear import feature_map, from_chunks, to_chunks
-from .precision import work_dtype
+from .precision import no_autocast, work_dtype
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = V
     T, Dv, dt, C = q.shape[2], v.shape[-1], work_dtype(q), opts.chunk
     start = 0 if initial_state is None else initial_state.position
     lead = start % C                                                    # zero rows up to the chunk boundary
-    with torch.autocast(q.device.type, enabled=False):
+    with no_autocast(q):
         kh = to_chunks(F.normalize(k.to(dt), dim=-1, eps=opts.eps), C, lead)   # [B, H, n, C, Dk]
         uh = to_chunks(F.normalize(u.to(dt), dim=-1, eps=opts.eps), C, lead)
         fq = to_chunks(feature_map(q.to(dt)), C, lead)
