@@ -8,9 +8,16 @@ Overflow chunk ``u >= 1`` (tokens ``[u*C, (u+1)*C)``) is absorbed after query ch
 ``u + Nb - 1``:
 1. append: each token's score is ``max_i kbar_j . LN_s(s_i)`` over the current rows;
    the ``n_append`` lowest (stable) found new rows, in temporal order;
-2. merge: the others join ``argmax_{i >= sink_len} (g_j kbar_j) . LN_s(s+_i)`` over the
+2. merge: the others join ``argmax_{i >= sink_len} g_j (kbar_j . LN_s(s+_i))`` over the
    rows *after* appending; row sums gain ``g_j kbar_j`` (and ``g_j v_j``).
 Chunk 0 founds rows ``0..C-1`` (the initial state).
+
+The merge logits are the paper's ``(g_j kbar_j) . LN_s(s+_i)`` with the scalar gate applied to
+the products instead of the key: the same argmax (the KVM paper, arXiv 2605.09877, §4 "Merge",
+writes it equal to the ungated one; ``g = 1 + elu >= 0``, and a gate that underflows to 0 ties
+every row, as before, to the first after the sinks), so the append's product of the chunk's keys
+against the state's rows serves the merge too: one ``[C, m]`` product a chunk instead of two,
+and on the founders' rows a ``[C, C]`` one (docs/design.md §4.3).
 """
 from __future__ import annotations
 
@@ -80,15 +87,17 @@ def kvm_route_chunk(state: Tensor, m: int, n_app: int, ok: Tensor, og: Tensor, l
 def _route_chunk(state, m, n_app, ok, og, ln_weight, ln_bias, sink_len, ln_eps):
     B, H, C, D = ok.shape
     appended = torch.zeros(B, H, C, dtype=torch.bool, device=ok.device)
-    rows = F.layer_norm(state[:, :, :m], (D,), ln_weight, ln_bias, ln_eps)
+    sim = ok @ F.layer_norm(state[:, :, :m], (D,), ln_weight, ln_bias, ln_eps).transpose(-1, -2)  # [B, H, C, m]
+    # merge logits over the m + n_app rows after the append: the gate times the products
+    logits = sim.new_empty(B, H, C, m + n_app)
+    torch.mul(og[..., None], sim, out=logits[..., :m])
     if n_app > 0:
-        score = (ok @ rows.transpose(-1, -2)).amax(-1)
-        chosen = torch.sort(score, dim=-1, stable=True).indices[..., :n_app].sort(dim=-1).values
+        chosen = torch.sort(sim.amax(-1), dim=-1, stable=True).indices[..., :n_app].sort(dim=-1).values
         appended.scatter_(2, chosen, True)
-        new_rows = F.layer_norm(ok.gather(2, chosen[..., None].expand(B, H, n_app, D)), (D,), ln_weight, ln_bias,
-                                ln_eps)
-        rows = torch.cat([rows, new_rows], dim=2)
-    logits = (og[..., None] * ok) @ rows.transpose(-1, -2)
+        # the founders' new rows are LN_s of their keys: every token's key against every token's row
+        # ([C, C], the static step's product), the founders' columns taken
+        own = ok @ F.layer_norm(ok, (D,), ln_weight, ln_bias, ln_eps).transpose(-1, -2)   # [B, H, C, C]
+        torch.mul(og[..., None], own.gather(3, chosen[:, :, None].expand(B, H, C, n_app)), out=logits[..., m:])
     logits[..., :sink_len] = float("-inf")
     target = logits.argmax(-1)  # [B, H, C]
     if n_app > 0:

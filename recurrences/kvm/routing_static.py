@@ -5,13 +5,14 @@ The loop's routing state is one fixed buffer (fp32 row sums ``[B, H, S, D]``, ``
 what changes per chunk is the number of live rows ``m`` it reads and the number ``n_app`` of
 tokens that found new rows. Here the state is padded to ``R = static_rows(S)`` rows (a power of
 two, the rows past ``S`` dead) with a spare after them (``R + 1`` rows), and a step reads all ``R``
-rows, not the spare: one product of the chunk's keys and gated keys against ``LN_s`` of every row
-(``[2C, R]``), append scores over the live rows (``arange(R) < m``, the others ``-inf``), ``m, m +
-n_app`` from a device tensor, the founders the tokens whose rank in the stable sort of their scores
-is below ``n_app`` (a mask, not a slice) on rows ``m, m+1, …`` in temporal order, merge logits over
-the rows ``sink_len..m-1`` and, from a ``[C, C]`` product against the chunk's own ``LN_s(kbar)``,
-over the founders' new rows. So ``torch.compile(fullgraph=True, dynamic=False)`` compiles the step
-once for every chunk and every length whose state falls in the same bucket, and the loop over chunks
+rows, not the spare: one product of the chunk's keys against ``LN_s`` of every row (``[C, R]``),
+append scores over the live rows (``arange(R) < m``, the others ``-inf``), ``m, m + n_app`` from a
+device tensor, the founders the tokens whose rank in the stable sort of their scores is below
+``n_app`` (a mask, not a slice) on rows ``m, m+1, …`` in temporal order, merge logits (the gate
+times the same products, as in the loop) over the rows ``sink_len..m-1`` and, from a ``[C, C]``
+product against the chunk's own ``LN_s(kbar)``, over the founders' new rows. So
+``torch.compile(fullgraph=True, dynamic=False)`` compiles the step once for every chunk and every
+length whose state falls in the same bucket, and the loop over chunks
 (:func:`route_overflow_static`) has no host sync and no data-dependent shape: the target of one
 CUDA-graph capture (:class:`StaticKVMRouter`, ``cuda_graph=True``), which ``route_kvm(impl="static")``
 and the op's default ``routing="auto"`` use on CUDA, one cached router per input shape and options
@@ -30,8 +31,8 @@ columns are in the same order), the founders are the loop's ``sort(stable)[:n_ap
 loop's rows (``m`` + their count among the founders before them: the loop's ascending ``chosen``),
 and the write is the loop's founder write and merge add (its summands
 :func:`~recurrences.kvm.routing.merge_keys`: the state bit for bit). What remains are the
-products: the padded ``[2C, R]`` and the ``[C, C]`` one may round a logit differently from the
-loop's ``[C, m]`` and ``[C, m + n_app]`` ones where the library picks another kernel by shape. On
+products: the padded ``[C, R]`` one may round a logit differently from the loop's ``[C, m]`` one
+where the library picks another kernel by shape (the ``[C, C]`` one is the loop's). On
 the CPU (MKL) a product against a padded matrix gives the exact one's bits on its first ``n``
 columns from ``n = 12`` (``L >= 8``, ``D >= 4``; tests/recurrences/test_ovq_routing_static.py), and
 KVM's ``m >= C >= 16`` (``kvm_state_sizes`` wants a chunk that is a multiple of 16) is above that
@@ -177,10 +178,10 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     m+1, …`` in temporal order; the others join their argmax row ``>= sink_len`` over the ``m + n_app``
     rows (first index on ties).
 
-    One product serves both decisions: the keys and the gated keys ``[2C, D]`` against the state's
-    rows (``[2C, R]``: append scores over rows ``< m``, merge logits over rows ``sink_len..m-1``); the
-    merge logits on the founders' rows are a ``[C, C]`` product against the chunk's own ``LN_s(kbar)``,
-    one column per token, live where the token founds. Their argmax over ``[R + C]`` columns (state
+    One product serves both decisions: the keys ``[C, D]`` against the state's rows (``[C, R]``: append
+    scores over rows ``< m``, and times the gate the merge logits over rows ``sink_len..m-1``, as in
+    the loop); the merge logits on the founders' rows are the gate times a ``[C, C]`` product against
+    the chunk's own ``LN_s(kbar)``, one column per token, live where the token founds. Their argmax over ``[R + C]`` columns (state
     rows, then tokens) takes the loop's first index on ties: the founders' rows follow the state's and
     are in temporal order, as their columns are.
     """
@@ -190,14 +191,14 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     kept = rows is not None
     if not kept:
         rows = _ln_rows(state, ln_weight, ln_bias, ln_eps)                                   # [B, H, R+1, D]
-    gk = og[..., None] * ok                                                                  # [B, H, C, D]
-    both = torch.cat([ok, gk], dim=2) @ rows[:, :, :R].transpose(-1, -2)                     # [B, H, 2C, R]
-    score = both[:, :, :C].masked_fill(col >= m, float("-inf")).amax(-1)                     # [B, H, C]
+    sim = ok @ rows[:, :, :R].transpose(-1, -2)                                              # [B, H, C, R]
+    score = sim.masked_fill(col >= m, float("-inf")).amax(-1)                                # [B, H, C]
     appended = stable_rank(score) < n_rows - m
     slot = torch.where(appended, m + appended.cumsum(-1) - 1, R)  # founders' new rows; the others the spare
-    own = gk @ _ln_rows(ok, ln_weight, ln_bias, ln_eps).transpose(-1, -2)                    # [B, H, C, C]
-    on_state = both[:, :, C:].masked_fill((col < sink_len) | (col >= m), float("-inf")).max(-1)
-    on_own = own.masked_fill((~appended | (slot < sink_len))[..., None, :], float("-inf")).max(-1)
+    own = ok @ _ln_rows(ok, ln_weight, ln_bias, ln_eps).transpose(-1, -2)                    # [B, H, C, C]
+    gate = og[..., None]
+    on_state = (gate * sim).masked_fill((col < sink_len) | (col >= m), float("-inf")).max(-1)
+    on_own = (gate * own).masked_fill((~appended | (slot < sink_len))[..., None, :], float("-inf")).max(-1)
     # argmax over the state's columns, then the tokens' (first index on ties; NaN wins, as in argmax)
     later = (on_own.values > on_state.values) | (on_own.values.isnan() & ~on_state.values.isnan())
     joined = torch.where(later, slot.gather(-1, on_own.indices), on_state.indices)

@@ -147,7 +147,8 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
                 raise ValueError(f"routes: block [{bw}, {bw + C}) must merge into rows [{sink_len}, {m2})")
         else:
             with torch.no_grad():
-                logits = (g.detach().float()[..., None] * kbar_r[:, :, ob]) @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)
+                # (g kbar) . LN_s(s+), the gate applied to the products: the same argmax (KVM paper §4)
+                logits = g.detach().float()[..., None] * (kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2))
                 logits[..., :sink_len] = float("-inf")
                 dest = logits.argmax(-1)
         onehot = torch.zeros(B, H, C, m2, dtype=cdt, device=dev).scatter(-1, dest[..., None], 1.0)

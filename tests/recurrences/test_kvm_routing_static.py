@@ -85,23 +85,23 @@ def test_static_routes_equal_the_loop_on_exact_ties(seed, B, H, n_chunks, C, D, 
 
 def test_the_steps_products_round_as_the_loops_from_16_rows():
     """What the exact-ties equality rests on, on this machine's CPU: the static step's logits come
-    from a product of the keys stacked on the gated keys (``[2C, R]``) and, for the founders' rows, a
-    ``[C, C]`` product of its own, where the loop's are ``[C, m]`` and ``[C, m + n_app]`` products.
-    With ``C >= 16`` rows and ``>= 12`` columns, a row's bits do not depend on the rows stacked with
-    it, nor a column's on the columns before it."""
+    from a ``[C, R]`` product against the padded state and, for the founders' rows, a ``[C, C]``
+    product against every token's row, where the loop's are a ``[C, m]`` product and the same ``[C,
+    C]`` one, and the reference's a ``[C, m + n_app]`` product with the founders' rows after the
+    state's. With ``C >= 16`` rows and ``>= 12`` columns, a column's bits depend neither on the
+    columns after it nor on those before it."""
     g = torch.Generator().manual_seed(0)
     for D in (8, 16, 64):
         for C in (16, 32, 128):
-            keys, gated = torch.randn(2, C, D, generator=g), torch.randn(2, C, D, generator=g)
+            keys = torch.randn(2, C, D, generator=g)
             for n in (12, 16, 33, 128, 1024):
                 rows = torch.randn(2, n, D, generator=g)
-                stacked = torch.cat([keys, gated], 1) @ rows.transpose(-1, -2)
-                assert torch.equal(stacked[:, :C], keys @ rows.transpose(-1, -2)), (D, C, n)
-                assert torch.equal(stacked[:, C:], gated @ rows.transpose(-1, -2)), (D, C, n)
-                for before in (C, 100):
-                    wider = torch.cat([torch.randn(2, before, D, generator=g), rows], 1)
-                    assert torch.equal((gated @ wider.transpose(-1, -2))[..., before:],
-                                       gated @ rows.transpose(-1, -2)), (D, C, n, before)
+                exact = keys @ rows.transpose(-1, -2)
+                for extra in (C, 100):
+                    padded = torch.cat([rows, torch.randn(2, extra, D, generator=g)], 1)
+                    assert torch.equal((keys @ padded.transpose(-1, -2))[..., :n], exact), (D, C, n, extra)
+                    wider = torch.cat([torch.randn(2, extra, D, generator=g), rows], 1)
+                    assert torch.equal((keys @ wider.transpose(-1, -2))[..., extra:], exact), (D, C, n, extra)
 
 
 @pytest.mark.parametrize("sink_len", [0, 1])
