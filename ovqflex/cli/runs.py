@@ -65,17 +65,18 @@ def _cmd_probe(args) -> int:
 def _cmd_experiment(args) -> int:
     """Plan an experiment and print the plan (``--dry-run``) or run it and print its table."""
     from ..experiments import get_experiment, plan, run_experiment
+    from ..experiments.report import trained
 
     exp = get_experiment(args.name)
     out = args.out or f"runs/experiments/{exp.name}-{args.scale}"
-    p = plan(exp, args.scale, out, seeds=args.seeds, models=args.models, device=args.device,
+    p = plan(exp, args.scale, out, seeds=args.seeds, models=args.models, steps=args.steps, device=args.device,
              progress=not args.no_progress)
     if args.dry_run:
         print(p.describe())
         return 0
     results = run_experiment(p, resume=args.resume, log=lambda line: print(line, flush=True), jobs=args.jobs)
-    print(f"\n{results['experiment']} ({results['scale']} scale): {results['task_description']}; trained at "
-          f"{results['train_seq_len']:,} tokens; accuracy, mean over seeds (min-max)")
+    print(f"\n{results['experiment']} ({results['scale']} scale): {results['task_description']}; "
+          f"{trained(results)}; accuracy, mean over seeds (min-max)")
     print(results["table"])
     print("wrote " + ", ".join(results["files"]))
     return 0
@@ -186,6 +187,9 @@ def add_experiment(sub) -> None:
                    "experiment's, 0,1)")
     s.add_argument("--models", type=label_list, default=None, help="comma-separated model labels, e.g. "
                    "sw-ovq,sw-nope (default: all)")
+    s.add_argument("--steps", type=int, default=None, help="training steps per run instead of the scale's (its "
+                   "warmup and checkpoint interval kept); experiment.json records them, so --resume must give the "
+                   "same (default: the scale's)")
     s.add_argument("--out", default=None, help="output directory (default: runs/experiments/NAME-SCALE)")
     add_device(s)
     s.add_argument("--resume", action="store_true", help="continue the experiment in --out after a crash: "

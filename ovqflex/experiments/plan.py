@@ -189,15 +189,28 @@ def _seeds(exp: Experiment, seeds) -> tuple:
     return seeds
 
 
-def plan(experiment: Experiment, scale: str, out: str | Path, *, seeds=None, models=None, device: str = "auto",
-         progress: bool = True) -> Plan:
+def _with_steps(sc: Scale, steps) -> Scale:
+    """``sc`` trained for ``steps`` steps instead of its own (warmup and checkpoint interval kept;
+    the budget line says what it was written for)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if steps == sc.steps:
+        return sc
+    budget = f"{steps:,} steps instead of the scale's {sc.steps:,}" + (f"; the scale's: {sc.budget}" if sc.budget else "")
+    return dataclasses.replace(sc, steps=steps, budget=budget)
+
+
+def plan(experiment: Experiment, scale: str, out: str | Path, *, seeds=None, models=None, steps: int | None = None,
+         device: str = "auto", progress: bool = True) -> Plan:
     """The units of ``experiment`` at ``scale`` into ``out``: for each seed, for each model, a
     training run ``out/<label>-s<seed>/`` followed by its evaluations. ``seeds`` / ``models``
-    (labels) select a subset (default: the experiment's seeds, all models). Nothing is written.
-    ``ValueError`` names whatever is wrong: an unknown scale or model, a length the task
-    cannot generate, a mixer option or test-time override the models do not take."""
+    (labels) select a subset (default: the experiment's seeds, all models); ``steps`` replaces the
+    scale's training steps per run (e.g. to fit a run into the time a machine is lent for; the spec
+    records it, so a resume must give the same). Nothing is written. ``ValueError`` names whatever
+    is wrong: an unknown scale or model, a length the task cannot generate, a mixer option or
+    test-time override the models do not take."""
     exp = experiment
-    sc = exp.scale(scale)
+    sc = exp.scale(scale) if steps is None else _with_steps(exp.scale(scale), steps)
     seeds = _seeds(exp, seeds)
     if models is None:
         chosen = exp.models

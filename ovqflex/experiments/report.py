@@ -60,7 +60,7 @@ def collect(plan: Plan) -> dict:
                           "points": points})
     return {"experiment": plan.experiment.name, "scale": plan.scale_name, "task": plan.experiment.task,
             "task_description": plan.task.describe(), "train_seq_len": plan.scale.seq_len,
-            "lengths": plan.lengths, "seeds": list(plan.seeds), "lines": lines}
+            "train_steps": plan.scale.steps, "train_batch_size": plan.scale.batch_size, "lengths": plan.lengths, "seeds": list(plan.seeds), "lines": lines}
 
 
 def _cell(p: dict) -> str:
@@ -122,6 +122,12 @@ def plot(results: dict, path: Path) -> Path | None:
     return path
 
 
+def trained(results: dict) -> str:
+    """How the models were trained, e.g. ``trained at 64 tokens, 2,000 steps of 32 sequences``."""
+    return (f"trained at {results['train_seq_len']:,} tokens, {results['train_steps']:,} steps of "
+            f"{results['train_batch_size']} sequences")
+
+
 def write_results(plan: Plan) -> dict:
     """Collect the results of ``plan`` and write ``results.json``, ``results.md`` and
     ``results.png`` (when matplotlib is installed) into ``plan.out``; returns the results
@@ -129,8 +135,8 @@ def write_results(plan: Plan) -> dict:
     results = collect(plan)
     out = plan.out
     write_atomic(out / "results.json", json.dumps(results, indent=1))
-    md = (f"# {results['experiment']} ({results['scale']} scale)\n\n{results['task_description']}; trained at "
-          f"{results['train_seq_len']:,} tokens. Per-token accuracy on the target tokens, mean over seeds "
+    md = (f"# {results['experiment']} ({results['scale']} scale)\n\n{results['task_description']}; "
+          f"{trained(results)}. Per-token accuracy on the target tokens, mean over seeds "
           f"(min–max).\n\n{table(results, 'github')}\n")
     write_atomic(out / "results.md", md)
     files = [out / "results.json", out / "results.md"]

@@ -15,6 +15,8 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "train at 2048 tokens; evaluate at 2048, 4096, 8192, 16384, 32768" in text
     assert "[1/2] train sw-nope seed 2" in text and "runs/experiments/icl-gpu/sw-nope-s2" in text
+    assert main(["experiment", "icr", "--scale", "gpu", "--dry-run", "--steps", "1500"]) == 0
+    assert "per run: 1,500 steps x 16 x 2048" in capsys.readouterr().out
 
 
 def test_help_lists_the_experiments(capsys):
@@ -28,7 +30,8 @@ def test_help_lists_the_experiments(capsys):
     (["experiment", "nope"], "unknown experiment 'nope'; known experiments: icl, icr"),
     (["experiment", "icr", "--scale", "tpu", "--dry-run"], "no scale 'tpu'; its scales: cpu, gpu, smoke"),
     (["experiment", "icr", "--models", "sw-ovq,sw-foo", "--dry-run"], "no model 'sw-foo'; its models: sw-ovq"),
-], ids=["name", "scale", "model"])
+    (["experiment", "icr", "--steps", "0", "--dry-run"], "steps must be an int >= 1, got 0"),
+], ids=["name", "scale", "model", "steps"])
 def test_refusals_name_the_known_values(argv, match, capsys):
     assert main(argv) == 2
     assert match in capsys.readouterr().err

@@ -49,6 +49,21 @@ def test_plan_subset_and_spec(tmp_path):
         {}, {"max_centroids": 4096}, {"max_centroids": 8192}]  # the sweep scales the built layer's N
 
 
+def test_steps_replace_the_scales_and_are_recorded(tmp_path):
+    """``steps`` trains every run for that many steps (warmup and checkpoint interval kept); the spec
+    records it, so a resume with other steps is refused (the runner's spec check)."""
+    p = plan(get_experiment("icr"), "gpu", tmp_path, seeds=[0], steps=1500)
+    assert {r.train.steps for r in p.runs} == {1500} and p.runs[0].train.warmup == 200
+    assert p.spec()["train"]["steps"] == 1500 and p.scale.train_tokens == 1500 * 16 * 2048
+    text = p.describe()
+    assert "per run: 1,500 steps x 16 x 2048 = 49,152,000 training tokens" in text
+    assert "budget: 1,500 steps instead of the scale's 5,000; the scale's: 164M training tokens" in text
+    assert plan(get_experiment("icr"), "gpu", tmp_path, steps=5000).scale == get_experiment("icr").scale("gpu")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"steps must be an int >= 1, got {bad!r}"):
+            plan(get_experiment("icr"), "cpu", tmp_path, steps=bad)
+
+
 def _exp(scale: Scale, *models: ModelSpec, sweeps=()) -> Experiment:
     return Experiment("t", "test", "icr", models or (ModelSpec("m", "swa,ovq"),), {"s": scale}, sweeps=sweeps)
 

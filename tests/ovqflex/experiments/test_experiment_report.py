@@ -64,6 +64,7 @@ def test_write_results_files(tmp_path):
                                                                    if k not in ("table", "files")}
     md = (tmp_path / "results.md").read_text()
     assert "| model " in md and "| a N×2 " in md and "0.750 (0.50–1.00)" in md
+    assert "trained at 64 tokens, 10 steps of 2 sequences." in md
     png = tmp_path / "results.png"
     assert res["files"][-1] == str(png) and png.stat().st_size > 5000
     assert res["train_seq_len"] == 64 and res["lengths"] == [64, 128, 256]
