@@ -196,7 +196,9 @@ def _with_steps(sc: Scale, steps) -> Scale:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if steps == sc.steps:
         return sc
-    budget = f"{steps:,} steps instead of the scale's {sc.steps:,}" + (f"; the scale's: {sc.budget}" if sc.budget else "")
+    budget = f"{steps:,} steps instead of the scale's {sc.steps:,}"
+    if sc.budget:
+        budget += f"; the scale's: {sc.budget}"
     return dataclasses.replace(sc, steps=steps, budget=budget)
 
 

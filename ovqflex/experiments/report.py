@@ -60,7 +60,8 @@ def collect(plan: Plan) -> dict:
                           "points": points})
     return {"experiment": plan.experiment.name, "scale": plan.scale_name, "task": plan.experiment.task,
             "task_description": plan.task.describe(), "train_seq_len": plan.scale.seq_len,
-            "train_steps": plan.scale.steps, "train_batch_size": plan.scale.batch_size, "lengths": plan.lengths, "seeds": list(plan.seeds), "lines": lines}
+            "train_steps": plan.scale.steps, "train_batch_size": plan.scale.batch_size, "lengths": plan.lengths,
+            "seeds": list(plan.seeds), "lines": lines}
 
 
 def _cell(p: dict) -> str:

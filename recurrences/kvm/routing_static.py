@@ -181,9 +181,9 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     One product serves both decisions: the keys ``[C, D]`` against the state's rows (``[C, R]``: append
     scores over rows ``< m``, and times the gate the merge logits over rows ``sink_len..m-1``, as in
     the loop); the merge logits on the founders' rows are the gate times a ``[C, C]`` product against
-    the chunk's own ``LN_s(kbar)``, one column per token, live where the token founds. Their argmax over ``[R + C]`` columns (state
-    rows, then tokens) takes the loop's first index on ties: the founders' rows follow the state's and
-    are in temporal order, as their columns are.
+    the chunk's own ``LN_s(kbar)``, one column per token, live where the token founds. Their argmax
+    over ``[R + C]`` columns (state rows, then tokens) takes the loop's first index on ties: the
+    founders' rows follow the state's and are in temporal order, as their columns are.
     """
     R, C = state.shape[2] - 1, ok.shape[2]
     m, n_rows = bounds[0], bounds[1]

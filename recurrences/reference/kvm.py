@@ -148,7 +148,8 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
         else:
             with torch.no_grad():
                 # (g kbar) . LN_s(s+), the gate applied to the products: the same argmax (KVM paper §4)
-                logits = g.detach().float()[..., None] * (kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2))
+                sim = kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)
+                logits = g.detach().float()[..., None] * sim
                 logits[..., :sink_len] = float("-inf")
                 dest = logits.argmax(-1)
         onehot = torch.zeros(B, H, C, m2, dtype=cdt, device=dev).scatter(-1, dest[..., None], 1.0)
