@@ -79,8 +79,9 @@ def kvm_route_chunk(state: Tensor, m: int, n_app: int, ok: Tensor, og: Tensor, l
     """Routes of one overflow chunk against the routing state (fp32 row sums ``[B, H, S, D]``,
     ``m`` live rows): ``ok [B, H, C, D]`` fp32 memory keys, ``og [B, H, C]`` gates; ``n_app``
     tokens found rows ``m..m+n_app-1``. Returns ``target [B, H, C]`` and ``appended [B, H, C]``
-    bool. Reads the state only; :func:`kvm_absorb` writes the chunk in."""
-    with no_autocast(ok):
+    bool. Reads the state only; :func:`kvm_absorb` writes the chunk in. No grad (a decode step with
+    gradients on passes ``LN_s`` parameters that require them)."""
+    with no_autocast(ok), torch.no_grad():
         return _route_chunk(state, m, n_app, ok, og, ln_weight, ln_bias, sink_len, ln_eps)
 
 

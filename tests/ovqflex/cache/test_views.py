@@ -107,14 +107,20 @@ def test_an_ovq_view_follows_the_normalize_option():
         _assert_same_step(layer, cache, x[:, 2 * C + 6:2 * C + 7])
 
 
-def test_a_kvm_decode_with_gradients_keeps_no_view():
+@pytest.mark.parametrize("boundary", [2, 5], ids=["initial-state", "routed-chunk"])
+def test_a_kvm_decode_with_gradients_keeps_no_view(boundary):
     """With gradients on, the view reads LN_s with its graph: the new cache keeps none (caches hold
-    no graph), and the step's output still reaches the parameters."""
+    no graph), and the step's output still reaches the parameters; two tokens that cross the start
+    of query chunk ``boundary`` (chunk 2: the initial state is founded; chunk 5: a chunk is routed,
+    with the parameters of ``LN_s`` requiring grad) equal the no-grad step."""
     layer = _layer("kvm-powerlaw")
-    x = torch.randn(1, 2 * C + 4, HIDDEN)
+    t = boundary * C
+    x = torch.randn(1, t + 2, HIDDEN)
     with torch.no_grad():
-        cache = _decoded(layer, x[:, :2 * C + 3], 2 * C + 2)[-1]
-    y, new = layer(x[:, 2 * C + 3:], cache=cache)
+        cache = _decoded(layer, x[:, :t - 1], t - 2)[-1]
+        expected, _ = layer(x[:, t - 1:], cache=cache)
+    y, new = layer(x[:, t - 1:], cache=cache)
+    assert torch.equal(y.detach(), expected)
     assert new.view is None and all(not t.requires_grad for t in new.tensors())
     y.sum().backward()
     assert layer.ln_s.weight.grad is not None and layer.ln_s.weight.grad.abs().sum() > 0
