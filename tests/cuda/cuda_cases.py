@@ -6,7 +6,8 @@ is False. The README test command collects the tier, so on a GPU machine it runs
 
 ``OVQFLEX_CUDA_TIER_DEVICE=cpu`` runs the same bodies on the CPU (a dry run of the tier's own
 code where no GPU is at hand): ``TRAIN_BACKEND`` is then ``blocked``, since CPU flex has no
-backward. Results on the CPU say nothing about CUDA.
+backward, and ``auto`` chooses state layouts with CUDA's costs (tests/cuda/conftest.py). Results on
+the CPU say nothing about CUDA.
 """
 import os
 
