@@ -66,14 +66,21 @@ def test_layer_compiled_no_grad_forward(name):
     assert_close(y.cpu(), y_ref.cpu(), FWD_TOL_CUDA, f"{name} compiled no-grad forward")
 
 
+def _with_trained_conv(layer):
+    """``layer`` with its q/k convolution's weights (if it has one) drawn as after training, not the
+    identity they start as."""
+    if getattr(layer, "qk_conv", 0):
+        with torch.no_grad():
+            layer.qk_conv_weight.normal_(0.0, 0.5, generator=torch.Generator(DEVICE).manual_seed(3))
+    return layer
+
+
 def test_compiled_kvm_layer_routes_on_the_eager_layers_keys():
     """Under bf16 autocast the fp32 memory keys a compiled KVM layer routes on (its projection, a trained
     q/k convolution, q/k norms, RoPE, the cast to bf16, then ``LN_s`` of an exact fp32 copy) equal the eager
     layer's but for rare roundings: torch 2.11's inductor on CUDA dropped the bf16 rounding in that chain,
     which moved routes by ~1e-2 (``recurrences.precision.exact_float``; the gates: the next test)."""
-    layer, _ = _pair("kvm")
-    with torch.no_grad():
-        layer.qk_conv_weight.normal_(0.0, 0.5, generator=torch.Generator(DEVICE).manual_seed(3))  # as after training
+    layer = _with_trained_conv(_pair("kvm")[0])
     x = torch.randn(4, 100, WIDTH, generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def memory_keys(x):
@@ -102,10 +109,7 @@ def test_compiled_layer_hands_its_op_the_eager_layers_inputs(name):
     does, but for a rare rounding, with a trained q/k convolution: the layers' elementwise chains run in
     fp32 and are rounded once (``recurrences/precision.py``, rule 4). A dropped or doubled rounding
     moves a tenth to a half of the elements."""
-    layer, _ = _pair(name)
-    if getattr(layer, "qk_conv", 0):
-        with torch.no_grad():
-            layer.qk_conv_weight.normal_(0.0, 0.5, generator=torch.Generator(DEVICE).manual_seed(3))
+    layer = _with_trained_conv(_pair(name)[0])
     x = torch.randn(4, 100, WIDTH, generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def op_inputs(x):

@@ -125,24 +125,30 @@ def test_vq_bf16_codes_like_its_reference(seed):
 f64 = torch.float64
 _KVM_F64 = dict(chunk_size=16, budget="power_law", growth_factor=4.0, max_state_chunks=None)
 
+
+def _kvm_params(t: dict) -> dict:
+    return dict(ln_s_weight=t["ln_w"], ln_s_bias=t["ln_b"], tau_state=t["tau"], tau_bswa=t["tau"])
+
+
+def _ovq_f64(layout: str):
+    return (lambda t: ovqflex.ovq_attention(t["q"], t["k"], t["v"], t["beta"], chunk_size=16, max_centroids=12,
+                                            state_layout=layout, block_size=16),
+            lambda t: ovq_attention_reference(t["q"], t["k"], t["v"], t["beta"], chunk_size=16,
+                                              max_centroids=12).out)
+
+
+def _kvm_f64(layout: str):
+    return (lambda t: ovqflex.kvm_attention(t["q"], t["k"], t["v"], t["gate"], state_layout=layout, block_size=16,
+                                            **_kvm_params(t), **_KVM_F64),
+            lambda t: kvm_attention_reference(t["q"], t["k"], t["v"], t["gate"], **_kvm_params(t), **_KVM_F64).out)
+
+
 # name -> (fused op on float64 inputs with backend "auto", its sequential reference): outputs [B, H, T, Dv]
 F64_OPS = {
-    "ovq-snapshot": (lambda t: ovqflex.ovq_attention(t["q"], t["k"], t["v"], t["beta"], chunk_size=16, max_centroids=12,
-                                                     state_layout="snapshot", block_size=16),
-                     lambda t: ovq_attention_reference(t["q"], t["k"], t["v"], t["beta"], chunk_size=16,
-                                                       max_centroids=12).out),
-    "ovq-versioned": (lambda t: ovqflex.ovq_attention(t["q"], t["k"], t["v"], t["beta"], chunk_size=16,
-                                                      max_centroids=12, state_layout="versioned", block_size=16),
-                      lambda t: ovq_attention_reference(t["q"], t["k"], t["v"], t["beta"], chunk_size=16,
-                                                        max_centroids=12).out),
-    "kvm-snapshot": (lambda t: ovqflex.kvm_attention(t["q"], t["k"], t["v"], t["gate"], state_layout="snapshot",
-                                                     block_size=16, **_kvm_params(t), **_KVM_F64),
-                     lambda t: kvm_attention_reference(t["q"], t["k"], t["v"], t["gate"], **_kvm_params(t),
-                                                       **_KVM_F64).out),
-    "kvm-versioned": (lambda t: ovqflex.kvm_attention(t["q"], t["k"], t["v"], t["gate"], state_layout="versioned",
-                                                      block_size=16, **_kvm_params(t), **_KVM_F64),
-                      lambda t: kvm_attention_reference(t["q"], t["k"], t["v"], t["gate"], **_kvm_params(t),
-                                                        **_KVM_F64).out),
+    "ovq-snapshot": _ovq_f64("snapshot"),
+    "ovq-versioned": _ovq_f64("versioned"),
+    "kvm-snapshot": _kvm_f64("snapshot"),
+    "kvm-versioned": _kvm_f64("versioned"),
     "vq": (lambda t: ovqflex.vq_attention(t["q"], t["k"], t["v"], t["codebook"], t["beta"], chunk_size=16,
                                           block_size=16)[0],
            lambda t: vq_attention_reference(t["q"], t["k"], t["v"], t["codebook"], t["beta"], chunk_size=16).out),
@@ -153,10 +159,6 @@ F64_OPS = {
     "vla": (lambda t: ovqflex.vla_attention(t["q"], t["k"], t["v"], t["u"], chunk_size=10),
             lambda t: vla_reference(t["q"], t["k"], t["v"], t["u"]).out),
 }
-
-
-def _kvm_params(t: dict) -> dict:
-    return dict(ln_s_weight=t["ln_w"], ln_s_bias=t["ln_b"], tau_state=t["tau"], tau_bswa=t["tau"])
 
 
 @pytest.mark.parametrize("name", list(F64_OPS))
