@@ -98,6 +98,23 @@ def test_prefill_then_decode_equals_full_forward(name, t1, t2, steps):
     assert_close(streamed, full, FWD_TOL[torch.float32], f"{name} t1={t1} t2={t2} steps={steps}")
 
 
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_float64_layer_decodes_like_its_float64_forward(name):
+    """``layer.double()``: prefill and decode give float64 outputs equal to the float64 forward, to
+    float64 precision where the cache holds float64 tensors (plain attention, the recurrences), and
+    within 1e-6 where it keeps its state and routing copies in fp32 (OVQ, KVM, VQ, LongVQ: README,
+    Precision; measured 2e-8 to 4e-8 here, 5e-10 for LongVQ)."""
+    torch.manual_seed(0)
+    layer = _perturbed(LAYERS[name]()).double()
+    x = torch.randn(2, 61, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        streamed, cache = _stream(layer, x, 37, [1, 5, 17])
+    assert cache.position == 61 and streamed.dtype == full.dtype == torch.float64
+    fp32_state = name.startswith(("ovq", "kvm", "vq", "longvq"))
+    assert_close(streamed, full, 1e-6 if fp32_state else FWD_TOL[torch.float64], f"{name} in float64")
+
+
 @pytest.mark.parametrize("name", ["ovq-plateau", "kvm-fixed", "swa-20-sinks", "vq", "longvq", "linear-outnorm-conv",
                                   "deltanet-outnorm-conv", "vla-outnorm-conv-r12c4"])
 def test_a_cache_can_be_continued_twice(name):
