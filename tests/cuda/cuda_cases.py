@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ovqflex.attention import training_backend
+from tests.helpers import OLD_TORCH, UNDECLARED_FAULT, VECMASK_FAULT
 
 DEVICE = torch.device(os.environ.get("OVQFLEX_CUDA_TIER_DEVICE", "cuda"))
 CUDA_TIER = [
@@ -22,16 +23,13 @@ CUDA_TIER = [
     pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(),
                        reason="needs a CUDA device: torch.cuda.is_available() is False"),
 ]
-# a CPU dry run under torch < 2.13 (the GPU machine's 2.11 installed on a CPU machine): its inductor's CPU
-# code generator has faults 2.13 does not (README, "Torch versions"); the compiled trainings it kills or cannot
-# compile, and 2.13 compiles, skip with the fault named (on CUDA inductor generates Triton, not this C++)
-OLD_CPU_INDUCTOR = DEVICE.type == "cpu" and torch.__version__ < "2.13"  # (TorchVersion compares as a version)
-_UNDECLARED = "inductor's C++ code generator emits a vectorized transpose indexed by an undeclared 'tmp7'"
-_VECMASK = "inductor's C++ code generator builds a VecMask<long> from a bool (no such constructor)"
+# a CPU dry run under torch < 2.13: the compiled trainings its inductor kills or cannot compile, and 2.13
+# compiles, skip with the fault named (tests/helpers.py)
+OLD_CPU_INDUCTOR = DEVICE.type == "cpu" and OLD_TORCH
 OLD_CPU_INDUCTOR_FAULTS = {  # (test, mixer, dtype) -> the fault
     ("model", "kvm", "bf16"): "inductor's compiled kvm bf16 training corrupts the heap (process abort)",
-    ("model", "vq", "fp32"): _UNDECLARED, ("model", "vq", "bf16"): _UNDECLARED,
-    ("layer", "longvq", "fp32"): _VECMASK, ("layer", "longvq", "bf16"): _VECMASK,
+    ("model", "vq", "fp32"): UNDECLARED_FAULT, ("model", "vq", "bf16"): UNDECLARED_FAULT,
+    ("layer", "longvq", "fp32"): VECMASK_FAULT, ("layer", "longvq", "bf16"): VECMASK_FAULT,
 }
 
 
