@@ -33,12 +33,15 @@
    **float64 stays float64** (a model or op run in fp64 to check the arithmetic, e.g. by gradcheck):
    everything above that is "fp32" is fp64 for fp64 inputs (:func:`work_dtype`, :func:`widened`): the
    state's sums and ``log(count)`` bias, the scores and softmax, the linear recurrences and LongVQ's
-   EMA, RoPE's angles and the logits, so an fp64 op equals its fp64 reference to ~1e-16.
+   EMA, RoPE's angles and the logits, so an fp64 op equals its fp64 reference to fp64 precision
+   (tests/ovqflex/ops/test_dtypes.py::test_float64_ops_equal_their_references_in_float64).
    ``backend="auto"`` runs an fp64 program on ``blocked``: torch's CPU flex kernel takes fp32, bf16
    and fp16 only (an explicit ``"flex"`` is refused by name there).
    What stays fp32 in fp64: the routing copies (rule 2: the decisions, the references' too) and the
    decode caches' state (``ovqflex/ops/*_decode.py``: one set of fp32 sums serves routing and
-   reading), so an fp64 layer decodes to within 4e-8 (relative) of its fp64 forward.
+   reading), so an fp64 OVQ, KVM or VQ layer decodes to within 4e-8 (relative) of its fp64 forward, the
+   others to fp64 precision
+   (tests/ovqflex/cache/test_streaming.py::test_a_float64_layer_decodes_like_its_float64_forward).
 
 4. **The layers' arithmetic before the boundary, the same compiled and eager.** Under autocast, eager
    code rounds the output of every elementwise op to the autocast dtype, while a compiled graph
