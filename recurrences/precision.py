@@ -28,11 +28,16 @@
    softmax and the weighted sum are fp32 (flex accumulates in fp32; the ``blocked`` and ``dense``
    backends and a decode step's ``attend_rows`` upcast, with autocast off, which would run their
    matmuls in bf16 and round the scores before the softmax); the linear recurrences work in fp32
-   and return the compute dtype.
+   and return the compute dtype. The state sums (``recurrences/segments.py``, ``versioned.py``: every
+   method's dictionary, state or codebook rows before their readout) are kept in the compute dtype,
+   summed with wider accumulators (the scatter's and scan's on the CPU; the version rows' fp64 scan): in
+   bf16 they are within twice the error of rounding once the fp32 sums of the same tokens, where a bf16
+   running sum would stop growing (tests/recurrences/test_versioned.py::test_bf16_state_sums_are_rounded_about_once;
+   on CUDA, whose ``index_add_`` adds bf16 atomically, the cuda tier checks the same).
 
    **float64 stays float64** (a model or op run in fp64 to check the arithmetic, e.g. by gradcheck):
    everything above that is "fp32" is fp64 for fp64 inputs (:func:`work_dtype`, :func:`widened`): the
-   state's sums and ``log(count)`` bias, the scores and softmax, the linear recurrences and LongVQ's
+   state's sums (fp64 as the inputs are) and ``log(count)`` bias, the scores and softmax, the linear recurrences and LongVQ's
    EMA, RoPE's angles and the logits, so an fp64 op equals its fp64 reference to fp64 precision
    (tests/ovqflex/ops/test_dtypes.py::test_float64_ops_equal_their_references_in_float64).
    ``backend="auto"`` runs an fp64 program on ``blocked``: torch's CPU flex kernel takes fp32, bf16

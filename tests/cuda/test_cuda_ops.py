@@ -13,6 +13,7 @@ from recurrences.reference import (delta_rule_reference, kvm_attention_reference
 from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, GRAD_TOL_CUDA, TRAIN_BACKEND, seeded
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 from tests.recurrences.test_precision import routing_copies
+from tests.recurrences.test_versioned import bf16_state_sums_round_about_once
 
 pytestmark = CUDA_TIER
 
@@ -292,6 +293,13 @@ def test_eager_op_makes_no_host_sync_after_its_first_call(method, grad):
         call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_state_sums_are_rounded_about_once_on_the_device(layout):
+    """The state sums' dtype rule on DEVICE: CUDA's ``index_add_`` adds bf16 atomically, so a chunk's
+    tokens in one row may be rounded once each there (tests/recurrences/test_versioned.py)."""
+    bf16_state_sums_round_about_once(layout, DEVICE)
 
 
 def test_long_scan_with_broadcast_input_compiles():
