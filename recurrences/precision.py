@@ -37,8 +37,9 @@
 
    **float64 stays float64** (a model or op run in fp64 to check the arithmetic, e.g. by gradcheck):
    everything above that is "fp32" is fp64 for fp64 inputs (:func:`work_dtype`, :func:`widened`): the
-   state's sums (fp64 as the inputs are) and ``log(count)`` bias, the scores and softmax, the linear recurrences and LongVQ's
-   EMA, RoPE's angles and the logits, so an fp64 op equals its fp64 reference to fp64 precision
+   state's sums (fp64 as the inputs are) and ``log(count)`` bias, the scores and softmax, the linear
+   recurrences and LongVQ's EMA, RoPE's angles and the logits, so an fp64 op equals its fp64 reference
+   to fp64 precision
    (tests/ovqflex/ops/test_dtypes.py::test_float64_ops_equal_their_references_in_float64).
    ``backend="auto"`` runs an fp64 program on ``blocked``: torch's CPU flex kernel takes fp32, bf16
    and fp16 only (an explicit ``"flex"`` is refused by name there).

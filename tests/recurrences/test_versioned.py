@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from recurrences.segments import segment_snapshot_sums
 from recurrences.versioned import (LAYOUT_ROW_COST, choose_state_layout, plan_versioned, snapshot_from_versioned,
                                    versioned_sums)
+from tests.helpers import rel_err
 
 
 def random_routes(B, H, T, chunk, lag, sizes, drop, g):
@@ -206,7 +207,6 @@ def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
     assert vs.ver[0].requires_grad
 
 
-
 def bf16_state_sums_round_about_once(layout: str, device) -> None:
     """The dtype rule for state sums (recurrences/precision.py, rule 3) on ``device``: bf16 tokens are summed
     with an fp32 accumulator and the sums kept in bf16, so in ``layout`` (``"snapshot"``:
@@ -230,8 +230,7 @@ def bf16_state_sums_round_about_once(layout: str, device) -> None:
         return torch.cat([vs.ckpt[0].flatten(), vs.ver[0].flatten()]).float()
 
     low, exact = sums(x), sums(x.float())
-    once = ((exact.bfloat16().float() - exact).norm() / exact.norm()).item()
-    err = ((low - exact).norm() / exact.norm()).item()
+    once, err = rel_err(exact.bfloat16().float(), exact), rel_err(low, exact)
     assert err <= 2 * once, f"bf16 state sums: relative error {err:.2e}, one rounding {once:.2e}"
 
 
