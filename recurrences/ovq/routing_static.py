@@ -18,9 +18,12 @@ router per input shape and options (:func:`~recurrences.compiling.static_router`
 What a step moves is kept to the chunk's rows, since on a GPU a step's time is its passes
 over the dictionary: the router keeps the rows' read form (means, unit with
 ``normalize_centroids``: :func:`dictionary_means`), which the absorb derives again on the
-rows it wrote, instead of dividing all ``R`` every step; and the absorb is one opaque op
-(:func:`absorb_in_place`) that writes the buffers in place, where compiled code would copy
-the whole dictionary in and out around a functional scatter-add.
+rows it wrote, instead of dividing all ``R`` every step; and the absorb writes the buffers in
+place, where compiled code would copy the whole dictionary in and out around a functional
+scatter-add: one opaque op of the loop's own kernels (:func:`absorb_in_place`), or in a step
+compiled for CUDA (:data:`FUSED_ABSORB`) ``index_put_`` writes that inductor keeps in place and
+fuses with the step's kernels (:func:`absorb_fused`; on the CPU they would make the whole step the
+product and one kernel).
 
 Same routes as the loop: live rows are divided by the same counts (dead rows read 0,
 never 0/0), dead scores are ``-inf`` (they never win a max; the max and its first
@@ -52,6 +55,15 @@ from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile
                          stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import add_to_rows, ovq_absorb, ovq_route_chunk, seeding_draw
+
+#: Whether a compiled static step writes its absorb as traced code that inductor fuses into the step's
+#: kernels (:func:`absorb_fused`), per device type; otherwise (and always eager) it calls the opaque
+#: :func:`absorb_in_place`, the loop's own kernels. On CUDA the loop's scatter-add is an unordered
+#: atomic sum already, so fusing costs no exactness, and the opaque op's seven eager launches a step
+#: (in a run bound by launches) join the step's fused kernels; on the CPU the eager kernels add a
+#: row's tokens in token order, the loop's bits, where inductor's fused adds may split a head's tokens
+#: over threads.
+FUSED_ABSORB = {"cpu": False, "cuda": True}
 
 
 def route_ovq_static(k: Tensor, *, chunk_size: int, sizes: list[int], seeding: str = "spread", seed: int = 0,
@@ -181,7 +193,8 @@ def ovq_static_step(kc: Tensor, sums: Tensor, counts: Tensor, bounds: Tensor, u:
     best_sim, route = sim.max(dim=-1)
     rank = stable_rank(best_sim if u is None else u)
     route = torch.where(rank < n_new, n_old + rank, route)
-    absorb_in_place(sums, counts, means, kc, route, value_sums, vc, normalize_centroids)
+    fused = torch.compiler.is_compiling() and FUSED_ABSORB.get(kc.device.type, False)
+    (absorb_fused if fused else absorb_in_place)(sums, counts, means, kc, route, value_sums, vc, normalize_centroids)
     if out is not None:
         out.copy_(route)
     return route
@@ -209,6 +222,25 @@ def absorb_in_place(sums: Tensor, counts: Tensor, means: Tensor | None, kc: Tens
 @absorb_in_place.register_fake
 def _(sums, counts, means, kc, route, value_sums, vc, normalize_centroids):
     return None
+
+
+def absorb_fused(sums: Tensor, counts: Tensor, means: Tensor | None, kc: Tensor, route: Tensor,
+                 value_sums: Tensor | None, vc: Tensor | None, normalize_centroids: bool) -> None:
+    """:func:`absorb_in_place`'s writes (same arguments) as traced code, for a compiled step on a
+    device of :data:`FUSED_ABSORB`: ``index_put_`` on each token's ``(b, h, row)``, which inductor
+    writes into the buffers in place and fuses with the step's other kernels (on the CPU the whole
+    step becomes the product and one kernel). A traced ``scatter_add_`` would instead run as an eager
+    fallback on a copy of the whole dictionary, copied back after. The adds are atomic, in no fixed
+    order; the counts (whole numbers) and each row's ``means`` from its sums are exact."""
+    B, H = route.shape[:2]
+    rows = (torch.arange(B, device=route.device)[:, None, None], torch.arange(H, device=route.device)[None, :, None],
+            route)  # each token's (b, h, row) index
+    sums.index_put_(rows, kc, accumulate=True)
+    counts.index_put_(rows, torch.ones_like(route, dtype=counts.dtype), accumulate=True)
+    if value_sums is not None:
+        value_sums.index_put_(rows, vc, accumulate=True)
+    if means is not None:
+        means.index_put_(rows, dictionary_means(sums[rows], counts[rows], normalize_centroids))
 
 
 def dictionary_means(sums: Tensor, counts: Tensor, normalize_centroids: bool) -> Tensor:

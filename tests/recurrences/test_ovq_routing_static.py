@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from recurrences.ovq import GROWTHS, SEEDINGS, DictionarySchedule, dictionary_sizes, ovq_absorb, route_ovq
 from recurrences.ovq.routing_static import StaticOVQRouter, dictionary_means, route_ovq_static
-from tests.helpers import count_router_builds
+from tests.helpers import count_router_builds, rel_err
 
 
 def _keys(seed, B, H, T, D, n_distinct, dtype):
@@ -112,6 +112,43 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_dictionary_bit_for_bit(s
     assert torch.equal(router.sums, sums) and torch.equal(router.counts, counts)
     # the read form the steps kept, refreshed on the rows each one wrote, is every row's derived afresh
     assert torch.equal(router.means, dictionary_means(sums, counts, normalize))
+
+
+@pytest.mark.parametrize("B, H, normalize", [(1, 1, False), (2, 3, True)], ids=["one-head", "six-heads-unit"])
+def test_the_fused_absorb_keeps_the_loops_routes_and_its_sums_to_rounding(monkeypatch, B, H, normalize):
+    """The compiled step with the absorb traced and fused (``FUSED_ABSORB``, what CUDA compiles; on
+    the CPU here): the loop's routes and counts, its sums to fp32 rounding (the fused adds are atomic,
+    in no fixed order: one head's tokens split over threads round otherwise), and the kept read form
+    every row's derived afresh from the sums the steps built, bit for bit; values absorbed too (a
+    static decode cache's boundary) to rounding. One graph for every chunk."""
+    from recurrences.ovq import routing_static
+
+    monkeypatch.setitem(routing_static.FUSED_ABSORB, "cpu", True)
+    T, D, L, N = 1024, 16, 128, 256
+    k = _keys(7, B, H, T, D, 0, torch.float32)
+    schedule = DictionarySchedule(L, N)
+    router = StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=schedule.sizes(T // L), normalize_centroids=normalize)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        routes = router(k)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(routes, route_ovq(k, schedule=schedule, normalize_centroids=normalize, impl="loop"))
+    sums, counts = _absorbed(router, routes)
+    assert torch.equal(router.counts, counts)
+    assert rel_err(router.sums, sums) < 1e-6
+    assert torch.equal(router.means, dictionary_means(router.sums, router.counts, normalize))
+    # the values of a chunk, absorbed by the fused step and by the eager one from the same dictionary
+    kc, vc = router.kf[-1], torch.randn(B, H, L, 8, generator=torch.Generator().manual_seed(1))
+    bounds = torch.tensor(schedule.sizes(T // L)[-2:])
+    fused, eager = ([t.clone() for t in (sums, counts, torch.zeros(*sums.shape[:3], 8))] for _ in range(2))
+    with torch.no_grad():  # as the router and a decode boundary run it; a step with values is a graph of its own
+        got = routing_static.compiled_static_step(kc, fused[0], fused[1], bounds, None, normalize_centroids=normalize,
+                                                  value_sums=fused[2], vc=vc)
+    want = routing_static.ovq_static_step(kc, eager[0], eager[1], bounds, None, normalize_centroids=normalize,
+                                          value_sums=eager[2], vc=vc)
+    assert torch.equal(got, want) and torch.equal(fused[1], eager[1])
+    assert rel_err(fused[0], eager[0]) < 1e-6 and rel_err(fused[2], eager[2]) < 1e-6
 
 
 @pytest.mark.parametrize("normalize", [False, True])
