@@ -124,6 +124,8 @@ def test_the_fused_absorb_keeps_the_loops_routes_and_its_sums_to_rounding(monkey
     from recurrences.ovq import routing_static
 
     monkeypatch.setitem(routing_static.FUSED_ABSORB, "cpu", True)
+    opaque, absorb_in_place = [], routing_static.absorb_in_place  # calls of the opaque op, traced or eager
+    monkeypatch.setattr(routing_static, "absorb_in_place", lambda *args: (opaque.append(1), absorb_in_place(*args)))
     T, D, L, N = 1024, 16, 128, 256
     k = _keys(7, B, H, T, D, 0, torch.float32)
     schedule = DictionarySchedule(L, N)
@@ -147,6 +149,7 @@ def test_the_fused_absorb_keeps_the_loops_routes_and_its_sums_to_rounding(monkey
                                                   value_sums=fused[2], vc=vc)
     want = routing_static.ovq_static_step(kc, eager[0], eager[1], bounds, None, normalize_centroids=normalize,
                                           value_sums=eager[2], vc=vc)
+    assert opaque == [1]  # the eager step's: the compiled ones traced the fused absorb
     assert torch.equal(got, want) and torch.equal(fused[1], eager[1])
     assert rel_err(fused[0], eager[0]) < 1e-6 and rel_err(fused[2], eager[2]) < 1e-6
 
