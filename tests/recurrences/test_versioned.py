@@ -208,10 +208,12 @@ def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
 
 
 def bf16_state_sums_round_about_once(layout: str, device) -> None:
-    """The dtype rule for state sums (recurrences/precision.py, rule 3) on ``device``: bf16 tokens are summed
-    with an fp32 accumulator and the sums kept in bf16, so in ``layout`` (``"snapshot"``:
-    :func:`segment_snapshot_sums`; ``"versioned"``: :func:`versioned_sums`' checkpoints and version rows)
-    they are within twice the relative error of rounding once the fp32 sums of the same tokens.
+    """The dtype rule for state sums (recurrences/precision.py, rule 3) on ``device``: the sums are kept in
+    bf16, so in ``layout`` (``"snapshot"``: :func:`segment_snapshot_sums`; ``"versioned"``:
+    :func:`versioned_sums`' checkpoints and version rows) they are within twice the relative error of
+    rounding once the fp32 sums of the same tokens. On the CPU the scatter and scans accumulate wider;
+    CUDA's ``index_add_`` adds bf16 atomically, rounding each add into a cell (the cumsum over chunks
+    accumulates wider there too), which this check bounds on the device.
 
     90% of the tokens go to one row and all are ~3 (same sign), so a chunk adds ~115 tokens to that row's
     cell and its running sum reaches ~11,000, where bf16's spacing is 64: a bf16 accumulator would stop
