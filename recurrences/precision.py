@@ -30,10 +30,13 @@
    matmuls in bf16 and round the scores before the softmax); the linear recurrences work in fp32
    and return the compute dtype. The state sums (``recurrences/segments.py``, ``versioned.py``: every
    method's dictionary, state or codebook rows before their readout) are kept in the compute dtype,
-   summed with wider accumulators (the scatter's and scan's on the CPU; the version rows' fp64 scan): in
-   bf16 they are within twice the error of rounding once the fp32 sums of the same tokens, where a bf16
-   running sum would stop growing (tests/recurrences/test_versioned.py::test_bf16_state_sums_are_rounded_about_once;
-   on CUDA, whose ``index_add_`` adds bf16 atomically, the cuda tier checks the same).
+   summed in fp32 and rounded once: the CPU's scatter and scan accumulate in fp32; CUDA's ``index_add_``
+   and scan add bf16 in bf16, rounding every add, so there a cell's tokens are summed in fp32 before
+   their one add (``segments.NARROW_ADDS``) and the scans run in fp32 (``scan.NARROW_SCANS``); the
+   version rows' scan is fp64. In bf16 they are within twice the error of rounding once the fp32 sums of
+   the same tokens, where a bf16 running sum would stop growing
+   (tests/recurrences/test_versioned.py::test_bf16_state_sums_are_rounded_about_once; the cuda tier
+   checks the same on CUDA).
 
    **float64 stays float64** (a model or op run in fp64 to check the arithmetic, e.g. by gradcheck):
    everything above that is "fp32" is fp64 for fp64 inputs (:func:`work_dtype`, :func:`widened`): the

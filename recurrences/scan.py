@@ -18,6 +18,12 @@ scans shape :func:`cumsum`:
   not NoneType", pytorch/pytorch#180221) when the work fused into the scan's input reads a broadcast
   or index value. On CUDA while compiling such a scan runs as :func:`extern_cumsum`, ATen's kernel on
   a materialized input; the rest of the graph still fuses.
+- Precision. ATen's CUDA scan keeps a bf16 or fp16 running sum in that dtype, so every step rounds
+  (pytorch/pytorch#180150; the CPU's accumulates in fp32 and rounds each output once). Emulated on
+  the CPU, such a scan over 32 chunks left bf16 state sums at 3 times one rounding's error even with
+  each chunk's cells rounded once (tests/recurrences/test_versioned.py::
+  test_narrow_adds_as_on_cuda_are_summed_in_fp32). On CUDA a bf16 or fp16 scan therefore runs in
+  fp32 and is rounded once (:data:`NARROW_SCANS`).
 """
 from __future__ import annotations
 
@@ -61,13 +67,34 @@ def _one_level(x: Tensor, dim: int, extern: bool | None) -> Tensor:
     return extern_cumsum(x, dim) if extern else x.cumsum(dim)
 
 
+#: whether a device's ATen scan adds bf16/fp16 in their own dtype, rounding every step of the running sum
+#: (CUDA: ``std::plus<scalar_t>``, pytorch/pytorch#180150; the CPU's accumulates in fp32); there
+#: :func:`cumsum` scans such inputs in fp32 and rounds each output once, as the CPU does
+NARROW_SCANS = {"cpu": False, "cuda": True}
+
+#: columns of a widened scan done at once (:func:`_widened`): its fp32 buffers are this many columns wide
+WIDE_SCAN_COLUMNS = 16
+
+
+def _widened(x: Tensor, dim: int, two_level: bool | None, extern: bool | None) -> Tensor:
+    """``cumsum(x.float(), dim)`` rounded once to x's dtype, :data:`WIDE_SCAN_COLUMNS` columns of the last
+    dimension at a time when the scan runs along another (the columns are independent): the fp32 copies
+    are a fraction of x's size."""
+    parts = x.split(WIDE_SCAN_COLUMNS, -1) if dim != x.dim() - 1 else (x,)
+    out = [cumsum(part.float(), dim, two_level=two_level, extern=extern).to(x.dtype) for part in parts]
+    return out[0] if len(out) == 1 else torch.cat(out, -1)
+
+
 def cumsum(x: Tensor, dim: int, *, two_level: bool | None = None, extern: bool | None = None) -> Tensor:
-    """``x.cumsum(dim)`` (bool and integer inputs sum to int64), fast and compilable on every device.
+    """``x.cumsum(dim)`` (bool and integer inputs sum to int64), fast and compilable on every device;
+    bf16 and fp16 accumulate in fp32 on every device (:data:`NARROW_SCANS`).
     ``two_level`` (default: on CUDA, for scans longer than :data:`LONG_SCAN`): scan within blocks of
     :data:`SCAN_BLOCK` elements, then over the block totals (with the same default). ``extern``
     (default: on CUDA while compiling, for scans longer than :data:`SINGLE_BLOCK_SCAN`): each scan runs
     as :func:`extern_cumsum`. The block is fixed, so a length traced as a symbol stays one."""
     dim = dim % x.dim()
+    if x.dtype in (torch.bfloat16, torch.float16) and NARROW_SCANS.get(x.device.type, False):
+        return _widened(x, dim, two_level, extern)
     n = x.shape[dim]
     asked = two_level
     if two_level is None:

@@ -30,7 +30,9 @@ def segment_snapshot_sums(xs: Sequence[Tensor], routes: Tensor, chunk_size: int,
     Returns the sums ``[B, H, n_out, rows, D_i]`` of each x and the token counts ``[B, H, n_out,
     rows]`` fp32 of the snapshots of chunks ``0, every, 2 every, ...`` (``n_out = ceil(n_chunks /
     every)``; ``every > 1``: the checkpoints of the versioned layout, :mod:`recurrences.versioned`).
-    The cells and counts are computed once for all ``xs``; each x is added into a zeroed buffer in place.
+    The cells and counts are computed once for all ``xs``; each x is added into a zeroed buffer in place,
+    every cell rounded once to x's dtype (:data:`NARROW_ADDS`), then summed over chunks by
+    :func:`~recurrences.scan.cumsum`, which accumulates in fp32 and rounds each snapshot once.
     """
     T = routes.shape[2]
     pad = -T % chunk_size  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
@@ -52,9 +54,38 @@ def segment_snapshot_sums(xs: Sequence[Tensor], routes: Tensor, chunk_size: int,
         return cumsum(cells, 2)
 
     counts = torch.zeros(B * H * n_cells, device=dev).index_add_(0, cell, torch.ones(B * H * T, device=dev))
-    sums = [by_chunk(x.new_zeros(B * H * n_cells, x.shape[-1]).index_add_(0, cell, x.reshape(B * H * T, x.shape[-1])))
-            for x in xs]
+    once = [x.dtype in (torch.bfloat16, torch.float16) and NARROW_ADDS.get(dev.type, False) for x in xs]
+    group = _cell_leaders(cell, B * H * n_cells) if any(once) else None
+    sums = [by_chunk(_cell_sums(x.reshape(B * H * T, x.shape[-1]), cell, B * H * n_cells, group if o else None))
+            for x, o in zip(xs, once)]
     return sums, by_chunk(counts)
+
+
+#: whether a device's ``index_add_`` adds bf16/fp16 in their own dtype, rounding every add into its cell
+#: (CUDA's atomics; the CPU's scatter accumulates in fp32 and rounds each cell once): there a cell's
+#: tokens are summed in fp32 first (:func:`_cell_sums`), so a cell of ``n`` tokens is rounded once, not
+#: ``n`` times
+NARROW_ADDS = {"cpu": False, "cuda": True}
+
+
+def _cell_leaders(cell: Tensor, n_cells: int) -> Tensor:
+    """``[N]`` int64: for each of the ``N`` tokens, the first token of its ``cell`` (``[N]``, values
+    ``< n_cells``), the row its cell's fp32 sum is kept in."""
+    with torch.no_grad():
+        token = torch.arange(cell.shape[0], device=cell.device)
+        first = torch.full((n_cells,), cell.shape[0], device=cell.device, dtype=torch.long)
+        return first.scatter_reduce_(0, cell, token, reduce="amin")[cell]
+
+
+def _cell_sums(x: Tensor, cell: Tensor, n_cells: int, group: Tensor | None) -> Tensor:
+    """``[n_cells, D]`` sums, in x's dtype, of the tokens ``x [N, D]`` by ``cell [N]``, added in place into
+    a zeroed buffer. ``group`` (:func:`_cell_leaders`): a cell's tokens are first summed in fp32 into the
+    row of its first token, and only that row's sum, rounded once, is added to the cell (the other rows
+    are zeros, which add exactly): one rounding per cell whatever the order of the adds."""
+    if group is not None:
+        wide = x.float()
+        x = torch.zeros_like(wide).index_add_(0, group, wide).to(x.dtype)
+    return x.new_zeros(n_cells, x.shape[-1]).index_add_(0, cell, x)
 
 
 @dataclass

@@ -101,3 +101,13 @@ def count_router_builds(monkeypatch, module, name: str) -> list:
     torch._dynamo.reset()
     counters.clear()
     return made
+
+
+def sum_narrow_as_on_cuda(monkeypatch) -> None:
+    """Make the CPU take CUDA's choices for bf16/fp16 state sums: a cell's tokens summed in fp32 before
+    its one add (``recurrences.segments.NARROW_ADDS``) and scans in fp32, rounded once
+    (``recurrences.scan.NARROW_SCANS``)."""
+    from recurrences import scan, segments
+
+    monkeypatch.setitem(segments.NARROW_ADDS, "cpu", segments.NARROW_ADDS["cuda"])
+    monkeypatch.setitem(scan.NARROW_SCANS, "cpu", scan.NARROW_SCANS["cuda"])

@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from recurrences import scan
 from recurrences.scan import LONG_SCAN, SCAN_BLOCK, SINGLE_BLOCK_SCAN, cumsum, extern_cumsum
 
 
@@ -75,3 +76,19 @@ def test_cumsum_compiles_with_the_length_as_a_symbol():
     for n in (2000, 3001, 5000):
         x = torch.randn(2, n, 3, generator=g, dtype=torch.float64)
         torch.testing.assert_close(compiled(x), x.cumsum(1), rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dim", [0, 1, 2], ids=["first-dim", "middle-dim", "last-dim"])
+def test_a_device_with_narrow_scans_scans_half_floats_in_fp32_and_rounds_once(dtype, dim, monkeypatch):
+    """What CUDA takes (``NARROW_SCANS``: its ATen scan would round a bf16 running sum at every
+    step), forced on the CPU: the fp32 scan rounded once, bit for bit, in 16-column parts (37 columns:
+    16 + 16 + 5) or whole along the last dim; the gradient is the fp32 reverse scan rounded once."""
+    monkeypatch.setitem(scan.NARROW_SCANS, "cpu", True)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 300, 37, generator=g).to(dtype).requires_grad_()
+    y = cumsum(x, dim)
+    assert y.dtype == dtype and torch.equal(y, x.detach().float().cumsum(dim).to(dtype))
+    gy = torch.randn(y.shape, generator=g).to(dtype)
+    y.backward(gy)
+    assert torch.equal(x.grad, gy.float().flip(dim).cumsum(dim).flip(dim).to(dtype))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from recurrences.segments import segment_snapshot_sums
 from recurrences.versioned import (LAYOUT_ROW_COST, choose_state_layout, plan_versioned, snapshot_from_versioned,
                                    versioned_sums)
-from tests.helpers import rel_err
+from tests.helpers import rel_err, sum_narrow_as_on_cuda
 
 
 def random_routes(B, H, T, chunk, lag, sizes, drop, g):
@@ -207,36 +207,112 @@ def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
     assert vs.ver[0].requires_grad
 
 
-def bf16_state_sums_round_about_once(layout: str, device) -> None:
-    """The dtype rule for state sums (recurrences/precision.py, rule 3) on ``device``: the sums are kept in
-    bf16, so in ``layout`` (``"snapshot"``: :func:`segment_snapshot_sums`; ``"versioned"``:
-    :func:`versioned_sums`' checkpoints and version rows) they are within twice the relative error of
-    rounding once the fp32 sums of the same tokens. On the CPU the scatter and scans accumulate wider;
-    CUDA's ``index_add_`` adds bf16 atomically, rounding each add into a cell (the cumsum over chunks
-    accumulates wider there too), which this check bounds on the device.
-
-    90% of the tokens go to one row and all are ~3 (same sign), so a chunk adds ~115 tokens to that row's
-    cell and its running sum reaches ~11,000, where bf16's spacing is 64: a bf16 accumulator would stop
-    growing at 2,048 (one such sum of 4,000 tokens: 2,048 against 11,974)."""
+def heavy_bf16_case(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 tokens ``x [1, 2, 4096, 16]`` and routes ``[1, 2, 4096]`` (chunks of 128, 8 rows) that stress
+    bf16 sums: 90% of the tokens go to one row and all are ~3 (same sign), so a chunk adds ~115 tokens to
+    that row's cell and its running sum reaches ~11,000, where bf16's spacing is 64: a bf16 accumulator
+    would stop growing at 2,048 (one such sum of 4,000 tokens: 2,048 against 11,974)."""
     g = torch.Generator().manual_seed(11)
-    B, H, T, D, L, rows = 1, 2, 4096, 16, 128, 8
+    B, H, T, D, rows = 1, 2, 4096, 16, 8
     x = (3 + torch.randn(B, H, T, D, generator=g)).bfloat16().to(device)
     heavy = torch.rand(B, H, T, generator=g) < 0.9
     routes = torch.where(heavy, 0, torch.randint(0, rows, (B, H, T), generator=g)).to(device)
+    return x, routes
 
-    def sums(x):
-        if layout == "snapshot":
-            (s,), _ = segment_snapshot_sums([x], routes, L, T // L, rows)
-            return s.flatten().float()
-        vs = versioned_sums([x], routes, plan_versioned(T // L, L, rows, 1))
-        return torch.cat([vs.ckpt[0].flatten(), vs.ver[0].flatten()]).float()
 
-    low, exact = sums(x), sums(x.float())
-    once, err = rel_err(exact.bfloat16().float(), exact), rel_err(low, exact)
-    assert err <= 2 * once, f"bf16 state sums: relative error {err:.2e}, one rounding {once:.2e}"
+def layout_sums(layout: str, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    """Every state sum of x by routes (chunks of 128, 8 rows), flat: ``"snapshot"`` the snapshots
+    (:func:`segment_snapshot_sums`), ``"versioned"`` :func:`versioned_sums`' checkpoints and version rows."""
+    L, rows, T = 128, 8, x.shape[2]
+    if layout == "snapshot":
+        (s,), _ = segment_snapshot_sums([x], routes, L, T // L, rows)
+        return s.flatten()
+    vs = versioned_sums([x], routes, plan_versioned(T // L, L, rows, 1))
+    return torch.cat([vs.ckpt[0].flatten(), vs.ver[0].flatten()])
+
+
+def bf16_state_sums_error(layout: str, device) -> float:
+    """The relative error of ``layout``'s bf16 state sums of :func:`heavy_bf16_case` on ``device``, in
+    units of one rounding's (that of the fp32 sums of the same tokens rounded to bf16 once)."""
+    x, routes = heavy_bf16_case(device)
+    low, exact = layout_sums(layout, x, routes).float(), layout_sums(layout, x.float(), routes)
+    return rel_err(low, exact) / rel_err(exact.bfloat16().float(), exact)
+
+
+def bf16_state_sums_round_about_once(layout: str, device) -> None:
+    """The dtype rule for state sums (recurrences/precision.py, rule 3) on ``device``: the sums are kept in
+    bf16, so in ``layout`` they are within twice the relative error of rounding once the fp32 sums of the
+    same tokens (:func:`heavy_bf16_case`). The CPU's scatter and scan accumulate in fp32; CUDA's
+    ``index_add_`` and scan add bf16 in bf16, rounding every add, so there a cell's tokens are summed in
+    fp32 first and the scan runs in fp32 (``NARROW_ADDS``, ``NARROW_SCANS``;
+    :func:`test_narrow_adds_as_on_cuda_are_summed_in_fp32` emulates that device on the CPU)."""
+    err = bf16_state_sums_error(layout, device)
+    assert err <= 2, f"bf16 state sums: {err:.2f} times one rounding's relative error"
+
+
+def emulate_narrow_adds(monkeypatch) -> None:
+    """Make the CPU's bf16/fp16 ``Tensor.index_add_`` and ``Tensor.cumsum`` add as CUDA's do, in the
+    tensor's dtype, rounding every add (the index_add's adds in token order; other dtypes unchanged)."""
+    index_add_, cumsum = torch.Tensor.index_add_, torch.Tensor.cumsum
+    half = (torch.bfloat16, torch.float16)
+
+    def narrow_index_add_(self, dim, index, source, **kw):
+        if self.dtype not in half or kw or dim != 0:
+            return index_add_(self, dim, index, source, **kw)
+        order = torch.sort(index, stable=True).indices
+        rank = torch.arange(len(index)) - torch.searchsorted(index[order], index[order])  # place within its cell
+        for k in range(int(rank.max()) + 1 if len(index) else 0):
+            tok = order[rank == k]
+            self[index[tok]] = (self[index[tok]].float() + source[tok].float()).to(self.dtype)
+        return self
+
+    def narrow_cumsum(self, dim, **kw):
+        if self.dtype not in half or kw:
+            return cumsum(self, dim, **kw)
+        out, acc = torch.empty_like(self), torch.zeros_like(self.select(dim, 0))
+        for i in range(self.shape[dim]):
+            acc = (acc.float() + self.select(dim, i).float()).to(self.dtype)
+            out.select(dim, i).copy_(acc)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "index_add_", narrow_index_add_)
+    monkeypatch.setattr(torch.Tensor, "cumsum", narrow_cumsum)
 
 
 @pytest.mark.parametrize("layout", ["snapshot", "versioned"])
 def test_bf16_state_sums_are_rounded_about_once(layout):
     """On the CPU (1.00-1.04x one rounding's error here); the cuda tier runs the same check on CUDA."""
     bf16_state_sums_round_about_once(layout, "cpu")
+
+
+@pytest.mark.parametrize("layout", ["snapshot", "versioned"])
+def test_bf16_state_sums_summed_as_on_cuda_equal_the_cpus(layout, monkeypatch):
+    """CUDA's way with bf16 state sums (each cell's tokens in fp32 first, the scans in fp32;
+    tests.helpers.sum_narrow_as_on_cuda) taken on the CPU: the sums and their gradients are the CPU's own
+    to a bf16 rounding (both round fp32 sums once)."""
+    x, routes = heavy_bf16_case("cpu")
+    w = torch.randn(layout_sums(layout, x, routes).shape, generator=torch.Generator().manual_seed(1))
+
+    def sums_and_grad():
+        xg = x.clone().requires_grad_()
+        s = layout_sums(layout, xg, routes)
+        (s.float() * w).sum().backward()
+        return s.float(), xg.grad.float()
+
+    cpu_sums, cpu_grad = sums_and_grad()
+    sum_narrow_as_on_cuda(monkeypatch)
+    cuda_sums, cuda_grad = sums_and_grad()
+    assert rel_err(cuda_sums, cpu_sums) <= 2 ** -8 and rel_err(cuda_grad, cpu_grad) <= 2 ** -8
+
+
+@pytest.mark.parametrize("layout", ["snapshot", "versioned"])
+def test_narrow_adds_as_on_cuda_are_summed_in_fp32(layout, monkeypatch):
+    """CUDA's adds emulated on the CPU (:func:`emulate_narrow_adds`): the CPU's own way with them breaks
+    the rule in the snapshot layout, whose sums are all scans over chunks; CUDA's (each cell's tokens in
+    fp32 first, the scans in fp32) keeps every sum within about one rounding."""
+    emulate_narrow_adds(monkeypatch)
+    with torch.no_grad():
+        narrow = bf16_state_sums_error(layout, "cpu")
+        sum_narrow_as_on_cuda(monkeypatch)
+        wide = bf16_state_sums_error(layout, "cpu")
+    assert wide <= 1.1 and (layout != "snapshot" or narrow > 2), f"{narrow:.2f} -> {wide:.2f} times one rounding"
