@@ -297,8 +297,10 @@ def test_eager_op_makes_no_host_sync_after_its_first_call(method, grad):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bf16_state_sums_are_rounded_about_once_on_the_device(layout):
-    """The state sums' dtype rule on DEVICE: CUDA's ``index_add_`` adds bf16 atomically, so a chunk's
-    tokens in one row may be rounded once each there (tests/recurrences/test_versioned.py)."""
+    """The state sums' dtype rule on DEVICE: CUDA's ``index_add_`` and scan add bf16 in bf16, rounding
+    every add, so there each cell's tokens are summed in fp32 first and the scans run in fp32
+    (``recurrences.segments.NARROW_ADDS``, ``recurrences.scan.NARROW_SCANS``; emulated on the CPU by
+    tests/recurrences/test_versioned.py::test_narrow_adds_as_on_cuda_are_summed_in_fp32)."""
     bf16_state_sums_round_about_once(layout, DEVICE)
 
 
