@@ -207,23 +207,28 @@ def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
     assert vs.ver[0].requires_grad
 
 
+HEAVY_CHUNK, HEAVY_ROWS = 128, 8  # the chunk size and state rows of heavy_bf16_case's routes
+
+
 def heavy_bf16_case(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 tokens ``x [1, 2, 4096, 16]`` and routes ``[1, 2, 4096]`` (chunks of 128, 8 rows) that stress
-    bf16 sums: 90% of the tokens go to one row and all are ~3 (same sign), so a chunk adds ~115 tokens to
-    that row's cell and its running sum reaches ~11,000, where bf16's spacing is 64: a bf16 accumulator
-    would stop growing at 2,048 (one such sum of 4,000 tokens: 2,048 against 11,974)."""
+    """bf16 tokens ``x [1, 2, 4096, 16]`` and routes ``[1, 2, 4096]`` (chunks of HEAVY_CHUNK = 128,
+    HEAVY_ROWS = 8 rows) that stress bf16 sums: 90% of the tokens go to one row and all are ~3 (same
+    sign), so a chunk adds ~115 tokens to that row's cell and its running sum reaches ~11,000, where
+    bf16's spacing is 64: a bf16 accumulator would stop growing at 2,048 (one such sum of 4,000 tokens:
+    2,048 against 11,974)."""
     g = torch.Generator().manual_seed(11)
-    B, H, T, D, rows = 1, 2, 4096, 16, 8
+    B, H, T, D = 1, 2, 4096, 16
     x = (3 + torch.randn(B, H, T, D, generator=g)).bfloat16().to(device)
     heavy = torch.rand(B, H, T, generator=g) < 0.9
-    routes = torch.where(heavy, 0, torch.randint(0, rows, (B, H, T), generator=g)).to(device)
+    routes = torch.where(heavy, 0, torch.randint(0, HEAVY_ROWS, (B, H, T), generator=g)).to(device)
     return x, routes
 
 
 def layout_sums(layout: str, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
-    """Every state sum of x by routes (chunks of 128, 8 rows), flat: ``"snapshot"`` the snapshots
-    (:func:`segment_snapshot_sums`), ``"versioned"`` :func:`versioned_sums`' checkpoints and version rows."""
-    L, rows, T = 128, 8, x.shape[2]
+    """Every state sum of x by routes (:func:`heavy_bf16_case`'s chunks and rows), flat: ``"snapshot"`` the
+    snapshots (:func:`segment_snapshot_sums`), ``"versioned"`` :func:`versioned_sums`' checkpoints and
+    version rows."""
+    L, rows, T = HEAVY_CHUNK, HEAVY_ROWS, x.shape[2]
     if layout == "snapshot":
         (s,), _ = segment_snapshot_sums([x], routes, L, T // L, rows)
         return s.flatten()
