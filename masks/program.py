@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recurrences.checks import check_block_size, check_qkv
-from recurrences.compiling import is_symbolic, pad_to
+from recurrences.compiling import is_symbolic, pad_to, plain_int
 from recurrences.precision import compute_dtype, to_dtype, work_dtype
 
 from .blocks import BlockLayout, build_block_layout
@@ -140,7 +140,7 @@ def build_program(
     rows to the same dtype; the program runs in it.
     """
     check_qkv(q, k, v)
-    check_block_size("block_size", block_size)
+    block_size = plain_int(check_block_size("block_size", block_size))  # an option: one graph per value
     dtype = compute_dtype(q, k, v)
     q, k, v, state_k, state_v = to_dtype(dtype, q, k, v, state_k, state_v)
     regions = tuple(regions)

@@ -17,6 +17,8 @@ import typing
 import torch
 from torch import Tensor
 
+from .compiling import plain_options
+
 
 class ConfigError(Exception):
     """Bad input refused by name (a config key, an option, a value): the user's mistake, not a bug.
@@ -199,12 +201,13 @@ def options_of(cls: type, options: object, kwargs: dict, what: str):
     """A method's options: ``options`` (an instance of the frozen dataclass ``cls``, already
     validated) or ``cls(**kwargs)`` (validated by its ``__post_init__``). Both at once, or a keyword
     that is not a field of ``cls``, is a :class:`ConfigTypeError` naming it (with the nearest field); ``what``
-    names the options (e.g. ``"OVQ options"``)."""
+    names the options (e.g. ``"OVQ options"``). Under ``torch.compile`` their numbers are plain values
+    (:func:`~recurrences.compiling.plain_options`: a graph serves one set of options)."""
     if options is None:  # (dataclasses.fields does not trace under torch.compile; __dataclass_fields__ does)
         check_keys(what, kwargs, cls.__dataclass_fields__, error=ConfigTypeError)
-        return cls(**kwargs)
+        return plain_options(cls(**kwargs))
     if kwargs:
         raise TypeError(f"{what}: give options or keyword options, not both (got options and {sorted(kwargs)})")
     if not isinstance(options, cls):
         raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
-    return options
+    return plain_options(options)

@@ -2,8 +2,8 @@
 OVQ's and KVM's static routing share: ``ROUTING_IMPLS`` and :func:`resolve_routing`, :func:`stable_rank`,
 :func:`chunk_bounds`, chunk-major buffers (:func:`chunks_first`), :func:`static_rows` and the
 per-process router cache (:func:`static_router`); and what keeps a length symbolic under dynamic shapes
-(:func:`is_symbolic`, :func:`bucket_rows`, :func:`plain_int`, :func:`size_min`, :func:`pad_to`,
-:func:`narrow_rows`; docs/design.md §3.5).
+(:func:`is_symbolic`, :func:`bucket_rows`, :func:`plain_int`, :func:`plain_options`, :func:`size_min`,
+:func:`pad_to`, :func:`narrow_rows`; docs/design.md §3.5).
 
 ``torch.compile(..., dynamic=False)`` makes one graph per input shape, and dynamo allows a
 function only ``recompile_limit`` graphs (8 by default). Past it, a ``fullgraph=True`` function
@@ -34,6 +34,8 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 #: Routing implementations of OVQ and KVM: ``"auto"`` (``"static"`` on CUDA, ``"loop"`` elsewhere), the
 #: chunk loop, or the compiled static-shape step (on CUDA the whole run replayed from one CUDA graph).
 ROUTING_IMPLS = ("auto", "loop", "static")
+
+_Options = TypeVar("_Options")
 
 #: dynamo's process-wide recompile limit once the project's compiled code has run
 RECOMPILE_LIMIT = 64
@@ -333,6 +335,37 @@ def plain_float(x: float) -> float:
     float attribute of a module symbolic too). Exact: the ratio of two ints."""
     numerator, denominator = x.as_integer_ratio()  # (dynamo specializes a symbolic float here; float() does not)
     return numerator / denominator
+
+
+def plain_options(options: _Options) -> _Options:
+    """``options`` (a dataclass instance: an op's options, dataclasses in it included) with every symbolic
+    number specialized to its value (:func:`plain_int`, :func:`plain_float`), each under a guard.
+
+    ``torch.compile(dynamic=True)`` makes symbolic every int and float an op's options bring in from the
+    caller (keyword options in a closure, or an options object passed in; a module's attributes stay
+    plain). An option is the method's structure, not a size that varies from call to call: a graph
+    generic over a chunk size, a dictionary cap or a block size costs compile time (every shape built on
+    it is a formula of it) and gains nothing, since another value is another program. An op therefore
+    takes its options through this (``recurrences.checks.options_of``), and a graph serves one set of
+    options; another set compiles a graph of its own. Options with no symbolic number are returned as
+    they are (eager code, where nothing is symbolic: at once)."""
+    if not torch.compiler.is_compiling():
+        return options
+    fields = options.__dataclass_fields__  # (dataclasses.fields does not trace under torch.compile)
+    plain = {}
+    for name in fields:
+        value = getattr(options, name)
+        if hasattr(type(value), "__dataclass_fields__"):
+            new = plain_options(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and is_symbolic(value):
+            new = plain_int(value) if isinstance(value, int) else plain_float(value)
+        else:
+            continue
+        if new is not value:
+            plain[name] = new
+    if not plain:
+        return options
+    return type(options)(**{name: plain.get(name, getattr(options, name)) for name, f in fields.items() if f.init})
 
 
 def size_min(a: int, b: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from recurrences.checks import check_companion, check_int, check_number, check_qkv
+from recurrences.compiling import plain_int, plain_options
 from recurrences.delta import delta_rule_chunked
 from recurrences.linear import LinearState, linear_attention_chunked
 from recurrences.precision import to_compute_dtype
@@ -49,7 +50,7 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = 64, e
     fp32), which ``initial_state`` continues from.
     """
     check_qkv(q, k, v)
-    check_int("chunk_size", chunk_size)
+    chunk_size = plain_int(check_int("chunk_size", chunk_size))  # an option: one graph per value
     check_number("eps", eps)
     _check_initial_state(initial_state, LinearState, q, v)
     q, k, v = to_compute_dtype(q, k, v)
@@ -72,7 +73,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, chunk_size: int
     """
     check_qkv(q, k, v)
     check_companion("beta", beta, q.shape[:3], q)
-    check_int("chunk_size", chunk_size)
+    chunk_size = plain_int(check_int("chunk_size", chunk_size))  # an option: one graph per value
     if initial_state is not None:
         check_companion("initial_state", initial_state, (*q.shape[:2], v.shape[-1], q.shape[-1]), q)
     q, k, v, beta = to_compute_dtype(q, k, v, beta)
@@ -101,8 +102,8 @@ def vla_attention(q: Tensor, k: Tensor, v: Tensor, u: Tensor, *, lambda0: float 
     """
     check_qkv(q, k, v)
     check_companion("u", u, k.shape, q)
-    opts = VLAOptions(lambda0=lambda0, refresh_every=refresh_every, refresh_eps=refresh_eps, eps=eps,
-                      chunk_size=chunk_size)
+    opts = plain_options(VLAOptions(lambda0=lambda0, refresh_every=refresh_every, refresh_eps=refresh_eps, eps=eps,
+                                    chunk_size=chunk_size))
     _check_initial_state(initial_state, VLAState, q, v)
     q, k, v, u = to_compute_dtype(q, k, v, u)
     return vla_chunked(q, k, v, u, opts, initial_state=initial_state, output_final_state=output_final_state)

@@ -6,6 +6,7 @@ from torch import Tensor
 from masks.program import DEFAULT_BLOCK, build_program
 from masks.regions import BlockWindow, Causal, Region, Sinks, TokenWindow
 from recurrences.checks import check_chunk, check_int
+from recurrences.compiling import plain_int
 
 from ..attention import attend
 from ..profiling import stage
@@ -17,18 +18,18 @@ def plain_regions(
     """Regions of a plain program.
 
     ``window`` (tokens) or ``block_window`` (``Nb`` chunks of ``chunk_size``) — at most
-    one; neither means full causal. ``n_sinks`` first tokens are always visible.
+    one; neither means full causal. ``n_sinks`` first tokens are always visible. Under
+    ``torch.compile`` the numbers are taken plain (``recurrences.compiling.plain_int``: one graph
+    per value, as an op's options, docs/design.md §3.5).
     """
     if window is not None and block_window is not None:
         raise ValueError(f"give window or block_window, not both (window={window}, block_window={block_window})")
-    check_int("n_sinks", n_sinks, minimum=0)
+    n_sinks = plain_int(check_int("n_sinks", n_sinks, minimum=0))
     if window is not None:
-        check_int("window", window)
-        regions: tuple[Region, ...] = (TokenWindow(window),)
+        regions: tuple[Region, ...] = (TokenWindow(plain_int(check_int("window", window))),)
     elif block_window is not None:
-        check_int("block_window", block_window)
-        check_chunk("chunk_size", chunk_size)
-        regions = (BlockWindow(block_window, chunk_size),)
+        regions = (BlockWindow(plain_int(check_int("block_window", block_window)),
+                               plain_int(check_chunk("chunk_size", chunk_size))),)
     else:
         regions = (Causal(),)
     return ((Sinks(n_sinks),) if n_sinks else ()) + regions

@@ -265,6 +265,31 @@ def test_whole_op_compiled_under_no_grad(method):
     assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, f"compiled {method} at T={NO_GRAD_T}")
 
 
+@pytest.mark.parametrize("method", ["ovq", "vq"])
+def test_whole_op_compiled_with_dynamic_shapes_and_keyword_options_under_no_grad(method):
+    """``torch.compile(lambda *x: op(*x, backend="flex", **kw), dynamic=True, fullgraph=True)`` under no_grad
+    at T = 2,000 equals the eager blocked op. ``dynamic=True`` makes ``kw``'s numbers symbolic; the op takes
+    them plain (``recurrences.compiling.plain_options``): before, OVQ's and VQ's graphs carried a symbolic
+    chunk size into every shape and inductor's CPU flex kernel failed to compile."""
+    g = seeded(13)
+    x = [torch.randn(1, 2, 2000, 64, generator=g).to(DEVICE) for _ in "qkv"]
+    if method == "ovq":
+        x.append(torch.full((2,), 8.0, device=DEVICE))
+        kw = dict(chunk_size=128, max_centroids=512)
+        op = ovqflex.ovq_attention
+    else:
+        x += [torch.randn(2, 256, 64, generator=g).to(DEVICE), torch.full((2,), 8.0, device=DEVICE)]
+        kw = dict(chunk_size=128)
+
+        def op(*x, **kw):
+            return ovqflex.vq_attention(*x, **kw)[0]
+    compiled = torch.compile(lambda *x: op(*x, backend="flex", **kw), dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(*x)
+        ref = op(*x, backend="blocked", **kw)
+    assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, f"compiled {method} with dynamic shapes")
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward-backward"])
 @pytest.mark.parametrize("method", WHOLE_OPS)
 def test_eager_op_makes_no_host_sync_after_its_first_call(method, grad):

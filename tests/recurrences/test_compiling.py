@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 import torch
 
 from recurrences.compiling import (RECOMPILE_LIMIT, bucket_rows, compile_fixed_shapes, is_symbolic, narrow_rows,
-                                  pad_to, plain_float, plain_int, size_max, size_min)
+                                  pad_to, plain_float, plain_int, plain_options, size_max, size_min)
 from recurrences.kvm import routing_static as kvm_static
 from recurrences.ovq import routing_static as ovq_static
 
@@ -245,6 +245,48 @@ def test_plain_int_and_float_specialize_symbolic_options_with_a_guard():
     x = torch.zeros(2)
     assert [int(compiled(x, o)[0]) for o in (Options(3, 2.5), Options(3, 2.5), Options(4, 2.5), Options(4, 7.0))] \
         == [32, 32, 42, 47]
+    assert counters["stats"]["unique_graphs"] == 3
+
+
+def test_plain_options_makes_every_number_of_options_plain_nested_ones_too():
+    """``plain_options``: under ``dynamic=True`` the numbers of options made from keywords a compiled
+    function closes over are symbolic (an op's ``**kw`` in a ``lambda``); every int and float of the
+    options, and of a dataclass inside them, comes out plain, each under a guard, so other values compile
+    anew; bools and strings are kept; options with nothing symbolic are returned as they are."""
+    from dataclasses import dataclass
+
+    from torch._dynamo.utils import counters
+
+    @dataclass(frozen=True)
+    class Inner:
+        f: float
+
+    @dataclass(frozen=True)
+    class Options:
+        n: int
+        inner: Inner
+        on: bool = True
+        name: str = "x"
+
+    def with_options(kw):
+        def f(x):
+            o = Options(kw["n"], Inner(kw["f"]), kw["on"])
+            symbolic = [is_symbolic(o.n), is_symbolic(o.inner.f)]
+            p = plain_options(o)
+            symbolic += [is_symbolic(p.n), is_symbolic(p.inner.f)]
+            return x + p.n + p.inner.f, x.new_tensor(symbolic + [p.on is o.on and p.name == o.name], dtype=torch.bool)
+        return f
+
+    plain = Options(3, Inner(0.5))
+    assert plain_options(plain) is plain
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.zeros(2)
+    calls = [dict(n=3, f=0.5, on=True), dict(n=3, f=0.5, on=True), dict(n=4, f=0.5, on=False),
+             dict(n=4, f=2.0, on=False)]
+    outs = [torch.compile(with_options(kw), dynamic=True, backend="eager", fullgraph=True)(x) for kw in calls]
+    assert [float(out[0][0]) for out in outs] == [3.5, 3.5, 4.5, 6.0]
+    assert outs[0][1].tolist() == [True, True, False, False, True]  # symbolic in, plain out, the rest kept
     assert counters["stats"]["unique_graphs"] == 3
 
 

@@ -99,6 +99,12 @@ def test_a_nan_token_leaves_every_earlier_output_unchanged(backend, layout, whic
         assert out[:, :, t:].isnan().all()
 
 
+def _op_with(kw):
+    """The op with these keyword options, as a closure: every closure made here shares one code object,
+    whose compiled graphs dynamo keeps together and chooses among by their guards on the options."""
+    return lambda *x: ovqflex.ovq_attention(*x, **kw)
+
+
 @pytest.mark.parametrize("layout", ["snapshot", "versioned"])
 def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
     """Nothing in the op is planned from the length in Python (docs/design.md §3.5): compiled with
@@ -106,22 +112,46 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
     32-row bucket; 33, 46 and 63 chunks, no two alike modulo the versioned spacing of 4), forward and
     backward, equal to the eager op. ``aot_eager`` traces what inductor would compile, guards
     included, without generating code. (Lengths on the other side of a size guard get a graph of their
-    own, docs/design.md §3.5: a much shorter one, or one whose rows need no padding to a block.)"""
+    own, docs/design.md §3.5: a much shorter one, or one whose rows need no padding to a block.)
+    ``dynamic=True`` makes the keyword options' numbers symbolic; the op takes them plain
+    (``recurrences.compiling.plain_options``), so another chunk size compiles a graph of its own rather
+    than being served by a graph generic over it."""
     from torch._dynamo.utils import counters
 
     kw = dict(backend="blocked", chunk_size=16, max_centroids=32, state_layout=layout)
+    calls = [(520, kw), (730, kw), (1000, kw), (1000, {**kw, "chunk_size": 32})]
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(lambda *x: ovqflex.ovq_attention(*x, **kw), dynamic=True, backend="aot_eager",
-                             fullgraph=True)
-    for T in (520, 730, 1000):
+    for T, options in calls:
         x = inputs(1, 2, 16, T, seed=T)
         w = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(T))
-        out = compiled(*x)
-        want = ovqflex.ovq_attention(*x, **kw)
+        out = torch.compile(_op_with(options), dynamic=True, backend="aot_eager", fullgraph=True)(*x)
+        want = _op_with(options)(*x)
         assert_close(out, want, FWD_TOL[torch.float32], f"T={T} output")
         for got, ref, name in zip(torch.autograd.grad((out * w).sum(), x), torch.autograd.grad((want * w).sum(), x),
                                   "qkvb"):
             assert_close(got, ref, GRAD_TOL[torch.float32], f"T={T} grad {name}")
-    assert counters["stats"]["unique_graphs"] == 1
+        if options is kw:
+            assert counters["stats"]["unique_graphs"] == 1, f"T={T} compiled a graph of its own"
+    assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
+
+
+def test_compiled_flex_under_dynamic_shapes_takes_its_keyword_options_plain():
+    """``torch.compile(lambda *x: ovq_attention(*x, backend="flex", **kw), dynamic=True)`` under no_grad, at
+    two lengths on one side of the block-count guards (one graph): equal to the eager op. ``dynamic=True``
+    makes ``kw``'s numbers symbolic; before the op took them plain (``plain_options``), the chunk size and
+    the dictionary cap reached every shape as symbols, and inductor's CPU flex kernel failed to compile
+    (a C++ error)."""
+    from torch._dynamo.utils import counters
+
+    kw = dict(backend="flex", chunk_size=16, max_centroids=32)
+    xs = {T: inputs(1, 2, 16, T, seed=T, requires_grad=False) for T in (200, 250)}
+    with torch.no_grad():
+        want = {T: _op_with(kw)(*x) for T, x in xs.items()}  # (eager flex compiles its kernel: counted before)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(_op_with(kw), dynamic=True, fullgraph=True)
+        for T, x in xs.items():
+            assert_close(compiled(*x), want[T], FWD_TOL[torch.float32], f"T={T}")
+    assert counters["stats"]["unique_graphs"] == 1

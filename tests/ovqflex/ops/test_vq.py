@@ -135,3 +135,27 @@ def test_reference_builds_every_tensor_on_the_inputs_device():
     for lb in (None, torch.zeros(2, device="meta")):
         res = vq_attention_reference(q, k, v, cb, beta, chunk_size=8, local_bias=lb)
         assert res.out.device.type == "meta" and res.out.shape == (1, 2, 40, 8)
+
+
+def test_compiled_flex_under_dynamic_shapes_takes_its_keyword_options_plain():
+    """``torch.compile(lambda *x: vq_attention(*x, backend="flex", **kw), dynamic=True)`` under no_grad, at
+    two lengths on one side of the block-count guards (one graph): equal to the eager op. ``dynamic=True``
+    makes ``kw``'s numbers symbolic; before the op took them plain
+    (``recurrences.compiling.plain_options``), the chunk size reached every shape as a symbol, and
+    inductor's CPU flex kernel failed to compile (a C++ error)."""
+    from torch._dynamo.utils import counters
+
+    kw = dict(backend="flex", chunk_size=16)
+
+    def op(*x):  # q, k, v, codebook, beta
+        return ovqflex.vq_attention(*x, **kw)[0]
+
+    xs = {T: inputs(1, 2, 16, T, 32, seed=T, requires_grad=False)[:5] for T in (200, 250)}
+    with torch.no_grad():
+        want = {T: op(*x) for T, x in xs.items()}  # (eager flex compiles its kernel: counted before)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(op, dynamic=True, fullgraph=True)
+        for T, x in xs.items():
+            assert_close(compiled(*x), want[T], FWD_TOL[torch.float32], f"T={T}")
+    assert counters["stats"]["unique_graphs"] == 1
