@@ -35,8 +35,6 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 #: chunk loop, or the compiled static-shape step (on CUDA the whole run replayed from one CUDA graph).
 ROUTING_IMPLS = ("auto", "loop", "static")
 
-_Options = TypeVar("_Options")
-
 #: dynamo's process-wide recompile limit once the project's compiled code has run
 RECOMPILE_LIMIT = 64
 
@@ -337,13 +335,16 @@ def plain_float(x: float) -> float:
     return numerator / denominator
 
 
+_Options = TypeVar("_Options")
+
+
 def plain_options(options: _Options) -> _Options:
     """``options`` (a dataclass instance: an op's options, dataclasses in it included) with every symbolic
     number specialized to its value (:func:`plain_int`, :func:`plain_float`), each under a guard.
 
-    ``torch.compile(dynamic=True)`` makes symbolic every int and float an op's options bring in from the
-    caller (keyword options in a closure, or an options object passed in; a module's attributes stay
-    plain). An option is the method's structure, not a size that varies from call to call: a graph
+    ``torch.compile(dynamic=True)`` makes symbolic the ints and floats of keyword options a compiled
+    function closes over (``lambda *x: op(*x, **kw)``; seen in torch 2.13, where a module's attributes and
+    an options object passed in stay plain). An option is the method's structure, not a size that varies from call to call: a graph
     generic over a chunk size, a dictionary cap or a block size costs compile time (every shape built on
     it is a formula of it) and gains nothing, since another value is another program. An op therefore
     takes its options through this (``recurrences.checks.options_of``), and a graph serves one set of

@@ -221,30 +221,25 @@ def test_a_size_stays_symbolic_inside_the_range_its_guards_allow():
 
 
 def test_plain_int_and_float_specialize_symbolic_options_with_a_guard():
-    """``dynamic=True`` makes the numbers of an options object passed in symbolic: ``plain_int`` and
-    ``plain_float`` give their values as plain numbers (usable by code run, not traced, at compile time)
-    and guard them, so other values compile anew; plain numbers pass unchanged."""
-    from dataclasses import dataclass
-
+    """``dynamic=True`` makes the numbers of keyword options a compiled function closes over symbolic:
+    ``plain_int`` and ``plain_float`` give their values as plain numbers (usable by code run, not traced,
+    at compile time) and guard them, so other values compile anew; plain numbers pass unchanged."""
     from torch._dynamo.utils import counters
-
-    @dataclass(frozen=True)
-    class Options:
-        n: int
-        f: float
 
     @torch.compiler.assume_constant_result
     def planned(n, f):  # accepts plain values only under torch.compile
         return n * 10 + int(f)
 
+    def with_options(kw):
+        return lambda x: x + planned(plain_int(kw["n"]), plain_float(kw["f"]))
+
     assert (plain_int(3), plain_float(0.1), plain_float(2)) == (3, 0.1, 2.0)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(lambda x, o: x + planned(plain_int(o.n), plain_float(o.f)), dynamic=True,
-                             backend="eager", fullgraph=True)
     x = torch.zeros(2)
-    assert [int(compiled(x, o)[0]) for o in (Options(3, 2.5), Options(3, 2.5), Options(4, 2.5), Options(4, 7.0))] \
-        == [32, 32, 42, 47]
+    calls = [dict(n=3, f=2.5), dict(n=3, f=2.5), dict(n=4, f=2.5), dict(n=4, f=7.0)]
+    assert [int(torch.compile(with_options(kw), dynamic=True, backend="eager", fullgraph=True)(x)[0])
+            for kw in calls] == [32, 32, 42, 47]
     assert counters["stats"]["unique_graphs"] == 3
 
 
