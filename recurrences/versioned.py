@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_block_size, check_choice, check_int, host_check_is_free
-from .compiling import pad_to
+from .compiling import pad_to, plain_float
 from .scan import cumsum
 from .segments import segment_snapshot_sums
 
@@ -142,7 +142,8 @@ def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: Ve
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if state_layout != "auto":
         return state_layout
-    row_cost = 1.0 if grad else LAYOUT_ROW_COST.get(device_type, 1.0)
+    # (plain: dynamic=True makes a module's float symbolic too, and a choice is a guard on a constant)
+    row_cost = 1.0 if grad else plain_float(LAYOUT_ROW_COST.get(device_type, 1.0))
     return "versioned" if plan.state_rows * row_cost < n_chunks * rows else "snapshot"
 
 
