@@ -124,17 +124,73 @@ def patch_inductor_cpu_atomic_add() -> bool:
     return True
 
 
-_CPP_CODEGEN = "torch._inductor.codegen.cpp"
+_FLEX_NAMES_MENDED = False
+
+
+def patch_inductor_cpu_flex_split_names() -> bool:
+    """Mend a CPU code-generation bug of torch's inductor flex kernel (seen in torch 2.13): the score and
+    mask code of a CPU flex kernel is generated with its query and kv split sizes as size arguments named
+    like the others (``ks0``, ``ks1``, ...), and those two names are then replaced by the kernel's own
+    variables (``cur_qSplitSize``, ``cur_kvSplitSize``) with a plain text replace, which also rewrites any
+    longer name that starts with them (``ks17`` becomes ``cur_kvSplitSize7``, undeclared). With a
+    symbolic length (the second length a compiled layer meets) the score and mask code reads a dozen
+    sizes, and the C++ kernel failed to build: every state layer (OVQ, KVM, VQ, LongVQ) compiled under
+    ``no_grad`` with ``flex`` on the CPU.
+
+    The mended code generation names the two split sizes by those variables from the start (the template's
+    ``KernelGroup``, made inside its ``modification``, gets them as its first size arguments), so the
+    replace changes nothing. A kernel that built before is generated unchanged. Applied once per process
+    with :func:`patch_inductor_cpu_atomic_add` (:func:`prepare_compile`); returns whether it is in place
+    (False when this torch's inductor lacks the parts it mends: nothing is changed then)."""
+    global _FLEX_NAMES_MENDED
+    if _FLEX_NAMES_MENDED:
+        return True
+    template = sys.modules.get("torch._inductor.codegen.cpp_flex_attention_template")
+    modification = getattr(template, "CppFlexAttentionTemplate", object).__dict__.get("modification")
+    if modification is None:
+        return False
+
+    def mended_modification(self, *args, **kwargs):
+        from torch._inductor.codegen import cpp  # (loaded by then: the template imports it)
+
+        block_vars = getattr(self, "block_vars", None)
+        group = getattr(cpp, "KernelGroup", None)
+        if group is None or block_vars is None or len(block_vars) != 2:
+            return modification(self, *args, **kwargs)
+
+        class NamedSplits(group):
+            def __init__(self_):
+                super().__init__()
+                self_.args.sizevars[block_vars[0]] = "cur_qSplitSize"
+                self_.args.sizevars[block_vars[1]] = "cur_kvSplitSize"
+
+        cpp.KernelGroup = NamedSplits  # what `modification` imports from the module when it runs
+        try:
+            return modification(self, *args, **kwargs)
+        finally:
+            cpp.KernelGroup = group
+
+    template.CppFlexAttentionTemplate.modification = mended_modification
+    _FLEX_NAMES_MENDED = True
+    return True
+
+
+#: inductor's CPU modules the project mends, each with its mend: mended as soon as the module has run
+#: (importing inductor's CPU code generator takes ~1.5 s, which a process that never compiles for the CPU
+#: does not pay)
+_MENDS = {"torch._inductor.codegen.cpp": patch_inductor_cpu_atomic_add,
+          "torch._inductor.codegen.cpp_flex_attention_template": patch_inductor_cpu_flex_split_names}
 
 
 class _MendOnImport(importlib.abc.MetaPathFinder):
-    """Finds inductor's CPU code generator for the import system and mends it
-    (:func:`patch_inductor_cpu_atomic_add`) as soon as it has run: importing it takes ~1.5 s, which
-    a process that never compiles for the CPU does not pay. One entry of ``sys.meta_path``, removed
-    once it has found the module."""
+    """Finds one of :data:`_MENDS`' modules for the import system and mends it as soon as it has run. One
+    entry of ``sys.meta_path`` per module, removed once it has found it."""
+
+    def __init__(self, name: str):
+        self.name = name
 
     def find_spec(self, name, path, target=None):
-        if name != _CPP_CODEGEN:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -144,7 +200,7 @@ class _MendOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run_module(module)
-            patch_inductor_cpu_atomic_add()
+            _MENDS[name]()
 
         spec.loader.exec_module = exec_module
         return spec
@@ -152,19 +208,21 @@ class _MendOnImport(importlib.abc.MetaPathFinder):
 
 def prepare_compile() -> None:
     """What the project's compiled code needs from torch before it compiles: dynamo's recompile limit
-    raised (:func:`raise_recompile_limit`) and inductor's CPU scatter-add mended
-    (:func:`patch_inductor_cpu_atomic_add`): at once if inductor's CPU code generator is loaded,
-    else when it is first imported (:class:`_MendOnImport`). The mend is a change to torch's code,
-    so nothing undoes it: a ``torch._dynamo.reset()`` (which drops dynamo's compile callbacks)
-    between making a layer and compiling it leaves it in place. Layers call this when made, the
-    fixed-shape helpers when they first compile; cheap after the first call."""
+    raised (:func:`raise_recompile_limit`) and inductor's CPU code generator mended
+    (:func:`patch_inductor_cpu_atomic_add`, :func:`patch_inductor_cpu_flex_split_names`): each at once if
+    its module is loaded, else when it is first imported (:class:`_MendOnImport`). A mend is a change to
+    torch's code, so nothing undoes it: a ``torch._dynamo.reset()`` (which drops dynamo's compile
+    callbacks) between making a layer and compiling it leaves it in place. Layers call this when made,
+    the fixed-shape helpers when they first compile; cheap after the first call."""
     raise_recompile_limit()
-    if _INDUCTOR_PATCHED or any(isinstance(f, _MendOnImport) for f in sys.meta_path):
+    if _INDUCTOR_PATCHED and _FLEX_NAMES_MENDED:
         return
-    if _CPP_CODEGEN in sys.modules:
-        patch_inductor_cpu_atomic_add()
-    else:
-        sys.meta_path.insert(0, _MendOnImport())
+    waiting = {f.name for f in sys.meta_path if isinstance(f, _MendOnImport)}
+    for name, mend in _MENDS.items():
+        if name in sys.modules:
+            mend()
+        elif name not in waiting:
+            sys.meta_path.insert(0, _MendOnImport(name))
 
 
 def compile_fixed_shapes(fn: Callable) -> Callable:

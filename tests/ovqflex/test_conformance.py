@@ -4,7 +4,7 @@ import torch
 
 from ovqflex.methods import METHODS, method_names
 from tests.helpers import FWD_TOL, assert_close
-from tests.ovqflex.conformance import CHECKS, HIDDEN, layer_of
+from tests.ovqflex.conformance import CHECKS, HEADS, HIDDEN, layer_of
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
@@ -51,3 +51,34 @@ def test_a_compiled_layer_keeps_the_length_symbolic(name):
     for (what, p), q in zip(eager.named_parameters(), layer.parameters()):
         if p.grad is not None:
             assert_close(q.grad, p.grad, 10 * FWD_TOL[torch.float32], what)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in method_names() if "backend" in METHODS[n].test_options])
+def test_a_compiled_layer_under_no_grad_keeps_the_length_symbolic_with_flex(name):
+    """``torch.compile(layer, fullgraph=True)`` with the default dynamic shapes under ``no_grad``, on
+    ``flex`` (inductor's CPU flex kernel), at three lengths: the second compiles the symbolic graph, no
+    graph break, outputs equal to the eager layer's. Before
+    ``recurrences.compiling.patch_inductor_cpu_flex_split_names``, every state layer's symbolic graph
+    failed to build its C++ kernel (``cur_kvSplitSize7`` undeclared: torch's text replace of a split
+    size's name also rewrote ``ks17``). Inductor's caches are off: a kernel cached by a mended run would
+    pass without the mend."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    method = METHODS[name]
+    torch.manual_seed(0)
+    layer = method.build(HIDDEN, HEADS, **{**method.test_options, "backend": "flex"}).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True)
+    graphs = []
+    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
+        for T in (100, 150, 240):
+            x = torch.randn(2, T, HIDDEN, generator=torch.Generator().manual_seed(T))
+            before = counters["stats"]["unique_graphs"]
+            out = compiled(x)
+            graphs.append(counters["stats"]["unique_graphs"] - before)
+            assert_close(out, layer(x), 10 * FWD_TOL[torch.float32], f"{name} at T={T}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[1] == 1, graphs

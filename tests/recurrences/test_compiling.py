@@ -331,6 +331,22 @@ def test_inductor_scatter_add_is_mended_after_a_dynamo_reset():
     assert float(run.stdout.split()[-1]) < 1e-4, run.stdout
 
 
+def test_prepare_compile_mends_the_cpu_flex_kernels_names_of_its_split_sizes():
+    """torch 2.13's CPU flex template renames its split sizes by a plain text replace that also rewrites
+    longer size names (``patch_inductor_cpu_flex_split_names``); after ``prepare_compile`` the template
+    generates its score and mask code through the mended ``modification``, whether it was imported
+    before or after. (That a layer's symbolic graph then builds is checked for every layer by
+    ``tests/ovqflex/test_conformance.py::test_a_compiled_layer_under_no_grad_keeps_the_length_symbolic_with_flex``,
+    slow.)"""
+    import torch._inductor.kernel.flex.flex_cpu  # noqa: F401 (how inductor loads the template)
+    from torch._inductor.codegen.cpp_flex_attention_template import CppFlexAttentionTemplate
+
+    from recurrences.compiling import prepare_compile
+
+    prepare_compile()
+    assert CppFlexAttentionTemplate.modification.__name__ == "mended_modification"
+
+
 def test_realize_is_an_identity_with_gradients_through_it():
     """The extern identity (flex's captured tensors, exact fp32 copies of bf16 keys) copies its input
     and keeps a captured bias trainable."""
