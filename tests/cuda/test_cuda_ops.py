@@ -269,8 +269,9 @@ def test_whole_op_compiled_under_no_grad(method):
 def test_whole_op_compiled_with_dynamic_shapes_and_keyword_options_under_no_grad(method):
     """``torch.compile(lambda *x: op(*x, backend="flex", **kw), dynamic=True, fullgraph=True)`` under no_grad
     at T = 2,000 equals the eager blocked op. ``dynamic=True`` makes ``kw``'s numbers symbolic; the op takes
-    them plain (``recurrences.compiling.plain_options``): before, OVQ's and VQ's graphs carried a symbolic
-    chunk size into every shape and inductor's CPU flex kernel failed to compile."""
+    them plain (``recurrences.compiling.plain_options``). On the CPU this once failed to build its C++ kernel
+    (``recurrences.compiling.patch_inductor_cpu_flex_split_names``); on CUDA it is Triton's flex kernel with
+    a symbolic length."""
     g = seeded(13)
     x = [torch.randn(1, 2, 2000, 64, generator=g).to(DEVICE) for _ in "qkv"]
     if method == "ovq":

@@ -140,9 +140,9 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
 def test_compiled_flex_under_dynamic_shapes_takes_its_keyword_options_plain():
     """``torch.compile(lambda *x: ovq_attention(*x, backend="flex", **kw), dynamic=True)`` under no_grad, at
     two lengths on one side of the block-count guards (one graph): equal to the eager op. ``dynamic=True``
-    makes ``kw``'s numbers symbolic; before the op took them plain (``plain_options``), the chunk size and
-    the dictionary cap reached every shape as symbols, and inductor's CPU flex kernel failed to compile
-    (a C++ error)."""
+    makes ``kw``'s numbers symbolic (the op takes them plain: ``plain_options``). This failed to build its
+    C++ kernel before ``recurrences.compiling.patch_inductor_cpu_flex_split_names`` (the symbolic options'
+    extra sizes met torch's text replace of the split sizes' names)."""
     from torch._dynamo.utils import counters
 
     kw = dict(backend="flex", chunk_size=16, max_centroids=32)
