@@ -402,12 +402,12 @@ def plain_options(options: _Options) -> _Options:
 
     ``torch.compile(dynamic=True)`` makes symbolic the ints and floats of keyword options a compiled
     function closes over (``lambda *x: op(*x, **kw)``; seen in torch 2.13, where a module's attributes and
-    an options object passed in stay plain). An option is the method's structure, not a size that varies from call to call: a graph
-    generic over a chunk size, a dictionary cap or a block size costs compile time (every shape built on
-    it is a formula of it) and gains nothing, since another value is another program. An op therefore
-    takes its options through this (``recurrences.checks.options_of``), and a graph serves one set of
-    options; another set compiles a graph of its own. Options with no symbolic number are returned as
-    they are (eager code, where nothing is symbolic: at once)."""
+    an options object passed in stay plain). An option is the method's structure, not a size that varies
+    from call to call: a graph generic over a chunk size, a dictionary cap or a block size costs compile
+    time (every shape built on it is a formula of it) and gains nothing, since another value is another
+    program. An op therefore takes its options through this (``recurrences.checks.options_of``), and a graph
+    serves one set of options; another set compiles a graph of its own. Options with no symbolic number are
+    returned as they are (eager code, where nothing is symbolic: at once)."""
     if not torch.compiler.is_compiling():
         return options
     fields = options.__dataclass_fields__  # (dataclasses.fields does not trace under torch.compile)

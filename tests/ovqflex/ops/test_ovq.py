@@ -137,7 +137,7 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
     assert not counters["graph_break"]
 
 
-def test_compiled_flex_under_dynamic_shapes_takes_its_keyword_options_plain():
+def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eager_op():
     """``torch.compile(lambda *x: ovq_attention(*x, backend="flex", **kw), dynamic=True)`` under no_grad, at
     two lengths on one side of the block-count guards (one graph): equal to the eager op. ``dynamic=True``
     makes ``kw``'s numbers symbolic (the op takes them plain: ``plain_options``). This failed to build its

@@ -137,7 +137,7 @@ def test_reference_builds_every_tensor_on_the_inputs_device():
         assert res.out.device.type == "meta" and res.out.shape == (1, 2, 40, 8)
 
 
-def test_compiled_flex_under_dynamic_shapes_takes_its_keyword_options_plain():
+def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eager_op():
     """``torch.compile(lambda *x: vq_attention(*x, backend="flex", **kw), dynamic=True)`` under no_grad, at
     two lengths on one side of the block-count guards (one graph): equal to the eager op. ``dynamic=True``
     makes ``kw``'s numbers symbolic (the op takes them plain: ``recurrences.compiling.plain_options``).
