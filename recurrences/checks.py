@@ -116,8 +116,10 @@ def check_finite(name: str, x: Tensor) -> None:
         raise ValueError(f"{name} contains non-finite values (nan or inf)")
 
 
-def check_number(name: str, value: object, *, minimum: float = 0.0, strict: bool = True) -> float:
-    """A real number ``> minimum`` (``>= minimum`` with ``strict=False``); bools refused."""
+def check_number(name: str, value: object, *, minimum: float = 0, strict: bool = True) -> float:
+    """A real number ``> minimum`` (``>= minimum`` with ``strict=False``); bools refused. (``minimum``'s
+    default is the int 0: see :func:`recurrences.compiling.pad_to` on float defaults under
+    ``torch.compile(dynamic=True)``.)"""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not (value > minimum if strict else value >= minimum) or value != value:

@@ -441,10 +441,15 @@ def size_max(a: int, b: int) -> int:
     return a if a >= b else b
 
 
-def pad_to(x: Tensor, dim: int, n: int, value: float = 0.0) -> Tensor:
+def pad_to(x: Tensor, dim: int, n: int, value: float = 0) -> Tensor:
     """``x`` padded with ``value`` along ``dim`` up to length ``n`` (at least its own): ``x`` itself when
     it is ``n`` long already. A symbolic length always pads, by a symbolic amount that may be 0, rather
-    than guard on whether it fills ``n`` (a recompile for the lengths that do); see :func:`_pad_symbolic`."""
+    than guard on whether it fills ``n`` (a recompile for the lengths that do); see :func:`_pad_symbolic`.
+
+    ``value``'s default is the int 0, not 0.0: under ``torch.compile(dynamic=True)`` dynamo reads a float
+    default (from ``__defaults__``, which may change) as a symbolic float input; one that is specialized
+    rather than computed with (a padding value is) makes dynamo restart the whole trace once (torch 2.13's
+    ``TensorifyScalarRestartAnalysis``), about 40% of the OVQ op's first compile. An int default stays plain."""
     length = x.shape[dim]
     if not is_symbolic(length):
         return x if length == n else F.pad(x, _widths(x, dim, 0, n - length), value=value)

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_block_size, check_choice, check_int, host_check_is_free
-from .compiling import pad_to, plain_float
+from .compiling import pad_to
 from .scan import cumsum
 from .segments import segment_snapshot_sums
 
@@ -130,21 +130,23 @@ def check_state_layout(state_layout: str, checkpoint_every: int | None, block_si
 #: 5.4-6.3 for OVQ, 3.9-7.9 for KVM at 4k-64k; the snapshot layout has 1.33x (VQ), 3.5-5.2x (OVQ) and
 #: 2.6-10.7x (KVM) the versioned rows there, and 5.25 takes the faster layout in all nine cases (the two
 #: nearest, OVQ at 64k and KVM at 16k, differ by 4% and 6%). Types not listed count a row as a row.
-LAYOUT_ROW_COST = {"cpu": 2.0, "cuda": 5.25}
+#: Each cost is an exact ratio of two ints, ``(numerator, denominator)`` (5.25 = 21/4): traced code that
+#: reads a float from a module under ``torch.compile(dynamic=True)`` gets a symbolic float, which dynamo,
+#: once it is specialized, restarts the whole trace for (``recurrences.compiling.pad_to``); ints stay plain.
+LAYOUT_ROW_COST = {"cpu": (2, 1), "cuda": (21, 4)}
 
 
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan,
                         device_type: str | None = None, grad: bool = False) -> str:
     """``auto`` -> with gradients recorded (``grad``), the layout with fewer state rows (snapshot: ``n_chunks *
     rows``), since a backward keeps memory in proportion to them; without, the cheaper forward on
-    ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each, are fewer
-    (``None``: no device, fewer rows)."""
+    ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each (a ratio), are
+    fewer (``None``: no device, fewer rows)."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if state_layout != "auto":
         return state_layout
-    # (plain: dynamic=True makes a module's float symbolic too, and a choice is a guard on a constant)
-    row_cost = 1.0 if grad else plain_float(LAYOUT_ROW_COST.get(device_type, 1.0))
-    return "versioned" if plan.state_rows * row_cost < n_chunks * rows else "snapshot"
+    cost, per = (1, 1) if grad else LAYOUT_ROW_COST.get(device_type, (1, 1))
+    return "versioned" if plan.state_rows * cost < n_chunks * rows * per else "snapshot"
 
 
 @dataclass

@@ -1,4 +1,7 @@
 """Comparison helpers: relative error with per-dtype tolerances."""
+import contextlib
+import logging
+
 import torch
 
 # forward / gradient tolerances on the relative error, by dtype
@@ -111,3 +114,26 @@ def sum_narrow_as_on_cuda(monkeypatch) -> None:
 
     monkeypatch.setitem(segments.NARROW_ADDS, "cpu", segments.NARROW_ADDS["cuda"])
     monkeypatch.setitem(scan.NARROW_SCANS, "cpu", scan.NARROW_SCANS["cuda"])
+
+
+@contextlib.contextmanager
+def dynamo_restarts():
+    """The list of the times dynamo restarted its analysis of a frame while the block ran (its
+    "Restarting analysis due to ..." log record, at INFO on ``torch._dynamo.convert_frame``): a restart
+    traces the whole frame again (docs/design.md §3.5, floats under ``dynamic=True``)."""
+    seen = []
+
+    class Restarts(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Restarting analysis"):
+                seen.append(record.getMessage())
+
+    logger, handler = logging.getLogger("torch._dynamo.convert_frame"), Restarts(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

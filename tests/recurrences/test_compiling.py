@@ -285,6 +285,40 @@ def test_plain_options_makes_every_number_of_options_plain_nested_ones_too():
     assert counters["stats"]["unique_graphs"] == 3
 
 
+def _padded_with_a_float_default(x, value=0.0):  # the control: pad_to's signature before it took the int 0
+    return torch.nn.functional.pad(x, (0, 3), value=value)
+
+
+@pytest.mark.parametrize("helper", ["float-default-control", "pad_to", "check_number", "auto-layout"])
+def test_no_float_default_of_the_helpers_restarts_a_symbolic_trace(helper):
+    """Under ``dynamic=True`` dynamo reads a float from a default argument or a module dict as a symbolic
+    float; one used as a plain number (a padding value, a bound compared with, the layout choice's row
+    cost) makes it trace the frame again (docs/design.md §3.5). The helpers every op calls take ints
+    there: no restart. The control, a float default passed on as a padding value, restarts (so the
+    restarts are seen)."""
+    from recurrences.checks import check_number
+    from recurrences.versioned import choose_state_layout, plan_versioned
+
+    from tests.helpers import dynamo_restarts
+
+    def auto_layout(x):
+        T = x.shape[-1]
+        plan = plan_versioned(n_chunks=T // 16, chunk_size=16, rows=64, lag=1)
+        layout = choose_state_layout("auto", n_chunks=T // 16, rows=64, plan=plan, device_type="cpu")
+        return x * (2 if layout == "versioned" else 3)
+
+    body = {"float-default-control": lambda x: _padded_with_a_float_default(x) + 1,
+            "pad_to": lambda x: pad_to(x, 1, 40) + 1,
+            "check_number": lambda x: x * check_number("scale", 2.5),
+            "auto-layout": auto_layout}[helper]
+    x = torch.randn(3, 32)
+    torch._dynamo.reset()
+    with dynamo_restarts() as restarts:
+        out = torch.compile(body, dynamic=True, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(out, body(x))
+    assert len(restarts) == (1 if helper == "float-default-control" else 0), restarts
+
+
 _SCATTER_ADD_SCRIPT = """
 import torch
 from recurrences.compiling import prepare_compile

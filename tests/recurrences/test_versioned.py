@@ -127,7 +127,7 @@ def test_auto_weighs_rows_by_the_device_cost_without_gradients(device_type, grad
     LAYOUT_ROW_COST["cpu"] = 2 snapshot rows on the CPU (5.25 on CUDA), so its forward keeps snapshots;
     with gradients, or on a device type without a measured cost, fewer rows win."""
     plan = plan_versioned(n_chunks=32, chunk_size=128, rows=512, lag=2, align=128)
-    assert 32 * 512 == plan.state_rows * 4 / 3 and LAYOUT_ROW_COST["cpu"] == 2.0
+    assert 32 * 512 == plan.state_rows * 4 / 3 and LAYOUT_ROW_COST["cpu"] == (2, 1)
     assert choose_state_layout("auto", n_chunks=32, rows=512, plan=plan, device_type=device_type, grad=grad) == want
     big = plan_versioned(n_chunks=256, chunk_size=128, rows=1927, lag=1, align=128)  # OVQ at 32k: 5x fewer rows
     assert choose_state_layout("auto", n_chunks=256, rows=1927, plan=big, device_type=device_type,

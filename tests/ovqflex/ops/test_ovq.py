@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import ovqflex
 from recurrences.reference import ovq_attention_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, dynamo_restarts
 
 
 @st.composite
@@ -115,7 +115,8 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
     own, docs/design.md §3.5: a much shorter one, or one whose rows need no padding to a block.)
     ``dynamic=True`` makes the keyword options' numbers symbolic; the op takes them plain
     (``recurrences.compiling.plain_options``), so another chunk size compiles a graph of its own rather
-    than being served by a graph generic over it."""
+    than being served by a graph generic over it. Each graph is traced once: no float of the op's own
+    restarts dynamo's analysis (docs/design.md §3.5)."""
     from torch._dynamo.utils import counters
 
     kw = dict(backend="blocked", chunk_size=16, max_centroids=32, state_layout=layout)
@@ -125,7 +126,9 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
     for T, options in calls:
         x = inputs(1, 2, 16, T, seed=T)
         w = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(T))
-        out = torch.compile(_op_with(options), dynamic=True, backend="aot_eager", fullgraph=True)(*x)
+        with dynamo_restarts() as restarts:
+            out = torch.compile(_op_with(options), dynamic=True, backend="aot_eager", fullgraph=True)(*x)
+        assert not restarts, f"T={T}: {restarts}"
         want = _op_with(options)(*x)
         assert_close(out, want, FWD_TOL[torch.float32], f"T={T} output")
         for got, ref, name in zip(torch.autograd.grad((out * w).sum(), x), torch.autograd.grad((want * w).sum(), x),
@@ -142,12 +145,13 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
     two lengths on one side of the block-count guards (one graph): equal to the eager op. ``dynamic=True``
     makes ``kw``'s numbers symbolic (the op takes them plain: ``plain_options``). This failed to build its
     C++ kernel before ``recurrences.compiling.patch_inductor_cpu_flex_split_names`` (the symbolic options'
-    extra sizes met torch's text replace of the split sizes' names)."""
+    extra sizes met torch's text replace of the split sizes' names). Traced once: no float of the op's own
+    restarts dynamo's analysis (docs/design.md §3.5)."""
     from torch._dynamo.utils import counters
 
     kw = dict(backend="flex", chunk_size=16, max_centroids=32)
     xs = {T: inputs(1, 2, 16, T, seed=T, requires_grad=False) for T in (200, 250)}
-    with torch.no_grad():
+    with torch.no_grad(), dynamo_restarts() as restarts:
         want = {T: _op_with(kw)(*x) for T, x in xs.items()}  # (eager flex compiles its kernel: counted before)
         torch._dynamo.reset()
         counters.clear()
@@ -155,3 +159,4 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
         for T, x in xs.items():
             assert_close(compiled(*x), want[T], FWD_TOL[torch.float32], f"T={T}")
     assert counters["stats"]["unique_graphs"] == 1
+    assert not restarts, restarts

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import ovqflex
 from recurrences.reference import vq_attention_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, dynamo_restarts
 
 
 @st.composite
@@ -142,7 +142,8 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
     two lengths on one side of the block-count guards (one graph): equal to the eager op. ``dynamic=True``
     makes ``kw``'s numbers symbolic (the op takes them plain: ``recurrences.compiling.plain_options``).
     This failed to build its C++ kernel before ``recurrences.compiling.patch_inductor_cpu_flex_split_names``
-    (the symbolic options' extra sizes met torch's text replace of the split sizes' names)."""
+    (the symbolic options' extra sizes met torch's text replace of the split sizes' names). Traced once:
+    no float of the op's own restarts dynamo's analysis (docs/design.md §3.5)."""
     from torch._dynamo.utils import counters
 
     kw = dict(backend="flex", chunk_size=16)
@@ -151,7 +152,7 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
         return ovqflex.vq_attention(*x, **kw)[0]
 
     xs = {T: inputs(1, 2, 16, T, 32, seed=T, requires_grad=False)[:5] for T in (200, 250)}
-    with torch.no_grad():
+    with torch.no_grad(), dynamo_restarts() as restarts:
         want = {T: op(*x) for T, x in xs.items()}  # (eager flex compiles its kernel: counted before)
         torch._dynamo.reset()
         counters.clear()
@@ -159,3 +160,4 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
         for T, x in xs.items():
             assert_close(compiled(*x), want[T], FWD_TOL[torch.float32], f"T={T}")
     assert counters["stats"]["unique_graphs"] == 1
+    assert not restarts, restarts
