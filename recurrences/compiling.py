@@ -446,10 +446,11 @@ def pad_to(x: Tensor, dim: int, n: int, value: float = 0) -> Tensor:
     it is ``n`` long already. A symbolic length always pads, by a symbolic amount that may be 0, rather
     than guard on whether it fills ``n`` (a recompile for the lengths that do); see :func:`_pad_symbolic`.
 
-    ``value``'s default is the int 0, not 0.0: under ``torch.compile(dynamic=True)`` dynamo reads a float
-    default (from ``__defaults__``, which may change) as a symbolic float input; one that is specialized
-    rather than computed with (a padding value is) makes dynamo restart the whole trace once (torch 2.13's
-    ``TensorifyScalarRestartAnalysis``), about 40% of the OVQ op's first compile. An int default stays plain."""
+    ``value``'s default is the int 0, not 0.0: under ``torch.compile(dynamic=True)`` torch 2.13's dynamo
+    reads a float default (from ``__defaults__``, which may change) as a symbolic float input; one used as a
+    plain number rather than computed with (a padding value is) makes dynamo trace the whole frame again
+    (``TensorifyScalarRestartAnalysis``), about 40% of the OVQ op's first compile. An int default stays plain
+    (docs/design.md §3.5)."""
     length = x.shape[dim]
     if not is_symbolic(length):
         return x if length == n else F.pad(x, _widths(x, dim, 0, n - length), value=value)
