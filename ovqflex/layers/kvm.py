@@ -35,8 +35,11 @@ from .rope import apply_rope
 def _merge_gate(z: Tensor) -> Tensor:
     """The merge gates ``1 + elu(z)``: z ``[B, T, H]`` (``x W_g``) -> ``[B, H, T]`` in z's dtype, computed in
     fp32 and rounded once, so that eager and compiled layers give the same gates under autocast
-    (recurrences/precision.py, rule 4)."""
-    return rounded(1.0 + F.elu(widened(z)), z.dtype).transpose(1, 2)
+    (recurrences/precision.py, rule 4). Laid out ``[B, H, T]`` before the elu, so that its backward's
+    gradient and input share one layout: with a transposed gradient, torch's eager ``elu_backward`` follows
+    the gradient's strides and its meta function the input's, and a graph run by eager kernels
+    (``backend="aot_eager"``, dynamo's debugging backend) failed on a ``view`` of the result."""
+    return rounded(1.0 + F.elu(widened(z.transpose(1, 2).contiguous())), z.dtype)
 
 
 class KVMAttention(OptionAttributes, MultiHeadProjection):

@@ -56,6 +56,26 @@ def test_layer_ablation_switches():
     assert bare(x).shape == x.shape and full(x).shape == x.shape
 
 
+def test_layer_trains_under_the_aot_eager_debugging_backend():
+    """``torch.compile(layer, backend="aot_eager")``, dynamo's debugging backend (the traced graphs run by
+    eager kernels), forward and backward: output and gradients equal the eager layer's. Its backward
+    failed on a ``view`` of the gate's ``elu`` gradient (torch's eager ``elu_backward`` and its meta
+    function laid a transposed gradient out differently) until the gate was laid out ``[B, H, T]`` before
+    its elu (``ovqflex/layers/kvm.py::_merge_gate``)."""
+    torch.manual_seed(0)
+    layer = ovqflex.KVMAttention(64, 2, chunk_size=16, backend="blocked")
+    x = torch.randn(2, 100, 64)
+    names, params = zip(*layer.named_parameters())
+    torch._dynamo.reset()
+    out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    got = torch.autograd.grad(out.square().mean(), params)
+    ref = layer(x)
+    want = torch.autograd.grad(ref.square().mean(), params)
+    assert_close(out, ref, FWD_TOL[torch.float32], "output")
+    for g, w, name in zip(got, want, names):
+        assert_close(g, w, GRAD_TOL[torch.float32], f"grad {name}")
+
+
 def test_layer_compiles_without_graph_break_or_recompile():
     torch.manual_seed(0)
     layer = ovqflex.KVMAttention(64, 2, chunk_size=32, budget="power_law", growth_factor=8.0, max_state_chunks=None,
