@@ -131,8 +131,8 @@ def check_state_layout(state_layout: str, checkpoint_every: int | None, block_si
 #: 2.6-10.7x (KVM) the versioned rows there, and 5.25 takes the faster layout in all nine cases (the two
 #: nearest, OVQ at 64k and KVM at 16k, differ by 4% and 6%). Types not listed count a row as a row.
 #: Each cost is an exact ratio of two ints, ``(numerator, denominator)`` (5.25 = 21/4): traced code that
-#: reads a float from a module under ``torch.compile(dynamic=True)`` gets a symbolic float, which dynamo,
-#: once it is specialized, restarts the whole trace for (``recurrences.compiling.pad_to``); ints stay plain.
+#: reads a float from a module under ``torch.compile(dynamic=True)`` gets a symbolic float, and once it is
+#: used as a plain number dynamo traces the whole frame again (docs/design.md §3.5); ints stay plain.
 LAYOUT_ROW_COST = {"cpu": (2, 1), "cuda": (21, 4)}
 
 
