@@ -9,6 +9,7 @@ from recurrences.compiling import (RECOMPILE_LIMIT, bucket_rows, compile_fixed_s
                                   pad_to, plain_float, plain_int, plain_options, size_max, size_min)
 from recurrences.kvm import routing_static as kvm_static
 from recurrences.ovq import routing_static as ovq_static
+from tests.helpers import dynamo_restarts
 
 
 def _double_sum(x):
@@ -297,8 +298,6 @@ def test_the_helpers_own_numbers_do_not_restart_a_symbolic_trace(helper):
     number, restarts (so the restarts are seen)."""
     from recurrences.checks import check_number
     from recurrences.versioned import choose_state_layout, plan_versioned
-
-    from tests.helpers import dynamo_restarts
 
     def auto_layout(x):
         T = x.shape[-1]
