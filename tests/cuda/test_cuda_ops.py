@@ -347,7 +347,9 @@ def test_compiled_routing_copies_hold_the_rounded_keys(dtype):
     """Inductor in torch 2.11 on CUDA drops an explicit fp32 -> bf16 -> fp32 round trip inside one fused
     kernel (pytorch/pytorch#179561), which made a compiled KVM layer under bf16 autocast route unlike the
     eager one. The routing copies (``recurrences.precision.exact_float``) keep the rounding: compiled
-    equals eager up to fp32 reduction order (1e-6), where the dropped rounding differs by ~1e-3."""
+    equals eager up to fp32 reduction order (1e-6), where the dropped rounding differs by ~1e-3 (the
+    keys' own fp32 math is exact up to one rounding, so a fused multiply-add cannot move them:
+    :func:`~tests.recurrences.test_precision.routing_copies`)."""
     torch._dynamo.reset()
     x = torch.randn(2, 4, 300, 64, generator=seeded(3)).to(DEVICE)
     got = torch.compile(routing_copies, fullgraph=True)(x, dtype)
