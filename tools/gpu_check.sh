@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU checks of the README's "GPU (CUDA)" section in one command, each part bounded in time and
+# logged as it goes, so a run cut short still says which tests passed and failed.
+#
+#   bash tools/gpu_check.sh [PARTS] [OUT]
+#
+# PARTS: comma-separated, in order (default tier,main):
+#   tier            the cuda tier (python -m pytest -m cuda) on $JOBS processes (pytest-xdist), one line
+#                   per test as it ends (tier.log), failures' tracebacks at the end, JUnit XML (tier.xml)
+#   main            the README's GPU main job: ovqflex train --device cuda + eval at 64..1024 (main.log)
+#   routing|stages|op-ovq|op-kvm|op-vq|dynamic|train
+#                   that part of profiles/gpu.toml (bench.log, OUT/bench/)
+#   decode-single|decode-batched|generate
+#                   that part of profiles/decode.toml (bench.log, OUT/bench/)
+# OUT: the folder for the logs (default gpu-check-out). Each part gets at most $PART_S seconds
+# (default 420), every test of the tier at most $TEST_S (default 300); $JOBS defaults to the CPU count
+# less one, at most 15. Needs a CUDA build of torch and, for the tier, pytest-xdist and pytest-timeout.
+set -u
+cd "$(dirname "$0")/.."
+PARTS=${1:-tier,main}
+OUT=${2:-gpu-check-out}
+PART_S=${PART_S:-420}
+TEST_S=${TEST_S:-300}
+JOBS=${JOBS:-$(( $(nproc) > 16 ? 15 : $(nproc) - 1 ))}
+GPU_PARTS="routing stages op-ovq op-kvm op-vq dynamic train"
+DECODE_PARTS="decode-single decode-batched generate"
+IFS=, read -ra list <<< "$PARTS"
+for part in "${list[@]}"; do
+  case " tier main $GPU_PARTS $DECODE_PARTS " in
+    *" $part "*) ;;
+    *) echo "unknown part '$part' in PARTS: expected one of tier main $GPU_PARTS $DECODE_PARTS" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT/bench"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+start=$(date +%s)
+since() { echo $(( $(date +%s) - start )); }
+
+{
+  git rev-parse --short HEAD 2>/dev/null || echo "(no git)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" 2>&1
+  echo "cpus $(nproc), parts $PARTS, $JOBS test processes"
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+tier() {
+  # -v prints each test's outcome when it ends: a run killed by its time limit still names its failures
+  timeout "$PART_S" python3 -m pytest -m cuda -v -n "$JOBS" --timeout "$TEST_S" -rfE --tb=short \
+      --junitxml "$OUT/tier.xml" -p no:cacheprovider tests/cuda 2>&1 \
+    | grep --line-buffered -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/tier.log"
+  local rc=${PIPESTATUS[0]}
+  echo "tier: exit $rc after $(since) s; $(grep -c ' PASSED ' "$OUT/tier.log") passed," \
+       "$(grep -c ' FAILED ' "$OUT/tier.log") failed, $(grep -c ' SKIPPED ' "$OUT/tier.log") skipped" | tee -a "$OUT/tier.log"
+  grep -E '^\[gw[0-9]+\].* (FAILED|ERROR) ' "$OUT/tier.log" | sed 's/^/  /'
+}
+
+main_job() {
+  local run=$OUT/gpu-icr t0=$(date +%s)
+  rm -rf "$run"
+  timeout "$PART_S" python3 -m ovqflex train --device cuda --out "$run" --no-progress > "$OUT/main.log" 2>&1
+  echo "train: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/main.log"
+  local t1=$(date +%s)
+  timeout "$PART_S" python3 -m ovqflex eval "$run" --device cuda --lengths 64,128,256,1024 >> "$OUT/main.log" 2>&1
+  echo "eval: exit $? in $(( $(date +%s) - t1 )) s" | tee -a "$OUT/main.log"
+  grep -E '^ *length ' "$OUT/main.log"
+}
+
+bench() {  # bench PROFILE PART
+  echo "== $1 --only $2" >> "$OUT/bench.log"
+  timeout "$PART_S" python3 -m ovqflex bench "profiles/$1.toml" --device cuda --only "$2" --out "$OUT/bench" \
+    >> "$OUT/bench.log" 2>&1
+  echo "$1 --only $2: exit $? at $(since) s" | tee -a "$OUT/bench.log"
+}
+
+for part in "${list[@]}"; do
+  case $part in
+    tier) tier ;;
+    main) main_job ;;
+    routing|stages|op-ovq|op-kvm|op-vq|dynamic|train) bench gpu "$part" ;;
+    decode-single|decode-batched|generate) bench decode "$part" ;;
+  esac
+done
+echo "done after $(since) s; logs in $OUT"
