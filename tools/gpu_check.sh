@@ -14,7 +14,8 @@
 #                   that part of profiles/decode.toml (bench.log, OUT/bench/)
 # OUT: the folder for the logs (default gpu-check-out). Each part gets at most $PART_S seconds
 # (default 420), every test of the tier at most $TEST_S (default 300); $JOBS defaults to the CPU count
-# less one, at most 15. Needs a CUDA build of torch and, for the tier, pytest-xdist and pytest-timeout.
+# less one, at most 15; $COMMIT names the code measured where the copy has no git history. Needs a CUDA
+# build of torch and, for the tier, pytest-xdist and pytest-timeout.
 set -u
 cd "$(dirname "$0")/.."
 PARTS=${1:-tier,main}
@@ -37,7 +38,7 @@ start=$(date +%s)
 since() { echo $(( $(date +%s) - start )); }
 
 {
-  git rev-parse --short HEAD 2>/dev/null || echo "(no git)"
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" 2>&1
   echo "cpus $(nproc), parts $PARTS, $JOBS test processes"
