@@ -15,7 +15,8 @@
 # OUT: the folder for the logs (default gpu-check-out). Each part gets at most $PART_S seconds
 # (default 420), every test of the tier at most $TEST_S (default 300); $JOBS defaults to the CPU count
 # less one, at most 15; $COMMIT names the code measured where the copy has no git history. Needs a CUDA
-# build of torch and, for the tier, pytest-xdist and pytest-timeout.
+# build of torch and the project with its gpu and test extras (pip install -e ".[gpu,test]": the tier's
+# pytest-xdist and pytest-timeout come with them).
 set -u
 cd "$(dirname "$0")/.."
 PARTS=${1:-tier,main}
