@@ -26,12 +26,11 @@ TEST_S=${TEST_S:-300}
 JOBS=${JOBS:-$(( $(nproc) > 16 ? 15 : $(nproc) - 1 ))}
 GPU_PARTS="routing stages op-ovq op-kvm op-vq dynamic train"
 DECODE_PARTS="decode-single decode-batched generate"
+in_list() { case " $2 " in *" $1 "*) return 0 ;; esac; return 1; }  # in_list WORD "WORD WORD ..."
 IFS=, read -ra list <<< "$PARTS"
 for part in "${list[@]}"; do
-  case " tier main $GPU_PARTS $DECODE_PARTS " in
-    *" $part "*) ;;
-    *) echo "unknown part '$part' in PARTS: expected one of tier main $GPU_PARTS $DECODE_PARTS" >&2; exit 2 ;;
-  esac
+  in_list "$part" "tier main $GPU_PARTS $DECODE_PARTS" ||
+    { echo "unknown part '$part' in PARTS: expected one of tier main $GPU_PARTS $DECODE_PARTS" >&2; exit 2; }
 done
 mkdir -p "$OUT/bench"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -76,11 +75,10 @@ bench() {  # bench PROFILE PART
 }
 
 for part in "${list[@]}"; do
-  case $part in
-    tier) tier ;;
-    main) main_job ;;
-    routing|stages|op-ovq|op-kvm|op-vq|dynamic|train) bench gpu "$part" ;;
-    decode-single|decode-batched|generate) bench decode "$part" ;;
-  esac
+  if [ "$part" = tier ]; then tier
+  elif [ "$part" = main ]; then main_job
+  elif in_list "$part" "$GPU_PARTS"; then bench gpu "$part"
+  else bench decode "$part"  # the parts were checked above: the rest are DECODE_PARTS
+  fi
 done
 echo "done after $(since) s; logs in $OUT"
