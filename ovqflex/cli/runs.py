@@ -74,7 +74,8 @@ def _cmd_experiment(args) -> int:
     if args.dry_run:
         print(p.describe())
         return 0
-    results = run_experiment(p, resume=args.resume, log=lambda line: print(line, flush=True), jobs=args.jobs)
+    results = run_experiment(p, resume=args.resume, log=lambda line: print(line, flush=True), jobs=args.jobs,
+                             drop_checkpoints=args.drop_checkpoints)
     print(f"\n{results['experiment']} ({results['scale']} scale): {results['task_description']}; "
           f"{trained(results)}; accuracy, mean over seeds (min-max)")
     print(results["table"])
@@ -198,6 +199,10 @@ def add_experiment(sub) -> None:
     s.add_argument("--dry-run", action="store_true", help="print the plan (models, configs, units, token counts) "
                    "and exit without training")
     s.add_argument("--no-progress", action="store_true", help="no training progress bar")
+    s.add_argument("--drop-checkpoints", action="store_true", help="delete a run's checkpoints once all its "
+                   "evaluations are written (and those of runs already complete): OUT keeps the reports, metrics "
+                   "and configs alone, small enough to copy between machines; such a run cannot be trained "
+                   "further or evaluated anew")
     s.add_argument("--jobs", type=int, default=1, help="runs (a model at a seed: training, then its evaluations) "
                    "in progress at once, each in a process of its own with the CPU threads / JOBS; for a GPU that "
                    "one small model leaves idle. Progress: a line per minute with each run's step, loss and "

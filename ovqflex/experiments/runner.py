@@ -13,7 +13,8 @@ Units run in order (per seed, per model: train, then its evaluations), in this p
 for a GPU that one small model leaves idle). A unit whose output
 exists and is complete is skipped: an evaluation report with the planned lengths, examples,
 overrides and checkpoint step; a run whose latest checkpoint is at the final step, or whose
-evaluations are all complete (its checkpoints may then be deleted to save space). A run
+evaluations are all complete (its checkpoints may then be deleted to save space: with
+``drop_checkpoints`` they are, as soon as its last evaluation is written). A run
 with an earlier checkpoint continues from it (``train(..., resume=True)``: the same result as
 an uninterrupted run, bit for bit where the run is deterministic, by default on the CPU); one that
 died before its first checkpoint starts again. Ctrl-C or SIGTERM while a run trains stops it after
@@ -42,7 +43,7 @@ import torch
 from recurrences.checks import check_int
 
 from ..training import TrainingInterrupted, evaluate, latest_checkpoint, train
-from ..training.checkpoint import read_state
+from ..training.checkpoint import checkpoint_dir, read_state
 from ..training.interrupt import STOP_SIGNALS
 from ..training.trainer import METRICS_FILE
 from .plan import Plan, Unit
@@ -163,14 +164,18 @@ class _Clock:
 
 
 def run_experiment(plan: Plan, *, resume: bool = False, log=print, jobs: int = 1,
-                   progress_every: float = 60.0) -> dict:
+                   progress_every: float = 60.0, drop_checkpoints: bool = False) -> dict:
     """Run every unit of ``plan`` not already complete in ``plan.out`` and write the results
     (``results.json``, ``results.md``, ``results.png``; see :mod:`ovqflex.experiments.report`).
     ``resume``: continue the experiment already in ``plan.out`` (same spec, or more seeds or
     models: :func:`prepare_out`). ``log`` gets one line per unit (with elapsed time and ETA) and
     per evaluated length. ``jobs``: runs (a model at a seed: its training, then its evaluations)
     in progress at once, each in a process of its own (:func:`_run_in_workers`; ``log`` then also
-    gets every run's step, loss and tokens/s each ``progress_every`` seconds). Returns the results."""
+    gets every run's step, loss and tokens/s each ``progress_every`` seconds). ``drop_checkpoints``:
+    a run's checkpoints are deleted once all its evaluations are on disk (when its last one is
+    written, and at the start for the runs already complete), so that the directory keeps the
+    reports and metrics alone (a ``small`` run's two checkpoints with their AdamW state are ~80 MB);
+    such a run can then be neither trained further nor evaluated anew. Returns the results."""
     check_int("jobs", jobs)
     prepare_out(plan, resume, log)
     units = plan.units
@@ -185,23 +190,45 @@ def run_experiment(plan: Plan, *, resume: bool = False, log=print, jobs: int = 1
     skipped = n - sum(todo)
     log(f"experiment {plan.experiment.name}, scale {plan.scale_name}: {n} units into {plan.out}"
         + (f" ({skipped} already complete)" if skipped else "") + (f", {jobs} runs at a time" if jobs > 1 else ""))
+    if drop_checkpoints:
+        for run_dir in sorted(evaluated_runs):
+            _drop_checkpoints(run_dir, log)
     clock = _Clock(units, jobs)
+
+    def evaluated_now(i: int) -> dict:
+        """After evaluation unit ``i``: the results rewritten, and with ``drop_checkpoints`` the run's
+        checkpoints deleted if that was its last evaluation left."""
+        run_dir = units[i].run.dir
+        if drop_checkpoints and all(read_eval(plan, u.run, u.variant) is not None
+                                    for u in units if u.kind == "eval" and u.run.dir == run_dir):
+            _drop_checkpoints(run_dir, log)
+        return write_results(plan)
+
     if jobs == 1:
-        results = _run_in_order(plan, todo, clock, log)
+        results = _run_in_order(plan, todo, clock, log, evaluated_now)
     else:
-        results = _run_in_workers(plan, todo, clock, jobs, log, progress_every)
+        results = _run_in_workers(plan, todo, clock, jobs, log, progress_every, evaluated_now)
     if results is None:  # nothing evaluated now: (re)write from the reports on disk
         results = write_results(plan)
     log(f"done in {_duration(time.perf_counter() - clock.t0)}")
     return results
 
 
+def _drop_checkpoints(run_dir: Path, log) -> None:
+    """Delete the checkpoints of the run in ``run_dir`` (all its evaluations are on disk), if it has any."""
+    root = checkpoint_dir(run_dir)
+    if root.is_dir():
+        shutil.rmtree(root)
+        log(f"    {run_dir.name}: its evaluations are complete; deleted its checkpoints ({root})")
+
+
 def _head(plan: Plan, i: int) -> str:
     return f"[{i + 1}/{len(plan.units)}] {plan.units[i].describe()}"
 
 
-def _run_in_order(plan: Plan, todo: list[bool], clock: _Clock, log) -> dict | None:
-    """The units in plan order in this process; the results after the last evaluation (None: none ran)."""
+def _run_in_order(plan: Plan, todo: list[bool], clock: _Clock, log, evaluated_now) -> dict | None:
+    """The units in plan order in this process, ``evaluated_now(i)`` (which returns the results) after
+    evaluation unit ``i``; the results after the last evaluation (None: none ran)."""
     results = None
     for i, unit in enumerate(plan.units):
         if not todo[i]:
@@ -212,7 +239,7 @@ def _run_in_order(plan: Plan, todo: list[bool], clock: _Clock, log) -> dict | No
         clock.add(unit.kind, time.perf_counter() - t0)
         todo[i] = False
         if unit.kind == "eval":
-            results = write_results(plan)
+            results = evaluated_now(i)
     return results
 
 
@@ -281,7 +308,8 @@ class _Worker:
         return ("stopped", why, signal.SIGTERM) if self.asked else ("failed", why, 0)
 
 
-def _run_in_workers(plan: Plan, todo: list[bool], clock: _Clock, jobs: int, log, progress_every: float) -> dict | None:
+def _run_in_workers(plan: Plan, todo: list[bool], clock: _Clock, jobs: int, log, progress_every: float,
+                    evaluated_now) -> dict | None:
     """Each run with work left (its training, then its evaluations, in order) in a process of its own,
     ``jobs`` at a time, started in plan order; each gets this process's torch threads divided by
     ``jobs``. Workers are spawned (safe with CUDA) into a process group of their own, so a Ctrl-C at
@@ -289,8 +317,8 @@ def _run_in_workers(plan: Plan, todo: list[bool], clock: _Clock, jobs: int, log,
     passed on, once, to every worker, whose training then stops as it would alone (after the step in
     flight, with a checkpoint); :class:`ExperimentInterrupted` follows once all have exited. A worker
     whose parent dies stops the same way (SIGTERM); one stopped by a signal sent to it alone ends its
-    run there, and no more runs start. Only this process writes the results (after every
-    evaluation). A run that fails stops the others and raises :class:`ExperimentFailed` naming it.
+    run there, and no more runs start. Only this process writes the results (``evaluated_now(i)``
+    after every evaluation, as in :func:`_run_in_order`). A run that fails stops the others and raises :class:`ExperimentFailed` naming it.
     Returns the results after the last evaluation (None: none ran)."""
     ctx = multiprocessing.get_context("spawn")
     threads = max(1, torch.get_num_threads() // jobs)
@@ -363,7 +391,7 @@ def _run_in_workers(plan: Plan, todo: list[bool], clock: _Clock, jobs: int, log,
                     todo[i], w.current = False, None
                     clock.add(plan.units[i].kind, seconds)
                     if plan.units[i].kind == "eval":
-                        results = write_results(plan)
+                        results = evaluated_now(i)
                 else:
                     w.end = message
     finally:

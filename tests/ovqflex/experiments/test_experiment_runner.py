@@ -40,9 +40,9 @@ def tiny(steps: int = 4, ckpt_every: int = 2) -> Experiment:
                       {"s": scale}, seeds=(0,), sweeps=(DICTIONARY_SWEEP,))
 
 
-def run_tiny(out, resume=False, log=print, jobs=1, steps=4, ckpt_every=2, progress_every=60.0):
+def run_tiny(out, resume=False, log=print, jobs=1, steps=4, ckpt_every=2, progress_every=60.0, drop_checkpoints=False):
     return run_experiment(plan(tiny(steps, ckpt_every), "s", out, progress=False), resume=resume, log=log, jobs=jobs,
-                          progress_every=progress_every)
+                          progress_every=progress_every, drop_checkpoints=drop_checkpoints)
 
 
 def test_out_directory_rules(tmp_path):
@@ -168,6 +168,49 @@ def test_killed_experiment_resumes_and_skips_complete_units(tmp_path, monkeypatc
     assert run_tiny(out, resume=True, log=lines.append)["lines"] == res["lines"]
     assert calls == ["eval", "train", "eval"]
     assert "[5/6] train sw-linear seed 0: 4 steps x 4 x 64 tokens, from scratch" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("jobs", [1, 2], ids=["in-order", "workers"])
+def test_drop_checkpoints_deletes_a_runs_checkpoints_after_its_last_evaluation(tmp_path, monkeypatch, jobs):
+    """drop_checkpoints: each evaluation of a run still reads its checkpoint (in this process: checked
+    at every call), the run's checkpoints are gone once its last report is written, the reports and
+    results stay, and a resume finds every unit complete."""
+    seen = []
+    real_evaluate = runner_mod.evaluate
+
+    def evaluate(run_dir, *a, **k):
+        seen.append((Path(run_dir).name, latest_checkpoint(run_dir) is not None))
+        return real_evaluate(run_dir, *a, **k)
+
+    monkeypatch.setattr(runner_mod, "evaluate", evaluate)
+    lines = []
+    res = run_tiny(tmp_path, log=lines.append, jobs=jobs, drop_checkpoints=True)
+    if jobs == 1:
+        assert seen == [("sw-ovq-s0", True)] * 3 + [("sw-linear-s0", True)]
+    for run, reports in (("sw-ovq-s0", 3), ("sw-linear-s0", 1)):
+        assert not (tmp_path / run / "checkpoints").exists()
+        assert len(list((tmp_path / run).glob("eval-*.json"))) == reports
+        assert f"    {run}: its evaluations are complete; deleted its checkpoints" in "\n".join(lines)
+    assert [line["label"] for line in res["lines"]] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4", "sw-linear"]
+    lines.clear()
+    assert run_tiny(tmp_path, resume=True, log=lines.append, drop_checkpoints=True)["lines"] == res["lines"]
+    assert "(6 already complete)" in lines[0] and "deleted" not in "\n".join(lines)
+
+
+def test_drop_checkpoints_on_resume_deletes_those_of_complete_runs_only(tmp_path):
+    """A resume with drop_checkpoints deletes, before anything runs, the checkpoints of the runs whose
+    evaluations are all on disk, and keeps a run's whose evaluation is missing (it is evaluated again from
+    them, then they go)."""
+    run_tiny(tmp_path, log=lambda line: None)
+    assert latest_checkpoint(tmp_path / "sw-ovq-s0") is not None
+    (tmp_path / "sw-ovq-s0" / "eval-max_centroids-x2.json").unlink()
+    lines = []
+    run_tiny(tmp_path, resume=True, log=lines.append, drop_checkpoints=True)
+    text = "\n".join(lines)
+    assert "(5 already complete)" in lines[0]
+    assert lines[1].startswith("    sw-linear-s0: its evaluations are complete; deleted its checkpoints")
+    assert text.index("[3/6] eval sw-ovq seed 0 (N×2)") < text.index("sw-ovq-s0: its evaluations are complete")
+    assert not any((tmp_path / run / "checkpoints").exists() for run in ("sw-ovq-s0", "sw-linear-s0"))
 
 
 def _latest_step(run_dir: Path) -> int | None:
