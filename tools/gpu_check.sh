@@ -12,25 +12,36 @@
 #                   that part of profiles/gpu.toml (bench.log, OUT/bench/)
 #   decode-single|decode-batched|generate
 #                   that part of profiles/decode.toml (bench.log, OUT/bench/)
+#   experiment      ovqflex experiment $EXP (default icr) --scale $EXP_SCALE (default gpu) into
+#                   $EXP_DIR (default runs/experiments/$EXP-$EXP_SCALE), resumed if it holds one, with
+#                   --drop-checkpoints; only $EXP_MODELS / $EXP_SEEDS if set (comma-separated; a resume may
+#                   add models and seeds, not drop them: list the earlier slices' too), --steps $EXP_STEPS
+#                   and --jobs $EXP_JOBS if set (experiment.log); then EXP_DIR without checkpoints as one
+#                   file, OUT/experiment.tgz, to carry into the next slice (a run cut off in training
+#                   starts again there)
 # OUT: the folder for the logs (default gpu-check-out). Each part gets at most $PART_S seconds
 # (default 420), every test of the tier at most $TEST_S (default 300); $JOBS defaults to the CPU count
-# less one, at most 15; $COMMIT names the code measured where the copy has no git history. Needs a CUDA
-# build of torch and the project with its gpu and test extras (pip install -e ".[gpu,test]": the tier's
-# pytest-xdist and pytest-timeout come with them).
+# less one, at most 15; $DEVICE (default cuda) is the device of the main job, the experiment and the
+# benches (the tier's is OVQFLEX_CUDA_TIER_DEVICE, tests/cuda/conftest.py); $COMMIT names the code
+# measured where the copy has no git history. Needs a CUDA build of torch and the project with its gpu
+# and test extras (pip install -e ".[gpu,test]": the tier's pytest-xdist and pytest-timeout come with
+# them).
 set -u
 cd "$(dirname "$0")/.."
 PARTS=${1:-tier,main}
 OUT=${2:-gpu-check-out}
 PART_S=${PART_S:-420}
+DEVICE=${DEVICE:-cuda}
 TEST_S=${TEST_S:-300}
 JOBS=${JOBS:-$(( $(nproc) > 16 ? 15 : $(nproc) - 1 ))}
 GPU_PARTS="routing stages op-ovq op-kvm op-vq dynamic train"
 DECODE_PARTS="decode-single decode-batched generate"
+OWN_PARTS="tier main experiment"
 in_list() { case " $2 " in *" $1 "*) return 0 ;; esac; return 1; }  # in_list WORD "WORD WORD ..."
 IFS=, read -ra list <<< "$PARTS"
 for part in "${list[@]}"; do
-  in_list "$part" "tier main $GPU_PARTS $DECODE_PARTS" ||
-    { echo "unknown part '$part' in PARTS: expected one of tier main $GPU_PARTS $DECODE_PARTS" >&2; exit 2; }
+  in_list "$part" "$OWN_PARTS $GPU_PARTS $DECODE_PARTS" ||
+    { echo "unknown part '$part' in PARTS: expected one of $OWN_PARTS $GPU_PARTS $DECODE_PARTS" >&2; exit 2; }
 done
 mkdir -p "$OUT/bench"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -47,7 +58,7 @@ cat "$OUT/env.txt"
 
 tier() {
   # -v prints each test's outcome when it ends: a run killed by its time limit still names its failures
-  timeout "$PART_S" python3 -m pytest -m cuda -v -n "$JOBS" --timeout "$TEST_S" -rfE --tb=short \
+  timeout "$PART_S" python3 -m pytest -m cuda -v -n "$JOBS" --timeout "$TEST_S" -rfE --tb=short --durations=25 \
       --junitxml "$OUT/tier.xml" -p no:cacheprovider tests/cuda 2>&1 \
     | grep --line-buffered -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/tier.log"
   local rc=${PIPESTATUS[0]}
@@ -59,17 +70,30 @@ tier() {
 main_job() {
   local run=$OUT/gpu-icr t0=$(date +%s)
   rm -rf "$run"
-  timeout "$PART_S" python3 -m ovqflex train --device cuda --out "$run" --no-progress > "$OUT/main.log" 2>&1
+  timeout "$PART_S" python3 -m ovqflex train --device "$DEVICE" --out "$run" --no-progress > "$OUT/main.log" 2>&1
   echo "train: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/main.log"
   local t1=$(date +%s)
-  timeout "$PART_S" python3 -m ovqflex eval "$run" --device cuda --lengths 64,128,256,1024 >> "$OUT/main.log" 2>&1
+  timeout "$PART_S" python3 -m ovqflex eval "$run" --device "$DEVICE" --lengths 64,128,256,1024 >> "$OUT/main.log" 2>&1
   echo "eval: exit $? in $(( $(date +%s) - t1 )) s" | tee -a "$OUT/main.log"
   grep -E '^ *length ' "$OUT/main.log"
 }
 
+experiment() {
+  local name=${EXP:-icr} scale=${EXP_SCALE:-gpu} t0=$(date +%s) resume=
+  local dir=${EXP_DIR:-runs/experiments/$name-$scale}
+  [ -f "$dir/experiment.json" ] && resume=--resume
+  # --foreground: the signal reaches ovqflex alone, which stops its training with a checkpoint and
+  # exits; sent to the whole process group it would also kill inductor's compiler subprocesses
+  timeout --foreground -k 60 "$PART_S" python3 -m ovqflex experiment "$name" --scale "$scale" --device "$DEVICE" \
+      --out "$dir" $resume --drop-checkpoints --no-progress ${EXP_MODELS:+--models "$EXP_MODELS"} ${EXP_SEEDS:+--seeds "$EXP_SEEDS"} \
+      ${EXP_STEPS:+--steps "$EXP_STEPS"} ${EXP_JOBS:+--jobs "$EXP_JOBS"} > "$OUT/experiment.log" 2>&1
+  echo "experiment $name${resume:+ (resumed)}: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/experiment.log"
+  tar czf "$OUT/experiment.tgz" --exclude=checkpoints -C "$dir" . && echo "  $dir -> $OUT/experiment.tgz"
+}
+
 bench() {  # bench PROFILE PART
   echo "== $1 --only $2" >> "$OUT/bench.log"
-  timeout "$PART_S" python3 -m ovqflex bench "profiles/$1.toml" --device cuda --only "$2" --out "$OUT/bench" \
+  timeout "$PART_S" python3 -m ovqflex bench "profiles/$1.toml" --device "$DEVICE" --only "$2" --out "$OUT/bench" \
     >> "$OUT/bench.log" 2>&1
   echo "$1 --only $2: exit $? at $(since) s" | tee -a "$OUT/bench.log"
 }
@@ -77,6 +101,7 @@ bench() {  # bench PROFILE PART
 for part in "${list[@]}"; do
   if [ "$part" = tier ]; then tier
   elif [ "$part" = main ]; then main_job
+  elif [ "$part" = experiment ]; then experiment
   elif in_list "$part" "$GPU_PARTS"; then bench gpu "$part"
   else bench decode "$part"  # the parts were checked above: the rest are DECODE_PARTS
   fi
