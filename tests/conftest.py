@@ -1,10 +1,11 @@
-"""Shared test configuration: hypothesis profiles, seeding, comparison helpers."""
+"""Shared test configuration: hypothesis profiles, seeding, dynamo's shape memory cleared per test."""
 import os
 import random
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from torch._dynamo.pgo import reset_code_state  # torch 2.11 and 2.13: what torch._dynamo.reset calls
 
 # default: quick runs (README test command, CI); slow: more examples (`HYPOTHESIS_PROFILE=slow pytest -m slow`)
 settings.register_profile(
@@ -20,4 +21,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 def _seed_everything():
     random.seed(0)
     torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_shape_memory():
+    """Each test compiles as a fresh process would: dynamo remembers, per code object, the input sizes
+    it compiled for, and on a recompile with other sizes it marks those dims dynamic ("automatic dynamic
+    shapes"). A test that compiles a layer another test compiled at another length then gets a
+    symbolic-shape graph it did not ask for (measured, the KVM layer's compiled training: 126 s instead of
+    47 s cold). Clearing that memory (``torch._dynamo.pgo.reset_code_state``, which ``torch._dynamo.reset``
+    calls too) keeps the compiled code that later tests share; within a test, a second length still
+    makes dims dynamic as it does for a user."""
+    reset_code_state()
     yield
