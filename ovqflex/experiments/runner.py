@@ -318,8 +318,9 @@ def _run_in_workers(plan: Plan, todo: list[bool], clock: _Clock, jobs: int, log,
     flight, with a checkpoint); :class:`ExperimentInterrupted` follows once all have exited. A worker
     whose parent dies stops the same way (SIGTERM); one stopped by a signal sent to it alone ends its
     run there, and no more runs start. Only this process writes the results (``evaluated_now(i)``
-    after every evaluation, as in :func:`_run_in_order`). A run that fails stops the others and raises :class:`ExperimentFailed` naming it.
-    Returns the results after the last evaluation (None: none ran)."""
+    after every evaluation, as in :func:`_run_in_order`). A run that fails stops the others and
+    raises :class:`ExperimentFailed` naming it. Returns the results after the last evaluation (None:
+    none ran)."""
     ctx = multiprocessing.get_context("spawn")
     threads = max(1, torch.get_num_threads() // jobs)
     queue: deque[list[int]] = deque()       # the pending units of each run, runs in plan order
