@@ -196,11 +196,11 @@ def run_experiment(plan: Plan, *, resume: bool = False, log=print, jobs: int = 1
     clock = _Clock(units, jobs)
 
     def evaluated_now(i: int) -> dict:
-        """After evaluation unit ``i``: the results rewritten, and with ``drop_checkpoints`` the run's
-        checkpoints deleted if that was its last evaluation left."""
+        """After evaluation unit ``i`` (both loops have cleared its ``todo``): the results rewritten, and
+        with ``drop_checkpoints`` the run's checkpoints deleted if that was its last evaluation left."""
         run_dir = units[i].run.dir
-        if drop_checkpoints and all(read_eval(plan, u.run, u.variant) is not None
-                                    for u in units if u.kind == "eval" and u.run.dir == run_dir):
+        if drop_checkpoints and not any(todo[j] for j, u in enumerate(units)
+                                        if u.kind == "eval" and u.run.dir == run_dir):
             _drop_checkpoints(run_dir, log)
         return write_results(plan)
 
