@@ -33,8 +33,8 @@ The layout is chosen and laid out in one place for every method,
 ``ovqflex.ops.state_program.build_state_program``, in three steps::
 
     plan = plan_versioned(n_chunks, chunk_size, rows, lag, checkpoint_every, align=block_size)
-    if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan,
-                           device_type=q.device.type, grad=grad_recorded) == "versioned":
+    if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan, device_type=q.device.type,
+                           grad=grad_recorded, row_bytes=row_bytes) == "versioned":
         ver = versioned(plan)   # the method's: versioned_sums of its weighted tokens + per-row readout
         regions = masks.versioned.versioned_regions(plan, sizes, ver.born, ver.dies) + (window,)
 
@@ -135,18 +135,31 @@ def check_state_layout(state_layout: str, checkpoint_every: int | None, block_si
 #: used as a plain number dynamo traces the whole frame again (docs/design.md §3.5); ints stay plain.
 LAYOUT_ROW_COST = {"cpu": (2, 1), "cuda": (21, 4)}
 
+#: Most bytes the keys and values of a snapshot state (every chunk's rows, all batch rows and heads) may
+#: take for ``auto`` to weigh the layouts by speed: past it the layout with fewer rows is taken, as with
+#: gradients. The program copies those rows once more, so the forward's peak is about three times this.
+#: At 4 GiB every case of the H200 stages run keeps its measured choice (OVQ at 64k, B=1, H=8, bf16: 1.9
+#: GiB of snapshot state, 4% faster than its versioned layout), while a batch of 16 at 64k (32 GiB of
+#: fp32 snapshot state, out of memory on an 80 GB H100 in ``profiles/decode.toml``'s decode-batched
+#: prefill) is versioned.
+SNAPSHOT_MAX_BYTES = 4 * 2**30
+
 
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan,
-                        device_type: str | None = None, grad: bool = False) -> str:
+                        device_type: str | None = None, grad: bool = False, row_bytes: int = 0) -> str:
     """``auto`` -> with gradients recorded (``grad``), the layout with fewer state rows (snapshot: ``n_chunks *
     rows``), since a backward keeps memory in proportion to them; without, the cheaper forward on
     ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each (a ratio), are
-    fewer (``None``: no device, fewer rows)."""
+    fewer (``None``: no device, fewer rows) — unless the snapshot state would take more than
+    :data:`SNAPSHOT_MAX_BYTES` at ``row_bytes`` per row (a state row's key and value bytes over the batch and
+    heads; 0: not weighed), when fewer rows win again."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if state_layout != "auto":
         return state_layout
-    cost, per = (1, 1) if grad else LAYOUT_ROW_COST.get(device_type, (1, 1))
-    return "versioned" if plan.state_rows * cost < n_chunks * rows * per else "snapshot"
+    snapshot_rows = n_chunks * rows
+    by_rows = grad or snapshot_rows * row_bytes > SNAPSHOT_MAX_BYTES
+    cost, per = (1, 1) if by_rows else LAYOUT_ROW_COST.get(device_type, (1, 1))
+    return "versioned" if plan.state_rows * cost < snapshot_rows * per else "snapshot"
 
 
 @dataclass

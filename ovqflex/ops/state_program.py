@@ -70,7 +70,8 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     program is the window alone); ``lag``: a token of chunk ``ct`` enters the state of chunk
     ``ct + lag``. ``options``: ``chunk_size``, ``state_layout`` (``"snapshot"``, ``"versioned"``,
     ``"auto"``: :func:`~recurrences.versioned.choose_state_layout`: the one with fewer rows when
-    gradients are recorded, else the cheaper one on q's device), ``checkpoint_every`` and ``block_size``.
+    gradients are recorded or the snapshot state would be large, else the cheaper one on q's device),
+    ``checkpoint_every`` and ``block_size``.
 
     ``snapshots()`` (keys ``[B, H, n_chunks, R, D]``) and ``versioned(plan)`` (keys ``[B, H, S, D]``)
     build the same state after the method's per-row readout; only the chosen one runs. With
@@ -86,8 +87,9 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     n_chunks = size_max(1, -(-q.shape[2] // C))
     plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_scale))
+    row_bytes = q.shape[0] * q.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()  # a state row, all b, h
     layout = choose_state_layout(options.state_layout, n_chunks=n_chunks, rows=rows, plan=plan,
-                                 device_type=q.device.type, grad=grad)
+                                 device_type=q.device.type, grad=grad, row_bytes=row_bytes)
     if layout == "versioned":
         with stage("state_build"):
             ver = versioned(plan)

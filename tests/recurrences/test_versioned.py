@@ -1,4 +1,5 @@
 """The versioned state build (docs/design.md §5): every query chunk sees exactly its snapshot."""
+import functools
 import types
 
 import pytest
@@ -7,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from recurrences.segments import segment_snapshot_sums
-from recurrences.versioned import (LAYOUT_ROW_COST, choose_state_layout, plan_versioned, snapshot_from_versioned,
-                                   versioned_sums)
+from recurrences.versioned import (LAYOUT_ROW_COST, SNAPSHOT_MAX_BYTES, choose_state_layout, plan_versioned,
+                                   snapshot_from_versioned, versioned_sums)
 from tests.helpers import rel_err, sum_narrow_as_on_cuda
 
 
@@ -134,6 +135,18 @@ def test_auto_weighs_rows_by_the_device_cost_without_gradients(device_type, grad
                                grad=grad) == ("snapshot" if (device_type, grad) == ("cuda", False) else "versioned")
     with pytest.raises(ValueError, match="checkpoint_every"):
         plan_versioned(4, 32, 40, 1, every=0)
+
+
+def test_auto_weighs_rows_alone_once_the_snapshot_state_passes_its_byte_bound():
+    """OVQ at 64k (the H200 stages run's rows): B=1, H=8, D=64 in bf16 (2,048 bytes a state row: 1.9 GiB of
+    snapshot keys and values) keeps its faster snapshot on CUDA; a batch of 16 with H=4 in fp32 (32 KiB a
+    row: 31 GiB), the decode bench's prefill that ran out of memory on an 80 GB H100, is versioned."""
+    plan = types.SimpleNamespace(state_rows=196608)
+    assert SNAPSHOT_MAX_BYTES == 4 * 2**30
+    layout = functools.partial(choose_state_layout, "auto", n_chunks=1, rows=1016320, plan=plan, device_type="cuda")
+    assert layout(row_bytes=1 * 8 * (64 + 64) * 2) == "snapshot"
+    assert layout(row_bytes=16 * 4 * (64 + 64) * 4) == "versioned"
+    assert layout() == "snapshot"  # 0: bytes not weighed
 
 
 # One H200 (torch 2.11, bf16, B=1, H=8, D=64, chunk 128; `ovqflex bench profiles/gpu.toml --device cuda

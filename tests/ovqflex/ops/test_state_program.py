@@ -140,3 +140,26 @@ def test_auto_takes_the_faster_layout_without_gradients_and_fewer_rows_with_them
         assert state_rows(q=q.clone().requires_grad_()) == snapshot
     assert state_rows(q=q.clone().requires_grad_()) == versioned
     assert state_rows(v=v.clone().requires_grad_()) == versioned
+
+
+def test_auto_takes_fewer_rows_without_gradients_once_the_snapshot_state_passes_its_byte_bound(monkeypatch):
+    """The same VQ program without gradients: its snapshot state is 16 chunks x 64 codes = 1,024 rows of
+    keys and values of B=1, H=2, D=8 in fp32 (128 bytes a row). At a bound of exactly those bytes
+    ``auto`` keeps the faster snapshot; one byte less, the versioned layout's fewer rows."""
+    from ovqflex.ops.vq import vq_program
+    from recurrences import versioned
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 8, generator=g) for _ in range(3))
+    codebook, beta = torch.randn(2, 64, 8, generator=g), torch.full((2,), 2.0)
+
+    def state_rows(layout="auto"):
+        return vq_program(q, k, v, codebook, beta=beta, state_layout=layout, chunk_size=16,
+                          block_size=16)[0].geom.n_state
+
+    snapshot, versioned_rows = state_rows("snapshot"), state_rows("versioned")
+    assert snapshot == 16 * 64 and versioned_rows < snapshot
+    monkeypatch.setattr(versioned, "SNAPSHOT_MAX_BYTES", 1024 * 128)
+    assert state_rows() == snapshot
+    monkeypatch.setattr(versioned, "SNAPSHOT_MAX_BYTES", 1024 * 128 - 1)
+    assert state_rows() == versioned_rows
