@@ -109,6 +109,7 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
                              "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
                 progress(f"decode {case['name']} batch {batch} T={T} ({rows[-1]['tokens_per_s']:,.0f} tokens/s)",
                          m.seconds / n_dec)
+                del x, cache, run, end  # the next prefill's memory: a static run holds its cache and graph
     by_t = {}
     for r in rows:
         by_t.setdefault((r["batch"], r["T"]), []).append(r)
