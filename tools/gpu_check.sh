@@ -6,7 +6,8 @@
 #
 # PARTS: comma-separated, in order (default tier,main):
 #   tier            the cuda tier (python -m pytest -m cuda) on $JOBS processes (pytest-xdist), one line
-#                   per test as it ends (tier.log), failures' tracebacks at the end, JUnit XML (tier.xml)
+#                   per test as it ends (tier.log), each failure's traceback as it happens
+#                   (tier-failures.txt, tests/failure_log.py) and again at the end, JUnit XML (tier.xml)
 #   main            the README's GPU main job: ovqflex train --device cuda + eval at 64..1024 (main.log)
 #   routing|stages|op-ovq|op-kvm|op-vq|dynamic|train
 #                   that part of profiles/gpu.toml (bench.log, OUT/bench/)
@@ -58,7 +59,8 @@ cat "$OUT/env.txt"
 
 tier() {
   # -v prints each test's outcome when it ends: a run killed by its time limit still names its failures
-  timeout "$PART_S" python3 -m pytest -m cuda -v -n "$JOBS" --timeout "$TEST_S" -rfE --tb=short --durations=25 \
+  rm -f "$OUT/tier-failures.txt"
+  OVQFLEX_FAILURE_LOG=$OUT/tier-failures.txt timeout "$PART_S" python3 -m pytest -m cuda -v -n "$JOBS" --timeout "$TEST_S" -rfE --tb=short --durations=25 \
       --junitxml "$OUT/tier.xml" -p no:cacheprovider tests/cuda 2>&1 \
     | grep --line-buffered -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/tier.log"
   local rc=${PIPESTATUS[0]}
