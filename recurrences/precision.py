@@ -16,7 +16,7 @@
 2. **Routing in fp32.** The discrete decisions (OVQ slots, KVM state rows, VQ codes) read fp32
    copies of the compute-dtype keys — OVQ and VQ the unit keys ``F.normalize(k.float())``
    (:func:`routing_keys`), KVM ``LN_s`` of ``k.float()`` with fp32 ``LN_s`` parameters; each copy
-   made by :func:`exact_float`, which keeps the keys' rounding under ``torch.compile`` — with fp32
+   an opaque custom op (:func:`opaque_routing_keys`), so compiled code routes on the eager bits — with fp32
    similarities, sums and counts, autocast switched off (:func:`no_autocast`: autocast would run
    the similarity matmuls in bf16, even inside the routing custom ops). The fused ops, the decode caches and the sequential
    references (``recurrences/reference``) all follow this, so on the same inputs, in any dtype,
@@ -111,14 +111,15 @@ def rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x.to(dtype)``: the one rounding of a chain computed :func:`widened` (rule 4). While compiling,
     a bf16 or fp16 result passes :func:`~recurrences.compiling.realize`, so what reads it reads the
     rounded buffer: inductor may drop the rounding of an fp32 -> bf16 -> fp32 round trip inside one
-    fused kernel (:func:`exact_float`), as when a norm under autocast reads the rounded q/k."""
+    fused kernel (pytorch/pytorch#179561, torch 2.11 on CUDA; fixed by #180575), as when a norm under
+    autocast reads the rounded q/k."""
     y = x.to(dtype)
     return y if y.dtype == x.dtype else _held(y)
 
 
 def _held(x: Tensor) -> Tensor:
     """x; while compiling, a bf16/fp16 x passes :func:`~recurrences.compiling.realize`, whose output is a
-    real buffer in x's dtype, so no fused kernel can skip its rounding (:func:`exact_float`, :func:`rounded`)."""
+    real buffer in x's dtype, so no fused kernel can skip its rounding (:func:`rounded`)."""
     if x.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
         return realize(x)
     return x
@@ -129,18 +130,29 @@ def no_autocast(x: Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-def exact_float(x: Tensor) -> Tensor:
-    """``x.float()``, holding exactly the values of x, compiled too.
-
-    Inductor may drop the rounding of an explicit fp32 -> bf16/fp16 -> fp32 round trip inside one
-    fused kernel (torch 2.11 on CUDA: pytorch/pytorch#179561, fixed by #180575): a copy taken there
-    holds the producer's unrounded fp32 values, not the low-precision tensor the eager code has, and
-    routing on it can choose other slots than the eager layer and the references. So a low-precision
-    x is first held in a real buffer (:func:`_held`)."""
-    return _held(x).float()
-
-
 def routing_keys(k: Tensor) -> Tensor:
     """The fp32 unit keys OVQ and VQ routing read: k ``[B, H, T, D]`` (compute dtype) ->
-    ``F.normalize(k.float())`` ``[B, H, T, D]`` fp32 (:func:`exact_float`), detached."""
-    return F.normalize(exact_float(k.detach()), dim=-1)
+    ``F.normalize(k.float())`` ``[B, H, T, D]`` fp32, detached; compiled too, the bits the eager
+    op routes on (:func:`opaque_routing_keys`)."""
+    return _unit_keys(k.detach())
+
+
+def opaque_routing_keys(op):
+    """A routing-key function (fp32 keys from k, no grad) registered as the custom op ``op`` and its fake.
+
+    Compiled code calls it as one opaque call, so it runs ATen's kernels on a real input buffer as the
+    eager op does: the keys, and so the routes, are the eager ones bit for bit. Inductor would fuse the
+    key math into its own kernels instead, reducing in another order: on the CPU a compiled
+    ``F.normalize`` moved 21% of the unit keys by up to 6e-8 and a compiled ``LN_s`` 34% of KVM's memory
+    keys by up to 2e-6, enough to flip a near-tie route; and it may drop the rounding of bf16 keys
+    fused into the copy (:func:`rounded`), where a custom op's input is a real buffer."""
+    def wrap(fn):
+        custom = torch.library.custom_op(op, mutates_args=())(fn)
+        custom.register_fake(lambda k, *rest: k.new_empty(k.shape, dtype=torch.float32))
+        return custom
+    return wrap
+
+
+@opaque_routing_keys("ovqflex::unit_keys")
+def _unit_keys(k: Tensor) -> Tensor:
+    return F.normalize(k.float(), dim=-1)

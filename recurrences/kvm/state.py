@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..precision import exact_float, no_autocast, widened, work_dtype
+from ..precision import no_autocast, opaque_routing_keys, widened, work_dtype
 from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_sums
 from .budget import KVMSchedule
@@ -29,11 +29,15 @@ def memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, l
 def routing_memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor,
                         ln_eps: float = 1e-5) -> Tensor:
     """The fp32 memory keys KVM routing reads (:mod:`recurrences.precision`): :func:`memory_keys`
-    of ``k.float()`` (:func:`~recurrences.precision.exact_float`) with fp32 ``LN_s`` parameters, autocast
-    off, detached. ``[B, H, T, D]``."""
+    of ``k.float()`` with fp32 ``LN_s`` parameters, autocast off, detached; compiled too, the bits the
+    eager op routes on (:func:`~recurrences.precision.opaque_routing_keys`). ``[B, H, T, D]``."""
+    return _ln_s_keys(k.detach(), rope_dims, ln_weight.detach(), ln_bias.detach(), ln_eps)
+
+
+@opaque_routing_keys("ovqflex::ln_s_keys")
+def _ln_s_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float) -> Tensor:
     with no_autocast(k):
-        return memory_keys(exact_float(k.detach()), rope_dims, ln_weight.detach().float(), ln_bias.detach().float(),
-                           ln_eps)
+        return memory_keys(k.float(), rope_dims, ln_weight.float(), ln_bias.float(), ln_eps)
 
 
 def _weighted(kbar: Tensor, v: Tensor, gate: Tensor, founder: Tensor) -> tuple[Tensor, Tensor]:
