@@ -147,7 +147,11 @@ def opaque_routing_keys(op):
     keys by up to 2e-6, enough to flip a near-tie route; and it may drop the rounding of bf16 keys
     fused into the copy (:func:`rounded`), where a custom op's input is a real buffer."""
     def wrap(fn):
-        custom = torch.library.custom_op(op, mutates_args=())(fn)
+        @functools.wraps(fn)
+        def contiguous(k: Tensor, *rest) -> Tensor:  # the fake's layout, whatever k's strides
+            return fn(k, *rest).contiguous()
+
+        custom = torch.library.custom_op(op, mutates_args=())(contiguous)
         custom.register_fake(lambda k, *rest: k.new_empty(k.shape, dtype=torch.float32))
         return custom
     return wrap

@@ -139,7 +139,7 @@ LAYOUT_ROW_COST = {"cpu": (2, 1), "cuda": (21, 4)}
 #: take for ``auto`` to weigh the layouts by speed: past it the layout with fewer rows is taken, as with
 #: gradients. The program copies those rows once more, so the forward's peak is about three times this.
 #: At 4 GiB every case of the H200 stages run keeps its measured choice (OVQ at 64k, B=1, H=8, bf16: 1.9
-#: GiB of snapshot state, 4% faster than its versioned layout), while a batch of 16 at 64k (32 GiB of
+#: GiB of snapshot state, 4% faster than its versioned layout), while a batch of 16 at 64k (31 GiB of
 #: fp32 snapshot state, out of memory on an 80 GB H100 in ``profiles/decode.toml``'s decode-batched
 #: prefill) is versioned.
 SNAPSHOT_MAX_BYTES = 4 * 2**30

@@ -124,3 +124,11 @@ def test_rounded_chains_pass_a_real_buffer_when_compiled(dtype, barriers):
     assert torch.equal(got, widened_chain(x, dtype))
     assert torch.equal(rounded(x, dtype), x.to(dtype))
     assert widened(x.to(dtype)).dtype == f32 and widened(x.double()).dtype == torch.float64
+
+
+def test_routing_copy_ops_pass_opcheck_on_strided_keys():
+    """The routing-copy custom ops' schemas, fakes and (absent) autograd agree with their kernels
+    (``torch.library.opcheck``), on keys with a layer's ``[B, T, H, D] -> [B, H, T, D]`` strides."""
+    k = torch.randn(2, 64, 3, 8, generator=torch.Generator().manual_seed(0)).transpose(1, 2)
+    torch.library.opcheck(torch.ops.ovqflex.unit_keys.default, (k,))
+    torch.library.opcheck(torch.ops.ovqflex.ln_s_keys.default, (k, 2, *ln_s_params(8), 1e-5))
