@@ -1,5 +1,5 @@
 """Shared test configuration: hypothesis profiles, seeding, dynamo's shape memory cleared per test, failures
-logged as they happen (tests/failure_log.py)."""
+logged as they happen (tests/run_log.py)."""
 import os
 import random
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from torch._dynamo.pgo import reset_code_state  # torch 2.11 and 2.13: what torch._dynamo.reset calls
 
-from tests.failure_log import pytest_runtest_makereport  # noqa: F401 (a hook: OVQFLEX_FAILURE_LOG)
+from tests.run_log import pytest_runtest_makereport  # noqa: F401 (a hook: OVQFLEX_FAILURE_LOG, _DURATION_LOG)
 
 # default: quick runs (README test command, CI); slow: more examples (`HYPOTHESIS_PROFILE=slow pytest -m slow`)
 settings.register_profile(

@@ -6,8 +6,9 @@
 #
 # PARTS: comma-separated, in order (default tier,main):
 #   tier            the cuda tier (python -m pytest -m cuda) on $JOBS processes (pytest-xdist), one line
-#                   per test as it ends (tier.log), each failure's traceback as it happens
-#                   (tier-failures.txt, tests/failure_log.py) and again at the end, JUnit XML (tier.xml)
+#                   per test as it ends (tier.log), each failure's traceback and each test's seconds
+#                   as it ends (tier-failures.txt, tier-durations.txt: tests/run_log.py), tracebacks again
+#                   at the end, JUnit XML (tier.xml)
 #   main            the README's GPU main job: ovqflex train --device cuda + eval at 64..1024 (main.log)
 #   routing|stages|op-ovq|op-kvm|op-vq|dynamic|train
 #                   that part of profiles/gpu.toml (bench.log, OUT/bench/)
@@ -59,14 +60,16 @@ cat "$OUT/env.txt"
 
 tier() {
   # -v prints each test's outcome when it ends: a run killed by its time limit still names its failures
-  rm -f "$OUT/tier-failures.txt"
-  OVQFLEX_FAILURE_LOG=$OUT/tier-failures.txt timeout "$PART_S" python3 -m pytest -m cuda -v -n "$JOBS" --timeout "$TEST_S" -rfE --tb=short --durations=25 \
+  rm -f "$OUT/tier-failures.txt" "$OUT/tier-durations.txt"
+  OVQFLEX_FAILURE_LOG=$OUT/tier-failures.txt OVQFLEX_DURATION_LOG=$OUT/tier-durations.txt \
+    timeout "$PART_S" python3 -m pytest -m cuda -v -n "$JOBS" --timeout "$TEST_S" -rfE --tb=short --durations=25 \
       --junitxml "$OUT/tier.xml" -p no:cacheprovider tests/cuda 2>&1 \
     | grep --line-buffered -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/tier.log"
   local rc=${PIPESTATUS[0]}
   echo "tier: exit $rc after $(since) s; $(grep -c ' PASSED ' "$OUT/tier.log") passed," \
        "$(grep -c ' FAILED ' "$OUT/tier.log") failed, $(grep -c ' SKIPPED ' "$OUT/tier.log") skipped" | tee -a "$OUT/tier.log"
   grep -E '^\[gw[0-9]+\].* (FAILED|ERROR) ' "$OUT/tier.log" | sed 's/^/  /'
+  echo "  slowest:"; sort -rn "$OUT/tier-durations.txt" 2>/dev/null | head -5
 }
 
 main_job() {

@@ -1,4 +1,5 @@
-"""tests/failure_log.py: a failure's traceback is in OVQFLEX_FAILURE_LOG as soon as the test ends."""
+"""tests/run_log.py: a failure's traceback is in OVQFLEX_FAILURE_LOG, and every test's time and outcome in
+OVQFLEX_DURATION_LOG, as soon as the test ends."""
 import os
 import pathlib
 import re
@@ -11,7 +12,11 @@ CASES = '''
 import pytest
 
 def test_passes():
-    assert True
+    import time
+    time.sleep(0.2)
+
+def test_skips():
+    pytest.skip("not here")
 
 def test_fails():
     assert 1 + 1 == 3, "arithmetic is off"
@@ -30,11 +35,12 @@ def test_kills_the_run():
 '''
 
 
-def test_each_failure_is_logged_with_its_traceback_when_it_happens(tmp_path):
-    log = tmp_path / "failures.txt"
+def test_each_failure_and_each_tests_time_are_logged_when_the_test_ends(tmp_path):
+    log, times = tmp_path / "failures.txt", tmp_path / "durations.txt"
     (tmp_path / "test_cases.py").write_text(f"LOG = {str(log)!r}\n" + CASES)
-    env = {**os.environ, "OVQFLEX_FAILURE_LOG": str(log), "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.failure_log", "-p", "no:cacheprovider",
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OVQFLEX_FAILURE_LOG": str(log),
+           "OVQFLEX_DURATION_LOG": str(times)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.run_log", "-p", "no:cacheprovider",
                           str(tmp_path / "test_cases.py")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 3 and "arithmetic is off" not in run.stdout, run.stdout
     text = log.read_text()
@@ -43,3 +49,8 @@ def test_each_failure_is_logged_with_its_traceback_when_it_happens(tmp_path):
     fails, setup = text.split("\n=== ")
     assert "arithmetic is off" in fails and "assert 1 + 1 == 3" in fails
     assert "fixture broke" in setup and "arithmetic" not in setup
+    lines = [line.split(maxsplit=1) for line in times.read_text().splitlines()]
+    assert [rest for _, rest in lines] == [  # the killed test never reached its teardown
+        "passed test_cases.py::test_passes", "skipped test_cases.py::test_skips",
+        "failed in call test_cases.py::test_fails", "failed in setup test_cases.py::test_errors_in_setup"]
+    assert float(lines[0][0]) >= 0.2
