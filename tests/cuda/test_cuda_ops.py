@@ -225,23 +225,24 @@ WHOLE_OPS = ["ovq", "ovq-versioned", "kvm", "vq", "swa"]
 
 def _whole_op(method: str, seed: int, T: int = NO_GRAD_T) -> tuple[dict, Callable]:
     """Inputs ``[1, 2, T, 64]`` on DEVICE (default T: NO_GRAD_T) and ``op(backend, inputs) -> out`` of one
-    whole op with the GPU profile's options (OVQ N = 2048, KVM power law, VQ 256 codes, a window with sinks)."""
+    whole op with the GPU profile's options (OVQ N = 2048, KVM power law, VQ 256 codes, a window with sinks);
+    OVQ's and KVM's ``op`` pass keyword arguments on (``return_state=True``)."""
     g = seeded(seed)
     t = {n: torch.randn(1, 2, T, 64, generator=g).to(DEVICE) for n in "qkv"}
     if method.startswith("ovq"):
         t["beta"] = torch.full((2,), 8.0, device=DEVICE)
         layout = "versioned" if method == "ovq-versioned" else "auto"  # versioned: split scans (2.11 inductor)
 
-        def op(backend, t):
+        def op(backend, t, **kw):
             return ovqflex.ovq_attention(**t, backend=backend, chunk_size=128, max_centroids=2048,
-                                         state_layout=layout)
+                                         state_layout=layout, **kw)
     elif method == "kvm":
         t["q"], t["k"] = F.layer_norm(t["q"], (64,)), F.layer_norm(t["k"], (64,))
         t.update(ln_s_weight=torch.ones(64, device=DEVICE), ln_s_bias=torch.zeros(64, device=DEVICE))
 
-        def op(backend, t):
+        def op(backend, t, **kw):
             return ovqflex.kvm_attention(**t, backend=backend, chunk_size=128, budget="power_law",
-                                         max_state_chunks=None)
+                                         max_state_chunks=None, **kw)
     elif method == "vq":
         t.update(codebook=torch.randn(2, 256, 64, generator=g).to(DEVICE), beta=torch.full((2,), 8.0, device=DEVICE))
 
@@ -258,10 +259,16 @@ def test_whole_op_compiled_under_no_grad(method):
     """``torch.compile(lambda t: op(**t, backend="flex"), fullgraph=True, dynamic=False)`` under
     no_grad at T = 4k (the failing call of the CUDA issue) equals the eager blocked op."""
     t, op = _whole_op(method, 7)
-    compiled = torch.compile(lambda t: op("flex", t), fullgraph=True, dynamic=False)
+    routed = method in ("ovq", "ovq-versioned", "kvm")
+    kw = dict(return_state=True) if routed else {}
+    compiled = torch.compile(lambda t: op("flex", t, **kw), fullgraph=True, dynamic=False)
     with torch.no_grad():
         out = compiled(t)
-        ref = op("blocked", t)
+        ref = op("blocked", t, **kw)
+    if routed:  # the routes first: the compiled op routes on the eager op's keys, bit for bit
+        (out, state), (ref, ref_state) = out, ref
+        same = (state.routes == ref_state.routes).double().mean().item()
+        assert same == 1.0, f"compiled {method} routes {same:.4%} of the tokens as the eager op does"
     assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, f"compiled {method} at T={NO_GRAD_T}")
 
 
