@@ -54,6 +54,27 @@ def _(x):
 realize.register_autograd(lambda ctx, grad: grad)  # identity: a captured bias keeps its gradient
 
 
+def eager_kernels(op: str, dtype: torch.dtype | None = None):
+    """Decorator: ``fn(x, *rest) -> Tensor`` of x's shape (no grad) registered as the custom op ``op``,
+    its result returned contiguous in ``dtype`` (None: x's), with the fake that says so.
+
+    Compiled code calls it as one opaque call that runs ATen's kernels on real input buffers, as eager
+    code does, so the result has the eager bits. Fused by inductor instead, a norm or layer norm
+    reduces in another order (on the CPU a compiled ``F.normalize`` moved 21% of OVQ's unit keys by up
+    to 6e-8, a compiled ``LN_s`` 34% of KVM's memory keys by up to 2e-6), and a fused producer of a bf16
+    x may skip its rounding (pytorch/pytorch#179561): enough to flip a near-tie route. Routing reads
+    such values (keys, dictionary rows), so compiled code routes as the eager op and the loops do."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def contiguous(x: Tensor, *rest) -> Tensor:  # the fake's layout, whatever x's strides
+            return fn(x, *rest).contiguous()
+
+        custom = torch.library.custom_op(op, mutates_args=())(contiguous)
+        custom.register_fake(lambda x, *rest: x.new_empty(x.shape, dtype=dtype or x.dtype))
+        return custom
+    return wrap
+
+
 @functools.lru_cache(maxsize=512)
 def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``torch.tensor(values, dtype, device)`` made once per values, dtype and device, for eager code to

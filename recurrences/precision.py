@@ -16,11 +16,12 @@
 2. **Routing in fp32.** The discrete decisions (OVQ slots, KVM state rows, VQ codes) read fp32
    copies of the compute-dtype keys — OVQ and VQ the unit keys ``F.normalize(k.float())``
    (:func:`routing_keys`), KVM ``LN_s`` of ``k.float()`` with fp32 ``LN_s`` parameters; each copy
-   an opaque custom op (:func:`opaque_routing_keys`), so compiled code routes on the eager bits — with fp32
-   similarities, sums and counts, autocast switched off (:func:`no_autocast`: autocast would run
-   the similarity matmuls in bf16, even inside the routing custom ops). The fused ops, the decode caches and the sequential
-   references (``recurrences/reference``) all follow this, so on the same inputs, in any dtype,
-   the fused op routes like its reference (up to near-ties, a similarity gap below 1e-6).
+   an opaque custom op (:func:`~recurrences.compiling.eager_kernels`), so compiled code routes on the
+   eager bits — with fp32 similarities, sums and counts, autocast switched off (:func:`no_autocast`:
+   autocast would run the similarity matmuls in bf16, even inside the routing custom ops). The fused
+   ops, the decode caches and the sequential references (``recurrences/reference``) all follow this,
+   so on the same inputs, in any dtype, the fused op routes like its reference (up to near-ties, a
+   similarity gap below 1e-6).
    A bf16 run and an fp32 run of the same model route differently: rounding the keys to bf16
    moves them across near-ties. That is a difference of inputs, not of the op.
 
@@ -71,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .compiling import realize
+from .compiling import eager_kernels, realize
 
 
 def compute_dtype(*xs: Tensor | None) -> torch.dtype:
@@ -133,30 +134,10 @@ def no_autocast(x: Tensor):
 def routing_keys(k: Tensor) -> Tensor:
     """The fp32 unit keys OVQ and VQ routing read: k ``[B, H, T, D]`` (compute dtype) ->
     ``F.normalize(k.float())`` ``[B, H, T, D]`` fp32, detached; compiled too, the bits the eager
-    op routes on (:func:`opaque_routing_keys`)."""
+    op routes on (:func:`~recurrences.compiling.eager_kernels`)."""
     return _unit_keys(k.detach())
 
 
-def opaque_routing_keys(op):
-    """A routing-key function (fp32 keys from k, no grad) registered as the custom op ``op`` and its fake.
-
-    Compiled code calls it as one opaque call, so it runs ATen's kernels on a real input buffer as the
-    eager op does: the keys, and so the routes, are the eager ones bit for bit. Inductor would fuse the
-    key math into its own kernels instead, reducing in another order: on the CPU a compiled
-    ``F.normalize`` moved 21% of the unit keys by up to 6e-8 and a compiled ``LN_s`` 34% of KVM's memory
-    keys by up to 2e-6, enough to flip a near-tie route; and it may drop the rounding of bf16 keys
-    fused into the copy (:func:`rounded`), where a custom op's input is a real buffer."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def contiguous(k: Tensor, *rest) -> Tensor:  # the fake's layout, whatever k's strides
-            return fn(k, *rest).contiguous()
-
-        custom = torch.library.custom_op(op, mutates_args=())(contiguous)
-        custom.register_fake(lambda k, *rest: k.new_empty(k.shape, dtype=torch.float32))
-        return custom
-    return wrap
-
-
-@opaque_routing_keys("ovqflex::unit_keys")
+@eager_kernels("ovqflex::unit_keys", torch.float32)
 def _unit_keys(k: Tensor) -> Tensor:
     return F.normalize(k.float(), dim=-1)

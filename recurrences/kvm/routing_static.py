@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, replay_or_run,
-                         stable_rank, static_router, static_rows, tokens_from_chunks)
+from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, eager_kernels,
+                         replay_or_run, stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import found_first_chunk, merge_keys
 
@@ -241,16 +241,11 @@ def _(state, rows, ok, founder_rows, merged, target, ln_weight, ln_bias, ln_eps)
     return None
 
 
-@torch.library.custom_op("ovqflex::kvm_ln_rows", mutates_args=())
+@eager_kernels("ovqflex::kvm_ln_rows")
 def _ln_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     """``F.layer_norm(x, (D,), weight, bias, eps)`` by the eager kernel: inductor's own mean and
     variance round differently, and routing must read the loop's ``LN_s`` rows bit for bit."""
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-
-@_ln_rows.register_fake
-def _(x, weight, bias, eps):
-    return torch.empty_like(x)
 
 
 # compiled once per input shape and (sink_len, ln_eps): one graph serves every overflow chunk

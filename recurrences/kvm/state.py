@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..precision import no_autocast, opaque_routing_keys, widened, work_dtype
+from ..compiling import eager_kernels
+from ..precision import no_autocast, widened, work_dtype
 from ..segments import Snapshots, segment_snapshot_sums
 from ..versioned import Versioned, VersionPlan, versioned_sums
 from .budget import KVMSchedule
@@ -30,11 +31,11 @@ def routing_memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: T
                         ln_eps: float = 1e-5) -> Tensor:
     """The fp32 memory keys KVM routing reads (:mod:`recurrences.precision`): :func:`memory_keys`
     of ``k.float()`` with fp32 ``LN_s`` parameters, autocast off, detached; compiled too, the bits the
-    eager op routes on (:func:`~recurrences.precision.opaque_routing_keys`). ``[B, H, T, D]``."""
+    eager op routes on (:func:`~recurrences.compiling.eager_kernels`). ``[B, H, T, D]``."""
     return _ln_s_keys(k.detach(), rope_dims, ln_weight.detach(), ln_bias.detach(), ln_eps)
 
 
-@opaque_routing_keys("ovqflex::ln_s_keys")
+@eager_kernels("ovqflex::ln_s_keys", torch.float32)
 def _ln_s_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float) -> Tensor:
     with no_autocast(k):
         return memory_keys(k.float(), rope_dims, ln_weight.float(), ln_bias.float(), ln_eps)

@@ -51,8 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, replay_or_run,
-                         stable_rank, static_router, static_rows, tokens_from_chunks)
+from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, eager_kernels,
+                         replay_or_run, stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import add_to_rows, ovq_absorb, ovq_route_chunk, seeding_draw
 
@@ -251,16 +251,11 @@ def dictionary_means(sums: Tensor, counts: Tensor, normalize_centroids: bool) ->
     return _unit_rows(d) if normalize_centroids else d
 
 
-@torch.library.custom_op("ovqflex::ovq_unit_rows", mutates_args=())
+@eager_kernels("ovqflex::ovq_unit_rows")
 def _unit_rows(d: Tensor) -> Tensor:
     """``F.normalize(d, dim=-1)`` by the eager kernel: inductor's own sum of squares rounds
     differently, and routing must read the loop's normalised means bit for bit."""
     return F.normalize(d, dim=-1)
-
-
-@_unit_rows.register_fake
-def _(d):
-    return torch.empty_like(d)
 
 
 # compiled once per input shape, seeding (u or None) and normalize_centroids: one graph serves every chunk

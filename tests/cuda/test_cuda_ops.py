@@ -352,7 +352,7 @@ def test_long_scan_with_broadcast_input_compiles():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_compiled_routing_copies_are_the_eager_bits(dtype):
     """Compiled on the device, the routing copies (opaque custom ops:
-    ``recurrences.precision.opaque_routing_keys``) hold the eager copies' bits: a compiled op routes as
+    ``recurrences.compiling.eager_kernels``) hold the eager copies' bits: a compiled op routes as
     the eager op does. Inductor's fused copies once differed by fp32 reduction order (up to 2e-6 for
     KVM's ``LN_s`` keys, enough to flip a near-tie route) and, in torch 2.11 on CUDA, dropped an fp32 ->
     bf16 -> fp32 round trip (pytorch/pytorch#179561: ~1e-3)."""

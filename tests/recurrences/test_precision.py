@@ -82,7 +82,7 @@ def ln_s_params(D: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [bf16, torch.float16, f32], ids=["bf16", "fp16", "fp32"])
 def test_compiled_routing_copies_are_the_eager_bits(dtype):
     """Compiled, each routing copy is one opaque call (``ovqflex::unit_keys``, ``ovqflex::ln_s_keys``:
-    :func:`~recurrences.precision.opaque_routing_keys`) and holds the eager copy's bits, so a compiled op
+    :func:`~recurrences.compiling.eager_kernels`) and holds the eager copy's bits, so a compiled op
     routes as the eager op does. Inductor's own fused ``F.normalize`` and ``LN_s`` of fp32 keys differed
     from ATen's in about a fifth and a third of the entries (by up to 6e-8 and 2e-6)."""
     graphs = []
