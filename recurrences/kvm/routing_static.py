@@ -20,7 +20,8 @@ and the op's default ``routing="auto"`` use on CUDA, one cached router per input
 
 What a step moves is kept to the chunk's rows, since on a GPU a step's time is its passes over the
 state: the router keeps ``LN_s`` of the state's rows in a second buffer, which the absorb refreshes
-on the rows it wrote, instead of normalizing all ``R`` every step; and the writes are one opaque op
+on the rows it wrote, instead of normalizing all ``R`` every step; it normalizes every chunk's keys
+before the steps, in one launch where each step launched its own; and the writes are one opaque op
 (:func:`kvm_absorb_static`) that mutates the buffers in place, where compiled code would copy the
 whole state in and out around a functional scatter.
 
@@ -142,29 +143,33 @@ class StaticKVMRouter:
         # every chunk's row of self.routes / self.founder is written: chunk 0 here, the others by the steps
         found_first_chunk(self.state, self.routes[0], self.founder[0], self.kf[0], self.chunk_size)
         self.rows.copy_(_ln_rows(self.state, self.ln[0], self.ln[1], self.ln_eps))
-        route_overflow_static(self.routes, self.founder, self.kf, self.gf, self.state, self.rows, self.bounds, self.ln,
-                              step=self.step)
+        # LN_s of every chunk's keys in one launch, where each step would launch its own (rows are independent)
+        key_rows = _ln_rows(self.kf, self.ln[0], self.ln[1], self.ln_eps)
+        route_overflow_static(self.routes, self.founder, self.kf, key_rows, self.gf, self.state, self.rows, self.bounds,
+                              self.ln, step=self.step)
 
 
-def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, gf: Tensor, state: Tensor, rows: Tensor,
-                          bounds: Tensor, ln: Tensor, *, step) -> None:
+def route_overflow_static(routes: Tensor, founder: Tensor, kf: Tensor, key_rows: Tensor, gf: Tensor, state: Tensor,
+                          rows: Tensor, bounds: Tensor, ln: Tensor, *, step) -> None:
     """Routes and absorbs the overflow chunks ``u = 1..len(bounds)`` in place.
 
     routes ``[n, B, H, C]`` int64 and founder ``[n, B, H, C]`` bool (chunk ``u``'s row written), kf
-    ``[n, B, H, C, D]`` fp32 memory keys and gf ``[n, B, H, C]`` fp32 gates (chunk-major: every chunk
-    the same strides), state ``[B, H, R+1, D]`` fp32 (updated; chunk 0 already founded), bounds
-    ``[n_overflow, 2]`` int64 ``(m, m + n_app)`` of chunk ``u`` at row ``u - 1`` on kf's device, ln
-    ``[2, D]`` fp32 ``LN_s`` weight and bias; ``step(ok, og, state, bounds_u, ln_weight, ln_bias,
+    ``[n, B, H, C, D]`` fp32 memory keys, key_rows ``[n, B, H, C, D]`` fp32 ``LN_s`` of them, and gf ``[n, B,
+    H, C]`` fp32 gates (chunk-major: every chunk the same strides), state ``[B, H, R+1, D]`` fp32 (updated;
+    chunk 0 already founded) and rows ``[B, H, R+1, D]`` its ``LN_s`` (kept), bounds ``[n_overflow, 2]``
+    int64 ``(m, m + n_app)`` of chunk ``u`` at row ``u - 1`` on kf's device, ln ``[2, D]`` fp32 ``LN_s``
+    weight and bias; ``step(ok, og, state, bounds_u, ln_weight, ln_bias, rows=, key_rows=,
     out=)``: :func:`kvm_static_step` (or ``compiled_static_step``) with ``sink_len, ln_eps`` bound,
     writing chunk ``u``'s routes and founder flags into ``routes[u]``, ``founder[u]`` itself (no copies
     launched per chunk). Every launch reads and writes fixed buffers at fixed offsets, with no host sync.
     """
     for u in range(1, bounds.shape[0] + 1):
-        step(kf[u], gf[u], state, bounds[u - 1], ln[0], ln[1], rows=rows, out=(routes[u], founder[u]))
+        step(kf[u], gf[u], state, bounds[u - 1], ln[0], ln[1], rows=rows, key_rows=key_rows[u],
+             out=(routes[u], founder[u]))
 
 
 def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
-                    sink_len: int, ln_eps: float, rows: Tensor | None = None,
+                    sink_len: int, ln_eps: float, rows: Tensor | None = None, key_rows: Tensor | None = None,
                     out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """One overflow chunk against a state of ``m = bounds[0]`` live rows: ``target [B, H, C]`` int64 and
     ``appended [B, H, C]`` bool (what :func:`~recurrences.kvm.routing.kvm_route_chunk` returns), then absorbed.
@@ -173,7 +178,8 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     (rows ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`kvm_absorb_static`);
     bounds ``[2]`` int64 ``(m, m + n_app)``; ``ln_weight, ln_bias [D]`` fp32 of ``LN_s``; rows
     ``[B, H, R+1, D]`` fp32: ``LN_s`` of every state row, kept by the caller across steps (updated here:
-    the rows this chunk wrote are normalized again), or None: normalized here from the state. The
+    the rows this chunk wrote are normalized again), or None: normalized here from the state; key_rows
+    ``[B, H, C, D]`` fp32: ``LN_s(ok)`` (the router's, one launch for every chunk), or None: normalized here. The
     ``n_app`` tokens first in the stable order of their best score over the live rows found rows ``m,
     m+1, …`` in temporal order; the others join their argmax row ``>= sink_len`` over the ``m + n_app``
     rows (first index on ties).
@@ -195,7 +201,9 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     score = sim.masked_fill(col >= m, float("-inf")).amax(-1)                                # [B, H, C]
     appended = stable_rank(score) < n_rows - m
     slot = torch.where(appended, m + appended.cumsum(-1) - 1, R)  # founders' new rows; the others the spare
-    own = ok @ _ln_rows(ok, ln_weight, ln_bias, ln_eps).transpose(-1, -2)                    # [B, H, C, C]
+    if key_rows is None:
+        key_rows = _ln_rows(ok, ln_weight, ln_bias, ln_eps)                                  # [B, H, C, D]
+    own = ok @ key_rows.transpose(-1, -2)                                                    # [B, H, C, C]
     gate = og[..., None]
     on_state = (gate * sim).masked_fill((col < sink_len) | (col >= m), float("-inf")).max(-1)
     on_own = (gate * own).masked_fill((~appended | (slot < sink_len))[..., None, :], float("-inf")).max(-1)

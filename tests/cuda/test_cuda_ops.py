@@ -12,6 +12,7 @@ from recurrences.reference import (delta_rule_reference, kvm_attention_reference
                                    ovq_attention_reference, vla_reference, vq_attention_reference)
 from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, GRAD_TOL_CUDA, TRAIN_BACKEND, seeded
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.recurrences.test_kvm_routing_static import row_kernels_on_stacks
 from tests.recurrences.test_precision import ln_s_params, routing_copies
 from tests.recurrences.test_versioned import bf16_state_sums_round_about_once
 
@@ -362,3 +363,10 @@ def test_compiled_routing_copies_are_the_eager_bits(dtype):
     got = torch.compile(routing_copies, fullgraph=True)(*args)
     for g, want in zip(got, routing_copies(*args)):
         assert torch.equal(g, want)
+
+
+def test_a_stack_of_rows_normalizes_as_each_chunk_alone_on_the_device():
+    """On the device, the eager row kernels the static routers run on a stack of chunks (every chunk's
+    ``LN_s`` keys in one launch; the state's rows) give each chunk's own bits
+    (``tests/recurrences/test_kvm_routing_static.py::row_kernels_on_stacks``)."""
+    assert row_kernels_on_stacks(DEVICE) == []

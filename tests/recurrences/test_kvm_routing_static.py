@@ -83,6 +83,30 @@ def test_static_routes_equal_the_loop_on_exact_ties(seed, B, H, n_chunks, C, D, 
     _check_equal(seed, B, H, n_chunks, C, D, Nb, budget, sink_len, gated, n_distinct, dtype)
 
 
+def row_kernels_on_stacks(device="cpu") -> list[str]:
+    """The eager row kernels routing reads (KVM's ``LN_s``, OVQ's unit means) applied to a stack of
+    chunks ``[n, B, H, C, D]`` and to each chunk alone: the names of those whose stacked result is not
+    each chunk's own, bit for bit (the static routers normalize all chunks' keys, or all state rows, in
+    one launch and rely on a row's result not depending on the others)."""
+    from recurrences.kvm.routing_static import _ln_rows
+    from recurrences.ovq.routing_static import _unit_rows
+
+    g = torch.Generator().manual_seed(11)
+    differ = []
+    for D in (64, 20):  # a vectorized width and one that is not
+        x = (3 * torch.randn(9, 1, 4, 128, D, generator=g) + 0.5).to(device)
+        w, b = (1 + 0.2 * torch.randn(D, generator=g)).to(device), (0.2 * torch.randn(D, generator=g)).to(device)
+        for name, fn in (("ln_rows", lambda t: _ln_rows(t, w, b, 1e-5)), ("unit_rows", _unit_rows)):
+            stacked = fn(x)
+            if not all(torch.equal(stacked[u], fn(x[u])) for u in range(x.shape[0])):
+                differ.append(f"{name}, D={D}")
+    return differ
+
+
+def test_a_stack_of_rows_normalizes_as_each_chunk_alone():
+    assert row_kernels_on_stacks() == []
+
+
 def test_the_steps_products_round_as_the_loops_from_16_rows():
     """What the exact-ties equality rests on, on this machine's CPU: the static step's logits come
     from a ``[C, R]`` product against the padded state and, for the founders' rows, a ``[C, C]``
