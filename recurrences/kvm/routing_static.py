@@ -58,6 +58,16 @@ from ..precision import no_autocast
 from .routing import found_first_chunk, merge_keys
 
 
+#: Whether a compiled static step writes its absorb as traced code that inductor fuses into the step's
+#: kernels (:func:`kvm_absorb_fused`), per device type; otherwise (and always eager) it calls the opaque
+#: :func:`kvm_absorb_static`, the loop's own kernels. As for OVQ (recurrences/ovq/routing_static.py): on
+#: CUDA the loop's merge add is an unordered atomic sum already, so fusing costs no exactness, and two of
+#: the opaque op's five eager launches a step (in a run bound by launches) join the step's fused kernels;
+#: on the CPU the eager kernels add a row's tokens in token order, the loop's bits, where inductor's
+#: fused adds may split a head's tokens over threads.
+FUSED_ABSORB = {"cpu": False, "cuda": True}
+
+
 def route_kvm_static(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, chunk_size: int,
                      n_bswa_chunks: int, sizes: list[int], sink_len: int, ln_eps: float = 1e-5,
                      compile: bool = True, cuda_graph: bool | None = None) -> tuple[Tensor, Tensor]:
@@ -213,8 +223,9 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     target = torch.where(appended, slot, joined)
     # the absorb writes every key to its slot (a founder's new row, the others' the spare R) and adds the
     # merge's summands, computed here where they fuse into the step's kernels
-    kvm_absorb_static(state, rows if kept else None, ok, slot, merge_keys(ok, og, appended), target, ln_weight, ln_bias,
-                      ln_eps)
+    fused = torch.compiler.is_compiling() and FUSED_ABSORB.get(ok.device.type, False)
+    (kvm_absorb_fused if fused else kvm_absorb_static)(state, rows if kept else None, ok, slot,
+                                                       merge_keys(ok, og, appended), target, ln_weight, ln_bias, ln_eps)
     if out is not None:
         out[0].copy_(target)
         out[1].copy_(appended)
@@ -247,6 +258,24 @@ def kvm_absorb_static(state: Tensor, rows: Tensor | None, ok: Tensor, founder_ro
 @kvm_absorb_static.register_fake
 def _(state, rows, ok, founder_rows, merged, target, ln_weight, ln_bias, ln_eps):
     return None
+
+
+def kvm_absorb_fused(state: Tensor, rows: Tensor | None, ok: Tensor, founder_rows: Tensor, merged: Tensor,
+                     target: Tensor, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float) -> None:
+    """:func:`kvm_absorb_static`'s writes (same arguments) as traced code, for a compiled step on a device
+    of :data:`FUSED_ABSORB`: ``index_put_`` on each token's ``(b, h, row)``, which inductor writes into
+    the buffers in place and fuses with the step's kernels that compute the rows and summands, where the
+    opaque op launches five eager kernels. The founders' keys are written as the opaque op writes them
+    (the spare row, written by every other token, is never read); the merge's adds are atomic, in no
+    fixed order, as the loop's ``scatter_add_`` is on CUDA. ``LN_s`` of the rows written is still the
+    eager kernel (:func:`_ln_rows`: routing reads the loop's bits), on their gathered sums."""
+    B, H = target.shape[:2]
+    b = torch.arange(B, device=target.device)[:, None, None]
+    h = torch.arange(H, device=target.device)[None, :, None]
+    state.index_put_((b, h, founder_rows), ok)
+    state.index_put_((b, h, target), merged, accumulate=True)
+    if rows is not None:
+        rows.index_put_((b, h, target), _ln_rows(state[b, h, target], ln_weight, ln_bias, ln_eps))
 
 
 @eager_kernels("ovqflex::kvm_ln_rows")

@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 from recurrences.kvm import KVMBudget, KVMSchedule, kvm_absorb, kvm_state_sizes, route_kvm
 from recurrences.kvm.routing_static import StaticKVMRouter, route_kvm_static
-from tests.helpers import count_router_builds
+from tests.helpers import count_router_builds, rel_err
 
 BUDGETS = {  # power-law growth (uncapped, or capped at a few chunks), saturation, the fixed default (one chunk)
     "fixed": KVMBudget(),
@@ -147,6 +147,36 @@ def test_compiled_step_compiles_once_and_keeps_the_loop_state_bit_for_bit(sink_l
     assert torch.equal(router.state[:, :, :-1], _absorbed(router, gate, routes, founder, sizes, C, Nb))
     # LN_s of the rows, kept by the steps and refreshed on the rows each one wrote, is every row's afresh
     assert torch.equal(router.rows[:, :, :-1], F.layer_norm(router.state[:, :, :-1], (D,), w, b))
+
+
+@pytest.mark.parametrize("B, H, sink_len", [(1, 1, 0), (2, 3, 1)], ids=["one-head", "six-heads-sink"])
+def test_the_fused_absorb_keeps_the_loops_routes_and_its_state_to_rounding(monkeypatch, B, H, sink_len):
+    """The compiled step with the absorb traced and fused (``FUSED_ABSORB``, what CUDA compiles; on the
+    CPU here): the loop's routes and founders, its state to fp32 rounding (the fused merge adds are
+    atomic, in no fixed order), and the kept ``LN_s`` rows every row's afresh from the state the steps
+    built, bit for bit; the opaque op is not called. One graph for every overflow chunk."""
+    from recurrences.kvm import routing_static
+
+    monkeypatch.setitem(routing_static.FUSED_ABSORB, "cpu", True)
+    opaque, absorb = [], routing_static.kvm_absorb_static  # calls of the opaque op, traced or eager
+    monkeypatch.setattr(routing_static, "kvm_absorb_static", lambda *args: (opaque.append(1), absorb(*args)))
+    D, C, Nb = 16, 16, 2
+    T = 17 * C + 5
+    kbar, gate, w, b = _inputs(4, B, H, T, D, 0, True, torch.float32)
+    kbar[:, :, 100:140] = kbar[:, :, 20:60]  # duplicated keys: tied scores and tied rows
+    budget = BUDGETS["power_law"]
+    sizes = kvm_state_sizes(T, C, Nb, budget)
+    router = StaticKVMRouter(tuple(kbar.shape), chunk_size=C, n_bswa_chunks=Nb, sizes=sizes, sink_len=sink_len)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        routes, founder = router(kbar, gate, w, b)
+    assert counters["stats"]["unique_graphs"] == 1 and opaque == []
+    loop = route_kvm(kbar, gate, w, b, schedule=KVMSchedule(C, Nb, budget), sink_len=sink_len, impl="loop")
+    assert torch.equal(routes, loop[0]) and torch.equal(founder, loop[1])
+    state = router.state[:, :, :-1]
+    assert rel_err(state, _absorbed(router, gate, routes, founder, sizes, C, Nb)) < 1e-6
+    assert torch.equal(router.rows[:, :, :-1], F.layer_norm(state, (D,), w, b))
 
 
 @pytest.mark.parametrize("sink_len", [0, 1])
