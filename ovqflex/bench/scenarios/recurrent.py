@@ -214,17 +214,26 @@ def routing(sc: RoutingScenario, device: str) -> list[dict]:
     return rows
 
 
-def _static_routers(make, dev: torch.device) -> dict:
-    """``make(cuda_graph=...)``, a static router: compiled, and on CUDA also captured in a CUDA graph."""
+def _static_routers(make, dev: torch.device, module) -> dict:
+    """``make(cuda_graph=...)``, a static router: compiled, and on CUDA also captured in a CUDA graph; where
+    the device's compiled step fuses its absorb (``module.FUSED_ABSORB``: the method's routing_static
+    module), that graph again with the opaque absorb (the choice's baseline, in the same process; the
+    step compiles once more for it: dynamo guards on the flag)."""
     routers = {"static compiled": make(cuda_graph=False)}
     if dev.type == "cuda":
         routers["static cuda graph"] = make(cuda_graph=True)
+        if module.FUSED_ABSORB.get(dev.type, False):
+            module.FUSED_ABSORB[dev.type] = False
+            try:  # a graph router compiles and captures its step when it is made
+                routers["static cuda graph, opaque absorb"] = make(cuda_graph=True)
+            finally:
+                module.FUSED_ABSORB[dev.type] = True
     return routers
 
 
 def _ovq_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.device) -> dict:
     """OVQ routing cases: name -> a call returning ``(routes,)``, of unit keys ``[B, H, T, D]``."""
-    from recurrences.ovq import DictionarySchedule, route_ovq
+    from recurrences.ovq import DictionarySchedule, route_ovq, routing_static
     from recurrences.ovq.routing_static import StaticOVQRouter
 
     L = sc.chunk_size
@@ -232,7 +241,7 @@ def _ovq_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.de
     schedule = DictionarySchedule(L, sc.max_centroids)
     routers = _static_routers(lambda cuda_graph: StaticOVQRouter(tuple(k.shape), chunk_size=L,
                                                                  sizes=schedule.sizes(-(-T // L)), device=dev,
-                                                                 cuda_graph=cuda_graph), dev)
+                                                                 cuda_graph=cuda_graph), dev, routing_static)
     return {"loop": lambda: (route_ovq(k, schedule=schedule, impl="loop"),),
             **{name: lambda r=r: (r(k),) for name, r in routers.items()}}
 
@@ -240,7 +249,7 @@ def _ovq_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.de
 def _kvm_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.device) -> dict:
     """KVM routing cases: name -> a call returning ``(routes, founder)``, of memory keys ``LN(x)``
     ``[B, H, T, D]``, gates ``1 + elu(x)`` and ``LN_s`` at its initialisation (weight 1, bias 0)."""
-    from recurrences.kvm import route_kvm
+    from recurrences.kvm import route_kvm, routing_static
     from recurrences.kvm.routing_static import StaticKVMRouter
 
     from ...ops.kvm import KVMOptions
@@ -253,6 +262,6 @@ def _kvm_routings(sc: RoutingScenario, T: int, g: torch.Generator, dev: torch.de
     kw = dict(sink_len=o.sink_len, ln_eps=o.ln_eps)
     routers = _static_routers(lambda cuda_graph: StaticKVMRouter(
         tuple(kbar.shape), chunk_size=o.chunk_size, n_bswa_chunks=o.n_bswa_chunks, sizes=o.state_sizes(T), **kw,
-        device=dev, cuda_graph=cuda_graph), dev)
+        device=dev, cuda_graph=cuda_graph), dev, routing_static)
     return {"loop": lambda: route_kvm(kbar, gate, *ln, schedule=o.schedule, impl="loop", **kw),
             **{name: lambda r=r: r(kbar, gate, *ln) for name, r in routers.items()}}

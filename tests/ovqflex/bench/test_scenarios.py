@@ -257,6 +257,27 @@ def test_routing_times_the_kvm_loop_and_static_router_and_compares_the_routes():
     assert all(r["time_s"] > 0 and r["same_routes"] is True for r in rows)
 
 
+@pytest.mark.parametrize("method", ["ovq", "kvm"])
+def test_routing_on_cuda_adds_the_graph_with_the_opaque_absorb_as_a_baseline(monkeypatch, method):
+    """On CUDA, where a compiled step fuses its absorb (``FUSED_ABSORB``), the routing bench also makes
+    a CUDA-graph router with the opaque absorb, the flag off while it is made (its step compiles and
+    is captured then) and restored after. The routers are stand-ins here (no GPU)."""
+    import importlib
+
+    from ovqflex.bench.scenarios.recurrent import _static_routers
+
+    module = importlib.import_module(f"recurrences.{method}.routing_static")
+    monkeypatch.setitem(module.FUSED_ABSORB, "cuda", True)
+    made = []
+    routers = _static_routers(lambda cuda_graph: made.append((cuda_graph, module.FUSED_ABSORB["cuda"])) or len(made),
+                              torch.device("cuda"), module)
+    assert routers == {"static compiled": 1, "static cuda graph": 2, "static cuda graph, opaque absorb": 3}
+    assert made == [(False, True), (True, True), (True, False)] and module.FUSED_ABSORB["cuda"] is True
+    monkeypatch.setitem(module.FUSED_ABSORB, "cuda", False)  # nothing fused: no second graph
+    assert list(_static_routers(lambda cuda_graph: 0, torch.device("cuda"), module)) == ["static compiled",
+                                                                                        "static cuda graph"]
+
+
 def test_recurrent_times_the_other_chunk_form_against_the_default():
     """On a CPU the default runs the chunks in a loop; ``other_chunk_form`` adds the blocked scan, whose
     ``x_vs_reference`` is its speed-up over the default; ``ovq = false`` leaves the OVQ baseline out."""
