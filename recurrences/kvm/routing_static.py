@@ -61,8 +61,9 @@ from .routing import found_first_chunk, merge_keys
 #: Whether a compiled static step writes its absorb as traced code that inductor fuses into the step's
 #: kernels (:func:`kvm_absorb_fused`), per device type; otherwise (and always eager) it calls the opaque
 #: :func:`kvm_absorb_static`, the loop's own kernels. As for OVQ (recurrences/ovq/routing_static.py): on
-#: CUDA the loop's merge add is an unordered atomic sum already, so fusing costs no exactness, and two of
-#: the opaque op's five eager launches a step (in a run bound by launches) join the step's fused kernels;
+#: CUDA the loop's merge add is an unordered atomic sum already, so fusing costs no exactness, and the
+#: opaque op's eager launches a step (five, in a run bound by launches) become fewer: in inductor's CPU
+#: code the scatter, the scatter-add and the gather join the step's kernels (CUDA's count not yet measured);
 #: on the CPU the eager kernels add a row's tokens in token order, the loop's bits, where inductor's
 #: fused adds may split a head's tokens over threads.
 FUSED_ABSORB = {"cpu": False, "cuda": True}
@@ -185,7 +186,8 @@ def kvm_static_step(ok: Tensor, og: Tensor, state: Tensor, bounds: Tensor, ln_we
     ``appended [B, H, C]`` bool (what :func:`~recurrences.kvm.routing.kvm_route_chunk` returns), then absorbed.
 
     ok ``[B, H, C, D]`` fp32 memory keys, og ``[B, H, C]`` fp32 gates; state ``[B, H, R+1, D]`` fp32
-    (rows ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`kvm_absorb_static`);
+    (rows ``0..R-1`` read, row ``R`` the spare, never read; updated in place by :func:`kvm_absorb_static`,
+    or compiled for a device of :data:`FUSED_ABSORB` by :func:`kvm_absorb_fused`);
     bounds ``[2]`` int64 ``(m, m + n_app)``; ``ln_weight, ln_bias [D]`` fp32 of ``LN_s``; rows
     ``[B, H, R+1, D]`` fp32: ``LN_s`` of every state row, kept by the caller across steps (updated here:
     the rows this chunk wrote are normalized again), or None: normalized here from the state; key_rows
