@@ -25,7 +25,11 @@ Scales (``ovqflex experiment NAME --scale S``):
   with the q/k convolution of width 4 the ``tiny`` preset also uses, trained at 2,048
   tokens (5,000 steps × 16 sequences = 164M tokens per run) and evaluated at 2k ... 32k
   (16×). Not measured here (no GPU); at an assumed 300k tokens/s a run takes ~10 min,
-  all 10 runs and their evaluations ~2-3 h on one H100.
+  all 10 runs and their evaluations ~2-3 h on one H100. Whether it learns in 5,000 steps is
+  not known either: its task with the ``tiny`` sw-ovq at 512 tokens on the CPU (batch 16, lr
+  5e-3, a 1,000-step schedule, 2026-11-28) stayed on the no-recall plateau (loss ln 1,024,
+  accuracy 0) to step 450, and to step 850 with the pair counts of the training mix drawn
+  log-uniformly instead (a trial, not an option), so a first GPU slice should be one model and seed.
 - ``smoke`` -- 20 steps of 8 × 64 tokens, evaluated at 64 and 128 on 8 examples: checks
   the whole pipeline in a few minutes (it learns nothing).
 
