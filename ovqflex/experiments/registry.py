@@ -26,10 +26,11 @@ Scales (``ovqflex experiment NAME --scale S``):
   tokens (5,000 steps × 16 sequences = 164M tokens per run) and evaluated at 2k ... 32k
   (16×). Not measured here (no GPU); at an assumed 300k tokens/s a run takes ~10 min,
   all 10 runs and their evaluations ~2-3 h on one H100. Whether it learns in 5,000 steps is
-  not known either: its task with the ``tiny`` sw-ovq at 512 tokens on the CPU (batch 16, lr
-  5e-3, a 1,000-step schedule, 2026-11-28) stayed on the no-recall plateau (loss ln 1,024,
-  accuracy 0) to step 450, and to step 850 with the pair counts of the training mix drawn
-  log-uniformly instead (a trial, not an option), so a first GPU slice should be one model and seed.
+  not known either: the plateau of this task grows with the length. The ``tiny`` sw-ovq on the
+  CPU (2026-11-28, lr 5e-3, a 1,000-step schedule) learned it at 128 tokens in 300-400 steps
+  (below) but stayed on the no-recall plateau (loss ln 252) at 512 tokens with batch 16 to step
+  550, and to step 450 with the training mix's pair counts drawn log-uniformly instead of
+  uniformly (a trial, not an option); so a first GPU slice should be one model and seed.
 - ``smoke`` -- 20 steps of 8 × 64 tokens, evaluated at 64 and 128 on 8 examples: checks
   the whole pipeline in a few minutes (it learns nothing).
 
@@ -47,8 +48,13 @@ sw-ovq seed 0 (``ovqflex train --task-opt key_len=2 --model-opt ovq.max_centroid
 0.72; N = 256: 0.95 / 1.00 / 0.57, 0.95 / 1.00 / 0.89, 0.95 / 1.00 / 1.00. The main job (the
 ``tiny`` preset's task) keeps 1-token keys and N = 2,048; the table with that task for all five
 models is in the README's history (commit d62a22a: every model but sw-linear >= 0.92 at 16x, the
-sweep changed nothing). At the ``gpu`` scale keys and values are 2 tokens of a 1,024 vocabulary
-(5,455 pairs at 32k), also with ``min_pairs=1``.
+sweep changed nothing). At the ``gpu`` scale keys and values are 2 tokens of the same 256-token
+vocabulary (63,504 distinct keys and values for the 5,455 pairs of 32k), also with ``min_pairs=1``.
+It had a 1,024-token vocabulary, which a ``tiny`` sw-ovq did not learn to recall: on the CPU
+(``ovqflex train --seq-len 128 --batch-size 32 --steps 600 --task-opt key_len=2 --task-opt value_len=2
+--task-opt min_pairs=1 --task-opt vocab_size=V``, 2026-11-28), V = 1,024 stayed on the no-recall
+plateau (loss 6.90, accuracy 0.003 at step 600) where V = 256 reached accuracy 0.70 at step 300 and
+1.00 at 600 (1-token values: 0.91 at 400 with V = 256, 0.00 at 600 with V = 1,024).
 
 ``icl`` at the ``cpu`` scale: 2-token inputs (the smallest ``io_len`` with a permutation to
 infer), 4 functions out of 16 id tokens, ``a, b <= 3`` and ``x <= 16`` (outputs <= 51) in a
@@ -120,7 +126,7 @@ register_experiment(Experiment(
                             "a quiet 2-core CPU with --jobs 2 (10-23k tokens/s per run, one thread each)"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
-                     task_options=dict(vocab_size=1024, key_len=2, value_len=2, n_queries=6, min_pairs=1),
+                     task_options=dict(vocab_size=256, key_len=2, value_len=2, n_queries=6, min_pairs=1),
                      model_options=_GPU_MODEL, lr=1e-3, warmup=200, ckpt_every=500, eval_examples=64,
                      eval_batch_size=4,
                      budget="164M training tokens per run; not measured (no GPU here): ~10 min per run at an "
