@@ -28,9 +28,10 @@ Scales (``ovqflex experiment NAME --scale S``):
   all 10 runs and their evaluations ~2-3 h on one H100. Whether it learns in 5,000 steps is
   not known either: the plateau of this task grows with the length. The ``tiny`` sw-ovq on the
   CPU (2026-11-28, lr 5e-3, a 1,000-step schedule) learned it at 128 tokens in 300-400 steps
-  (below) but stayed on the no-recall plateau (loss ln 252) at 512 tokens with batch 16 to step
-  550, and to step 450 with the training mix's pair counts drawn log-uniformly instead of
-  uniformly (a trial, not an option); so a first GPU slice should be one model and seed.
+  (below) but stayed on the no-recall plateau (loss ln 252) at 512 tokens to step 550 with batch
+  16 and with batch 32 alike, and to step 450 with the training mix's pair counts drawn
+  log-uniformly instead of uniformly (a trial, not an option); so a first GPU slice should be one
+  model and seed.
 - ``smoke`` -- 20 steps of 8 × 64 tokens, evaluated at 64 and 128 on 8 examples: checks
   the whole pipeline in a few minutes (it learns nothing).
 
