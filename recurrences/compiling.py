@@ -329,6 +329,14 @@ def graphed(step: Callable[..., Tensor], device: torch.device) -> Callable[..., 
     return run
 
 
+def row_index(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(b, h, rows)``: the index of each token's row ``rows [B, H, L]`` in a ``[B, H, R, ...]`` buffer, for
+    ``index_put_`` and indexing (what a static step's fused absorb writes through)."""
+    B, H = rows.shape[:2]
+    return (torch.arange(B, device=rows.device)[:, None, None], torch.arange(H, device=rows.device)[None, :, None],
+            rows)
+
+
 def stable_rank(key: Tensor) -> Tensor:
     """Rank ``[..., L]`` int64 of each entry of ``key [..., L]`` in its stable ascending sort along
     the last dim: ``rank < n`` marks the loop's ``sort(stable).indices[..., :n]`` with ``n`` a device value.

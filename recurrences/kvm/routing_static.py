@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ..checks import check_int
 from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, eager_kernels,
-                         replay_or_run, stable_rank, static_router, static_rows, tokens_from_chunks)
+                         replay_or_run, row_index, stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import found_first_chunk, merge_keys
 
@@ -271,13 +271,11 @@ def kvm_absorb_fused(state: Tensor, rows: Tensor | None, ok: Tensor, founder_row
     (the spare row, written by every other token, is never read); the merge's adds are atomic, in no
     fixed order, as the loop's ``scatter_add_`` is on CUDA. ``LN_s`` of the rows written is still the
     eager kernel (:func:`_ln_rows`: routing reads the loop's bits), on their gathered sums."""
-    B, H = target.shape[:2]
-    b = torch.arange(B, device=target.device)[:, None, None]
-    h = torch.arange(H, device=target.device)[None, :, None]
-    state.index_put_((b, h, founder_rows), ok)
-    state.index_put_((b, h, target), merged, accumulate=True)
+    written = row_index(target)  # each token's (b, h, target row)
+    state.index_put_(row_index(founder_rows), ok)
+    state.index_put_(written, merged, accumulate=True)
     if rows is not None:
-        rows.index_put_((b, h, target), _ln_rows(state[b, h, target], ln_weight, ln_bias, ln_eps))
+        rows.index_put_(written, _ln_rows(state[written], ln_weight, ln_bias, ln_eps))
 
 
 @eager_kernels("ovqflex::kvm_ln_rows")

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, eager_kernels,
-                         replay_or_run, stable_rank, static_router, static_rows, tokens_from_chunks)
+                         replay_or_run, row_index, stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
 from .routing import add_to_rows, ovq_absorb, ovq_route_chunk, seeding_draw
 
@@ -232,9 +232,7 @@ def absorb_fused(sums: Tensor, counts: Tensor, means: Tensor | None, kc: Tensor,
     step becomes the product and one kernel). A traced ``scatter_add_`` would instead run as an eager
     fallback on a copy of the whole dictionary, copied back after. The adds are atomic, in no fixed
     order; the counts (whole numbers) and each row's ``means`` from its sums are exact."""
-    B, H = route.shape[:2]
-    rows = (torch.arange(B, device=route.device)[:, None, None], torch.arange(H, device=route.device)[None, :, None],
-            route)  # each token's (b, h, row) index
+    rows = row_index(route)  # each token's (b, h, row) index
     sums.index_put_(rows, kc, accumulate=True)
     counts.index_put_(rows, torch.ones_like(route, dtype=counts.dtype), accumulate=True)
     if value_sums is not None:

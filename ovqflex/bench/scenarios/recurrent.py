@@ -222,12 +222,13 @@ def _static_routers(make, dev: torch.device, module) -> dict:
     routers = {"static compiled": make(cuda_graph=False)}
     if dev.type == "cuda":
         routers["static cuda graph"] = make(cuda_graph=True)
-        if module.FUSED_ABSORB.get(dev.type, False):
+        fused = module.FUSED_ABSORB.get(dev.type, False)
+        if fused:
             module.FUSED_ABSORB[dev.type] = False
             try:  # a graph router compiles and captures its step when it is made
                 routers["static cuda graph, opaque absorb"] = make(cuda_graph=True)
             finally:
-                module.FUSED_ABSORB[dev.type] = True
+                module.FUSED_ABSORB[dev.type] = fused
     return routers
 
 
