@@ -158,7 +158,8 @@ def check_keys(what: str, keys, known, error: type[Exception] = ValueError) -> N
 
 def _matches(value: object, hint) -> bool:
     """Whether ``value`` (from JSON/TOML) fits the type ``hint`` of a dataclass field (``int``,
-    ``float`` (ints too), ``bool``, ``str``, ``dict``, ``list[X]``, ``X | None``)."""
+    ``float`` (ints too), ``bool``, ``str``, ``dict``, ``list[X]``, ``tuple[X, ...]`` (a list or a
+    tuple of X), ``X | None``)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, h) for h in typing.get_args(hint))
@@ -171,9 +172,17 @@ def _matches(value: object, hint) -> bool:
     if origin is list:
         (item,) = typing.get_args(hint) or (typing.Any,)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if _is_tuple_of(hint):
+        return isinstance(value, (list, tuple)) and all(_matches(v, typing.get_args(hint)[0]) for v in value)
     if hint is typing.Any:
         return True
     return isinstance(value, origin or hint)
+
+
+def _is_tuple_of(hint) -> bool:
+    """Whether ``hint`` is ``tuple[X, ...]``."""
+    args = typing.get_args(hint)
+    return typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis
 
 
 def _type_name(hint) -> str:
@@ -183,7 +192,8 @@ def _type_name(hint) -> str:
 def from_dict(cls: type, d: dict, what: str):
     """``cls(**d)`` for a dataclass ``cls``, with clear errors: unknown keys are refused with the
     nearest valid key suggested (:func:`check_keys`), missing required keys and values of the
-    wrong type are named. ``what`` says where the dict comes from (a file, a table)."""
+    wrong type are named; a list for a ``tuple[X, ...]`` field (JSON has no tuples) becomes a tuple.
+    ``what`` says where the dict comes from (a file, a table)."""
     if not isinstance(d, dict):
         raise ConfigTypeError(f"{what} must be a table/dict, got {type(d).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -196,7 +206,7 @@ def from_dict(cls: type, d: dict, what: str):
     for key, value in d.items():
         if not _matches(value, hints[key]):
             raise ConfigTypeError(f"{what}: {key} must be {_type_name(hints[key])}, got {type(value).__name__} {value!r}")
-    return cls(**d)
+    return cls(**{k: tuple(v) if _is_tuple_of(hints[k]) else v for k, v in d.items()})
 
 
 def options_of(cls: type, options: object, kwargs: dict, what: str):

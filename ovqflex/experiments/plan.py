@@ -24,6 +24,7 @@ from ..models.config import merge_config
 from ..tasks import Task, make_task
 from ..training.config import TrainConfig
 from ..training.evaluate import check_lengths
+from ..training.schedule import length_warmup_text
 from ..training.setup import model_config
 from .spec import Experiment, ModelSpec, Scale
 
@@ -137,7 +138,8 @@ class Plan:
         lines.append(tabulate(rows, headers=["model", "pattern", "parameters", "evaluated as", "options"]))
         t = self.runs[0].train
         lines += ["",
-                  f"per run: {t.steps:,} steps x {t.batch_size} x {t.seq_len} = {s.train_tokens:,} training tokens "
+                  f"per run: {t.steps:,} steps x {t.batch_size} x {t.seq_len}"
+                  f"{length_warmup_text(t.length_warmup, t.length_warmup_steps)} = {s.train_tokens:,} training tokens "
                   f"(lr {t.lr:g}, warmup {t.warmup}, checkpoint every {t.ckpt_every or t.steps} steps); "
                   f"{s.eval_tokens:,} tokens per evaluation",
                   f"units: {n_train} train + {n_eval} eval = {len(self.units)}; tokens: "
@@ -157,7 +159,7 @@ class Plan:
 def _check_lengths(task: Task, exp: Experiment, scale_name: str, scale: Scale) -> None:
     """Every length the plan uses must hold a target and be generable (distinct keys, values)."""
     try:
-        check_lengths(task, [scale.seq_len], what="training length")
+        check_lengths(task, [*scale.train_options.get("length_warmup", ()), scale.seq_len], what="training length")
         check_lengths(task, list(scale.eval_lengths))
     except ValueError as e:
         raise ValueError(f"experiment {exp.name!r}, scale {scale_name!r}: {e}") from None

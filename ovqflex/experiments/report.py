@@ -16,6 +16,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ..files import write_atomic
+from ..training.schedule import length_warmup_text
 from .plan import Plan, Run, Variant
 
 
@@ -60,7 +61,9 @@ def collect(plan: Plan) -> dict:
                           "points": points})
     return {"experiment": plan.experiment.name, "scale": plan.scale_name, "task": plan.experiment.task,
             "task_description": plan.task.describe(), "train_seq_len": plan.scale.seq_len,
-            "train_steps": plan.scale.steps, "train_batch_size": plan.scale.batch_size, "lengths": plan.lengths,
+            "train_steps": plan.scale.steps, "train_batch_size": plan.scale.batch_size,
+            "train_length_warmup": list(plan.runs[0].train.length_warmup),
+            "train_length_warmup_steps": plan.runs[0].train.length_warmup_steps, "lengths": plan.lengths,
             "seeds": list(plan.seeds), "lines": lines}
 
 
@@ -124,8 +127,11 @@ def plot(results: dict, path: Path) -> Path | None:
 
 
 def trained(results: dict) -> str:
-    """How the models were trained, e.g. ``trained at 64 tokens, 2,000 steps of 32 sequences``."""
-    return (f"trained at {results['train_seq_len']:,} tokens, {results['train_steps']:,} steps of "
+    """How the models were trained, e.g. ``trained at 64 tokens, 2,000 steps of 32 sequences`` (with
+    a length warm-up: ``trained at 2,048 tokens (first 256, 512 tokens over 1,000 steps), ...``)."""
+    warmup = length_warmup_text(tuple(results.get("train_length_warmup", ())),
+                                results.get("train_length_warmup_steps", 0))
+    return (f"trained at {results['train_seq_len']:,} tokens{warmup}, {results['train_steps']:,} steps of "
             f"{results['train_batch_size']} sequences")
 
 

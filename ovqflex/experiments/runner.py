@@ -45,6 +45,7 @@ from recurrences.checks import check_int
 from ..training import TrainingInterrupted, evaluate, latest_checkpoint, train
 from ..training.checkpoint import checkpoint_dir, read_state
 from ..training.interrupt import STOP_SIGNALS
+from ..training.schedule import length_warmup_text
 from ..training.trainer import METRICS_FILE
 from .plan import Plan, Unit
 from ..files import write_atomic
@@ -500,7 +501,8 @@ def _train_unit(unit: Unit, head: str, status: str | None, log, progress: bool =
     if step is None and unit.run.dir.exists():
         shutil.rmtree(unit.run.dir)  # died before its first checkpoint: nothing worth keeping
     how = "from scratch" if step is None else f"resuming from step {step:,}"
-    log(f"{head}: {cfg.steps:,} steps x {cfg.batch_size} x {cfg.seq_len} tokens, {how} -> {unit.run.dir}"
+    log(f"{head}: {cfg.steps:,} steps x {cfg.batch_size} x {cfg.seq_len} tokens"
+        f"{length_warmup_text(cfg.length_warmup, cfg.length_warmup_steps)}, {how} -> {unit.run.dir}"
         + (f" ({status})" if status else ""))
     t0 = time.perf_counter()
     result = train(cfg, resume=step is not None)

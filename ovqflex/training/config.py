@@ -33,6 +33,13 @@ class TrainConfig:
                                 "method's option as MIXER.OPTION, e.g. ovq.max_centroids=4096"})
     steps: int = field(default=4000, metadata={"help": "optimizer steps"})
     seq_len: int = field(default=64, metadata={"help": "training context length (tokens)"})
+    length_warmup: tuple[int, ...] = field(default=(), metadata={
+        "help": "train at these shorter lengths first (increasing, each dividing --seq-len), each for an equal "
+                "share of --length-warmup-steps, with seq_len / length times --batch-size sequences (the same "
+                "tokens per step); e.g. 256,512,1024: a recall task whose loss plateau grows with the length "
+                "learns at the short ones and keeps it at --seq-len"})
+    length_warmup_steps: int = field(default=0, metadata={
+        "help": "optimizer steps of the length warm-up (--length-warmup); --seq-len after them"})
     batch_size: int = field(default=32, metadata={"help": "global batch (split over torchrun ranks)"})
     lr: float = field(default=5e-3, metadata={"help": "peak learning rate (linear warmup, then cosine decay)"})
     min_lr: float = field(default=1e-5, metadata={"help": "learning rate at the end of the cosine decay"})
@@ -59,7 +66,7 @@ class TrainConfig:
         check_choice("task", self.task, TASKS)
         for name in ("steps", "seq_len", "batch_size", "log_every"):
             check_int(name, getattr(self, name))
-        for name in ("warmup", "ckpt_every", "keep_checkpoints", "seed"):
+        for name in ("warmup", "ckpt_every", "keep_checkpoints", "seed", "length_warmup_steps"):
             check_int(name, getattr(self, name), minimum=0)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
@@ -76,8 +83,27 @@ class TrainConfig:
         if not (self.deterministic is None or isinstance(self.deterministic, bool)):
             raise ValueError(f"deterministic must be True, False or None (on for CPU, off for CUDA), "
                              f"got {self.deterministic!r}")
+        self._check_length_warmup()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _check_length_warmup(self) -> None:
+        lengths = self.length_warmup
+        if not isinstance(lengths, tuple) or any(isinstance(v, bool) or not isinstance(v, int) for v in lengths):
+            raise ValueError(f"length_warmup must be a tuple of ints (lengths), got {lengths!r}")
+        if not lengths:
+            if self.length_warmup_steps:
+                raise ValueError(f"length_warmup_steps={self.length_warmup_steps} needs length_warmup, the "
+                                 f"lengths to train at first (e.g. 256,512)")
+            return
+        bad = [v for v in lengths if v < 1 or v >= self.seq_len or self.seq_len % v]
+        if bad or list(lengths) != sorted(set(lengths)):
+            raise ValueError(f"length_warmup must be increasing lengths shorter than seq_len={self.seq_len} that "
+                             f"divide it (so every step has the same tokens), got {lengths!r}")
+        if not len(lengths) <= self.length_warmup_steps < self.steps:
+            raise ValueError(f"length_warmup_steps must be in [{len(lengths)}, steps={self.steps}) (a step for each "
+                             f"of the {len(lengths)} warm-up lengths at least, and at least one at seq_len), got "
+                             f"{self.length_warmup_steps}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -55,6 +55,9 @@ def build_task(cfg: TrainConfig) -> Task:
     task = make_task(cfg.task, **task_options(cfg))
     if cfg.seq_len < task.min_len():
         raise ValueError(f"seq_len={cfg.seq_len} is too short for task {cfg.task!r}: it needs >= {task.min_len()}")
+    if cfg.length_warmup and cfg.length_warmup[0] < task.min_len():
+        raise ValueError(f"length_warmup={cfg.length_warmup} starts too short for task {cfg.task!r}: its lengths "
+                         f"must be >= {task.min_len()}")
     return task
 
 

@@ -1,6 +1,7 @@
 """``train(cfg)``: the training loop behind ``ovqflex train``.
 
-Per step: the step's batch slice for this rank (a pure function of seed and step) ─▶
+Per step: the step's batch slice for this rank (a pure function of seed and step; with a length
+warm-up, shorter sequences and more of them for the first steps, :func:`.schedule.length_at`) ─▶
 compiled model forward (bf16 autocast where supported) ─▶ cross-entropy summed over the
 target tokens / global target count ─▶ backward ─▶ gradient all-reduce (torchrun) ─▶
 clip ─▶ AdamW at the scheduled lr. Metrics go to ``DIR/metrics.jsonl`` every
@@ -34,7 +35,7 @@ from .config import TrainConfig
 from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, shutdown
 from .interrupt import StopRequest, TrainingInterrupted
 from .lock import RunLock
-from .schedule import lr_at
+from .schedule import length_at, lr_at
 from .setup import autocast_dtype, build_model, build_optimizer, build_task, model_from_checkpoint, train_config_of
 
 CONFIG_FILE, METRICS_FILE = "config.json", "metrics.jsonl"
@@ -44,8 +45,8 @@ FAULT_KILL_ENV = "OVQFLEX_FAULT_KILL_AFTER_STEP"
 # "STEP:INT" (SIGINT), "STEP:TERM:RANK" (only that rank of a torchrun job)
 FAULT_SIGNAL_ENV = "OVQFLEX_FAULT_SIGNAL_AFTER_STEP"
 # what must match between a checkpoint and the run that resumes it
-_RESUME_KEYS = ("task", "task_options", "data", "preset", "pattern", "model_options", "seq_len", "batch_size",
-                "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "grad_clip")
+_RESUME_KEYS = ("task", "task_options", "data", "preset", "pattern", "model_options", "seq_len", "length_warmup",
+                "length_warmup_steps", "batch_size", "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "grad_clip")
 
 
 def forward_loss(fwd, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None, *, with_aux: bool = False):
@@ -210,7 +211,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
               file=sys.stderr, flush=True)
     barrier(info)
 
-    fwd = torch.compile(model) if cfg.compile else model
+    # one graph per batch shape (a length warm-up's few, then seq_len's), none symbolic in the length
+    fwd = torch.compile(model, dynamic=False) if cfg.compile else model
     amp = autocast_dtype(cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     bar = _progress(cfg, info, start)
@@ -237,8 +239,11 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                x, y = make_batch(task, seed=cfg.seed, step=step, start=info.rank * local_bs, count=local_bs,
-                                  seq_len=cfg.seq_len)
+                length = length_at(step, seq_len=cfg.seq_len, lengths=cfg.length_warmup,
+                                   warmup_steps=cfg.length_warmup_steps)
+                per_rank = local_bs * (cfg.seq_len // length)  # the same tokens per step at every length
+                x, y = make_batch(task, seed=cfg.seed, step=step, start=info.rank * per_rank, count=per_rank,
+                                  seq_len=length)
                 x, y = to_device(device, x, y)
                 target = y != IGNORE
                 # [loss sum, correct, targets] summed over ranks; the count normalises the loss
@@ -264,7 +269,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                     t_log, tokens_since = now, 0
                     last = TrainResult(out, done, loss, acc, tps)
                     if metrics is not None:
-                        row = {"step": done, "loss": round(loss, 6), "accuracy": round(acc, 6), "lr": lr,
+                        row = {"step": done, "seq_len": length, "loss": round(loss, 6), "accuracy": round(acc, 6), "lr": lr,
                                "grad_norm": None if grad_norm is None else round(float(grad_norm), 6),
                                "tokens_per_s": round(tps, 1), "elapsed_s": round(now - t_start, 2)}
                         metrics.write(json.dumps(row) + "\n")

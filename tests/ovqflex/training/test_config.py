@@ -1,4 +1,6 @@
 """TrainConfig: values checked on construction, dicts (checkpoints) checked key by key."""
+import json
+
 import pytest
 
 from ovqflex.training import TrainConfig
@@ -7,6 +9,32 @@ from ovqflex.training import TrainConfig
 def test_round_trip():
     cfg = TrainConfig(steps=7, model_options={"d_model": 32}, pattern="swa,kvm")
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_length_warmup_round_trips_through_json():
+    """A checkpoint's state.json holds the warm-up lengths as a list; they come back a tuple, so a
+    resume compares equal settings as equal."""
+    cfg = TrainConfig(seq_len=512, steps=10, length_warmup=(128, 256), length_warmup_steps=4)
+    back = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg and back.length_warmup == (128, 256)
+    with pytest.raises(TypeError, match=r"length_warmup must be tuple\[int, ...\], got list \['128'\]"):
+        TrainConfig.from_dict({**cfg.to_dict(), "length_warmup": ["128"]})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"length_warmup": (100,)}, r"increasing lengths shorter than seq_len=512 that divide it .*got \(100,\)"),
+    ({"length_warmup": (256, 128)}, r"increasing lengths .*got \(256, 128\)"),
+    ({"length_warmup": (128, 128)}, r"increasing lengths .*got \(128, 128\)"),
+    ({"length_warmup": (512,)}, r"shorter than seq_len=512"),
+    ({"length_warmup": (128, 256), "length_warmup_steps": 1}, r"length_warmup_steps must be in \[2, steps=10\)"),
+    ({"length_warmup": (128,), "length_warmup_steps": 10}, r"must be in \[1, steps=10\) .* at least one at seq_len"),
+    ({"length_warmup": (), "length_warmup_steps": 3}, r"length_warmup_steps=3 needs length_warmup"),
+    ({"length_warmup": [128]}, r"length_warmup must be a tuple of ints"),
+], ids=["not-dividing", "decreasing", "repeated", "not-shorter", "too-few-steps", "none-at-seq-len", "no-lengths",
+        "list"])
+def test_a_bad_length_warmup_is_refused_by_name(change, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{"seq_len": 512, "steps": 10, "length_warmup_steps": 4, **change})
 
 
 @pytest.mark.parametrize("change, error, match", [

@@ -75,6 +75,61 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path):
     assert metrics(Path(straight.out))[-1]["loss"] == metrics(Path(resumed.out))[-1]["loss"]
 
 
+# a run of 6 steps at 128 tokens whose first 3 are at 64 (the ICR task's shortest is 47)
+WARMUP = dict(seq_len=128, length_warmup=(64,), length_warmup_steps=3)
+
+
+def test_a_length_warmup_trains_shorter_sequences_first_at_the_same_tokens_per_step(tmp_path, monkeypatch):
+    """The warm-up's steps draw twice the sequences at half the length: the stream's batches of
+    those lengths (a pure function of seed and step), every step the same tokens; the metrics say
+    each logged step's length."""
+    import ovqflex.training.trainer as trainer_mod
+
+    real, drawn = trainer_mod.make_batch, []
+    monkeypatch.setattr(trainer_mod, "make_batch", lambda task, **kw: drawn.append(kw) or real(task, **kw))
+    c = cfg(tmp_path, **WARMUP)
+    train(c)
+    assert [(d["count"], d["seq_len"], d["start"]) for d in drawn] == [(8, 64, 0)] * 3 + [(4, 128, 0)] * 3
+    assert [d["step"] for d in drawn] == list(range(6))
+    assert [r["seq_len"] for r in metrics(Path(c.out))] == [64] * 3 + [128] * 3
+
+
+def test_resume_inside_a_length_warmup_is_exact(tmp_path):
+    straight = cfg(tmp_path / "a", **WARMUP)
+    train(straight)
+    with_ckpts = cfg(tmp_path / "b", ckpt_every=2, keep_checkpoints=3, **WARMUP)
+    train(with_ckpts)
+    resumed = cfg(tmp_path / "c", **WARMUP)
+    train(resumed, resume_from=Path(with_ckpts.out) / "checkpoints" / "step_00000002")  # before its last short step
+    a = load_checkpoint(latest_checkpoint(straight.out)).model
+    c = load_checkpoint(latest_checkpoint(resumed.out)).model
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    assert [r["loss"] for r in metrics(Path(straight.out))][2:] == [r["loss"] for r in metrics(Path(resumed.out))]
+    with pytest.raises(CheckpointError, match="settings differ.*length_warmup_steps: checkpoint 3 vs now 4"):
+        train(TrainConfig(**{**straight.to_dict(), "steps": 8, "length_warmup_steps": 4}), resume=True)
+
+
+@pytest.mark.slow
+def test_compiled_training_with_a_length_warmup_has_one_static_graph_per_length(tmp_path):
+    """The trainer compiles with ``dynamic=False``: the warm-up's length and the run's get a graph each,
+    neither symbolic in the length (~80 s on two cores)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    c = cfg(tmp_path, compile=True, steps=4, batch_size=4, **{**WARMUP, "length_warmup_steps": 2})
+    train(c)
+    rows = metrics(Path(c.out))
+    assert [r["seq_len"] for r in rows] == [64, 64, 128, 128] and all(r["loss"] > 0 for r in rows)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_warmup_length_too_short_for_the_task_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"length_warmup=\(32,\) starts too short for task 'icr': .* >= 47"):
+        train(cfg(tmp_path, seq_len=128, length_warmup=(32,), length_warmup_steps=3))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("deterministic", [None, True], ids=["default", "on"])
 def test_compiled_cpu_training_repeats_bit_for_bit(tmp_path, deterministic):
     """On the CPU a run is deterministic by default: two compiled runs on two threads end with equal
