@@ -25,13 +25,19 @@ Scales (``ovqflex experiment NAME --scale S``):
   with the q/k convolution of width 4 the ``tiny`` preset also uses, trained at 2,048
   tokens (5,000 steps × 16 sequences = 164M tokens per run) and evaluated at 2k ... 32k
   (16×). Not measured here (no GPU); at an assumed 300k tokens/s a run takes ~10 min,
-  all 10 runs and their evaluations ~2-3 h on one H100. Whether it learns in 5,000 steps is
-  not known either: the plateau of this task grows with the length. The ``tiny`` sw-ovq on the
-  CPU (2026-11-28, lr 5e-3, a 1,000-step schedule) learned it at 128 tokens in 300-400 steps
-  (below) but stayed on the no-recall plateau (loss ln 252) at 512 tokens to step 550 with batch
-  16 and with batch 32 alike, and to step 450 with the training mix's pair counts drawn
-  log-uniformly instead of uniformly (a trial, not an option); so a first GPU slice should be one
-  model and seed.
+  all 10 runs and their evaluations ~2-3 h on one H100. ``icr`` trains its first 1,500 steps at
+  256, 512 and 1,024 tokens (500 steps each, 128 / 64 / 32 sequences: the same tokens per step;
+  :func:`ovqflex.training.schedule.length_at`), since the no-recall plateau of this task grows
+  with the length. Measured with the ``tiny`` sw-ovq on the CPU (2026-11-28, seed 0, lr 5e-3,
+  1,000-step schedule, the task below): it learned at 128 tokens in 300-400 steps with batch 32
+  (by step 200 with 64, not by step 700 with 16) but stayed on the plateau (loss ln 252) at 512
+  tokens with batch 16 for all 1,000 steps (eval accuracy 0.003 at 512, 0.007 at 2,048), to step
+  550 with batch 32, and to step 450 with the training mix's pair counts drawn log-uniformly (a
+  trial, not an option). With ``--length-warmup 128 --length-warmup-steps 400`` (batch 64 at 128,
+  then 16 at 512) the same run left the plateau by step 200, kept 0.98-1.00 training accuracy
+  after the switch to 512, and evaluated 0.997 at 512 and 0.949 at 2,048 (README, Models, tasks,
+  training). Whether the ``small`` model learns in 5,000 steps at this scale is not measured; a
+  first GPU slice should be one model and seed.
 - ``smoke`` -- 20 steps of 8 × 64 tokens, evaluated at 64 and 128 on 8 examples: checks
   the whole pipeline in a few minutes (it learns nothing).
 
