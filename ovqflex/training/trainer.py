@@ -46,7 +46,8 @@ FAULT_KILL_ENV = "OVQFLEX_FAULT_KILL_AFTER_STEP"
 FAULT_SIGNAL_ENV = "OVQFLEX_FAULT_SIGNAL_AFTER_STEP"
 # what must match between a checkpoint and the run that resumes it
 _RESUME_KEYS = ("task", "task_options", "data", "preset", "pattern", "model_options", "seq_len", "length_warmup",
-                "length_warmup_steps", "batch_size", "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "grad_clip")
+                "length_warmup_steps", "batch_size", "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1",
+                "beta2", "grad_clip")
 
 
 def forward_loss(fwd, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None, *, with_aux: bool = False):
@@ -269,8 +270,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                     t_log, tokens_since = now, 0
                     last = TrainResult(out, done, loss, acc, tps)
                     if metrics is not None:
-                        row = {"step": done, "seq_len": length, "loss": round(loss, 6), "accuracy": round(acc, 6), "lr": lr,
-                               "grad_norm": None if grad_norm is None else round(float(grad_norm), 6),
+                        row = {"step": done, "seq_len": length, "loss": round(loss, 6), "accuracy": round(acc, 6),
+                               "lr": lr, "grad_norm": None if grad_norm is None else round(float(grad_norm), 6),
                                "tokens_per_s": round(tps, 1), "elapsed_s": round(now - t_start, 2)}
                         metrics.write(json.dumps(row) + "\n")
                         metrics.flush()
