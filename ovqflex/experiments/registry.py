@@ -38,7 +38,7 @@ Scales (``ovqflex experiment NAME --scale S``):
   after the switch to 512, and evaluated 0.997 at 512 and 0.949 at 2,048 (README, Models, tasks,
   training). Whether the ``small`` model learns in 5,000 steps at this scale is not measured; it
   learns more slowly than ``tiny``: a ``small`` sw-ovq (q/k conv 4) at 256 tokens with batch 32 and lr
-  2e-3 (600-step schedule) was still on the plateau at step 375 when its CPU time ran out, and the
+  2e-3 (600-step schedule) was still on the plateau at step 425 (loss 5.52) when stopped, and the
   ``tiny`` one at 128 tokens with batch 64 and this scale's lr 1e-3 reached accuracy 0.24 in 600
   steps where lr 5e-3 had 0.82 by step 200. So a first GPU slice should be one model and seed,
   and the lr may need a sweep there.
