@@ -14,13 +14,18 @@
 #                   that part of profiles/gpu.toml (bench.log, OUT/bench/)
 #   decode-single|decode-batched|generate
 #                   that part of profiles/decode.toml (bench.log, OUT/bench/)
-#   experiment      ovqflex experiment $EXP (default icr) --scale $EXP_SCALE (default gpu) into
-#                   $EXP_DIR (default runs/experiments/$EXP-$EXP_SCALE), resumed if it holds one, with
+#   experiment      one slice of ovqflex experiment $EXP (default icr) --scale $EXP_SCALE (default gpu)
+#                   in $EXP_DIR (default runs/experiments/$EXP-$EXP_SCALE), resumed if it holds one, with
 #                   --drop-checkpoints; only $EXP_MODELS / $EXP_SEEDS if set (comma-separated; a resume may
 #                   add models and seeds, not drop them: list the earlier slices' too), --steps $EXP_STEPS
-#                   and --jobs $EXP_JOBS if set (experiment.log); then EXP_DIR without checkpoints as one
-#                   file, OUT/experiment.tgz, to carry into the next slice (a run cut off in training
-#                   starts again there)
+#                   and --jobs $EXP_JOBS if set (experiment.log). Then EXP_DIR is packed for the next
+#                   slice, on this machine or a fresh one, as OUT/experiment.tgz.00, .01, ... (gzip'd
+#                   tar cut into pieces of $EXP_PIECE_MB MiB, default 15): the finished runs' reports
+#                   and logs, and the newest checkpoint of a run cut off in training, so that the next
+#                   slice continues it from its last step (a `small` run's is ~39 MB, 3 pieces: with
+#                   --jobs 1 only one run is in training when the slice ends). $EXP_FROM, a folder
+#                   holding such pieces, is unpacked into EXP_DIR first; EXP_DIR must then not hold an
+#                   experiment yet
 # OUT: the folder for the logs (default gpu-check-out). Each part gets at most $PART_S seconds
 # (default 420), every test of the tier at most $TEST_S (default 300); $JOBS defaults to the CPU count
 # less one, at most 15; $DEVICE (default cuda) is the device of the main job, the experiment and the
@@ -40,11 +45,29 @@ GPU_PARTS="routing stages op-ovq op-kvm op-vq dynamic train"
 DECODE_PARTS="decode-single decode-batched generate"
 OWN_PARTS="tier main experiment"
 in_list() { case " $2 " in *" $1 "*) return 0 ;; esac; return 1; }  # in_list WORD "WORD WORD ..."
+
+experiment_dir() { echo "${EXP_DIR:-runs/experiments/${EXP:-icr}-${EXP_SCALE:-gpu}}"; }
+
+experiment_pieces() {  # the pieces of the pack in EXP_FROM, in order (none: nothing printed)
+  local piece
+  for piece in "$EXP_FROM"/experiment.tgz.[0-9][0-9]; do [ -f "$piece" ] && echo "$piece"; done
+}
+
+check_experiment_from() {  # before any part runs: EXP_FROM holds one pack, and EXP_DIR is free for it
+  local dir pieces
+  dir=$(experiment_dir)
+  pieces=$(experiment_pieces)
+  [ -n "$pieces" ] || { echo "EXP_FROM=$EXP_FROM holds no experiment.tgz.NN pieces" >&2; return 2; }
+  [ ! -e "$dir/experiment.json" ] ||
+    { echo "EXP_DIR=$dir already holds an experiment: EXP_FROM unpacks into an empty or new folder" >&2; return 2; }
+}
+
 IFS=, read -ra list <<< "$PARTS"
 for part in "${list[@]}"; do
   in_list "$part" "$OWN_PARTS $GPU_PARTS $DECODE_PARTS" ||
     { echo "unknown part '$part' in PARTS: expected one of $OWN_PARTS $GPU_PARTS $DECODE_PARTS" >&2; exit 2; }
 done
+if [ -n "${EXP_FROM:-}" ] && in_list experiment "${list[*]}"; then check_experiment_from || exit 2; fi
 mkdir -p "$OUT/bench"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 start=$(date +%s)
@@ -83,17 +106,50 @@ main_job() {
   grep -E '^ *length ' "$OUT/main.log"
 }
 
+unpack_experiment() {  # EXP_FROM's pack into EXP_DIR
+  local dir pieces=()
+  dir=$(experiment_dir)
+  mapfile -t pieces < <(experiment_pieces)
+  mkdir -p "$dir" && cat "${pieces[@]}" | tar xzf - -C "$dir" ||
+    { echo "unpacking ${pieces[*]} into $dir failed" >&2; return 1; }
+  echo "unpacked ${#pieces[@]} piece(s), $(cat "${pieces[@]}" | wc -c) bytes, from $EXP_FROM into $dir"
+}
+
+pack_experiment() {  # EXP_DIR as OUT/experiment.tgz.NN: every run's newest complete checkpoint, no other
+  local dir skip=() ck steps=() step rc kept=
+  dir=$(experiment_dir)
+  for ck in "$dir"/*/checkpoints; do
+    [ -d "$ck" ] || continue
+    skip+=("--exclude=${ck#"$dir"/}/.*")  # dot-named: a write cut off, or one being discarded
+    mapfile -t steps < <(ls -1d "$ck"/step_* 2>/dev/null | sort)  # step_NNNNNNNN: sorted by step
+    (( ${#steps[@]} )) || continue
+    for step in "${steps[@]:0:${#steps[@]}-1}"; do skip+=("--exclude=${step#"$dir"/}"); done
+    kept="$kept ${steps[-1]#"$dir"/}"
+  done
+  rm -f "$OUT"/experiment.tgz.[0-9][0-9]
+  tar czf - "${skip[@]}" -C "$dir" . | split -b "${EXP_PIECE_MB:-15}M" -d -a 2 - "$OUT/experiment.tgz."
+  rc=("${PIPESTATUS[@]}")
+  [ "${rc[0]}${rc[1]}" = 00 ] || { echo "  packing $dir failed (tar exit ${rc[0]}, split exit ${rc[1]})"; return 1; }
+  echo "  $dir -> $(ls "$OUT"/experiment.tgz.[0-9][0-9] | wc -l) piece(s), $(cat "$OUT"/experiment.tgz.[0-9][0-9] | wc -c)" \
+       "bytes: $OUT/experiment.tgz.NN; checkpoints kept:${kept:- none}"
+}
+
 experiment() {
-  local name=${EXP:-icr} scale=${EXP_SCALE:-gpu} t0=$(date +%s) resume=
-  local dir=${EXP_DIR:-runs/experiments/$name-$scale}
+  local name=${EXP:-icr} scale=${EXP_SCALE:-gpu} t0=$(date +%s) resume= dir
+  dir=$(experiment_dir)
+  : > "$OUT/experiment.log"
+  if [ -n "${EXP_FROM:-}" ]; then
+    unpack_experiment 2>&1 | tee -a "$OUT/experiment.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || return 1
+  fi
   [ -f "$dir/experiment.json" ] && resume=--resume
   # --foreground: the signal reaches ovqflex alone, which stops its training with a checkpoint and
   # exits; sent to the whole process group it would also kill inductor's compiler subprocesses
   timeout --foreground -k 60 "$PART_S" python3 -m ovqflex experiment "$name" --scale "$scale" --device "$DEVICE" \
       --out "$dir" $resume --drop-checkpoints --no-progress ${EXP_MODELS:+--models "$EXP_MODELS"} ${EXP_SEEDS:+--seeds "$EXP_SEEDS"} \
-      ${EXP_STEPS:+--steps "$EXP_STEPS"} ${EXP_JOBS:+--jobs "$EXP_JOBS"} > "$OUT/experiment.log" 2>&1
+      ${EXP_STEPS:+--steps "$EXP_STEPS"} ${EXP_JOBS:+--jobs "$EXP_JOBS"} >> "$OUT/experiment.log" 2>&1
   echo "experiment $name${resume:+ (resumed)}: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/experiment.log"
-  tar czf "$OUT/experiment.tgz" --exclude=checkpoints -C "$dir" . && echo "  $dir -> $OUT/experiment.tgz"
+  pack_experiment | tee -a "$OUT/experiment.log"
 }
 
 bench() {  # bench PROFILE PART

@@ -1,11 +1,14 @@
 """tools/gpu_check.sh: what it checks before it runs anything (its parts need a GPU), and (slow) its
-experiment part's slices on the CPU."""
+experiment part's slices on the CPU, carried from one to the next as packs."""
+import io
 import os
 import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
+
+from ovqflex.training.trainer import FAULT_SIGNAL_ENV
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.sh"
 
@@ -20,27 +23,72 @@ def test_an_unknown_part_is_refused_by_name_before_anything_runs(tmp_path):
     assert not out.exists()  # refused before the first part (tier) ran or any log was written
 
 
-@pytest.mark.slow
-def test_an_experiment_slice_packs_its_directory_and_the_next_slice_resumes_it(tmp_path):
-    """The experiment part on the CPU (``DEVICE=cpu``, the smoke scale, one model): the slice trains and
-    evaluates, packs its directory without checkpoints into OUT/experiment.tgz, and a next slice run
-    from that directory unpacked elsewhere (a fresh machine) finds every unit complete."""
-    env = {**os.environ, "DEVICE": "cpu", "EXP_SCALE": "smoke", "EXP_MODELS": "sw-linear", "EXP_SEEDS": "0",
-           "EXP_DIR": str(tmp_path / "first"), "PART_S": "900"}
-    done = subprocess.run(["bash", str(SCRIPT), "experiment", str(tmp_path / "out1")], capture_output=True,
-                          text=True, timeout=1200, env=env)
-    assert done.returncode == 0, done.stderr
-    assert "experiment icr: exit 0" in done.stdout, done.stdout
-    with tarfile.open(tmp_path / "out1" / "experiment.tgz") as tar:
-        names = tar.getnames()
+def _extract(pieces: list[Path], into: Path) -> list[str]:
+    """The names in the pack cut into ``pieces``, extracted into ``into``."""
+    blob = b"".join(p.read_bytes() for p in pieces)
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
         # the "data" filter (Python >= 3.10.12 / 3.11.4) where it exists: later Pythons warn without one
-        tar.extractall(tmp_path / "second", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    assert "./sw-linear-s0/eval-base.json" in names and "./results.json" in names
-    assert not any("checkpoints" in n for n in names)
-    env["EXP_DIR"] = str(tmp_path / "second")
-    done = subprocess.run(["bash", str(SCRIPT), "experiment", str(tmp_path / "out2")], capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr
-    assert "experiment icr (resumed): exit 0" in done.stdout, done.stdout
+        tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        return tar.getnames()
+
+
+@pytest.mark.parametrize("case", ["no-pack", "dir-taken"])
+def test_a_pack_to_unpack_is_checked_before_anything_runs(tmp_path, case):
+    """``EXP_FROM`` must hold a pack, and ``EXP_DIR`` must not hold an experiment already (the pack
+    would be mixed into it): each refused by name before the first part ran."""
+    (tmp_path / "from").mkdir()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "experiment.json").write_text("{}")
+    if case == "dir-taken":
+        (tmp_path / "from" / "experiment.tgz.00").write_bytes(b"")
+    env = {**os.environ, "EXP_FROM": str(tmp_path / "from"),
+           "EXP_DIR": str(taken if case == "dir-taken" else tmp_path / "new")}
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SCRIPT), "tier,experiment", str(out)], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 2
+    expected = ("holds no experiment.tgz.NN pieces" if case == "no-pack"
+                else f"EXP_DIR={taken} already holds an experiment")
+    assert expected in done.stderr, done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_experiment_slices_carry_a_run_cut_off_in_training_to_the_next_slice(tmp_path):
+    """The experiment part on the CPU (``DEVICE=cpu``, the smoke scale: 20 steps, checkpoints every 10,
+    one model). Slice 1 is stopped by SIGTERM after step 12: it packs the run's newest checkpoint alone
+    (step 12, not step 10) with the rest of its directory. Slice 2 unpacks that pack into a new folder (a
+    fresh machine), continues the run from step 12, evaluates it and packs the directory without
+    checkpoints (dropped once the run was done). Slice 3, from slice 2's pack, finds every unit complete."""
+    env = {**os.environ, "DEVICE": "cpu", "EXP_SCALE": "smoke", "EXP_MODELS": "sw-linear", "EXP_SEEDS": "0",
+           "EXP_DIR": str(tmp_path / "first"), "PART_S": "900", "EXP_PIECE_MB": "1"}
+
+    def slice_(n: int, **extra) -> tuple[str, list[Path]]:
+        out = tmp_path / f"out{n}"
+        done = subprocess.run(["bash", str(SCRIPT), "experiment", str(out)], capture_output=True, text=True,
+                              timeout=1200, env={**env, **extra})
+        assert done.returncode == 0, done.stderr
+        return done.stdout, sorted(out.glob("experiment.tgz.*"))
+
+    stdout, pieces = slice_(1, **{FAULT_SIGNAL_ENV: "12"})
+    assert "experiment icr: exit 143" in stdout, stdout  # 128 + SIGTERM: stopped with a checkpoint
+    assert "checkpoints kept: sw-linear-s0/checkpoints/step_00000012" in stdout, stdout
+    assert len(pieces) > 1  # a checkpoint of the tiny model is over 1 MiB: cut into pieces
+    names = _extract(pieces, tmp_path / "peek1")
+    assert any(n.startswith("./sw-linear-s0/checkpoints/step_00000012/") for n in names)
+    assert not any("step_00000010" in n for n in names)
+    assert "./experiment.json" in names and "./results.json" not in names
+
+    stdout, pieces = slice_(2, EXP_FROM=str(tmp_path / "out1"), EXP_DIR=str(tmp_path / "second"))
+    assert "experiment icr (resumed): exit 0" in stdout, stdout
     log = (tmp_path / "out2" / "experiment.log").read_text()
-    assert "(2 already complete)" in log, log
+    assert f"unpacked {len(list((tmp_path / 'out1').glob('experiment.tgz.*')))} piece(s)" in log, log
+    assert "resuming from step 12" in log, log
+    names = _extract(pieces, tmp_path / "peek2")
+    assert "./sw-linear-s0/eval-base.json" in names and "./results.json" in names
+    assert not any("checkpoints/" in n for n in names)
+
+    stdout, _ = slice_(3, EXP_FROM=str(tmp_path / "out2"), EXP_DIR=str(tmp_path / "third"))
+    assert "experiment icr (resumed): exit 0" in stdout, stdout
+    assert "(2 already complete)" in (tmp_path / "out3" / "experiment.log").read_text()
