@@ -26,6 +26,12 @@
 #                   --jobs 1 only one run is in training when the slice ends). $EXP_FROM, a folder
 #                   holding such pieces, is unpacked into EXP_DIR first; EXP_DIR must then not hold an
 #                   experiment yet
+#   pilot           ovqflex pilot $EXP --scale $EXP_SCALE (defaults as above) --models $PILOT_MODELS
+#                   (default sw-ovq) --lrs $PILOT_LRS (default 1e-3,2e-3,4e-3) --stop-after $PILOT_STEPS
+#                   (default 500: the icr gpu scale's steps at its first warm-up length) into $PILOT_DIR
+#                   (default runs/pilots/$EXP-$EXP_SCALE; pilot.log, and its pilot.md and pilot.json
+#                   copied to OUT): which learning rate leaves the no-recall plateau in a run's first
+#                   steps, before whole runs are paid for
 # OUT: the folder for the logs (default gpu-check-out). Each part gets at most $PART_S seconds
 # (default 420), every test of the tier at most $TEST_S (default 300); $JOBS defaults to the CPU count
 # less one, at most 15; $DEVICE (default cuda) is the device of the main job, the experiment and the
@@ -43,7 +49,7 @@ TEST_S=${TEST_S:-300}
 JOBS=${JOBS:-$(( $(nproc) > 16 ? 15 : $(nproc) - 1 ))}
 GPU_PARTS="routing stages op-ovq op-kvm op-vq dynamic train"
 DECODE_PARTS="decode-single decode-batched generate"
-OWN_PARTS="tier main experiment"
+OWN_PARTS="tier main experiment pilot"
 in_list() { case " $2 " in *" $1 "*) return 0 ;; esac; return 1; }  # in_list WORD "WORD WORD ..."
 
 experiment_dir() { echo "${EXP_DIR:-runs/experiments/${EXP:-icr}-${EXP_SCALE:-gpu}}"; }
@@ -152,6 +158,16 @@ experiment() {
   pack_experiment | tee -a "$OUT/experiment.log"
 }
 
+pilot() {
+  local name=${EXP:-icr} scale=${EXP_SCALE:-gpu} t0=$(date +%s) dir
+  dir=${PILOT_DIR:-runs/pilots/$name-$scale}
+  timeout --foreground -k 60 "$PART_S" python3 -m ovqflex pilot "$name" --scale "$scale" --device "$DEVICE" \
+      --models "${PILOT_MODELS:-sw-ovq}" --lrs "${PILOT_LRS:-1e-3,2e-3,4e-3}" --stop-after "${PILOT_STEPS:-500}" \
+      --out "$dir" > "$OUT/pilot.log" 2>&1
+  echo "pilot $name: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/pilot.log"
+  cp "$dir"/pilot.md "$dir"/pilot.json "$OUT"/ 2>/dev/null && cat "$OUT/pilot.md"
+}
+
 bench() {  # bench PROFILE PART
   echo "== $1 --only $2" >> "$OUT/bench.log"
   timeout "$PART_S" python3 -m ovqflex bench "profiles/$1.toml" --device "$DEVICE" --only "$2" --out "$OUT/bench" \
@@ -163,6 +179,7 @@ for part in "${list[@]}"; do
   if [ "$part" = tier ]; then tier
   elif [ "$part" = main ]; then main_job
   elif [ "$part" = experiment ]; then experiment
+  elif [ "$part" = pilot ]; then pilot
   elif in_list "$part" "$GPU_PARTS"; then bench gpu "$part"
   else bench decode "$part"  # the parts were checked above: the rest are DECODE_PARTS
   fi

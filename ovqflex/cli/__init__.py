@@ -1,5 +1,5 @@
-"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``probe``, ``experiment``, ``generate``,
-``bench``, ``viz``, ``profile``.
+"""The ``ovqflex`` command line: ``info``, ``demo``, ``train``, ``eval``, ``probe``, ``experiment``, ``pilot``,
+``generate``, ``bench``, ``viz``, ``profile``.
 
 ``flags`` holds the value parsers, the ``--device`` flag and the flags derived from a config
 dataclass (``train``'s from :class:`ovqflex.training.TrainConfig`, ``profile``'s from
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ovqflex", description="compressed-memory attention as FlexAttention programs")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (tools.add_info, tools.add_demo, runs.add_train, runs.add_eval, runs.add_probe, runs.add_experiment,
-                runs.add_generate, tools.add_bench, tools.add_viz, tools.add_profile):
+                runs.add_pilot, runs.add_generate, tools.add_bench, tools.add_viz, tools.add_profile):
         add(sub)
     return p
 

@@ -8,16 +8,19 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ..models.hybrid import DECODES
-from .flags import add_config_flags, add_device, config_from_args, id_list, int_list, label_list, parse_options, seed_list
+from .flags import (add_config_flags, add_device, comma_list, config_from_args, id_list, int_list, label_list,
+                    parse_options, seed_list)
 
 
 def _cmd_train(args) -> int:
     """Train a model on the config the flags make (or resume one)."""
     from ..training import TrainConfig, train
 
-    result = train(config_from_args(TrainConfig, args), resume=args.resume, resume_from=args.resume_from)
+    cfg = config_from_args(TrainConfig, args)
+    result = train(cfg, resume=args.resume, resume_from=args.resume_from, stop_after=args.stop_after)
     if result.loss is not None and int(os.environ.get("RANK", "0")) == 0:
-        print(f"trained {result.step} steps -> {result.out}: loss {result.loss:.4f}, "
+        of = f" of {cfg.steps} (--stop-after; --resume continues)" if result.step < cfg.steps else ""
+        print(f"trained {result.step} steps{of} -> {result.out}: loss {result.loss:.4f}, "
               f"target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s")
     return 0
 
@@ -83,6 +86,21 @@ def _cmd_experiment(args) -> int:
     return 0
 
 
+def _cmd_pilot(args) -> int:
+    """Train the first steps of an experiment's runs at several learning rates; print the table."""
+    from ..experiments import get_experiment, plan
+    from ..experiments.pilot import lr_pilot
+
+    exp = get_experiment(args.name)
+    out = args.out or f"runs/experiments/{exp.name}-{args.scale}-pilot"
+    p = plan(exp, args.scale, out, seeds=args.seeds or exp.seeds[:1], models=args.models, steps=args.steps,
+             device=args.device, progress=False)
+    lr_pilot(p, args.lrs, args.stop_after, out=out, log=lambda line: print(line, flush=True),
+             keep_checkpoints=args.keep_checkpoints)
+    print(f"wrote {Path(out) / 'pilot.md'} and pilot.json")
+    return 0
+
+
 def _prompt_tokens(args, vocab_size: int):
     """The prompt ``[1, n]`` of ``--prompt`` (UTF-8 bytes) or ``--tokens``, checked against the vocab."""
     import torch
@@ -131,13 +149,16 @@ def _cmd_generate(args) -> int:
 
 def add_train(sub) -> None:
     """The ``train`` command under the subparsers ``sub``: a flag per :class:`TrainConfig` field, and
-    ``--resume``, ``--resume-from``."""
+    ``--resume``, ``--resume-from``, ``--stop-after``."""
     from ..training.config import TrainConfig
 
     s = sub.add_parser("train", help="train a hybrid model on a task (torch.compile, AdamW, checkpoints)")
     add_config_flags(s, TrainConfig)  # every TrainConfig field, its default and help
     s.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     s.add_argument("--resume-from", default=None, help="continue from this checkpoint directory")
+    s.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop with a checkpoint once the run has done STEP of its --steps steps (its learning-rate "
+                        "and length schedules stay the whole run's); --resume continues it")
     s.set_defaults(fn=_cmd_train)
 
 
@@ -208,6 +229,33 @@ def add_experiment(sub) -> None:
                    "one small model leaves idle. Progress: a line per minute with each run's step, loss and "
                    "tokens/s (default: 1, in this process)")
     s.set_defaults(fn=_cmd_experiment)
+
+
+def add_pilot(sub) -> None:
+    """The ``pilot`` command under the subparsers ``sub``."""
+    from ..experiments import EXPERIMENTS
+
+    s = sub.add_parser("pilot", help="the first steps of an experiment's runs at several learning rates: which "
+                       "one learns (one table)",
+                       description="Trains each run of the plan (ovqflex experiment NAME with --scale, --models, "
+                       "--seeds, --steps) at each --lrs for its first --stop-after steps, under the whole run's "
+                       "schedules, into OUT/<model>-s<seed>-lr<lr>/; writes OUT/pilot.md and pilot.json: training "
+                       "accuracy along the way, the step it reached 0.5, tokens/s.")
+    s.add_argument("name", help=f"the experiment: {', '.join(sorted(EXPERIMENTS))}")
+    s.add_argument("--scale", default="cpu", help="the experiment's scale (default: cpu)")
+    s.add_argument("--models", type=label_list, default=None, help="comma-separated model labels (default: all)")
+    s.add_argument("--seeds", type=seed_list, default=None, help="comma-separated (default: the experiment's "
+                   "first)")
+    s.add_argument("--steps", type=int, default=None, help="the runs' steps instead of the scale's: their "
+                   "schedules' length (default: the scale's)")
+    s.add_argument("--lrs", type=comma_list(float), required=True, help="comma-separated peak learning rates, "
+                   "e.g. 1e-3,3e-3")
+    s.add_argument("--stop-after", type=int, required=True, metavar="STEP", help="steps of each pilot run")
+    s.add_argument("--out", default=None, help="output directory (default: runs/experiments/NAME-SCALE-pilot)")
+    s.add_argument("--keep-checkpoints", action="store_true", help="keep each pilot run's checkpoint (ovqflex "
+                   "train --resume with its config continues that run)")
+    add_device(s)
+    s.set_defaults(fn=_cmd_pilot)
 
 
 def add_generate(sub) -> None:

@@ -6,7 +6,9 @@ length to many times it, aggregated into one table, JSON and plot (``ovqflex exp
     print(p.describe())            # what will run (nothing is written)
     results = run_experiment(p)    # OUT/<model>-s<seed>/, OUT/results.{json,md,png}
 
-See :mod:`ovqflex.experiments.registry` for the named experiments and their scales.
+See :mod:`ovqflex.experiments.registry` for the named experiments and their scales, and
+:mod:`ovqflex.experiments.pilot` for the first steps of their runs at several learning rates
+(``ovqflex pilot``).
 """
 from .plan import Plan, Run, Unit, Variant, plan
 from .registry import EXPERIMENTS, get_experiment, register_experiment

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from recurrences.checks import check_int
+
 from ..devices import resolve_device, to_device
 from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
@@ -128,12 +130,20 @@ def _progress(cfg: TrainConfig, info: DistInfo, start: int):
     return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathLike | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathLike | None = None,
+          stop_after: int | None = None) -> TrainResult:
     """Train per ``cfg`` into ``cfg.out``. ``resume``: continue from the run's latest checkpoint;
     ``resume_from``: from that checkpoint directory. A fresh run refuses a directory that
     already holds checkpoints (nothing is overwritten), and any run a directory another
-    ``train`` is writing (the run lock)."""
+    ``train`` is writing (the run lock). ``stop_after``: stop once the run has done that many of
+    its ``cfg.steps`` steps, with a checkpoint; its schedules (learning rate, length warm-up) are
+    those of the whole run, so the steps done are the whole run's first ones and ``resume``
+    continues it as if it had not stopped."""
     out = Path(cfg.out)
+    if stop_after is not None:
+        check_int("stop_after", stop_after)
+        if stop_after > cfg.steps:
+            raise ValueError(f"stop_after must be at most the run's steps ({cfg.steps}), got {stop_after}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={str(out)!r} is a file, not a run directory: choose another --out")
     info = init_distributed("cuda" if resolve_device(cfg.device).type == "cuda" else "cpu")
@@ -142,7 +152,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathL
         device = resolve_device(cfg.device, info.local_rank)
         _lock_on_rank0(lock, out, info, device)
         with _determinism(cfg, device):
-            return _train(cfg, info, device, resume, resume_from)
+            return _train(cfg, info, device, resume, resume_from, cfg.steps if stop_after is None else stop_after)
     finally:
         lock.release()
         if info.is_main and created and out.is_dir() and not any(out.iterdir()):
@@ -179,7 +189,8 @@ def _fault_signal(rank: int) -> tuple[int, int]:
     return (int(step) if only in ("", str(rank)) else 0), signal.Signals[f"SIG{name or 'TERM'}"]
 
 
-def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, resume_from) -> TrainResult:
+def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, resume_from,
+           end: int) -> TrainResult:
     out = Path(cfg.out)
     if cfg.batch_size % info.world_size:
         raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the number of ranks {info.world_size}")
@@ -202,6 +213,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
         load_optimizer(optimizer, ckpt)
         set_rng_state(ckpt.state["rng"])
         start = ckpt.step
+        if start >= end < cfg.steps:
+            raise ValueError(f"stop_after={end}: the run is already at step {start} ({ckpt_path})")
     if info.is_main:
         remove_leftovers(out)  # of writers that were killed (we hold the run lock)
         _truncate_metrics(out / METRICS_FILE, start)
@@ -236,7 +249,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
 
     try:
         with StopRequest() as stop:
-            for step in range(start, cfg.steps):
+            for step in range(start, end):
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -259,7 +272,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                 optimizer.zero_grad(set_to_none=True)
                 tokens_since += cfg.batch_size * cfg.seq_len
                 done = step + 1
-                if done % cfg.log_every == 0 or done == cfg.steps:
+                if done % cfg.log_every == 0 or done == end:
                     with torch.no_grad():
                         correct = ((logits.argmax(-1) == y) & target).sum().to(torch.float32)
                         stats = torch.stack([loss_sum.detach().float(), correct])
@@ -279,14 +292,14 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
                 if bar is not None:
                     bar.update(1)
-                saved = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+                saved = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
                 if saved:
                     ckpt_dir = save(done, last)
                 if done == kill_after:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if done == signal_after:
                     os.kill(os.getpid(), signal_kind)
-                signum = stop.requested(info, device, sync_point=done % cfg.log_every == 0 or done == cfg.steps)
+                signum = stop.requested(info, device, sync_point=done % cfg.log_every == 0 or done == end)
                 if signum is not None:
                     if not saved:
                         ckpt_dir = save(done, last)

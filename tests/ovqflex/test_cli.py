@@ -240,7 +240,8 @@ def _train_args(argv: list[str]):
                                                 ("viz", VizConfig, ["ovq"]), ("demo", DemoConfig, [])])
 def test_every_config_field_is_a_flag(command, cls, argv):
     """The flags of train, profile, viz and demo are derived from their configs: each field has a flag, its
-    default and a help; no flag is set by hand besides --resume/--resume-from (train) and --trace (profile)."""
+    default and a help; no flag is set by hand besides --resume/--resume-from/--stop-after (train) and --trace
+    (profile)."""
     parser = build_parser()._subparsers._group_actions[0].choices[command]
     default = cls(**{"method": "ovq"} if cls is VizConfig else {})
     assert config_from_args(cls, parser.parse_args(argv)) == default
@@ -250,7 +251,7 @@ def test_every_config_field_is_a_flag(command, cls, argv):
         help = f.metadata.get("help")
         help = help() if callable(help) else help
         assert help and actions[f.name].help.startswith((help, f"do not {help}")), f.name
-    by_hand = {"train": {"resume", "resume_from"}, "profile": {"trace"}}.get(command, set())
+    by_hand = {"train": {"resume", "resume_from", "stop_after"}, "profile": {"trace"}}.get(command, set())
     assert set(actions) - {f.name for f in dataclasses.fields(cls)} == {"help"} | by_hand
 
 
@@ -368,7 +369,8 @@ def test_device_default_is_the_same_in_every_command():
     commands = parser._subparsers._group_actions[0].choices
     with_device = {name: next(a for a in p._actions if a.dest == "device")
                    for name, p in commands.items() if any(a.dest == "device" for a in p._actions)}
-    assert set(with_device) == {"info", "train", "eval", "probe", "experiment", "generate", "bench", "profile"}
+    assert set(with_device) == {"info", "train", "eval", "probe", "experiment", "pilot", "generate", "bench",
+                                "profile"}
     assert {(a.default, a.help) for a in with_device.values()} == {("auto", f"{NAMES} (default: auto)")}
 
 

@@ -1,6 +1,7 @@
 """tools/gpu_check.sh: what it checks before it runs anything (its parts need a GPU), and (slow) its
 experiment part's slices on the CPU, carried from one to the next as packs."""
 import io
+import json
 import os
 import subprocess
 import tarfile
@@ -92,3 +93,18 @@ def test_experiment_slices_carry_a_run_cut_off_in_training_to_the_next_slice(tmp
     stdout, _ = slice_(3, EXP_FROM=str(tmp_path / "out2"), EXP_DIR=str(tmp_path / "third"))
     assert "experiment icr (resumed): exit 0" in stdout, stdout
     assert "(2 already complete)" in (tmp_path / "out3" / "experiment.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_pilot_part_trains_the_first_steps_at_each_lr_and_copies_its_table(tmp_path):
+    """The pilot part on the CPU (the smoke scale, one model, two lrs, 2 of its 20 steps): OUT gets the
+    log, pilot.md with a row per lr and pilot.json."""
+    env = {**os.environ, "DEVICE": "cpu", "EXP_SCALE": "smoke", "PILOT_MODELS": "sw-linear", "PILOT_LRS": "1e-3,4e-3",
+           "PILOT_STEPS": "2", "PILOT_DIR": str(tmp_path / "pilot"), "PART_S": "600"}
+    done = subprocess.run(["bash", str(SCRIPT), "pilot", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "pilot icr: exit 0" in done.stdout, done.stdout
+    rows = json.loads((tmp_path / "out" / "pilot.json").read_text())["rows"]
+    assert [(r["model"], r["lr"], r["steps"]) for r in rows] == [("sw-linear", 1e-3, 2), ("sw-linear", 4e-3, 2)]
+    assert (tmp_path / "out" / "pilot.md").read_text().count("| sw-linear ") == 2

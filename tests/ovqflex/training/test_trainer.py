@@ -109,6 +109,39 @@ def test_resume_inside_a_length_warmup_is_exact(tmp_path):
         train(TrainConfig(**{**straight.to_dict(), "steps": 8, "length_warmup_steps": 4}), resume=True)
 
 
+def test_stop_after_trains_the_whole_runs_first_steps_and_resume_finishes_it_exactly(tmp_path):
+    """``stop_after=4`` of a 6-step run with a 3-step length warm-up: the steps done are the whole
+    run's first four (its cosine learning rate, its lengths: not those of a 4-step run), with a
+    checkpoint of step 4; resuming finishes the run with the uninterrupted run's weights."""
+    keys = ("step", "seq_len", "loss", "accuracy", "lr", "grad_norm")
+    straight = cfg(tmp_path / "a", **WARMUP)
+    train(straight)
+    stopped = cfg(tmp_path / "b", **WARMUP)
+    result = train(stopped, stop_after=4)
+    assert result.step == 4 and latest_checkpoint(stopped.out).name == "step_00000004"
+    want = [{k: r[k] for k in keys} for r in metrics(Path(straight.out))]
+    assert [{k: r[k] for k in keys} for r in metrics(Path(stopped.out))] == want[:4]
+    assert want[3]["lr"] != TrainConfig.lr and want[3]["seq_len"] == 128  # cosine-decayed, past the warm-up
+    train(stopped, resume=True)
+    assert [{k: r[k] for k in keys} for r in metrics(Path(stopped.out))] == want
+    a = load_checkpoint(latest_checkpoint(straight.out)).model
+    b = load_checkpoint(latest_checkpoint(stopped.out)).model
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("stop_after, resume, match", [
+    (0, False, "stop_after must be >= 1, got 0"),
+    (7, False, r"stop_after must be at most the run's steps \(6\), got 7"),
+    (2, True, r"stop_after=2: the run is already at step 3 \(.*step_00000003\)"),
+], ids=["zero", "past-the-run", "already-past"])
+def test_a_stop_after_that_cannot_stop_the_run_is_refused(tmp_path, stop_after, resume, match):
+    c = cfg(tmp_path)
+    if resume:
+        train(c, stop_after=3)
+    with pytest.raises(ValueError, match=match):
+        train(c, resume=resume, stop_after=stop_after)
+
+
 @pytest.mark.slow
 def test_compiled_training_with_a_length_warmup_has_one_static_graph_per_length(tmp_path):
     """The trainer compiles with ``dynamic=False``: the warm-up's length and the run's get a graph each,
@@ -206,6 +239,16 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_matches(tmp_p
     b = metrics(tmp_path / "stopped")
     assert [r["step"] for r in b] == list(range(1, 9))
     assert [r["loss"] for r in b] == straight_losses
+
+
+def test_cli_stop_after_says_how_far_it_went_and_resume_matches(tmp_path, straight_losses):
+    """``--stop-after 3`` stops the 8-step run with a checkpoint of step 3 and exit status 0; the
+    resumed run's losses are the uninterrupted run's."""
+    stopped = _cli([*STOP_RUN, "--out", str(tmp_path / "run"), "--stop-after", "3"])
+    assert "trained 3 steps of 8 (--stop-after; --resume continues)" in stopped.stdout
+    assert latest_checkpoint(tmp_path / "run").name == "step_00000003"
+    _cli([*STOP_RUN, "--out", str(tmp_path / "run"), "--resume"])
+    assert [r["loss"] for r in metrics(tmp_path / "run")] == straight_losses
 
 
 def test_stop_request_restores_the_handlers_after_the_first_signal():
