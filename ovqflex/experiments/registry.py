@@ -40,8 +40,10 @@ Scales (``ovqflex experiment NAME --scale S``):
   learns more slowly than ``tiny``: a ``small`` sw-ovq (q/k conv 4) at 256 tokens with batch 32 and lr
   2e-3 (600-step schedule) was still on the plateau at step 425 (loss 5.52) when stopped, and the
   ``tiny`` one at 128 tokens with batch 64 and this scale's lr 1e-3 reached accuracy 0.24 in 600
-  steps where lr 5e-3 had 0.82 by step 200. So a first GPU slice should be one model and seed,
-  and the lr may need a sweep there.
+  steps where lr 5e-3 had 0.82 by step 200. So the lr should be swept on the GPU before whole runs:
+  ``ovqflex pilot icr --scale gpu --models sw-ovq --lrs 1e-3,2e-3,4e-3 --stop-after 500`` (the first
+  warm-up length's steps; ``bash tools/gpu_check.sh pilot OUT``), then a first slice of one model
+  and seed.
 - ``smoke`` -- 20 steps of 8 × 64 tokens, evaluated at 64 and 128 on 8 examples: checks
   the whole pipeline in a few minutes (it learns nothing).
 
