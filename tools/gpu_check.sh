@@ -136,8 +136,9 @@ pack_experiment() {  # EXP_DIR as OUT/experiment.tgz.NN: every run's newest comp
   tar czf - "${skip[@]}" -C "$dir" . | split -b "${EXP_PIECE_MB:-15}M" -d -a 2 - "$OUT/experiment.tgz."
   rc=("${PIPESTATUS[@]}")
   [ "${rc[0]}${rc[1]}" = 00 ] || { echo "  packing $dir failed (tar exit ${rc[0]}, split exit ${rc[1]})"; return 1; }
-  echo "  $dir -> $(ls "$OUT"/experiment.tgz.[0-9][0-9] | wc -l) piece(s), $(cat "$OUT"/experiment.tgz.[0-9][0-9] | wc -c)" \
-       "bytes: $OUT/experiment.tgz.NN; checkpoints kept:${kept:- none}"
+  local pieces=("$OUT"/experiment.tgz.[0-9][0-9])
+  echo "  $dir -> ${#pieces[@]} piece(s), $(cat "${pieces[@]}" | wc -c) bytes: $OUT/experiment.tgz.NN;" \
+       "checkpoints kept:${kept:- none}"
 }
 
 experiment() {
