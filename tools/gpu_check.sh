@@ -29,9 +29,9 @@
 #   pilot           ovqflex pilot $EXP --scale $EXP_SCALE (defaults as above) --models $PILOT_MODELS
 #                   (default sw-ovq) --lrs $PILOT_LRS (default 1e-3,2e-3,4e-3) --stop-after $PILOT_STEPS
 #                   (default 500: the icr gpu scale's steps at its first warm-up length) into $PILOT_DIR
-#                   (default runs/pilots/$EXP-$EXP_SCALE; pilot.log, and its pilot.md and pilot.json
-#                   copied to OUT): which learning rate leaves the no-recall plateau in a run's first
-#                   steps, before whole runs are paid for
+#                   (default runs/experiments/$EXP-$EXP_SCALE-pilot; pilot.log, and its pilot.md and
+#                   pilot.json copied to OUT): which learning rate leaves the no-recall plateau in a run's
+#                   first steps, before whole runs are paid for
 # OUT: the folder for the logs (default gpu-check-out). Each part gets at most $PART_S seconds
 # (default 420), every test of the tier at most $TEST_S (default 300); $JOBS defaults to the CPU count
 # less one, at most 15; $DEVICE (default cuda) is the device of the main job, the experiment and the
@@ -161,7 +161,7 @@ experiment() {
 
 pilot() {
   local name=${EXP:-icr} scale=${EXP_SCALE:-gpu} t0=$(date +%s) dir
-  dir=${PILOT_DIR:-runs/pilots/$name-$scale}
+  dir=${PILOT_DIR:-runs/experiments/$name-$scale-pilot}  # ovqflex pilot's default
   timeout --foreground -k 60 "$PART_S" python3 -m ovqflex pilot "$name" --scale "$scale" --device "$DEVICE" \
       --models "${PILOT_MODELS:-sw-ovq}" --lrs "${PILOT_LRS:-1e-3,2e-3,4e-3}" --stop-after "${PILOT_STEPS:-500}" \
       --out "$dir" > "$OUT/pilot.log" 2>&1
