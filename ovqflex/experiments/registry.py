@@ -172,7 +172,9 @@ register_experiment(Experiment(
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
                      task_options=dict(vocab_size=10000, io_len=12, n_functions=16), model_options=_GPU_MODEL,
                      lr=1e-3, warmup=200, ckpt_every=500, eval_examples=64, eval_batch_size=4,
-                     budget="164M training tokens per run; not measured (no GPU here)"),
+                     budget="164M training tokens per run; not measured (no GPU here); the paper's task size, "
+                            "never run here (a smaller one learned nothing on the CPU: module docstring); try "
+                            "`ovqflex pilot icl --scale gpu` first"),
         "smoke": _smoke(_ICL_CPU_TASK),
     },
     sweeps=(DICTIONARY_SWEEP,),
