@@ -26,12 +26,12 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from recurrences.checks import ConfigError, check_int
+from recurrences.checks import ConfigError
 
 from ..files import write_atomic
 from ..training import TrainConfig, latest_checkpoint, train
 from ..training.checkpoint import checkpoint_dir
-from ..training.trainer import CONFIG_FILE, METRICS_FILE
+from ..training.trainer import CONFIG_FILE, METRICS_FILE, check_stop_after
 from .plan import Plan, Run
 
 #: the training accuracy a pilot run must reach to count as "learned" (first step at which it did)
@@ -110,9 +110,7 @@ def lr_pilot(plan: Plan, lrs, stop_after: int, *, out: str | Path, log=print,
     (module docstring); returns the rows of :func:`summarize`, also written to ``out/pilot.json``
     and ``out/pilot.md`` after each pilot run."""
     lrs = _check_lrs(lrs)
-    check_int("stop_after", stop_after)
-    if stop_after > plan.scale.steps:
-        raise ValueError(f"stop_after must be at most the scale's steps ({plan.scale.steps}), got {stop_after}")
+    check_stop_after(stop_after, plan.scale.steps)  # before any run trains (train checks it again)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -130,6 +130,14 @@ def _progress(cfg: TrainConfig, info: DistInfo, start: int):
     return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
+def check_stop_after(stop_after: object, steps: int) -> int:
+    """``stop_after`` of :func:`train`, refused by name unless an int in ``[1, steps]`` (the run's steps)."""
+    check_int("stop_after", stop_after)
+    if stop_after > steps:
+        raise ValueError(f"stop_after must be at most the run's steps ({steps}), got {stop_after}")
+    return stop_after
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathLike | None = None,
           stop_after: int | None = None) -> TrainResult:
     """Train per ``cfg`` into ``cfg.out``. ``resume``: continue from the run's latest checkpoint;
@@ -141,9 +149,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathL
     continues it as if it had not stopped."""
     out = Path(cfg.out)
     if stop_after is not None:
-        check_int("stop_after", stop_after)
-        if stop_after > cfg.steps:
-            raise ValueError(f"stop_after must be at most the run's steps ({cfg.steps}), got {stop_after}")
+        check_stop_after(stop_after, cfg.steps)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={str(out)!r} is a file, not a run directory: choose another --out")
     info = init_distributed("cuda" if resolve_device(cfg.device).type == "cuda" else "cpu")

@@ -83,7 +83,7 @@ def test_summary_columns_learned_step_and_speed():
     ([1e-3, 0.0], 3, r"lrs must be one or more numbers > 0, got \[0.001, 0.0\]"),
     ([1e-3, 0.001], 3, r"lrs must be distinct, got \[0.001, 0.001\]"),
     ([1e-3], 0, "stop_after must be >= 1, got 0"),
-    ([1e-3], 7, r"stop_after must be at most the scale's steps \(6\), got 7"),
+    ([1e-3], 7, r"stop_after must be at most the run's steps \(6\), got 7"),
 ], ids=["no-lr", "zero-lr", "twice", "no-steps", "past-the-run"])
 def test_bad_arguments_are_refused_by_name_before_training(tmp_path, lrs, stop_after, match):
     p = plan(tiny(steps=6), "s", tmp_path / "exp", models=["sw-linear"], progress=False)
@@ -96,4 +96,4 @@ def test_cli_refuses_a_pilot_past_the_scales_steps():
     done = subprocess.run([sys.executable, "-m", "ovqflex", "pilot", "icr", "--scale", "smoke", "--models", "sw-ovq",
                            "--lrs", "1e-3", "--stop-after", "21"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert "ovqflex pilot: error: stop_after must be at most the scale's steps (20), got 21" in done.stderr
+    assert "ovqflex pilot: error: stop_after must be at most the run's steps (20), got 21" in done.stderr
