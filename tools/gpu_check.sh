@@ -22,16 +22,17 @@
 #                   slice, on this machine or a fresh one, as OUT/experiment.tgz.00, .01, ... (gzip'd
 #                   tar cut into pieces of $EXP_PIECE_MB MiB, default 15): the finished runs' reports
 #                   and logs, and the newest checkpoint of a run cut off in training, so that the next
-#                   slice continues it from its last step (a `small` run's is ~39 MB, 3 pieces: with
-#                   --jobs 1 only one run is in training when the slice ends). $EXP_FROM, a folder
+#                   slice continues it from its last step (the icr gpu scale's `tiny` run's is ~5 MB, so
+#                   --jobs 5 carries at most ~25 MB; a `small` run's is ~39 MB, 3 pieces, so there use
+#                   --jobs 1: a call brings back at most 8 files, 64 MiB). $EXP_FROM, a folder
 #                   holding such pieces, is unpacked into EXP_DIR first; EXP_DIR must then not hold an
 #                   experiment yet
 #   pilot           ovqflex pilot $EXP --scale $EXP_SCALE (defaults as above) --models $PILOT_MODELS
-#                   (default sw-ovq) --lrs $PILOT_LRS (default 1e-3,2e-3,4e-3) --stop-after $PILOT_STEPS
-#                   (default 500: the icr gpu scale's steps at its first warm-up length) into $PILOT_DIR
-#                   (default runs/experiments/$EXP-$EXP_SCALE-pilot; pilot.log, and its pilot.md and
-#                   pilot.json copied to OUT): which learning rate leaves the no-recall plateau in a run's
-#                   first steps, before whole runs are paid for
+#                   (default: all) --lrs $PILOT_LRS (default 5e-3: the icr gpu scale's) --stop-after
+#                   $PILOT_STEPS (default 600: the icr gpu scale's steps at its first warm-up length) into
+#                   $PILOT_DIR (default runs/experiments/$EXP-$EXP_SCALE-pilot; pilot.log, and its pilot.md
+#                   and pilot.json copied to OUT): whether each model (at each learning rate) leaves the
+#                   no-recall plateau in a run's first steps, before whole runs are paid for
 # OUT: the folder for the logs (default gpu-check-out). Each part gets at most $PART_S seconds
 # (default 420), every test of the tier at most $TEST_S (default 300); $JOBS defaults to the CPU count
 # less one, at most 15; $DEVICE (default cuda) is the device of the main job, the experiment and the
@@ -163,7 +164,7 @@ pilot() {
   local name=${EXP:-icr} scale=${EXP_SCALE:-gpu} t0=$(date +%s) dir
   dir=${PILOT_DIR:-runs/experiments/$name-$scale-pilot}  # ovqflex pilot's default
   timeout --foreground -k 60 "$PART_S" python3 -m ovqflex pilot "$name" --scale "$scale" --device "$DEVICE" \
-      --models "${PILOT_MODELS:-sw-ovq}" --lrs "${PILOT_LRS:-1e-3,2e-3,4e-3}" --stop-after "${PILOT_STEPS:-500}" \
+      ${PILOT_MODELS:+--models "$PILOT_MODELS"} --lrs "${PILOT_LRS:-5e-3}" --stop-after "${PILOT_STEPS:-600}" \
       --out "$dir" > "$OUT/pilot.log" 2>&1
   echo "pilot $name: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/pilot.log"
   cp "$dir"/pilot.md "$dir"/pilot.json "$OUT"/ 2>/dev/null && cat "$OUT/pilot.md"

@@ -21,29 +21,48 @@ Scales (``ovqflex experiment NAME --scale S``):
   × 2 seeds with their evaluations (64 examples per length: 127k tokens for icr, 254k for
   icl), two runs at a time (``--jobs 2``, one thread each) on a quiet 2-core CPU: icr 25 min
   (3.1-7.5 min per training run), icl 29 min (3.1-7.6 min per training run).
-- ``gpu`` -- the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` = 1,024)
-  with the q/k convolution of width 4 the ``tiny`` preset also uses, trained at 2,048
-  tokens (5,000 steps × 16 sequences = 164M tokens per run) and evaluated at 2k ... 32k
-  (16×). Not measured here (no GPU); at an assumed 300k tokens/s a run takes ~10 min,
-  all 10 runs and their evaluations ~2-3 h on one H100. ``icr`` trains its first 1,500 steps at
-  256, 512 and 1,024 tokens (500 steps each, 128 / 64 / 32 sequences: the same tokens per step;
-  :func:`ovqflex.training.schedule.length_at`), since the no-recall plateau of this task grows
-  with the length. Measured with the ``tiny`` sw-ovq on the CPU (2026-11-28, seed 0, lr 5e-3,
-  1,000-step schedule, the task below): it learned at 128 tokens in 300-400 steps with batch 32
-  (by step 200 with 64, not by step 700 with 16) but stayed on the plateau (loss ln 252) at 512
-  tokens with batch 16 for all 1,000 steps (eval accuracy 0.003 at 512, 0.007 at 2,048), to step
-  550 with batch 32, and to step 450 with the training mix's pair counts drawn log-uniformly (a
-  trial, not an option). With ``--length-warmup 128 --length-warmup-steps 400`` (batch 64 at 128,
-  then 16 at 512) the same run left the plateau by step 200, kept 0.98-1.00 training accuracy
-  after the switch to 512, and evaluated 0.997 at 512 and 0.949 at 2,048 (README, Models, tasks,
-  training). Whether the ``small`` model learns in 5,000 steps at this scale is not measured; it
-  learns more slowly than ``tiny``: a ``small`` sw-ovq (q/k conv 4) at 256 tokens with batch 32 and lr
-  2e-3 (600-step schedule) was still on the plateau at step 425 (loss 5.52) when stopped, and the
-  ``tiny`` one at 128 tokens with batch 64 and this scale's lr 1e-3 reached accuracy 0.24 in 600
-  steps where lr 5e-3 had 0.82 by step 200. So the lr should be swept on the GPU before whole runs:
-  ``ovqflex pilot icr --scale gpu --models sw-ovq --lrs 1e-3,2e-3,4e-3 --stop-after 500`` (the first
-  warm-up length's steps; ``bash tools/gpu_check.sh pilot OUT``), then a first slice of one model
-  and seed.
+- ``gpu`` -- ``icr``: the ``tiny`` preset with ``N`` = 4,096, trained at 2,048 tokens (1,700 steps
+  of 4 sequences, 13.9M tokens per run; its first 1,200 steps at 128 and 512 tokens, 600 each with
+  64 and 16 sequences: the length warm-up, :func:`ovqflex.training.schedule.length_at`) and
+  evaluated at 2k ... 32k (16×). ``N`` = 4,096 keeps the ``cpu`` scale's dictionary share of the
+  context at every multiple of the training length, since the plateau size ``t N / (t + N)``
+  depends on ``t / N`` alone: the last chunk reads 1,358 rows at 2k (2/3 of the tokens before it)
+  and 3,640 at 32k (11%). Sized for the GPU time this project is lent (minutes a session, at most
+  10 a command): 139M training tokens for the 10 runs, where the train bench's ``tiny`` sw-ovq at
+  2,048 tokens ran at 1.37M tokens/s on an H100 (batch 16); its GPU time is not measured. Why
+  these settings, measured with ``tiny`` models on the 2-core CPU (seed 0, lr 5e-3, this task):
+
+  - Trained at 512 tokens alone (batch 16, 1,000 steps) sw-ovq stayed on the no-recall plateau
+    (loss ln 252) throughout; at 128 tokens it learned in 300-400 steps with batch 32, by step 200
+    with 64, not by step 700 with 16; with ``--length-warmup 128 --length-warmup-steps 400`` (batch
+    64 at 128, then 16 at 512) it left the plateau by step 200 and evaluated 0.997 at 512 and
+    0.949 at 2,048 (README, Models, tasks, training). With lr 1e-3 at 128 tokens (batch 64) it
+    reached accuracy 0.24 in 600 steps, where 5e-3 had 0.82 by step 200.
+  - With ``N`` = 1,024 (682 rows at 2k, a third of the tokens; ``ovqflex train --seq-len 2048
+    --length-warmup 128,512 --length-warmup-steps 500 --steps 800 --batch-size 4 --model-opt
+    ovq.max_centroids=1024`` with the task options below) sw-ovq left the plateau at 128 tokens by
+    step 210 and held 0.98-1.00 at 512, but only 0.6-0.75 training accuracy at 2,048; evaluated on
+    32 examples it scored 0.98 / 0.87 / 0.22 at 512 / 2k / 8k, and 1.00 / 0.99 / 0.84 with ``N`` =
+    4,096 at test time: the dictionary, not the learning, was the limit.
+  - The scale's first form had 250 steps at each warm-up length (1,000 steps in all). sw-ovq
+    trained in 26 min (``ovqflex experiment icr --scale gpu --models sw-ovq --seeds 0 --device
+    cpu``): training accuracy 0.94-0.98 at 2,048 tokens; evaluated 0.975 / 0.871 / 0.607 / 0.236 /
+    0.040 at 2k / 4k / 8k / 16k / 32k, and with ``N`` ×2 0.991 / 0.961 / 0.870 / 0.547 to 16k. But
+    in its pilot (``ovqflex pilot icr --scale gpu --models sw-nope,sw-vq --lrs 5e-3 --stop-after
+    250``) sw-nope left the plateau at step 190, as sw-ovq had, while sw-vq had not by step 250 (accuracy 0.011; it needed 300-310 steps at
+    the ``cpu`` scale), so the warm-up lengths now have 600 steps each. In the pilot of this form
+    (``--stop-after 600``; each run's training accuracy at 128 tokens first reached 0.5 at the step
+    given) sw-kvm left at step 210, sw-linear at 320 (0.73 at 600) and sw-vq at 390 (0.88 at 600).
+  - Before, the scale was the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` =
+    1,024) for 5,000 steps of 16 sequences: 164M tokens a run, an estimated 2-3 h of an H100 for
+    the table, never run. ``small`` also learned more slowly: a ``small`` sw-ovq at 256 tokens
+    (batch 32, lr 2e-3) was still on the plateau at step 425 (loss 5.52) when stopped.
+
+  Whether every model leaves the plateau within the first warm-up length on the GPU too (bf16
+  autocast there) is one command before whole runs: ``ovqflex pilot icr --scale gpu --lrs 5e-3
+  --stop-after 600`` (``bash tools/gpu_check.sh pilot OUT``).
+  ``icl``: the ``small`` preset with the q/k convolution of width 4, 5,000 steps of 16 × 2,048
+  tokens on the paper's task size, never run (a smaller task learned nothing on the CPU: below).
 - ``smoke`` -- 20 steps of 8 × 64 tokens, evaluated at 64 and 128 on 8 examples: checks
   the whole pipeline in a few minutes (it learns nothing).
 
@@ -115,7 +134,7 @@ MODELS = (
                                                               "growth_exponent": 0.5, "max_state_chunks": None}}}),
 )
 DICTIONARY_SWEEP = EvalSweep("max_centroids", (1, 2, 4), ("sw-ovq",), symbol="N")
-_GPU_MODEL = {"qk_conv": 4}
+_ICL_GPU_MODEL = {"qk_conv": 4}
 
 
 def _smoke(task_options: dict) -> Scale:
@@ -127,7 +146,8 @@ def _smoke(task_options: dict) -> Scale:
 _ICR_CPU_TASK = dict(vocab_size=256, key_len=2, value_len=1, n_queries=6, min_pairs=1)
 _ICR_CPU_MODEL = {"ovq.max_centroids": 128}  # the paper's rows per pair (module docstring)
 # the gpu scale's task stays on its no-recall plateau when trained at its length alone (module docstring)
-_ICR_GPU_WARMUP = {"length_warmup": (256, 512, 1024), "length_warmup_steps": 1500}
+_ICR_GPU_WARMUP = {"length_warmup": (128, 512), "length_warmup_steps": 1200}
+_ICR_GPU_MODEL = {"ovq.max_centroids": 4096}  # the cpu scale's N per training token (module docstring)
 register_experiment(Experiment(
     name="icr",
     description="basic in-context recall; accuracy from the training length to 16x it",
@@ -139,13 +159,13 @@ register_experiment(Experiment(
                      ckpt_every=200, eval_examples=64, eval_batch_size=16,
                      budget="4.1M training tokens per run; measured 25 min for 5 models x 2 seeds with evaluations on "
                             "a quiet 2-core CPU with --jobs 2 (10-23k tokens/s per run, one thread each)"),
-        "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
+        "gpu": Scale(preset="tiny", seq_len=2048, steps=1700, batch_size=4,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
                      task_options=dict(vocab_size=256, key_len=2, value_len=2, n_queries=6, min_pairs=1),
-                     model_options=_GPU_MODEL, lr=1e-3, warmup=200, ckpt_every=500, eval_examples=64,
+                     model_options=_ICR_GPU_MODEL, lr=5e-3, warmup=100, ckpt_every=200, eval_examples=64,
                      eval_batch_size=4, train_options=_ICR_GPU_WARMUP,
-                     budget="164M training tokens per run; not measured (no GPU here): ~10 min per run at an "
-                            "assumed 300k tokens/s, ~2-3 h for 5 models x 2 seeds with evaluations"),
+                     budget="13.9M training tokens per run; not measured on a GPU (the 2-core CPU trained "
+                            "sw-ovq for this scale's first 1,000-step form in 26 min)"),
         "smoke": _smoke(_ICR_CPU_TASK),
     },
     sweeps=(DICTIONARY_SWEEP,),
@@ -170,7 +190,7 @@ register_experiment(Experiment(
                             "run (21-22k tokens/s), sw-ovq / sw-vq / sw-kvm 5.0-7.6 min (10-14k tokens/s)"),
         "gpu": Scale(preset="small", seq_len=2048, steps=5000, batch_size=16,
                      eval_lengths=(2048, 4096, 8192, 16384, 32768),
-                     task_options=dict(vocab_size=10000, io_len=12, n_functions=16), model_options=_GPU_MODEL,
+                     task_options=dict(vocab_size=10000, io_len=12, n_functions=16), model_options=_ICL_GPU_MODEL,
                      lr=1e-3, warmup=200, ckpt_every=500, eval_examples=64, eval_batch_size=4,
                      budget="164M training tokens per run; not measured (no GPU here); the paper's task size, "
                             "never run here (a smaller one learned nothing on the CPU: module docstring); try "

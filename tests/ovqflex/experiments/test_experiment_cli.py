@@ -16,7 +16,7 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
     assert "train at 2048 tokens; evaluate at 2048, 4096, 8192, 16384, 32768" in text
     assert "[1/2] train sw-nope seed 2" in text and "runs/experiments/icl-gpu/sw-nope-s2" in text
     assert main(["experiment", "icr", "--scale", "gpu", "--dry-run", "--steps", "2000"]) == 0
-    assert "per run: 2,000 steps x 16 x 2048 (first 256, 512, 1,024 tokens over 1,500 steps)" in capsys.readouterr().out
+    assert "per run: 2,000 steps x 4 x 2048 (first 128, 512 tokens over 1,200 steps)" in capsys.readouterr().out
 
 
 def test_help_lists_the_experiments(capsys):

@@ -53,16 +53,16 @@ def test_steps_replace_the_scales_and_are_recorded(tmp_path):
     """``steps`` trains every run for that many steps (warmups and checkpoint interval kept); the spec
     records it, so a resume with other steps is refused (the runner's spec check)."""
     p = plan(get_experiment("icr"), "gpu", tmp_path, seeds=[0], steps=2000)
-    assert {r.train.steps for r in p.runs} == {2000} and p.runs[0].train.warmup == 200
-    assert p.runs[0].train.length_warmup_steps == 1500  # the length warm-up's steps kept too
-    assert p.spec()["train"]["steps"] == 2000 and p.scale.train_tokens == 2000 * 16 * 2048
+    assert {r.train.steps for r in p.runs} == {2000} and p.runs[0].train.warmup == 100
+    assert p.runs[0].train.length_warmup_steps == 1200  # the length warm-up's steps kept too
+    assert p.spec()["train"]["steps"] == 2000 and p.scale.train_tokens == 2000 * 4 * 2048
     text = p.describe()
-    assert ("per run: 2,000 steps x 16 x 2048 (first 256, 512, 1,024 tokens over 1,500 steps) = 65,536,000 "
+    assert ("per run: 2,000 steps x 4 x 2048 (first 128, 512 tokens over 1,200 steps) = 16,384,000 "
             "training tokens") in text
-    assert "budget: 2,000 steps instead of the scale's 5,000; the scale's: 164M training tokens" in text
-    with pytest.raises(ValueError, match=r"length_warmup_steps must be in \[3, steps=1500\)"):
-        plan(get_experiment("icr"), "gpu", tmp_path, steps=1500)
-    assert plan(get_experiment("icr"), "gpu", tmp_path, steps=5000).scale == get_experiment("icr").scale("gpu")
+    assert "budget: 2,000 steps instead of the scale's 1,700; the scale's: 13.9M training tokens" in text
+    with pytest.raises(ValueError, match=r"length_warmup_steps must be in \[2, steps=1200\)"):
+        plan(get_experiment("icr"), "gpu", tmp_path, steps=1200)
+    assert plan(get_experiment("icr"), "gpu", tmp_path, steps=1700).scale == get_experiment("icr").scale("gpu")
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=f"steps must be an int >= 1, got {bad!r}"):
             plan(get_experiment("icr"), "cpu", tmp_path, steps=bad)

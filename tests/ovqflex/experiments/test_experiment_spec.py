@@ -5,6 +5,7 @@ import pytest
 from ovqflex.experiments import EXPERIMENTS, EvalSweep, Experiment, ModelSpec, Scale, get_experiment, plan
 from ovqflex.experiments.registry import register_experiment
 from ovqflex.tasks import make_task
+from recurrences.ovq.routing import dictionary_size
 
 
 def scale(**kw) -> Scale:
@@ -91,3 +92,19 @@ def test_icr_scales_do_not_run_out_of_distinct_keys_or_values():
         content = task.vocab_size - 4
         assert task.key_len >= 2 or name != "gpu", name  # the gpu scale keeps the paper's multi-token keys
         assert pairs <= content ** task.key_len and pairs <= content ** task.value_len, (name, pairs)
+
+
+def test_icr_gpu_scale_keeps_the_cpu_scales_dictionary_share_of_the_tokens(tmp_path):
+    """sw-ovq's dictionary holds about the same share of the context's tokens at each multiple of the
+    training length at both scales (the plateau size ``t N / (t + N)`` depends on ``t / N`` alone), so
+    the gpu scale compresses as the cpu scale does and its N x2, x4 sweep has something to show."""
+    shares = {}
+    for name in ("cpu", "gpu"):
+        p = plan(get_experiment("icr"), name, tmp_path / name, seeds=[0], models=["sw-ovq"])
+        cfg = p.spec()["models"]["sw-ovq"]["config"]
+        n, chunk = cfg["mixer_options"]["ovq"]["max_centroids"], cfg["chunk_size"]
+        lengths = p.scale.eval_lengths
+        assert [t // lengths[0] for t in lengths] == [1, 2, 4, 8, 16], name
+        shares[name] = [dictionary_size(t // chunk, chunk, n) / t for t in lengths]
+    assert shares["gpu"] == pytest.approx(shares["cpu"], abs=0.02)
+    assert shares["gpu"][0] > 0.6 and shares["gpu"][-1] < 0.15  # 2/3 of the tokens at 1x, 11% at 16x
