@@ -134,7 +134,6 @@ MODELS = (
                                                               "growth_exponent": 0.5, "max_state_chunks": None}}}),
 )
 DICTIONARY_SWEEP = EvalSweep("max_centroids", (1, 2, 4), ("sw-ovq",), symbol="N")
-_ICL_GPU_MODEL = {"qk_conv": 4}
 
 
 def _smoke(task_options: dict) -> Scale:
@@ -176,6 +175,7 @@ register_experiment(Experiment(
 
 _ICL_CPU_TASK = dict(vocab_size=256, io_len=2, n_functions=4, n_function_tokens=16, a_max=3, b_max=3, x_max=16,
                      min_functions=1)
+_ICL_GPU_MODEL = {"qk_conv": 4}
 register_experiment(Experiment(
     name="icl",
     description="long in-context linear regression; accuracy from the training length to 16x it",
