@@ -49,8 +49,9 @@ Scales (``ovqflex experiment NAME --scale S``):
     cpu``): training accuracy 0.94-0.98 at 2,048 tokens; evaluated 0.975 / 0.871 / 0.607 / 0.236 /
     0.040 at 2k / 4k / 8k / 16k / 32k, and with ``N`` ×2 0.991 / 0.961 / 0.870 / 0.547 to 16k. But
     in its pilot (``ovqflex pilot icr --scale gpu --models sw-nope,sw-vq --lrs 5e-3 --stop-after
-    250``) sw-nope left the plateau at step 190, as sw-ovq had, while sw-vq had not by step 250 (accuracy 0.011; it needed 300-310 steps at
-    the ``cpu`` scale), so the warm-up lengths now have 600 steps each. In the pilot of this form
+    250``) sw-nope left the plateau at step 190, as sw-ovq had, while sw-vq had not by step 250
+    (accuracy 0.011; it needed 300-310 steps at the ``cpu`` scale), so the warm-up lengths now have
+    600 steps each. In the pilot of this form
     (``--stop-after 600``; each run's training accuracy at 128 tokens first reached 0.5 at the step
     given) sw-kvm left at step 210, sw-linear at 320 (0.73 at 600) and sw-vq at 390 (0.88 at 600).
     This form's sw-ovq (the experiment command above, 28 min 41 s of training) evaluated 0.922 /
@@ -167,8 +168,8 @@ register_experiment(Experiment(
                      task_options=dict(vocab_size=256, key_len=2, value_len=2, n_queries=6, min_pairs=1),
                      model_options=_ICR_GPU_MODEL, lr=5e-3, warmup=100, ckpt_every=200, eval_examples=64,
                      eval_batch_size=4, train_options=_ICR_GPU_WARMUP,
-                     budget="13.9M training tokens per run; not measured on a GPU (the 2-core CPU trained "
-                            "sw-ovq for this scale's first 1,000-step form in 26 min)"),
+                     budget="13.9M training tokens per run; not measured on a GPU (on the 2-core CPU sw-ovq "
+                            "trained in 29 min, 49 min with its evaluations)"),
         "smoke": _smoke(_ICR_CPU_TASK),
     },
     sweeps=(DICTIONARY_SWEEP,),
