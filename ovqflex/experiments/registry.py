@@ -61,6 +61,9 @@ Scales (``ovqflex experiment NAME --scale S``):
     which this form's 2,048-token phase starts (1.1e-3, against 2.9e-3) is not what held seed 0
     back: with ``--steps 2000`` (800 steps at 2,048, from lr 1.9e-3) seed 0 did worse, training
     accuracy 0.70 at 2,048 and 0.770 / 0.643 / 0.419 / 0.186 / 0.047 evaluated.
+  - All five models at this scale ran on the CPU (``--device cpu --jobs 2``; README, "The ``gpu``
+    scale"): sw-nope held 0.99 at 2x and fell to 0.13 at 16x, below sw-ovq with ``N`` x4 (0.37);
+    sw-vq (512 codes), sw-linear and sw-kvm were below sw-ovq at the training length.
   - Before, the scale was the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` =
     1,024) for 5,000 steps of 16 sequences: 164M tokens a run, an estimated 2-3 h of an H100 for
     the table, never run. ``small`` also learned more slowly: a ``small`` sw-ovq at 256 tokens
@@ -171,8 +174,8 @@ register_experiment(Experiment(
                      task_options=dict(vocab_size=256, key_len=2, value_len=2, n_queries=6, min_pairs=1),
                      model_options=_ICR_GPU_MODEL, lr=5e-3, warmup=100, ckpt_every=200, eval_examples=64,
                      eval_batch_size=4, train_options=_ICR_GPU_WARMUP,
-                     budget="13.9M training tokens per run; not measured on a GPU (on the 2-core CPU sw-ovq "
-                            "trained in 29 min, 49 min with its evaluations)"),
+                     budget="13.9M training tokens per run; not measured on a GPU (on the 2-core CPU, two runs at "
+                            "a time with one thread each: 14-52 min of training per run, up to 14 min per evaluation)"),
         "smoke": _smoke(_ICR_CPU_TASK),
     },
     sweeps=(DICTIONARY_SWEEP,),
