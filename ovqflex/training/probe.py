@@ -52,33 +52,44 @@ class HeadProbe:
     offsets: list[tuple[int, float]]
 
 
-def dense_attention(program: AttentionProgram) -> Tensor:
-    """The attention weights ``[B, H, q_len, q_len]`` of a program over token rows only (no state
-    rows: a plain attention layer's), from its q, k, scale, bias and ``mask_mod``."""
+def dense_attention(program: AttentionProgram, rows: Tensor | None = None) -> Tensor:
+    """The attention weights of a program over token rows only (no state rows: a plain attention
+    layer's), from its q, k, scale, bias and ``mask_mod``: ``[B, H, q_len, q_len]``, or with
+    ``rows`` ``[Q, 2]`` (example, query position) only those queries' rows, ``[Q, H, q_len]``
+    (memory ``Q * q_len`` instead of ``q_len ** 2``: what lets the probe read long contexts)."""
     g = program.geom
     if g.n_state:
         raise ValueError(f"dense_attention reads programs of token rows only, got {g.n_state} state rows")
     T = g.q_len
     q, k = program.q[:, :, :T].float(), program.k[:, :, :T].float()
-    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * program.scale
-    if program.bias is not None:
-        scores = scores + program.bias[:, :, None, :T].float()
+    bias = None if program.bias is None else program.bias[:, :, :T].float()  # [B, H, T]
     idx = torch.arange(T, device=q.device)
     zero = idx.new_zeros(())
-    visible = program.mask_mod(zero, zero, idx.view(-1, 1), idx.view(1, -1))
+    if rows is None:
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * program.scale
+        if bias is not None:
+            scores = scores + bias[:, :, None]
+        visible = program.mask_mod(zero, zero, idx.view(-1, 1), idx.view(1, -1))
+    else:
+        b, t = rows.to(q.device).unbind(1)
+        scores = torch.einsum("qhd,qhkd->qhk", q[b, :, t], k[b]) * program.scale  # [Q, H, T]
+        if bias is not None:
+            scores = scores + bias[b]
+        visible = program.mask_mod(zero, zero, t.view(-1, 1, 1), idx.view(1, 1, -1))
     return scores.masked_fill(~visible, float("-inf")).softmax(-1)
 
 
-def layer_attention(mixer, x: Tensor) -> Tensor | None:
-    """Attention weights ``[B, H, T, T]`` of ``mixer`` on its input x ``[B, T, hidden]``; None
+def layer_attention(mixer, x: Tensor, rows: Tensor | None = None) -> Tensor | None:
+    """Attention weights ``[B, H, T, T]`` of ``mixer`` on its input x ``[B, T, hidden]`` (with
+    ``rows`` ``[Q, 2]``: those queries' rows, ``[Q, H, T]``, see :func:`dense_attention`); None
     for a mixer the probe does not read. OVQ: its exact token attention (module docstring)."""
     if isinstance(mixer, _PlainAttention):
-        return dense_attention(mixer.program(x))
+        return dense_attention(mixer.program(x), rows)
     if isinstance(mixer, OVQAttention):  # the layer's own beta q̂ and unit keys, as its decode step scores them
         q_scaled, kn, v, _ = mixer._decode_inputs(mixer.split_heads_cached(x, None))
         program = build_program(q_scaled.float(), kn, v.float(), plain_regions(), scale=1.0,
                                 block_size=mixer.options.block_size)
-        return dense_attention(program)
+        return dense_attention(program, rows)
     return None
 
 
@@ -141,10 +152,9 @@ def probe_run(run_dir, length: int | None = None, *, n_examples: int = 64, batch
             q = recall_queries(x, y, task.key_len)
             correct += int((logits.argmax(-1).cpu()[q[:, 0], q[:, 1]] == y[q[:, 0], q[:, 1]]).sum())
             for i, block in enumerate(model.blocks):
-                w = layer_attention(block.mixer, inputs[i])
+                w = layer_attention(block.mixer, inputs[i], q[:, :2])
                 if w is not None:
-                    b, t, _ = q.unbind(1)
-                    stats.setdefault(i, []).append(w.cpu()[b, :, t])  # [Q, H, T]
+                    stats.setdefault(i, []).append(w.cpu())  # [Q, H, T]
             queries.append(q)
     finally:
         for h in hooks:

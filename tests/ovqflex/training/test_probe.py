@@ -29,6 +29,8 @@ def test_dense_weights_give_the_layers_attention_output(layer):
     out = attend(program, "blocked")
     T = x.shape[1]
     assert torch.allclose(w @ program.v[:, :, :T], out, atol=1e-5)
+    rows = torch.tensor([[1, 0], [0, 36], [1, 5], [0, 5], [1, 36]])  # (example, query position)
+    assert torch.allclose(dense_attention(program, rows), w[rows[:, 0], :, rows[:, 1]], atol=1e-6)
 
 
 def test_ovq_weights_are_its_exact_token_attention():
@@ -43,6 +45,8 @@ def test_ovq_weights_are_its_exact_token_attention():
     q, k, v = layer.split_heads(x)
     out = ovq_attention(q, k, v, layer.beta, backend="blocked", options=layer.options)
     assert torch.allclose(w @ v, out, atol=1e-5)
+    rows = torch.tensor([[0, 39], [1, 17], [1, 0]])
+    assert torch.allclose(layer_attention(layer, x, rows), w[rows[:, 0], :, rows[:, 1]], atol=1e-6)
 
 
 def test_state_programs_are_refused():
