@@ -13,7 +13,7 @@ from recurrences.checks import check_block_size
 from ..attention import attend
 from ..cache.plain import PlainCache, StaticPlainCache
 from ..ops.decode import positions
-from ..ops.plain import plain_regions, window_regions
+from ..ops.plain import check_logn_len, logn_scale, plain_regions, window_regions
 from ..ops.plain_decode import plain_decode, plain_decode_static, plain_prefill, plain_static
 from ..profiling import stage
 from .heads import MultiHeadProjection
@@ -100,14 +100,40 @@ class _PlainAttention(MultiHeadProjection):
 
 
 class CausalAttention(_PlainAttention):
-    """Full causal multi-head attention, NoPE (``rope=False``) or RoPE."""
+    """Full causal multi-head attention, NoPE (``rope=False``) or RoPE.
+
+    ``logn_len`` (default 0: off): the query at position ``t`` has its logits multiplied by
+    ``max(1, ln(t + 1) / ln(logn_len))`` (:func:`~ovqflex.ops.plain.logn_scale`), so that past
+    ``logn_len`` tokens a match does not lose its softmax weight to the growing number of keys.
+    A test-time setting (``ovqflex eval --override logn_len=TRAIN_LEN``): no parameter depends
+    on it, and it leaves contexts up to ``logn_len`` unchanged.
+    """
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, rope: bool = False,
                  rope_base: float = 10000.0, qk_norm: bool = False, qk_conv: int = 0, backend: str = "auto",
-                 block_size: int = DEFAULT_BLOCK):
+                 block_size: int = DEFAULT_BLOCK, logn_len: int = 0):
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
                          qk_norm=qk_norm, backend=backend, block_size=block_size, regions=plain_regions(),
                          qk_conv=qk_conv)
+        self.logn_len = logn_len
+
+    @property
+    def logn_len(self) -> int:
+        return self._logn_len
+
+    @logn_len.setter
+    def logn_len(self, value: int) -> None:
+        self._logn_len = check_logn_len(value)
+
+    def _project(self, x: Tensor, cache: PlainCache | None, use_cache: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        q, k, v, tail = super()._project(x, cache, use_cache)
+        if self.logn_len:  # scaling q scales every logit of its row
+            pos = positions(0 if cache is None else cache.position, x.shape[1], x.device)
+            q = q * logn_scale(pos, self.logn_len).to(q.dtype).view(1, 1, -1, 1)
+        return q, k, v, tail
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", logn_len={self.logn_len}" if self.logn_len else "")
 
 
 class SlidingWindowAttention(_PlainAttention):

@@ -1,6 +1,9 @@
 """Plain (stateless) attention ops: full causal, token / block sliding window, sinks (docs/design.md §4.1)."""
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, build_program
@@ -76,3 +79,26 @@ def sliding_window_attention(
     regions = window_regions("sliding_window_attention", "causal_attention", window=window, block_window=block_window,
                              chunk_size=chunk_size, n_sinks=n_sinks)
     return _plain_attention(q, k, v, regions, scale, backend, block_size)
+
+
+def check_logn_len(logn_len: object) -> int:
+    """``logn_len`` of :func:`logn_scale`: 0 (off) or an int >= 2."""
+    value = check_int("logn_len", logn_len, minimum=0)
+    if value == 1:
+        raise ValueError("logn_len must be 0 (off) or an int >= 2 (the length the logits were trained at), got 1")
+    return value
+
+
+def logn_scale(pos: Tensor, logn_len: int) -> Tensor:
+    """Log-length logit scale ``[T]`` float32 of causal queries at absolute positions ``pos``
+    ``[T]``: ``max(1, ln(pos + 1) / ln(logn_len))``.
+
+    A query at ``pos`` sees ``pos + 1`` keys, and a softmax over ``n`` keys gives a match with
+    a fixed logit margin a weight that falls as ``1 / n``; multiplying the logits by
+    ``log_L(n)`` keeps that weight, beyond ``L = logn_len`` (set it to the training length:
+    shorter contexts are unchanged). The length-dependent logit scale of "Overcoming a
+    Theoretical Limitation of Self-Attention" (Chiang & Cholak, ACL 2022) and of Scalable-Softmax
+    (arXiv 2501.19399), here with the scale fixed so that a model trained without it can use it
+    at test time (README, Experiments: sw-nope at the gpu scale).
+    """
+    return ((pos + 1).float().log() / math.log(logn_len)).clamp(min=1.0)

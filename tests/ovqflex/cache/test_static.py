@@ -35,7 +35,8 @@ LAYERS = {
     "swa-5-sinks": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=5, n_sinks=2, backend="dense"),
     "bswa-2x16": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, block_window=2, chunk_size=16,
                                                         backend="dense"),
-    "full-rope-qknorm": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, rope=True, qk_norm=True, backend="dense"),
+    "full-rope-qknorm-logn12": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, rope=True, qk_norm=True, logn_len=12,
+                                                               backend="dense"),
     "ovq-plateau": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, backend="dense"),
     "ovq-full-norm-conv": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=40, growth="full",
                                                        normalize_centroids=True, qk_conv=2, backend="dense"),
@@ -170,7 +171,7 @@ def _poison_values(layer, value: float, at: dict[int, int]) -> None:
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("name", ["swa-7-conv", "swa-5-sinks", "bswa-2x16", "full-rope-qknorm", "ovq-plateau",
+@pytest.mark.parametrize("name", ["swa-7-conv", "swa-5-sinks", "bswa-2x16", "full-rope-qknorm-logn12", "ovq-plateau",
                                   "kvm-fixed", "vq-conv", "longvq"])
 def test_a_non_finite_value_reaches_the_same_queries_through_a_static_cache(name, value):
     """The non-finite rule (``ovqflex.attention``) on the static path, whose plain, OVQ and VQ caches

@@ -24,7 +24,8 @@ HIDDEN, HEADS = 32, 2
 
 LAYERS = {
     "full-rope-conv": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, rope=True, qk_conv=3, backend="dense"),
-    "full-nope-qknorm": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, qk_norm=True, backend="dense"),
+    "full-nope-qknorm-logn20": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, qk_norm=True, logn_len=20,
+                                                               backend="dense"),
     "swa-20-sinks": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=20, n_sinks=2, backend="dense"),
     "bswa-2x16": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, block_window=2, chunk_size=16,
                                                         backend="dense"),

@@ -1,4 +1,6 @@
 """Plain layers: equal SDPA with an explicit mask; compile with fullgraph (docs/design.md §4.1, §9.7)."""
+import math
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -45,6 +47,30 @@ def test_layer_equals_sdpa_with_explicit_mask(name):
         assert_close(layer(x), ref, FWD_TOL[torch.float32], "flex forward")
 
 
+@pytest.mark.parametrize("backend", ["blocked", "flex"])
+def test_logn_len_multiplies_each_querys_logits_by_its_log_length(backend):
+    """The reference scales the logits of the unscaled layer's q, k row by row with ln(t + 1) /
+    ln(L) from the math module, masks with the explicit causal mask, and runs softmax by hand."""
+    torch.manual_seed(0)
+    T, L = 150, 24
+    layer = ovqflex.CausalAttention(48, 3, qk_norm=True, qk_conv=3, backend=backend)
+    x = torch.randn(2, T, 48)
+    with torch.no_grad():
+        layer.beta.uniform_(4.0, 12.0)
+        q, k, v, _ = layer._project(x, None)
+        plain = layer(x)
+        row_scale = torch.tensor([max(1.0, math.log(t + 1) / math.log(L)) for t in range(T)])
+        scores = (q @ k.transpose(-1, -2)) * row_scale.view(T, 1)
+        weights = scores.masked_fill(~explicit_mask(T), float("-inf")).softmax(-1)
+        ref = layer.merge(weights @ v)
+        layer.logn_len = L
+        scaled = layer(x)
+    assert_close(scaled, ref, FWD_TOL[torch.float32], f"{backend} with logn_len={L}")
+    assert torch.equal(scaled[:, :L], plain[:, :L])  # up to L keys nothing changes
+    assert (scaled[:, L + 1:] - plain[:, L + 1:]).abs().amax() > 1e-3
+    assert "logn_len=24" in repr(layer)
+
+
 def test_compiled_layer_forward_flex_no_graph_break():
     counters.clear()
     layer = ovqflex.SlidingWindowAttention(64, 4, window=100, n_sinks=2)
@@ -77,8 +103,12 @@ def test_compiled_training_step_blocked():
         (lambda: ovqflex.CausalAttention(30, 2, head_dim=15, rope=True), "even"),
         (lambda: ovqflex.SlidingWindowAttention(32, 2, window=None), "needs window=N .*use CausalAttention"),
         (lambda: ovqflex.CausalAttention(32, 2, block_size=0), "block_size must be a power of two >= 16"),
+        (lambda: ovqflex.CausalAttention(32, 2, logn_len=1), "logn_len must be 0 \\(off\\) or an int >= 2"),
+        (lambda: ovqflex.CausalAttention(32, 2, logn_len=-3), "logn_len must be >= 0, got -3"),
+        (lambda: ovqflex.CausalAttention(32, 2, logn_len=2048.0), "logn_len must be an int, got float"),
     ],
-    ids=["window-0", "chunk-100", "heads-0", "backend", "odd-rope", "no-window", "block-0"],
+    ids=["window-0", "chunk-100", "heads-0", "backend", "odd-rope", "no-window", "block-0", "logn-1", "logn-neg",
+         "logn-float"],
 )
 def test_bad_layer_arguments(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
