@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, build_program
@@ -93,10 +92,12 @@ def logn_scale(pos: Tensor, logn_len: int) -> Tensor:
     """Log-length logit scale ``[T]`` float32 of causal queries at absolute positions ``pos``
     ``[T]``: ``max(1, ln(pos + 1) / ln(logn_len))``.
 
-    A query at ``pos`` sees ``pos + 1`` keys, and a softmax over ``n`` keys gives a match with
-    a fixed logit margin a weight that falls as ``1 / n``; multiplying the logits by
-    ``log_L(n)`` keeps that weight, beyond ``L = logn_len`` (set it to the training length:
-    shorter contexts are unchanged). The length-dependent logit scale of "Overcoming a
+    A query at ``pos`` sees ``n = pos + 1`` keys, and a softmax over ``n`` keys gives a match with
+    a fixed logit margin ``d`` over the rest a weight that falls about as ``1 / n``. With the
+    logits multiplied by ``log_L(n)``, ``L = logn_len``, the match's term ``exp(d)`` becomes
+    ``n ** (d / ln L)``: a margin that gave it half the weight or more among ``L`` keys gives it
+    half or more among any ``n > L`` (set ``L`` to the training length: shorter contexts are
+    unchanged). The length-dependent logit scale of "Overcoming a
     Theoretical Limitation of Self-Attention" (Chiang & Cholak, ACL 2022) and of Scalable-Softmax
     (arXiv 2501.19399), here with the scale fixed so that a model trained without it can use it
     at test time (README, Experiments: sw-nope at the gpu scale).
