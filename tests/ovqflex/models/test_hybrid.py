@@ -136,6 +136,20 @@ def test_larger_dictionary_at_test_time_changes_long_context_outputs():
     assert not torch.allclose(base[:, 32:], more[:, 32:])
 
 
+def test_logn_len_override_reaches_the_full_attention_layers_only():
+    model = small("nope,swa")
+    x = torch.randint(0, 64, (1, 80))
+    with torch.no_grad():
+        base = model(x)
+        assert model.set_overrides(logn_len=32) == {"logn_len": 0}
+        scaled = model(x)
+    assert [getattr(b.mixer, "logn_len", None) for b in model.blocks] == [32, None]
+    assert torch.equal(base[:, :32], scaled[:, :32])  # up to 32 keys the logits are unchanged
+    assert not torch.allclose(base[:, 40:], scaled[:, 40:])
+    with pytest.raises(ValueError, match="logn_len must be 0 \\(off\\) or an int >= 2"):
+        model.set_overrides(logn_len=1)
+
+
 def test_compiled_train_step_has_no_graph_break_and_matches_eager():
     from torch._dynamo.utils import counters
 
