@@ -52,37 +52,29 @@ class HeadProbe:
     offsets: list[tuple[int, float]]
 
 
-def dense_attention(program: AttentionProgram, rows: Tensor | None = None) -> Tensor:
-    """The attention weights of a program over token rows only (no state rows: a plain attention
-    layer's), from its q, k, scale, bias and ``mask_mod``: ``[B, H, q_len, q_len]``, or with
-    ``rows`` ``[Q, 2]`` (example, query position) only those queries' rows, ``[Q, H, q_len]``
-    (memory ``Q * q_len`` instead of ``q_len ** 2``: what lets the probe read long contexts)."""
+def dense_attention(program: AttentionProgram, rows: Tensor) -> Tensor:
+    """The attention weights ``[Q, H, q_len]`` of the queries ``rows`` ``[Q, 2]`` (example, query
+    position) over a program's token rows only (no state rows: a plain attention layer's), from its
+    q, k, scale, bias and ``mask_mod``; memory ``Q * q_len``, not ``q_len ** 2``, so the probe reads
+    long contexts."""
     g = program.geom
     if g.n_state:
         raise ValueError(f"dense_attention reads programs of token rows only, got {g.n_state} state rows")
     T = g.q_len
     q, k = program.q[:, :, :T].float(), program.k[:, :, :T].float()
-    bias = None if program.bias is None else program.bias[:, :, :T].float()  # [B, H, T]
-    idx = torch.arange(T, device=q.device)
-    zero = idx.new_zeros(())
-    if rows is None:
-        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * program.scale
-        if bias is not None:
-            scores = scores + bias[:, :, None]
-        visible = program.mask_mod(zero, zero, idx.view(-1, 1), idx.view(1, -1))
-    else:
-        b, t = rows.to(q.device).unbind(1)
-        scores = torch.einsum("qhd,qhkd->qhk", q[b, :, t], k[b]) * program.scale  # [Q, H, T]
-        if bias is not None:
-            scores = scores + bias[b]
-        visible = program.mask_mod(zero, zero, t.view(-1, 1, 1), idx.view(1, 1, -1))
+    b, t = rows.to(q.device).unbind(1)
+    scores = torch.einsum("qhd,qhkd->qhk", q[b, :, t], k[b]) * program.scale  # [Q, H, T]
+    if program.bias is not None:
+        scores = scores + program.bias[b, :, :T].float()
+    zero = t.new_zeros(())
+    visible = program.mask_mod(zero, zero, t.view(-1, 1, 1), torch.arange(T, device=q.device).view(1, 1, -1))
     return scores.masked_fill(~visible, float("-inf")).softmax(-1)
 
 
-def layer_attention(mixer, x: Tensor, rows: Tensor | None = None) -> Tensor | None:
-    """Attention weights ``[B, H, T, T]`` of ``mixer`` on its input x ``[B, T, hidden]`` (with
-    ``rows`` ``[Q, 2]``: those queries' rows, ``[Q, H, T]``, see :func:`dense_attention`); None
-    for a mixer the probe does not read. OVQ: its exact token attention (module docstring)."""
+def layer_attention(mixer, x: Tensor, rows: Tensor) -> Tensor | None:
+    """Attention weights ``[Q, H, T]`` of ``mixer`` on its input x ``[B, T, hidden]`` at the
+    queries ``rows`` ``[Q, 2]`` (:func:`dense_attention`); None for a mixer the probe does not
+    read. OVQ: its exact token attention (module docstring)."""
     if isinstance(mixer, _PlainAttention):
         return dense_attention(mixer.program(x), rows)
     if isinstance(mixer, OVQAttention):  # the layer's own beta q̂ and unit keys, as its decode step scores them

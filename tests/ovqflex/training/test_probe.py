@@ -16,6 +16,16 @@ from ovqflex.training import TrainConfig, train
 from ovqflex.training.probe import dense_attention, layer_attention, pair_statistics, probe_run, recall_queries
 
 
+def _every_query(B: int, T: int) -> torch.Tensor:
+    """``[B * T, 2]`` rows (example, position) of every query."""
+    return torch.cartesian_prod(torch.arange(B), torch.arange(T))
+
+
+def _apply(w: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Weights ``[Q, H, T]`` applied to each query's example's values ``v`` ``[B, H, T, Dv]``."""
+    return torch.einsum("qhk,qhkd->qhd", w, v[rows[:, 0]])
+
+
 @pytest.mark.parametrize("layer", [CausalAttention(32, 2, qk_norm=True, block_size=16),
                                    SlidingWindowAttention(32, 2, window=5, qk_norm=True, block_size=16),
                                    SlidingWindowAttention(32, 2, window=4, n_sinks=2, block_size=16)],
@@ -24,13 +34,14 @@ def test_dense_weights_give_the_layers_attention_output(layer):
     torch.manual_seed(0)
     x = torch.randn(2, 37, 32)
     program = layer.program(x)
-    w = dense_attention(program)
+    T = x.shape[1]
+    rows = _every_query(2, T)
+    w = dense_attention(program, rows)
     assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-6)
     out = attend(program, "blocked")
-    T = x.shape[1]
-    assert torch.allclose(w @ program.v[:, :, :T], out, atol=1e-5)
-    rows = torch.tensor([[1, 0], [0, 36], [1, 5], [0, 5], [1, 36]])  # (example, query position)
-    assert torch.allclose(dense_attention(program, rows), w[rows[:, 0], :, rows[:, 1]], atol=1e-6)
+    assert torch.allclose(_apply(w, program.v[:, :, :T], rows), out[rows[:, 0], :, rows[:, 1]], atol=1e-5)
+    some = torch.tensor([[1, 0], [0, 36], [1, 5], [0, 5], [1, 36]])  # a subset, in any order
+    assert torch.allclose(dense_attention(program, some), w[some[:, 0] * T + some[:, 1]], atol=1e-6)
 
 
 def test_ovq_weights_are_its_exact_token_attention():
@@ -41,18 +52,17 @@ def test_ovq_weights_are_its_exact_token_attention():
     with torch.no_grad():
         layer.beta.uniform_(3.0, 9.0)
     x = torch.randn(2, 40, 32)
-    w = layer_attention(layer, x)
+    rows = _every_query(2, 40)
+    w = layer_attention(layer, x, rows)
     q, k, v = layer.split_heads(x)
     out = ovq_attention(q, k, v, layer.beta, backend="blocked", options=layer.options)
-    assert torch.allclose(w @ v, out, atol=1e-5)
-    rows = torch.tensor([[0, 39], [1, 17], [1, 0]])
-    assert torch.allclose(layer_attention(layer, x, rows), w[rows[:, 0], :, rows[:, 1]], atol=1e-6)
+    assert torch.allclose(_apply(w, v, rows), out[rows[:, 0], :, rows[:, 1]], atol=1e-5)
 
 
 def test_state_programs_are_refused():
     layer = OVQAttention(32, 2, chunk_size=16, max_centroids=8, block_size=16)
     with pytest.raises(ValueError, match="token rows only"):
-        dense_attention(layer.program(torch.randn(1, 40, 32)))
+        dense_attention(layer.program(torch.randn(1, 40, 32)), torch.tensor([[0, 39]]))
 
 
 @pytest.mark.parametrize("key_len", [1, 2])
