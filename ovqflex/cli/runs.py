@@ -216,7 +216,8 @@ def add_experiment(sub) -> None:
     add_device(s)
     s.add_argument("--resume", action="store_true", help="continue the experiment in --out after a crash: "
                    "complete units are skipped, interrupted training resumes from its latest checkpoint; "
-                   "with more --seeds or --models than the directory holds, adds them")
+                   "with more --seeds or --models than the directory holds, adds them (and the test-time "
+                   "evaluations a newer version of the experiment has)")
     s.add_argument("--dry-run", action="store_true", help="print the plan (models, configs, units, token counts) "
                    "and exit without training")
     s.add_argument("--no-progress", action="store_true", help="no training progress bar")

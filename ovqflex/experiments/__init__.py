@@ -14,8 +14,8 @@ from .plan import Plan, Run, Unit, Variant, plan
 from .registry import EXPERIMENTS, get_experiment, register_experiment
 from .report import collect, table, write_results
 from .runner import ExperimentFailed, ExperimentInterrupted, run_experiment, spec_differences
-from .spec import EvalSweep, Experiment, ModelSpec, Scale
+from .spec import TRAIN_LENGTH, EvalSetting, EvalSweep, Experiment, ModelSpec, Scale
 
-__all__ = ["EXPERIMENTS", "EvalSweep", "Experiment", "ExperimentFailed", "ExperimentInterrupted", "ModelSpec",
+__all__ = ["EXPERIMENTS", "EvalSetting", "EvalSweep", "Experiment", "ExperimentFailed", "ExperimentInterrupted", "ModelSpec",
            "Plan", "Run", "Scale", "Unit", "Variant", "collect", "get_experiment", "plan", "register_experiment",
-           "run_experiment", "spec_differences", "table", "write_results"]
+           "run_experiment", "spec_differences", "table", "write_results", "TRAIN_LENGTH"]

@@ -26,7 +26,7 @@ from ..training.config import TrainConfig
 from ..training.evaluate import check_lengths
 from ..training.schedule import length_warmup_text
 from ..training.setup import model_config
-from .spec import Experiment, ModelSpec, Scale
+from .spec import EvalSetting, Experiment, ModelSpec, Scale
 
 BASE_VARIANT = "base"
 #: TrainConfig fields that differ between the runs of one experiment, do not change results, or are
@@ -165,10 +165,21 @@ def _check_lengths(task: Task, exp: Experiment, scale_name: str, scale: Scale) -
         raise ValueError(f"experiment {exp.name!r}, scale {scale_name!r}: {e}") from None
 
 
-def _variants(exp: Experiment, model: ModelSpec, net: HybridLM) -> tuple:
+def _variants(exp: Experiment, model: ModelSpec, net: HybridLM, seq_len: int) -> tuple:
+    """The evaluations of ``model``: the plain one, then those of each of ``exp.sweeps`` that names it
+    (checked against ``net``, the model built on ``meta``: the mixers take the option and value)."""
     out = [Variant(BASE_VARIANT, model.label, {})]
     for sweep in exp.sweeps:
         if model.label not in sweep.models:
+            continue
+        if isinstance(sweep, EvalSetting):
+            overrides = {sweep.option: sweep.resolved(seq_len)}
+            try:
+                net.set_overrides(**net.set_overrides(**overrides))  # set (the layers check it), then restored
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"experiment {exp.name!r}: test-time {sweep.option}={overrides[sweep.option]!r} "
+                                 f"for model {model.label!r}: {e}") from None
+            out.append(Variant(sweep.variant_name(seq_len), sweep.variant_label(model.label, seq_len), overrides))
             continue
         values = {getattr(b.mixer, sweep.option) for b in net.blocks if hasattr(b.mixer, sweep.option)}
         if len(values) != 1:
@@ -243,7 +254,7 @@ def plan(experiment: Experiment, scale: str, out: str | Path, *, seeds=None, mod
                 net.set_overrides(**sc.eval_overrides)
         except (ValueError, ConfigError) as e:
             raise ValueError(f"experiment {exp.name!r}, scale {scale!r}, model {m.label!r}: {e}") from None
-        resolved[m.label] = (train, config, net.num_parameters(), _variants(exp, m, net))
+        resolved[m.label] = (train, config, net.num_parameters(), _variants(exp, m, net, sc.seq_len))
     runs, units = [], []
     for seed in seeds:
         for m in chosen:

@@ -8,7 +8,9 @@ in the ``tiny`` preset; the paper's names say "sw-" for the interleave, whose or
 - ``sw-ovq`` ``ovq,swa`` -- OVQ-attention, dictionary cap ``N`` = the preset's (``tiny``: the OVQ default 2048);
   also evaluated with ``N`` ×2 and ×4 at test time (the paper's dictionary sweep: it finds
   that more memory at test time always helps).
-- ``sw-nope`` ``nope,swa`` -- full causal attention without positions (the paper's strongest baseline).
+- ``sw-nope`` ``nope,swa`` -- full causal attention without positions (the paper's strongest baseline);
+  in ``icr`` also evaluated with ``logn_len`` = the training length (its logits scaled by
+  ``ln(t + 1) / ln L`` past the training length ``L``, a test-time setting: below, the ``gpu`` scale).
 - ``sw-vq`` ``vq,swa`` -- VQ-attention (Transformer-VQ), codebook of 512 (the layer's default).
 - ``sw-linear`` ``linear,swa`` -- linear attention (ELU+1 features).
 - ``sw-kvm`` ``kvm,swa`` -- Key-Value Means with the growing power-law state ``16 sqrt(ctx)`` rows, uncapped.
@@ -118,7 +120,7 @@ the attention hybrids' accuracy rose with the context, sw-linear's did not (READ
 """
 from __future__ import annotations
 
-from .spec import EvalSweep, Experiment, ModelSpec, Scale
+from .spec import TRAIN_LENGTH, EvalSetting, EvalSweep, Experiment, ModelSpec, Scale
 
 EXPERIMENTS: dict[str, Experiment] = {}
 
@@ -149,6 +151,9 @@ MODELS = (
                                                               "growth_exponent": 0.5, "max_state_chunks": None}}}),
 )
 DICTIONARY_SWEEP = EvalSweep("max_centroids", (1, 2, 4), ("sw-ovq",), symbol="N")
+#: the NoPE layer's softmax spreads over the longer context's keys; logn_len at the training length
+#: keeps a match's weight (module docstring: the gpu scale)
+LOGN_SETTING = EvalSetting("logn_len", TRAIN_LENGTH, ("sw-nope",))
 
 
 def _smoke(task_options: dict) -> Scale:
@@ -182,7 +187,7 @@ register_experiment(Experiment(
                             "a time with one thread each: 14-52 min of training per run, up to 14 min per evaluation)"),
         "smoke": _smoke(_ICR_CPU_TASK),
     },
-    sweeps=(DICTIONARY_SWEEP,),
+    sweeps=(DICTIONARY_SWEEP, LOGN_SETTING),
     notes="the OVQ paper's basic ICR (Figure 4, §8.4) uses 8-token keys and values of a 10k vocabulary, 8 layers "
           "of width 768, trained at 0.5k-4k and tested to 64k; the cpu scale keeps multi-token keys and the "
           "dictionary's rows per pair at tiny size",

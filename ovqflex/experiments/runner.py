@@ -2,7 +2,8 @@
 
 Layout of ``OUT`` (the plan's ``out``)::
 
-    OUT/experiment.json                 the plan's spec; a resume must match it (it may add seeds or models)
+    OUT/experiment.json                 the plan's spec; a resume must match it (it may add seeds, models
+                                        and test-time variants)
     OUT/<model>-s<seed>/                an ``ovqflex train`` run directory (config.json,
                                         metrics.jsonl, checkpoints/)
     OUT/<model>-s<seed>/eval-<variant>.json, .png   its evaluations (``ovqflex eval`` reports)
@@ -73,8 +74,9 @@ def spec_differences(saved, wanted, path: str = "") -> list[str]:
 
 def resume_differences(saved: dict, wanted: dict) -> list[str]:
     """Why ``wanted`` cannot continue the experiment whose spec is ``saved`` (empty: it can).
-    A resume may add seeds and models -- each seed and model of ``saved`` must be in ``wanted``,
-    a model with the same spec -- and must match in every other field."""
+    A resume may add seeds, models and test-time variants -- each seed and model of ``saved`` must
+    be in ``wanted``, a model with the same spec and each of its variants -- and must match in
+    every other field."""
     extendable = ("seeds", "models")
     diffs = spec_differences({k: v for k, v in saved.items() if k not in extendable},
                              {k: v for k, v in wanted.items() if k not in extendable})
@@ -87,17 +89,33 @@ def resume_differences(saved: dict, wanted: dict) -> list[str]:
         if label not in wanted_models:
             diffs.append(f"models.{label}: present in the directory, absent now "
                          f"(a resume may add models, not drop them)")
-        else:
-            diffs += spec_differences(model, wanted_models[label], f"models.{label}")
+            continue
+        now = wanted_models[label]
+        diffs += spec_differences({k: v for k, v in model.items() if k != "variants"},
+                                  {k: v for k, v in now.items() if k != "variants"}, f"models.{label}")
+        diffs += [f"models.{label}.variants: {v['label']!r} {v['overrides']} in the directory, absent now "
+                  f"(a resume may add variants, not drop or change them)"
+                  for v in model.get("variants", []) if v not in now.get("variants", [])]
     return diffs
+
+
+def added_parts(saved: dict, wanted: dict) -> list[str]:
+    """What ``wanted`` adds to the experiment whose spec is ``saved`` (one it can resume): seeds,
+    models, and variants of the models already there."""
+    saved_models = saved.get("models", {})
+    added = [f"seed {s}" for s in wanted["seeds"] if s not in saved.get("seeds", [])]
+    added += [f"model {m}" for m in wanted["models"] if m not in saved_models]
+    added += [f"variant {v['label']}" for m, spec in wanted["models"].items() if m in saved_models
+              for v in spec["variants"] if v not in saved_models[m].get("variants", [])]
+    return added
 
 
 def prepare_out(plan: Plan, resume: bool, log=print) -> None:
     """Create ``OUT`` and write ``experiment.json``, or check that a resumed ``OUT`` holds this
     experiment. Refuses: a fresh run into a directory that holds anything; ``resume`` with
-    nothing to resume; a resume whose spec differs other than by added seeds or models (naming
-    every differing field, :func:`resume_differences`). A resume that adds seeds or models
-    rewrites ``experiment.json`` with them (logged); the units already complete stay."""
+    nothing to resume; a resume whose spec differs other than by added seeds, models or variants
+    (naming every differing field, :func:`resume_differences`). A resume that adds any rewrites
+    ``experiment.json`` with them (logged); the units already complete stay."""
     out, spec = plan.out, plan.spec()
     path = out / SPEC_FILE
     if path.exists():
@@ -112,8 +130,8 @@ def prepare_out(plan: Plan, resume: bool, log=print) -> None:
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
             raise ValueError(f"cannot resume {out}: it was made by a different experiment spec ({shown})")
-        added = [f"seed {s}" for s in spec["seeds"] if s not in saved.get("seeds", [])]
-        added += [f"model {m}" for m in spec["models"] if m not in saved.get("models", {})]
+        _check_evaluable(plan)
+        added = added_parts(saved, spec)
         if added:
             log(f"extending {out}: adds {', '.join(added)}")
             write_atomic(path, json.dumps(spec, indent=1))
@@ -124,6 +142,22 @@ def prepare_out(plan: Plan, resume: bool, log=print) -> None:
         raise ValueError(f"--out {out} is not empty and holds no {SPEC_FILE}; choose an empty or new directory")
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(spec, indent=1))
+
+
+def _check_evaluable(plan: Plan) -> None:
+    """Refuse a resume that would evaluate a run whose checkpoints are gone (``drop_checkpoints``)
+    while its other evaluations are on disk: training it again would give a model other than the
+    one those reports describe (not bit for bit on a GPU), so the run's line would mix two models."""
+    stranded = []
+    for run in plan.runs:
+        done = [v.label for v in run.variants if read_eval(plan, run, v) is not None]
+        todo = [v.label for v in run.variants if v.label not in done]
+        if done and todo and latest_checkpoint(run.dir) is None:
+            stranded.append(f"{run.dir.name} (on disk: {', '.join(done)}; to evaluate: {', '.join(todo)})")
+    if stranded:
+        raise ValueError(f"cannot resume {plan.out}: these runs have evaluations on disk but no checkpoint to "
+                         f"evaluate the rest with (deleted by --drop-checkpoints?): {'; '.join(stranded)}; "
+                         f"move such a run's directory away to have it trained and evaluated anew")
 
 
 def trained_step(unit: Unit) -> int | None:
@@ -168,8 +202,8 @@ def run_experiment(plan: Plan, *, resume: bool = False, log=print, jobs: int = 1
                    progress_every: float = 60.0, drop_checkpoints: bool = False) -> dict:
     """Run every unit of ``plan`` not already complete in ``plan.out`` and write the results
     (``results.json``, ``results.md``, ``results.png``; see :mod:`ovqflex.experiments.report`).
-    ``resume``: continue the experiment already in ``plan.out`` (same spec, or more seeds or
-    models: :func:`prepare_out`). ``log`` gets one line per unit (with elapsed time and ETA) and
+    ``resume``: continue the experiment already in ``plan.out`` (same spec, or more seeds, models
+    or variants: :func:`prepare_out`). ``log`` gets one line per unit (with elapsed time and ETA) and
     per evaluated length. ``jobs``: runs (a model at a seed: its training, then its evaluations)
     in progress at once, each in a process of its own (:func:`_run_in_workers`; ``log`` then also
     gets every run's step, loss and tokens/s each ``progress_every`` seconds). ``drop_checkpoints``:

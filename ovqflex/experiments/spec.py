@@ -6,6 +6,8 @@
   (lengths, examples, test-time overrides) of one size of the experiment (``cpu``, ``gpu``).
 - :class:`EvalSweep` -- extra evaluations of some models with a mixer attribute
   scaled at test time (OVQ's dictionary size ``max_centroids`` ×2, ×4).
+- :class:`EvalSetting` -- an extra evaluation of some models with a mixer attribute set to
+  one value at test time (the NoPE layer's ``logn_len`` at the training length).
 - :class:`Experiment` -- all of the above under a name.
 
 Everything here is checked on construction (names, types, ranges); what needs the task
@@ -43,6 +45,12 @@ def _check_options(what: str, value: object) -> dict:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise TypeError(f"{what} must be a dict with str keys, got {value!r}")
     return value
+
+
+def _check_labels(what: str, values: object) -> tuple:
+    if not isinstance(values, tuple) or not values or not all(isinstance(m, str) for m in values):
+        raise TypeError(f"{what} must be a non-empty tuple of model labels, got {values!r}")
+    return values
 
 
 def _check_positive_ints(what: str, values: object, *, increasing: bool = False, minimum: int = 1) -> tuple:
@@ -105,8 +113,7 @@ class EvalSweep:
             raise ValueError(f"EvalSweep.option must be a mixer attribute name (e.g. max_centroids), "
                              f"got {self.option!r}")
         _check_positive_ints("EvalSweep.factors", self.factors, increasing=True)
-        if not isinstance(self.models, tuple) or not self.models or not all(isinstance(m, str) for m in self.models):
-            raise TypeError(f"EvalSweep.models must be a non-empty tuple of model labels, got {self.models!r}")
+        _check_labels("EvalSweep.models", self.models)
         if not isinstance(self.symbol, str):
             raise TypeError(f"EvalSweep.symbol must be a str, got {self.symbol!r}")
 
@@ -117,6 +124,45 @@ class EvalSweep:
     def variant_label(self, model: str, factor: int) -> str:
         """Line label of ``model`` at ``factor``: ``sw-ovq N×2``."""
         return f"{model} {self.symbol or self.option}×{factor}"
+
+
+#: ``EvalSetting.value`` standing for the scale's training length (``Scale.seq_len``)
+TRAIN_LENGTH = "train_length"
+
+
+@dataclass(frozen=True)
+class EvalSetting:
+    """Evaluate ``models`` again with the test-time mixer attribute ``option`` (one
+    :meth:`~ovqflex.HybridLM.set_overrides` takes) set to ``value``: an int or float, or
+    :data:`TRAIN_LENGTH` for the scale's training length (e.g. ``logn_len``, which scales the
+    logits of a query past that many tokens). The plan checks that a mixer of each model takes
+    the value.
+    """
+
+    option: str
+    value: object
+    models: tuple
+
+    def __post_init__(self):
+        if not isinstance(self.option, str) or not self.option.isidentifier():
+            raise ValueError(f"EvalSetting.option must be a mixer attribute name (e.g. logn_len), "
+                             f"got {self.option!r}")
+        if self.value != TRAIN_LENGTH and (isinstance(self.value, bool) or not isinstance(self.value, (int, float))):
+            raise ValueError(f"EvalSetting.value must be an int, a float or {TRAIN_LENGTH!r} (the scale's "
+                             f"training length), got {self.value!r}")
+        _check_labels("EvalSetting.models", self.models)
+
+    def resolved(self, seq_len: int):
+        """The value at a scale that trains at ``seq_len`` tokens."""
+        return seq_len if self.value == TRAIN_LENGTH else self.value
+
+    def variant_name(self, seq_len: int) -> str:
+        """File-name part of the evaluation, as ``ovqflex eval --override`` names it: ``logn_len-2048``."""
+        return f"{self.option}-{self.resolved(seq_len)}"
+
+    def variant_label(self, model: str, seq_len: int) -> str:
+        """Line label of ``model``: ``sw-nope logn_len=2048``."""
+        return f"{model} {self.option}={self.resolved(seq_len)}"
 
 
 @dataclass(frozen=True)
@@ -198,7 +244,8 @@ class Scale:
 @dataclass(frozen=True)
 class Experiment:
     """A named comparison: every model of ``models`` is trained on ``task`` once per seed, at
-    the chosen scale of ``scales``, and evaluated at that scale's lengths (plus ``sweeps``).
+    the chosen scale of ``scales``, and evaluated at that scale's lengths, plus the test-time
+    variants of ``sweeps`` (:class:`EvalSweep`, :class:`EvalSetting`).
 
     ``seeds`` are the default seeds (``--seeds`` picks others). ``description`` is one line
     (listed by ``ovqflex experiment -h``); ``notes`` may say more (``--dry-run`` prints them).
@@ -229,13 +276,14 @@ class Experiment:
         for name in self.scales:
             _check_name(f"Experiment {self.name!r}: scale name", name)
         _check_positive_ints(f"Experiment {self.name!r}: seeds", self.seeds, minimum=0)
-        if not isinstance(self.sweeps, tuple) or not all(isinstance(s, EvalSweep) for s in self.sweeps):
-            raise TypeError(f"Experiment {self.name!r}: sweeps must be a tuple of EvalSweep")
+        if not isinstance(self.sweeps, tuple) or not all(isinstance(s, (EvalSweep, EvalSetting))
+                                                         for s in self.sweeps):
+            raise TypeError(f"Experiment {self.name!r}: sweeps must be a tuple of EvalSweep or EvalSetting")
         for sweep in self.sweeps:
             unknown = [m for m in sweep.models if m not in labels]
             if unknown:
-                raise ValueError(f"Experiment {self.name!r}: sweep of {sweep.option} names unknown model(s) "
-                                 f"{unknown}; models: {labels}")
+                raise ValueError(f"Experiment {self.name!r}: {type(sweep).__name__} of {sweep.option} names "
+                                 f"unknown model(s) {unknown}; models: {labels}")
 
     @property
     def labels(self) -> list[str]:

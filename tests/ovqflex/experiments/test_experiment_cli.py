@@ -8,9 +8,9 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
     out = tmp_path / "x"
     assert main(["experiment", "icr", "--dry-run", "--out", str(out), "--seeds", "0,1"]) == 0
     text = capsys.readouterr().out
-    assert "experiment icr, scale cpu" in text and "units: 10 train + 14 eval = 24" in text
-    assert "sw-ovq, sw-ovq N×2, sw-ovq N×4" in text and "budget:" in text
-    assert "[24/24] eval sw-kvm seed 1" in text and not out.exists()
+    assert "experiment icr, scale cpu" in text and "units: 10 train + 16 eval = 26" in text
+    assert "sw-ovq, sw-ovq N×2, sw-ovq N×4" in text and "sw-nope, sw-nope logn_len=64" in text and "budget:" in text
+    assert "[26/26] eval sw-kvm seed 1" in text and not out.exists()
     assert main(["experiment", "icl", "--scale", "gpu", "--dry-run", "--models", "sw-nope", "--seeds", "2"]) == 0
     text = capsys.readouterr().out
     assert "train at 2048 tokens; evaluate at 2048, 4096, 8192, 16384, 32768" in text

@@ -4,13 +4,14 @@ import json
 
 import pytest
 
-from ovqflex.experiments import EvalSweep, Experiment, ModelSpec, Scale, get_experiment, plan
+from ovqflex.experiments import (TRAIN_LENGTH, EvalSetting, EvalSweep, Experiment, ModelSpec, Scale, get_experiment,
+                                 plan)
 from ovqflex.training.setup import TASK_SCALES
 
 
 def test_icr_cpu_plan(tmp_path):
     p = plan(get_experiment("icr"), "cpu", tmp_path / "out")
-    assert len(p.runs) == 10 and len(p.units) == 10 + 14
+    assert len(p.runs) == 10 and len(p.units) == 10 + 16
     first = [(u.kind, u.run.model.label, u.run.seed, u.variant and u.variant.name) for u in p.units[:5]]
     assert first == [("train", "sw-ovq", 0, None), ("eval", "sw-ovq", 0, "base"),
                      ("eval", "sw-ovq", 0, "max_centroids-x2"), ("eval", "sw-ovq", 0, "max_centroids-x4"),
@@ -25,13 +26,17 @@ def test_icr_cpu_plan(tmp_path):
     assert ovq.train.task_options == p.task.options() and ovq.train.task_options["min_pairs"] == 1
     assert (ovq.train.task_options["key_len"], ovq.train.task_options["value_len"]) == (2, 1)
     assert set(TASK_SCALES["tiny"]["icr"]) <= set(ovq.train.task_options)
+    nope = p.runs[1]  # also evaluated with its logits scaled past the training length (the scale's, 64)
+    assert [(v.name, v.label, v.overrides) for v in nope.variants] == [
+        ("base", "sw-nope", {}), ("logn_len-64", "sw-nope logn_len=64", {"logn_len": 64})]
+    assert p.units[6].describe() == "eval sw-nope seed 0 (logn_len=64)"
     kvm = p.runs[4]
     assert kvm.model.label == "sw-kvm" and kvm.config.mixer_options["kvm"]["budget"] == "power_law"
     assert (kvm.train.steps, kvm.train.batch_size, kvm.train.seq_len, kvm.train.ckpt_every) == (2000, 32, 64, 200)
     assert p.runs[5].seed == 1 and p.runs[5].dir.name == "sw-ovq-s1"
     text = p.describe()
-    assert "4,096,000 training tokens" in text and "units: 10 train + 14 eval = 24" in text
-    assert "[24/24] eval sw-kvm seed 1" in text and str(tmp_path / "out" / "sw-kvm-s1" / "eval-base.json") in text
+    assert "4,096,000 training tokens" in text and "units: 10 train + 16 eval = 26" in text
+    assert "[26/26] eval sw-kvm seed 1" in text and str(tmp_path / "out" / "sw-kvm-s1" / "eval-base.json") in text
     assert not (tmp_path / "out").exists()  # planning writes nothing
 
 
@@ -100,3 +105,24 @@ def test_bad_mixer_options_and_overrides_fail_at_plan_time(tmp_path):
     mixed = ModelSpec("b", "swa,bswa")  # both have a chunk_size: the swa layer's is unused (128), bswa's is 16
     with pytest.raises(ValueError, match=r"its mixers have different values \[16, 128\]"):
         plan(_exp(scale, mixed, sweeps=(EvalSweep("chunk_size", (1, 2), ("b",)),)), "s", tmp_path)
+
+
+def test_eval_setting_takes_the_scales_training_length_and_is_checked_at_plan_time(tmp_path):
+    """``TRAIN_LENGTH`` resolves per scale; a setting no mixer takes, or a value the layer refuses,
+    fails when planned (not after training)."""
+    gpu = plan(get_experiment("icr"), "gpu", tmp_path, seeds=[0], models=["sw-nope"])
+    assert [v.overrides for v in gpu.runs[0].variants] == [{}, {"logn_len": 2048}]
+    assert gpu.runs[0].variants[1].label == "sw-nope logn_len=2048"
+    assert gpu.spec()["models"]["sw-nope"]["variants"][1] == {"name": "logn_len-2048",
+                                                              "label": "sw-nope logn_len=2048",
+                                                              "overrides": {"logn_len": 2048}}
+    scale = Scale(**BASE, task_options=dict(vocab_size=256, key_len=2, value_len=1))
+    ovq = ModelSpec("m", "swa,ovq")
+    with pytest.raises(ValueError, match="test-time logn_len=64 for model 'm': override logn_len=64: no mixer of "
+                                         "pattern 'swa,ovq' has an attribute 'logn_len'"):
+        plan(_exp(scale, ovq, sweeps=(EvalSetting("logn_len", TRAIN_LENGTH, ("m",)),)), "s", tmp_path)
+    nope = ModelSpec("n", "swa,nope")
+    with pytest.raises(ValueError, match="test-time logn_len=1 for model 'n': logn_len must be 0 .off. or an int >= 2"):
+        plan(_exp(scale, nope, sweeps=(EvalSetting("logn_len", 1, ("n",)),)), "s", tmp_path)
+    ok = plan(_exp(scale, nope, sweeps=(EvalSetting("logn_len", 256, ("n",)),)), "s", tmp_path)
+    assert [v.overrides for v in ok.runs[0].variants] == [{}, {"logn_len": 256}]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ovqflex
-from ovqflex.experiments import (Experiment, ExperimentFailed, ModelSpec, Scale, plan, run_experiment,
+from ovqflex.experiments import (EvalSetting, Experiment, ExperimentFailed, ModelSpec, Scale, plan, run_experiment,
                                  spec_differences)
 from ovqflex.experiments import runner as runner_mod
 from ovqflex.experiments.registry import DICTIONARY_SWEEP
@@ -84,6 +84,41 @@ def test_resume_may_add_seeds_and_models_but_not_drop_them(tmp_path):
                        sweeps=one.sweeps)
     with pytest.raises(ValueError, match=r"models.sw-linear.config.window: 16 in the directory vs 8 now"):
         runner_mod.prepare_out(plan(other, "s", tmp_path, progress=False), resume=True)
+
+
+def test_resume_may_add_test_time_variants_evaluated_from_the_final_checkpoint(tmp_path, monkeypatch):
+    """An experiment that gained a test-time evaluation resumes a directory of the older one: only the
+    new evaluation runs (from each run's final checkpoint) and its line joins the results; going back
+    to the older spec (dropping the variant) is refused by name. A run whose checkpoints were deleted
+    is refused before experiment.json is touched, not trained again."""
+    run_tiny(tmp_path / "a", log=lambda line: None)
+    run_tiny(tmp_path / "b", log=lambda line: None, drop_checkpoints=True)
+    extended = dataclasses.replace(tiny(), sweeps=tiny().sweeps + (EvalSetting("max_centroids", 48, ("sw-ovq",)),))
+    seen = []
+    real_evaluate = runner_mod.evaluate
+
+    def evaluate(run_dir, *a, **k):
+        seen.append((Path(run_dir).name, k["overrides"]))
+        return real_evaluate(run_dir, *a, **k)
+
+    monkeypatch.setattr(runner_mod, "evaluate", evaluate)
+    lines = []
+    res = run_experiment(plan(extended, "s", tmp_path / "a", progress=False), resume=True, log=lines.append)
+    assert lines[0] == f"extending {tmp_path / 'a'}: adds variant sw-ovq max_centroids=48"
+    assert "7 units" in lines[1] and "(6 already complete)" in lines[1]
+    assert seen == [("sw-ovq-s0", {"backend": "blocked", "max_centroids": 48})]
+    assert [line["label"] for line in res["lines"]] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4",
+                                                        "sw-ovq max_centroids=48", "sw-linear"]
+    report = json.loads((tmp_path / "a" / "sw-ovq-s0" / "eval-max_centroids-48.json").read_text())
+    assert report["step"] == 4 and report["overrides"]["max_centroids"] == 48
+    with pytest.raises(ValueError, match=r"models.sw-ovq.variants: 'sw-ovq max_centroids=48' \{'max_centroids': 48\} "
+                                         r"in the directory, absent now \(a resume may add variants"):
+        runner_mod.prepare_out(plan(tiny(), "s", tmp_path / "a", progress=False), resume=True)
+    before = (tmp_path / "b" / "experiment.json").read_text()
+    with pytest.raises(ValueError, match=r"these runs have evaluations on disk but no checkpoint .*: sw-ovq-s0 \(on "
+                                         r"disk: sw-ovq, sw-ovq N×2, sw-ovq N×4; to evaluate: sw-ovq max_centroids=48\)"):
+        run_experiment(plan(extended, "s", tmp_path / "b", progress=False), resume=True, log=lines.append)
+    assert (tmp_path / "b" / "experiment.json").read_text() == before
 
 
 def test_spec_differences_names_fields():

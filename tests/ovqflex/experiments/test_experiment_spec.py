@@ -2,7 +2,8 @@
 experiments keep the sizes the issue asks for (16x extrapolation, >= 2 seeds, a GPU scale)."""
 import pytest
 
-from ovqflex.experiments import EXPERIMENTS, EvalSweep, Experiment, ModelSpec, Scale, get_experiment, plan
+from ovqflex.experiments import (EXPERIMENTS, TRAIN_LENGTH, EvalSetting, EvalSweep, Experiment, ModelSpec, Scale,
+                                 get_experiment, plan)
 from ovqflex.experiments.registry import register_experiment
 from ovqflex.tasks import make_task
 from recurrences.ovq.routing import dictionary_size
@@ -59,14 +60,43 @@ def test_experiment_validation():
         Experiment("x", "d", "icr", (m, m), {"s": scale()})
     with pytest.raises(ValueError, match="task must be one of"):
         Experiment("x", "d", "icrr", (m,), {"s": scale()})
-    with pytest.raises(ValueError, match=r"sweep of max_centroids names unknown model\(s\) \['b'\]"):
+    with pytest.raises(ValueError, match=r"EvalSweep of max_centroids names unknown model\(s\) \['b'\]"):
         Experiment("x", "d", "icr", (m,), {"s": scale()}, sweeps=(EvalSweep("max_centroids", (1, 2), ("b",)),))
     with pytest.raises(ValueError, match="EvalSweep.option must be a mixer attribute name"):
         EvalSweep("max-centroids", (1, 2), ("a",))
+    with pytest.raises(ValueError, match=r"EvalSetting of logn_len names unknown model\(s\) \['b'\]"):
+        Experiment("x", "d", "icr", (m,), {"s": scale()}, sweeps=(EvalSetting("logn_len", 64, ("b",)),))
+    with pytest.raises(TypeError, match="sweeps must be a tuple of EvalSweep or EvalSetting"):
+        Experiment("x", "d", "icr", (m,), {"s": scale()}, sweeps=({"logn_len": 64},))
     with pytest.raises(ValueError, match="seeds must hold ints >= 0"):
         Experiment("x", "d", "icr", (m,), {"s": scale()}, seeds=(-1,))
     with pytest.raises(ValueError, match="'icr' is already registered"):
         register_experiment(Experiment("icr", "d", "icr", (m,), {"s": scale()}))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(option="logn-len", value=64), ValueError, "EvalSetting.option must be a mixer attribute name"),
+    (dict(option="logn_len", value="64"), ValueError,
+     "EvalSetting.value must be an int, a float or 'train_length' .the scale's training length., got '64'"),
+    (dict(option="logn_len", value=True), ValueError, "EvalSetting.value must be an int, a float"),
+    (dict(option="logn_len", value=64, models=()), TypeError, "EvalSetting.models must be a non-empty tuple"),
+    (dict(option="logn_len", value=64, models="sw-nope"), TypeError, "EvalSetting.models must be a non-empty"),
+], ids=["option", "value-str", "value-bool", "no-models", "models-str"])
+def test_eval_setting_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        EvalSetting(**{"models": ("a",), **kwargs})
+
+
+def test_eval_setting_names_and_labels_its_evaluation():
+    """Named as ``ovqflex eval --override`` names its report, so an evaluation already made by hand
+    with the same override, lengths and examples counts as the experiment's."""
+    at_train = EvalSetting("logn_len", TRAIN_LENGTH, ("sw-nope",))
+    assert at_train.resolved(2048) == 2048 and at_train.variant_name(2048) == "logn_len-2048"
+    assert at_train.variant_label("sw-nope", 64) == "sw-nope logn_len=64"
+    fixed = EvalSetting("logn_len", 512, ("sw-nope",))
+    assert fixed.resolved(2048) == 512 and fixed.variant_name(64) == "logn_len-512"
+    from ovqflex.training.evaluate import report_name
+    assert f"eval-{at_train.variant_name(2048)}" == report_name({"logn_len": 2048})
 
 
 @pytest.mark.parametrize("name", ["icr", "icl"])
@@ -79,8 +109,9 @@ def test_registered_experiments_have_the_asked_for_sizes(name):
     assert gpu.seq_len >= 2048 and gpu.eval_lengths[-1] >= 32768 and gpu.max_ratio >= 16
     # the CPU budget (<= 60 min for all runs): <= 45M training tokens at the tiny model's ~16k tokens/s
     assert 2_000_000 <= cpu.train_tokens and cpu.train_tokens * len(exp.labels) * len(exp.seeds) <= 45_000_000
-    sweep, = exp.sweeps
+    sweep, *settings = exp.sweeps  # the paper's dictionary sweep; icr also sw-nope's logits scaled past L
     assert (sweep.option, sweep.factors, sweep.models) == ("max_centroids", (1, 2, 4), ("sw-ovq",))
+    assert settings == ([EvalSetting("logn_len", TRAIN_LENGTH, ("sw-nope",))] if name == "icr" else [])
 
 
 def test_icr_scales_do_not_run_out_of_distinct_keys_or_values():
