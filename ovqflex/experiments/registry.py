@@ -67,9 +67,9 @@ Scales (``ovqflex experiment NAME --scale S``):
     scale"): sw-nope held 0.99 at 2x and fell to 0.13 at 16x, below sw-ovq with ``N`` x4 (0.37),
     because its NoPE layer's softmax spreads over 16x more keys (``ovqflex probe``: the queried pair
     keeps the top logit, its weight falls as 1/T); scaling that layer's logits at test time
-    (``ovqflex eval --override logn_len=2048``) restored 0.95 at 16x. sw-vq (512 codes), sw-linear
-    and sw-kvm were below sw-ovq at the training length; sw-kvm's state, not its attention, was its
-    limit (a larger state at test time lifted both seeds).
+    (``ovqflex eval --override logn_len=2048``; the experiment's line ``sw-nope logn_len=2048``) restored
+    0.95 at 16x. sw-vq (512 codes), sw-linear and sw-kvm were below sw-ovq at the training length;
+    sw-kvm's state, not its attention, was its limit (a larger state at test time lifted both seeds).
   - Before, the scale was the ``small`` preset (4 layers, width 256, window and chunk 128, ``N`` =
     1,024) for 5,000 steps of 16 sequences: 164M tokens a run, an estimated 2-3 h of an H100 for
     the table, never run. ``small`` also learned more slowly: a ``small`` sw-ovq at 256 tokens
