@@ -1,6 +1,7 @@
 """Comparison helpers: relative error with per-dtype tolerances."""
 import contextlib
 import logging
+import re
 
 import torch
 
@@ -117,18 +118,17 @@ def sum_narrow_as_on_cuda(monkeypatch) -> None:
 
 
 @contextlib.contextmanager
-def dynamo_restarts():
-    """The list of the times dynamo restarted its analysis of a frame while the block ran (its
-    "Restarting analysis due to ..." log record, at INFO on ``torch._dynamo.convert_frame``): a restart
-    traces the whole frame again (docs/design.md §3.5, floats under ``dynamic=True``)."""
+def _records(logger_name: str, keep):
+    """The messages of logger ``logger_name`` at INFO and above for which ``keep(message)`` is true,
+    while the block runs."""
     seen = []
 
-    class Restarts(logging.Handler):
+    class Keep(logging.Handler):
         def emit(self, record):
-            if record.getMessage().startswith("Restarting analysis"):
+            if keep(record.getMessage()):
                 seen.append(record.getMessage())
 
-    logger, handler = logging.getLogger("torch._dynamo.convert_frame"), Restarts(logging.INFO)
+    logger, handler = logging.getLogger(logger_name), Keep(logging.INFO)
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -137,3 +137,35 @@ def dynamo_restarts():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+_FLOAT_SYMBOL = re.compile(r"create_symbol (zf\d+) = (\S+) for (\S+)")
+
+
+@contextlib.contextmanager
+def default_floats():
+    """The symbolic floats dynamo made while the block ran from a float that is not an option passed in:
+    a function's default (``__defaults__``, ``__kwdefaults__``) or a module's global, as
+    ``(symbol, value, source)``. Under ``dynamic=True`` such a float is symbolic in every torch seen
+    (2.11, 2.13), and where traced code uses it as a plain number some versions trace the frame again
+    (torch 2.11 for ``clamp_min(eps)``, 2.13 not: docs/design.md §3.5), so none may reach traced code.
+    The options a compiled function is given, and an options dataclass's field defaults, are
+    specialized by ``recurrences.compiling.plain_options`` and are not listed."""
+    with _records("torch.fx.experimental.symbolic_shapes", lambda m: m.startswith("create_symbol zf")) as seen:
+        found = []
+        yield found
+    for message in seen:
+        m = _FLOAT_SYMBOL.match(message)
+        symbol, value, source = m.groups() if m else ("?", "?", message)
+        if ("__defaults__" in source or "__kwdefaults__" in source or source.startswith("G[")) and \
+                (symbol, value, source) not in found:  # (a restarted trace makes the same symbol again)
+            found.append((symbol, value, source))
+
+
+@contextlib.contextmanager
+def dynamo_restarts():
+    """The list of the times dynamo restarted its analysis of a frame while the block ran (its
+    "Restarting analysis due to ..." log record, at INFO on ``torch._dynamo.convert_frame``): a restart
+    traces the whole frame again (docs/design.md §3.5, floats under ``dynamic=True``)."""
+    with _records("torch._dynamo.convert_frame", lambda m: m.startswith("Restarting analysis")) as seen:
+        yield seen

@@ -58,21 +58,20 @@ def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Te
     return radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)
 
 
-#: the floor of ``||sv||`` in the radius readout (state builds and decode caches alike)
-NORM_EPS = 1e-12
-
-
 def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,
-                 ln_bias: Tensor, ln_eps: float, norm_eps: float = NORM_EPS) -> tuple[Tensor, Tensor]:
+                 ln_bias: Tensor, ln_eps: float) -> tuple[Tensor, Tensor]:
     """Per-row readout of the gated sums ``sk [..., D]``, ``sv [..., Dv]``: keys ``LN_s(sk)``; values
-    ``rho * sv / ||sv||`` (``rho [...]``, the founder radius) or, with ``rho=None``, ``sv / count``.
-    The state builds and the decode caches (:mod:`ovqflex.ops.kvm_decode`) read their rows through it."""
+    ``rho * sv / max(||sv||, 1e-12)`` (``rho [...]``, the founder radius) or, with ``rho=None``,
+    ``sv / count``. The state builds and the decode caches (:mod:`ovqflex.ops.kvm_decode`) read their
+    rows through it. The norm's floor is a literal: a float that traced code reads from a default or a
+    module global is symbolic under ``torch.compile(dynamic=True)``, and torch 2.11 traces the frame
+    again when ``clamp_min`` uses it (docs/design.md §3.5)."""
     keys = F.layer_norm(sk, (sk.shape[-1],), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
     svf = widened(sv)
     if rho is not None:
         # one product with a per-row scale: the backward keeps svf (the norm's input too) and the [..., 1]
         # scale, not a second row-sized product
-        values = svf * (rho[..., None] / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(norm_eps))
+        values = svf * (rho[..., None] / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(1e-12))
     else:
         values = svf / counts.clamp_min(1.0)[..., None]
     return keys, values.to(v_dtype)
@@ -80,7 +79,7 @@ def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_d
 
 def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *,
                         schedule: KVMSchedule, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5,
-                        use_vlens: bool = True, norm_eps: float = NORM_EPS) -> Snapshots:
+                        use_vlens: bool = True) -> Snapshots:
     """kbar ``[B, H, T, D]`` memory keys, v ``[B, H, T, Dv]``, gate ``[B, H, T]``, routes/founder
     ``[B, H, T]`` from :func:`~recurrences.kvm.routing.route_kvm`; ``schedule``: the chunk size, the block
     window and the rows chunk ``c`` reads (:class:`~recurrences.kvm.budget.KVMSchedule`). Rows ``R``:
@@ -92,13 +91,13 @@ def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
     (sk, sv), counts = segment_snapshot_sums((wk, wv), routes, schedule.chunk_size, n_chunks, rows,
                                              lag=schedule.n_bswa_chunks)
     rho = _founder_radius(v, routes, founder, rows)[:, :, None, :rows] if use_vlens else None  # [B, H, 1, R]
-    keys, values = readout_rows(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
+    keys, values = readout_rows(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps)
     return Snapshots(keys, values, counts, schedule.live(n_chunks, kbar.device))
 
 
 def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, plan: VersionPlan, *,
-                        ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5, use_vlens: bool = True,
-                        norm_eps: float = NORM_EPS) -> Versioned:
+                        ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5,
+                        use_vlens: bool = True) -> Versioned:
     """The versioned layout (docs/design.md §5, ``plan.lag = Nb``) of the same states: the same gated
     sums and per-row readout as :func:`build_kvm_snapshots`; a version row has its slot's founder radius."""
     rows = plan.rows
@@ -110,5 +109,5 @@ def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
     if use_vlens:
         rho = _founder_radius(v, routes, founder, rows)  # [B, H, rows + 1], spare last
         row_rho = torch.cat([rho[:, :, :rows].repeat(1, 1, plan.n_ckpt), rho.gather(2, vs.ver_slot)], 2)
-    keys, values = readout_rows(sk, sv, counts, row_rho, v.dtype, ln_weight, ln_bias, ln_eps, norm_eps)
+    keys, values = readout_rows(sk, sv, counts, row_rho, v.dtype, ln_weight, ln_bias, ln_eps)
     return Versioned(keys, values, counts, vs.born, vs.dies, plan)

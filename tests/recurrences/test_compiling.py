@@ -9,7 +9,7 @@ from recurrences.compiling import (RECOMPILE_LIMIT, bucket_rows, compile_fixed_s
                                   pad_to, plain_float, plain_int, plain_options, size_max, size_min)
 from recurrences.kvm import routing_static as kvm_static
 from recurrences.ovq import routing_static as ovq_static
-from tests.helpers import dynamo_restarts
+from tests.helpers import default_floats, dynamo_restarts
 
 
 def _double_sum(x):
@@ -312,10 +312,13 @@ def test_the_helpers_own_numbers_do_not_restart_a_symbolic_trace(helper):
             "auto-layout": auto_layout}[helper]
     x = torch.randn(3, 32)
     torch._dynamo.reset()
-    with dynamo_restarts() as restarts:
+    with dynamo_restarts() as restarts, default_floats() as floats:
         out = torch.compile(body, dynamic=True, backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(out, body(x))
     assert len(restarts) == (1 if helper == "float-in-a-module-control" else 0), restarts
+    # the control's float is seen where it was born, whether or not a torch version restarts for it
+    assert [source for _, _, source in floats] == (["G['_FLOAT_COST']['cpu']"]
+                                                  if helper == "float-in-a-module-control" else []), floats
 
 
 _SCATTER_ADD_SCRIPT = """

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import ovqflex
 from recurrences.reference import ovq_attention_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, dynamo_restarts
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, default_floats, dynamo_restarts
 
 
 @st.composite
@@ -126,9 +126,10 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
     for T, options in calls:
         x = inputs(1, 2, 16, T, seed=T)
         w = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(T))
-        with dynamo_restarts() as restarts:
+        with dynamo_restarts() as restarts, default_floats() as floats:
             out = torch.compile(_op_with(options), dynamic=True, backend="aot_eager", fullgraph=True)(*x)
         assert not restarts, f"T={T}: {restarts}"
+        assert not floats, f"T={T}: {floats}"
         want = _op_with(options)(*x)
         assert_close(out, want, FWD_TOL[torch.float32], f"T={T} output")
         for got, ref, name in zip(torch.autograd.grad((out * w).sum(), x), torch.autograd.grad((want * w).sum(), x),
@@ -151,7 +152,7 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
 
     kw = dict(backend="flex", chunk_size=16, max_centroids=32)
     xs = {T: inputs(1, 2, 16, T, seed=T, requires_grad=False) for T in (200, 250)}
-    with torch.no_grad(), dynamo_restarts() as restarts:
+    with torch.no_grad(), dynamo_restarts() as restarts, default_floats() as floats:
         want = {T: _op_with(kw)(*x) for T, x in xs.items()}  # (eager flex compiles its kernel: counted before)
         torch._dynamo.reset()
         counters.clear()
@@ -160,3 +161,4 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
             assert_close(compiled(*x), want[T], FWD_TOL[torch.float32], f"T={T}")
     assert counters["stats"]["unique_graphs"] == 1
     assert not restarts, restarts
+    assert not floats, floats

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import ovqflex
 from recurrences.reference import vq_attention_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, dynamo_restarts
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, default_floats, dynamo_restarts
 
 
 @st.composite
@@ -152,7 +152,7 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
         return ovqflex.vq_attention(*x, **kw)[0]
 
     xs = {T: inputs(1, 2, 16, T, 32, seed=T, requires_grad=False)[:5] for T in (200, 250)}
-    with torch.no_grad(), dynamo_restarts() as restarts:
+    with torch.no_grad(), dynamo_restarts() as restarts, default_floats() as floats:
         want = {T: op(*x) for T, x in xs.items()}  # (eager flex compiles its kernel: counted before)
         torch._dynamo.reset()
         counters.clear()
@@ -161,3 +161,4 @@ def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eage
             assert_close(compiled(*x), want[T], FWD_TOL[torch.float32], f"T={T}")
     assert counters["stats"]["unique_graphs"] == 1
     assert not restarts, restarts
+    assert not floats, floats
