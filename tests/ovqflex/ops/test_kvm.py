@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import ovqflex
 from ovqflex.ops import kvm_program
 from recurrences.reference import kvm_attention_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, default_floats, dynamo_restarts
+from tests.helpers import FWD_TOL, GRAD_TOL, OLD_TORCH, assert_close, default_floats, dynamo_restarts
 
 BUDGETS = {
     "fixed": dict(budget="fixed"),
@@ -187,7 +187,10 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout, budget):
         w = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(T))
         with dynamo_restarts() as restarts, default_floats() as floats:
             out = torch.compile(_op_with(options), dynamic=True, backend="aot_eager", fullgraph=True)(q, k, v, **params)
-        assert budget == "power_law" or not restarts, f"T={T}: {restarts}"
+        # torch 2.11 (the GPU machine's) also makes KVMOptions' float field defaults symbolic, and traces
+        # again once plain_options has specialized them (2.13 reads them plain); a default_factory would
+        # keep them plain but fails 2.11's dynamo when the value is given (docs/design.md §3.5)
+        assert budget == "power_law" or OLD_TORCH or not restarts, f"T={T}: {restarts}"
         assert not floats, f"T={T}: {floats}"
         want = _op_with(options)(q, k, v, **params)
         assert_close(out, want, FWD_TOL[torch.float32], f"T={T} output")
