@@ -149,8 +149,8 @@ def default_floats():
     ``(symbol, value, source)``. Under ``dynamic=True`` such a float is symbolic in every torch seen
     (2.11, 2.13), and where traced code uses it as a plain number some versions trace the frame again
     (torch 2.11 for ``clamp_min(eps)``, 2.13 not: docs/design.md §3.5), so none may reach traced code.
-    The options a compiled function is given, and an options dataclass's field defaults, are
-    specialized by ``recurrences.compiling.plain_options`` and are not listed."""
+    The options a compiled function is given, and an options dataclass's field defaults (symbolic in
+    2.11 only), are specialized by ``recurrences.compiling.plain_options`` and are not listed."""
     with _records("torch.fx.experimental.symbolic_shapes", lambda m: m.startswith("create_symbol zf")) as seen:
         found = []
         yield found
