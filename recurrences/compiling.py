@@ -443,6 +443,8 @@ def plain_options(options: _Options) -> _Options:
     plain = {}
     for name in fields:
         value = getattr(options, name)
+        if value is None:  # (torch 2.11's dynamo cannot trace hasattr on NoneType: a graph break)
+            continue
         if hasattr(type(value), "__dataclass_fields__"):
             new = plain_options(value)
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and is_symbolic(value):
