@@ -16,6 +16,6 @@ from .report import collect, table, write_results
 from .runner import ExperimentFailed, ExperimentInterrupted, run_experiment, spec_differences
 from .spec import TRAIN_LENGTH, EvalSetting, EvalSweep, Experiment, ModelSpec, Scale
 
-__all__ = ["EXPERIMENTS", "EvalSetting", "EvalSweep", "Experiment", "ExperimentFailed", "ExperimentInterrupted", "ModelSpec",
-           "Plan", "Run", "Scale", "Unit", "Variant", "collect", "get_experiment", "plan", "register_experiment",
-           "run_experiment", "spec_differences", "table", "write_results", "TRAIN_LENGTH"]
+__all__ = ["EXPERIMENTS", "EvalSetting", "EvalSweep", "Experiment", "ExperimentFailed", "ExperimentInterrupted",
+           "ModelSpec", "Plan", "Run", "Scale", "TRAIN_LENGTH", "Unit", "Variant", "collect", "get_experiment", "plan",
+           "register_experiment", "run_experiment", "spec_differences", "table", "write_results"]

@@ -26,6 +26,7 @@ from ..models.config import PRESETS
 from ..models.mixers import available_mixers
 from ..tasks import TASKS
 from ..training.config import TrainConfig
+from ..training.evaluate import report_name
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: TrainConfig fields the runner sets itself (per run) -- not allowed in ``Scale.train_options``
@@ -44,6 +45,12 @@ def _check_name(what: str, value: object) -> str:
 def _check_options(what: str, value: object) -> dict:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise TypeError(f"{what} must be a dict with str keys, got {value!r}")
+    return value
+
+
+def _check_option(what: str, value: object, example: str) -> str:
+    if not isinstance(value, str) or not value.isidentifier():
+        raise ValueError(f"{what} must be a mixer attribute name (e.g. {example}), got {value!r}")
     return value
 
 
@@ -109,9 +116,7 @@ class EvalSweep:
     symbol: str = ""
 
     def __post_init__(self):
-        if not isinstance(self.option, str) or not self.option.isidentifier():
-            raise ValueError(f"EvalSweep.option must be a mixer attribute name (e.g. max_centroids), "
-                             f"got {self.option!r}")
+        _check_option("EvalSweep.option", self.option, "max_centroids")
         _check_positive_ints("EvalSweep.factors", self.factors, increasing=True)
         _check_labels("EvalSweep.models", self.models)
         if not isinstance(self.symbol, str):
@@ -144,9 +149,7 @@ class EvalSetting:
     models: tuple
 
     def __post_init__(self):
-        if not isinstance(self.option, str) or not self.option.isidentifier():
-            raise ValueError(f"EvalSetting.option must be a mixer attribute name (e.g. logn_len), "
-                             f"got {self.option!r}")
+        _check_option("EvalSetting.option", self.option, "logn_len")
         if self.value != TRAIN_LENGTH and (isinstance(self.value, bool) or not isinstance(self.value, (int, float))):
             raise ValueError(f"EvalSetting.value must be an int, a float or {TRAIN_LENGTH!r} (the scale's "
                              f"training length), got {self.value!r}")
@@ -158,7 +161,7 @@ class EvalSetting:
 
     def variant_name(self, seq_len: int) -> str:
         """File-name part of the evaluation, as ``ovqflex eval --override`` names it: ``logn_len-2048``."""
-        return f"{self.option}-{self.resolved(seq_len)}"
+        return report_name({self.option: self.resolved(seq_len)}).removeprefix("eval-")
 
     def variant_label(self, model: str, seq_len: int) -> str:
         """Line label of ``model``: ``sw-nope logn_len=2048``."""
