@@ -27,6 +27,23 @@ def resolve_device(name: str = AUTO, local_rank: int = 0) -> torch.device:
     return dev
 
 
+#: lines of torch's compile errors that say nothing of the failure itself: dynamo's closing advice and
+#: the user's stack it quotes
+_NOISE = ("Set TORCHDYNAMO_VERBOSE", "from user code:", "File \"")
+
+
+def failure_line(error: BaseException, width: int = 120) -> str:
+    """``"Type: message"`` of ``error`` in one line, for a report of what did not run on a device (a
+    benchmark's error row, ``ovqflex info``): the first line of its message that says something, cut
+    to ``width`` characters. A compile error of torch's closes its message with advice to set
+    ``TORCHDYNAMO_VERBOSE`` and may quote the user's stack before it; neither is taken. An empty
+    message gives the type alone."""
+    said = next((line for line in (raw.strip() for raw in str(error).splitlines())
+                 if line and not line.startswith(_NOISE)), "")
+    text = f"{type(error).__name__}: {said}" if said else type(error).__name__
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA); a no-op elsewhere. Call it before reading a clock."""
     if device.type == "cuda":

@@ -10,7 +10,7 @@ import torch
 from recurrences.compiling import resolve_routing
 
 from .attention import training_backend
-from .devices import AUTO, resolve_device
+from .devices import AUTO, failure_line, resolve_device
 from .ops.plain import sliding_window_attention
 
 
@@ -25,7 +25,7 @@ def _probe(backend: str, device: torch.device, backward: bool) -> str:
     except NotImplementedError:
         return "no (not implemented here)"
     except Exception as e:  # report, never crash `info`
-        return f"no ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+        return f"no ({failure_line(e, 100)})"
     return f"yes ({time.perf_counter() - t0:.2f} s incl. compile)" if backend == "flex" else "yes"
 
 

@@ -13,11 +13,12 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
 
-from ..devices import sync
+from ..devices import failure_line, sync
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -208,14 +209,16 @@ def compare_cases(T: int, cases: list[tuple], device: torch.device, repeats: int
     None), the wall time of its first call (``first_call_s``: a compiled case's compile) and the graphs
     compiled in it (``graphs_first_call``); with FLOPs
     and ``peak_gflops`` (the matmul rate measured on the spot) also its GFLOP/s and FLOP efficiency. A
-    case that fails (e.g. a compile error) is a row with its ``error``, not a crash."""
+    case that fails (e.g. a compile error) is a row with its ``error`` (one line:
+    :func:`~ovqflex.devices.failure_line`), not a crash; its whole traceback goes to stderr, the run's log."""
     results, failed, rows = {}, {}, []
     for name, fn, *_ in cases:
         try:
             results[name] = measure(fn, device=device, repeats=repeats)
         except Exception as e:  # a compile failure is a result to report, not a crash
-            failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:60]}"
+            failed[name] = failure_line(e)
             progress(f"T={T} {name}: {failed[name]}")
+            traceback.print_exception(e, file=sys.stderr)  # the whole of it in the run's log
         else:
             progress(f"T={T} {name}", results[name].seconds)
     for name, _, *flops in cases:

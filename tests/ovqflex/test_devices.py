@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ovqflex.devices import AUTO, resolve_device, to_device
+from ovqflex.devices import AUTO, failure_line, resolve_device, to_device
 
 
 def test_auto_is_cuda_if_available_else_cpu():
@@ -29,3 +29,33 @@ def test_to_device_on_the_cpu_is_to():
     x, y = torch.arange(12).view(3, 4), torch.rand(3, 4)
     gx, gy = to_device(torch.device("cpu"), x, y)
     assert gx is x and gy is y and to_device(torch.device("cpu")) == ()
+
+
+def _dynamo_error() -> Exception:
+    """What torch.compile raises for an error inside traced code (here a NotImplementedError with no message)."""
+    def f(x):
+        raise NotImplementedError
+    try:
+        torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2))
+    except Exception as e:  # (the type dynamo wraps it in varies with the torch version)
+        return e
+    raise AssertionError("torch.compile ran a function that raises")
+
+
+def test_failure_line_takes_what_the_message_says_not_torchs_advice():
+    e = _dynamo_error()
+    assert "TORCHDYNAMO_VERBOSE" in str(e)  # the boilerplate this exists for is really there
+    line = failure_line(e)
+    assert "TORCHDYNAMO_VERBOSE" not in line and "\n" not in line and line.startswith(type(e).__name__)
+    assert failure_line(RuntimeError("\n  lowering failed: no valid choices\n  target: flex_attention\n\n"
+                                     "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")) == \
+        "RuntimeError: lowering failed: no valid choices"
+
+
+@pytest.mark.parametrize("error, width, want", [
+    (ValueError(), 120, "ValueError"),
+    (RuntimeError("x" * 50), 20, "RuntimeError: xxx..."),
+    (KeyError("q"), 120, "KeyError: 'q'"),
+], ids=["empty", "cut", "key"])
+def test_failure_line_is_one_bounded_line(error, width, want):
+    assert failure_line(error, width) == want and len(want) <= width

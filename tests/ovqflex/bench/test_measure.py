@@ -28,10 +28,11 @@ def _case(name):
 
 
 def _broken():
-    raise RuntimeError("no valid choices\nlowering failed")
+    raise RuntimeError("lowering failed: no valid choices\n  target: flex_attention\n\n"
+                       "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
 
 
-def test_rows_carry_ratios_to_their_reference_and_the_baseline():
+def test_rows_carry_ratios_to_their_reference_and_the_baseline(capsys):
     cases = [("op fwd", _case("op fwd"), 2e9), ("op reference loop fwd", _case("op reference loop fwd"), 2e9),
              ("sdpa causal fwd", _case("sdpa causal fwd"), 1e9), ("op bwd", _broken)]
     rows = compare_cases(64, cases, torch.device("cpu"), repeats=2, peak_gflops=100.0,
@@ -42,7 +43,9 @@ def test_rows_carry_ratios_to_their_reference_and_the_baseline():
     assert fwd["x_vs_reference"] == pytest.approx(4.0) and fwd["x_vs_sdpa"] == pytest.approx(2.0)
     assert fwd["gflops"] == pytest.approx(200.0) and fwd["pct_matmul_peak"] == pytest.approx(200.0)
     assert by["op reference loop fwd"]["x_vs_reference"] is None and by["sdpa causal fwd"]["x_vs_sdpa"] == 1.0
-    assert by["op bwd"] == {"T": 64, "case": "op bwd", "error": "RuntimeError: lowering failed"}
+    assert by["op bwd"] == {"T": 64, "case": "op bwd", "error": "RuntimeError: lowering failed: no valid choices"}
+    err = capsys.readouterr().err  # the failed case's whole traceback is in the log
+    assert "Traceback" in err and "in _broken" in err and "target: flex_attention" in err
 
 
 def test_rows_without_flops_or_baseline_have_no_rates():
