@@ -171,12 +171,15 @@ def test_compiled_train_step_has_no_graph_break_and_matches_eager():
         assert torch.allclose(gc, p.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(OLD_TORCH, reason=f"torch < 2.13 on the CPU: {VECMASK_FAULT}")
 def test_compiled_longvq_training_on_two_threads_equals_eager():
     """A LongVQ model's compiled backward on two CPU threads fuses the token embedding's scatter-add
     with the EMA's ``[D, B*T]`` gradient in a transposing kernel: with torch 2.13's inductor it wrote
     past the embedding gradient (heap corruption) until ``recurrences.compiling.patch_inductor_cpu_atomic_add``
-    (applied at the first compile of a process that made a layer). The gradients equal the eager ones."""
+    (applied at the first compile of a process that made a layer). The gradients equal the eager ones.
+    Slow (~65 s cold): the default run checks the mend on a small embedding backward
+    (tests/recurrences/test_compiling.py) and the LongVQ layer's compiled training (test_longvq.py)."""
     import copy
 
     from ovqflex.models import preset

@@ -115,12 +115,15 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
     own, docs/design.md §3.5: a much shorter one, or one whose rows need no padding to a block.)
     ``dynamic=True`` makes the keyword options' numbers symbolic; the op takes them plain
     (``recurrences.compiling.plain_options``), so another chunk size compiles a graph of its own rather
-    than being served by a graph generic over it. Each graph is traced once: no float of the op's own
-    restarts dynamo's analysis (docs/design.md §3.5)."""
+    than being served by a graph generic over it (checked with the snapshot layout only: plain_options does
+    not depend on the layout, and each graph traced costs ~15 s). Each graph is traced once: no float of
+    the op's own restarts dynamo's analysis (docs/design.md §3.5)."""
     from torch._dynamo.utils import counters
 
     kw = dict(backend="blocked", chunk_size=16, max_centroids=32, state_layout=layout)
-    calls = [(520, kw), (730, kw), (1000, kw), (1000, {**kw, "chunk_size": 32})]
+    calls = [(520, kw), (730, kw), (1000, kw)]
+    if layout == "snapshot":
+        calls.append((1000, {**kw, "chunk_size": 32}))
     torch._dynamo.reset()
     counters.clear()
     for T, options in calls:
@@ -137,7 +140,7 @@ def test_one_graph_serves_every_length_under_dynamic_shapes(layout):
             assert_close(got, ref, GRAD_TOL[torch.float32], f"T={T} grad {name}")
         if options is kw:
             assert counters["stats"]["unique_graphs"] == 1, f"T={T} compiled a graph of its own"
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] == len(calls) - 2
     assert not counters["graph_break"]
 
 

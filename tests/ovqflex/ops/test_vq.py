@@ -137,13 +137,16 @@ def test_reference_builds_every_tensor_on_the_inputs_device():
         assert res.out.device.type == "meta" and res.out.shape == (1, 2, 40, 8)
 
 
+@pytest.mark.slow
 def test_compiled_flex_under_dynamic_shapes_with_keyword_options_equals_the_eager_op():
     """``torch.compile(lambda *x: vq_attention(*x, backend="flex", **kw), dynamic=True)`` under no_grad, at
     two lengths on one side of the block-count guards (one graph): equal to the eager op. ``dynamic=True``
     makes ``kw``'s numbers symbolic (the op takes them plain: ``recurrences.compiling.plain_options``).
     This failed to build its C++ kernel before ``recurrences.compiling.patch_inductor_cpu_flex_split_names``
     (the symbolic options' extra sizes met torch's text replace of the split sizes' names). Traced once:
-    no float of the op's own restarts dynamo's analysis (docs/design.md §3.5)."""
+    no float of the op's own restarts dynamo's analysis (docs/design.md §3.5). Slow (~32 s cold): the
+    default run checks the same with the OVQ op (tests/ovqflex/ops/test_ovq.py) and the mend itself
+    (tests/recurrences/test_compiling.py)."""
     from torch._dynamo.utils import counters
 
     kw = dict(backend="flex", chunk_size=16)
