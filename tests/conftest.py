@@ -20,6 +20,16 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``) each worker process takes its share of torch's intra-op threads:
+    N workers with the default thread count each would run N times as many threads as there are
+    cores, and OpenMP regions slow down badly when oversubscribed. Tests that need a thread count set
+    their own and restore it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     random.seed(0)
