@@ -25,8 +25,8 @@ def pytest_configure(config):
     N workers with the default thread count each would run N times as many threads as there are
     cores, and OpenMP regions slow down badly when oversubscribed. Tests that need a thread count set
     their own and restore it."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in xdist's workers only
+    if workers > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
