@@ -70,12 +70,12 @@ class MultiHeadProjection(AttentionLayer):
         tail = None
         if self.qk_conv:
             n = 2 * self.num_heads * self.head_dim
-            qk = qkv[..., :n].transpose(1, 2)  # [B, 2HD, T]
-            prev = qk.new_zeros(B, n, self.qk_conv - 1) if conv_tail is None else conv_tail.to(qk.dtype)
-            qk = torch.cat([prev, qk], dim=2)  # causal: the K-1 tokens before x, then x
-            tail = qk[:, :, qk.shape[2] - (self.qk_conv - 1):]
+            qk = qkv[..., :n]  # [B, T, 2HD]
+            prev = qk.new_zeros(B, self.qk_conv - 1, n) if conv_tail is None else conv_tail.to(qk.dtype).transpose(1, 2)
+            qk = torch.cat([prev, qk], dim=1)  # causal: the K-1 tokens before x, then x
+            tail = qk[:, qk.shape[1] - (self.qk_conv - 1):].transpose(1, 2)  # the cache's [B, 2HD, K-1]
             # in fp32, rounded once: the same q, k eager and compiled (recurrences/precision.py, rule 4)
-            qk = rounded(_causal_depthwise(widened(qk), widened(self.qk_conv_weight)), qk.dtype).transpose(1, 2)
+            qk = rounded(_causal_depthwise(widened(qk), widened(self.qk_conv_weight)), qk.dtype)
             qkv = torch.cat([qk, qkv[..., n:]], dim=-1)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v, tail
@@ -97,15 +97,18 @@ class MultiHeadProjection(AttentionLayer):
 
 
 def _causal_depthwise(x: Tensor, weight: Tensor) -> Tensor:
-    """Depthwise convolution of ``x [B, C, T + K - 1]`` (the ``K - 1`` earlier tokens first) with
-    ``weight [C, 1, K]`` (oldest tap first) -> ``[B, C, T]``: ``sum_j weight[:, 0, j] * x[:, :, j:j + T]``, the
-    same sum as ``F.conv1d(x, weight, groups=C)`` written as ``K`` shifted products. Elementwise, so a
-    compiled graph fuses it and keeps ``T`` symbolic: inductor's convolution backward guards the input
-    gradient's strides to ints, which pins a graph to one length (docs/design.md §3.5)."""
+    """Depthwise convolution over time of ``x [B, T + K - 1, C]`` (the ``K - 1`` earlier tokens first) with
+    ``weight [C, 1, K]`` (oldest tap first) -> ``[B, T, C]``: ``sum_j weight[:, 0, j] * x[:, j:j + T]``, the
+    same sum as ``F.conv1d`` over ``x`` channels-first with ``groups=C``, written as ``K`` shifted products.
+    Elementwise, so a compiled graph fuses it and keeps ``T`` symbolic: inductor's convolution backward
+    guards the input gradient's strides to ints, which pins a graph to one length (docs/design.md §3.5).
+    Time-major like the projections it reads, so neither pass transposes: inductor's CPU code for a
+    bf16 32 x 32 transpose inside the fused backward (AVX-512, torch 2.11 and 2.13) gave garbage taps'
+    gradients, NaN under bf16 autocast (README, Precision)."""
     K = weight.shape[-1]
-    T = x.shape[-1] - K + 1
-    taps = weight[:, 0, :, None]  # [C, K, 1]
-    out = x[:, :, :T] * taps[:, 0]
+    T = x.shape[1] - K + 1
+    taps = weight[:, 0, :]  # [C, K]
+    out = x[:, :T] * taps[:, 0]
     for j in range(1, K):
-        out = out + x[:, :, j:j + T] * taps[:, j]
+        out = out + x[:, j:j + T] * taps[:, j]
     return out

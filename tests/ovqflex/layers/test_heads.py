@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 import ovqflex
 from ovqflex.layers import OVQAttention, SlidingWindowAttention
 from ovqflex.layers.heads import MultiHeadProjection, _causal_depthwise
+from tests.helpers import GRAD_TOL, assert_close
 
 
 def test_split_heads_shapes_and_size_check():
@@ -41,12 +42,13 @@ def test_qk_conv_starts_as_identity():
 @settings(max_examples=20, deadline=None)
 @given(width=st.integers(1, 5), T=st.integers(1, 40), channels=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_qk_conv_is_the_depthwise_convolution(width, T, channels, seed):
-    """The shifted-product sum equals ``F.conv1d(groups=C)`` on the same padded input (fp64: the two sum
-    their taps in their own orders)."""
+    """The shifted-product sum over time-major ``[B, T, C]`` equals ``F.conv1d(groups=C)`` on the same padded
+    input channels-first (fp64: the two sum their taps in their own orders)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, channels, T + width - 1, generator=g, dtype=torch.float64)
     w = torch.randn(channels, 1, width, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(_causal_depthwise(x, w), F.conv1d(x, w, groups=channels), rtol=1e-12, atol=1e-12)
+    want = F.conv1d(x, w, groups=channels).transpose(1, 2)
+    torch.testing.assert_close(_causal_depthwise(x.transpose(1, 2), w), want, rtol=1e-12, atol=1e-12)
 
 
 def test_qk_conv_traces_to_elementwise_ops_not_a_convolution():
@@ -68,6 +70,30 @@ def test_qk_conv_traces_to_elementwise_ops_not_a_convolution():
     targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert not any("conv" in t for t in targets), targets
 
+
+
+def test_compiled_qk_conv_under_bf16_autocast_has_the_eager_gradients():
+    """The projection with ``qk_conv`` compiled (inductor) under bf16 autocast: the taps' and the input's
+    gradients are the eager ones. 256 q/k channels and 64 tokens make inductor's CPU code tile the
+    fused backward in 32 x 32 blocks; when the convolution read its input channels-first, that backward
+    transposed bf16 tiles and on AVX-512 gave garbage taps' gradients (NaN in most channels)."""
+    torch.manual_seed(0)
+    m = MultiHeadProjection(128, 2, None, "blocked", qk_conv=4)
+    with torch.no_grad():
+        m.qk_conv_weight.normal_()
+    x = torch.randn(8, 64, 128)
+
+    def loss(f):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            q, k, v = f(x)
+            return (q.float() ** 2).sum() + (k.float() ** 2).sum() + v.float().sum()
+
+    params = (m.qk_conv_weight, m.qkv_proj.weight)
+    got = torch.autograd.grad(loss(torch.compile(m.split_heads, fullgraph=True)), params)
+    want = torch.autograd.grad(loss(m.split_heads), params)
+    for g, w, name in zip(got, want, ("qk_conv_weight", "qkv_proj.weight")):
+        assert torch.isfinite(g).all(), f"{name}: non-finite gradient"
+        assert_close(g, w, GRAD_TOL[torch.bfloat16], f"{name} gradient")
 
 def test_qk_conv_mixes_earlier_tokens_only():
     """With taps w (oldest first), k_t = sum_j w_j * proj(x)_{t-K+1+j}, zero before the start."""
