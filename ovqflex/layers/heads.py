@@ -102,9 +102,9 @@ def _causal_depthwise(x: Tensor, weight: Tensor) -> Tensor:
     same sum as ``F.conv1d`` over ``x`` channels-first with ``groups=C``, written as ``K`` shifted products.
     Elementwise, so a compiled graph fuses it and keeps ``T`` symbolic: inductor's convolution backward
     guards the input gradient's strides to ints, which pins a graph to one length (docs/design.md §3.5).
-    Time-major like the projections it reads, so neither pass transposes: inductor's CPU code for a
-    bf16 32 x 32 transpose inside the fused backward (AVX-512, torch 2.11 and 2.13) gave garbage taps'
-    gradients, NaN under bf16 autocast (README, Precision)."""
+    Time-major like the projections it reads, so neither pass transposes: channels-first, inductor's
+    fused CPU backward under bf16 autocast transposed one bf16 32 x 32 tile per tap in one loop, and that
+    code (AVX-512, torch 2.11 and 2.13, GCC 12) gave garbage taps' gradients, NaN (README, Precision)."""
     K = weight.shape[-1]
     T = x.shape[1] - K + 1
     taps = weight[:, 0, :]  # [C, K]
