@@ -2,6 +2,7 @@
 rebuild them from a checkpoint, checked against each other."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -39,6 +40,31 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
         return torch.bfloat16
     return None
 
+
+
+#: the widest vectors inductor's C++ may use for a compiled bf16 run on a CPU: its AVX-512 code for
+#: several bf16 32 x 32 tile transposes in one fused loop gives wrong values (torch 2.11 and 2.13, GCC 12:
+#: NaN gradients of the compiled bf16 DeltaNet and LongVQ hybrids; README, Precision)
+BF16_CPU_SIMD_BITS = 256
+
+
+@contextlib.contextmanager
+def bf16_cpu_codegen(device: torch.device, amp: torch.dtype | None, compiled: bool):
+    """A context for running a compiled model under ``amp`` autocast on ``device``: on a CPU whose
+    inductor code would use vectors wider than :data:`BF16_CPU_SIMD_BITS` (AVX-512) with bf16, that
+    width (``torch._inductor.config.cpp.simdlen``; AVX2-width code) while inside, restored after;
+    otherwise nothing. Graphs compile lazily, at their first call, so the model's calls go inside."""
+    if not (compiled and device.type == "cpu" and amp == torch.bfloat16):
+        yield
+        return
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if inductor_config.cpp.simdlen is not None or pick_vec_isa().bit_width() <= BF16_CPU_SIMD_BITS:
+        yield  # a width the caller chose, or one that is narrow enough already
+        return
+    with inductor_config.patch({"cpp.simdlen": BF16_CPU_SIMD_BITS}):
+        yield
 
 def task_options(cfg: TrainConfig) -> dict:
     options = {**TASK_SCALES.get(cfg.preset, {}).get(cfg.task, {}), **cfg.task_options}

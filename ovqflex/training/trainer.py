@@ -38,7 +38,8 @@ from .distributed import DistInfo, all_reduce_sum_, barrier, init_distributed, s
 from .interrupt import StopRequest, TrainingInterrupted
 from .lock import RunLock
 from .schedule import length_at, lr_at
-from .setup import autocast_dtype, build_model, build_optimizer, build_task, model_from_checkpoint, train_config_of
+from .setup import (autocast_dtype, bf16_cpu_codegen, build_model, build_optimizer, build_task, model_from_checkpoint,
+                    train_config_of)
 
 CONFIG_FILE, METRICS_FILE = "config.json", "metrics.jsonl"
 # fault injection for the resume tests: SIGKILL this process right after that step
@@ -157,7 +158,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathL
     try:
         device = resolve_device(cfg.device, info.local_rank)
         _lock_on_rank0(lock, out, info, device)
-        with _determinism(cfg, device):
+        with _determinism(cfg, device), bf16_cpu_codegen(device, autocast_dtype(cfg, device), cfg.compile):
             return _train(cfg, info, device, resume, resume_from, cfg.steps if stop_after is None else stop_after)
     finally:
         lock.release()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ovqflex.models import HybridLM, preset
+from ovqflex.training.setup import bf16_cpu_codegen
 from ovqflex.training.trainer import forward_loss
 from tests.cuda.cuda_cases import (CUDA_TIER, DEVICE, FWD_TOL_CUDA, TRAIN_BACKEND, loss_falls, seeded,
                                    skip_old_cpu_inductor_fault)
@@ -39,14 +40,15 @@ def test_compiled_hybrid_lm_training_loss_falls(pattern, dtype):
     x = torch.randint(0, VOCAB, (8, 65), generator=seeded(0)).to(DEVICE)
     x, y = x[:, :-1], x[:, 1:]
     losses = []
-    for _ in range(STEPS):
-        _, ce, aux = forward_loss(compiled, x, y, amp, with_aux=True)
-        loss = ce / y.numel() + aux
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        assert torch.isfinite(loss), f"{pattern} {dtype}: loss {loss.item()}"
-        losses.append(loss.item())
+    with bf16_cpu_codegen(x.device, amp, True):  # as `ovqflex train` runs (in a CPU dry run: README, Precision)
+        for _ in range(STEPS):
+            _, ce, aux = forward_loss(compiled, x, y, amp, with_aux=True)
+            loss = ce / y.numel() + aux
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert torch.isfinite(loss), f"{pattern} {dtype}: loss {loss.item()}"
+            losses.append(loss.item())
     assert loss_falls(losses), f"{pattern} {dtype}: losses {losses}"
 
 
