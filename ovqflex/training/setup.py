@@ -41,7 +41,6 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     return None
 
 
-
 #: the widest vectors inductor's C++ may use for a compiled bf16 run on a CPU: its AVX-512 code for
 #: several bf16 32 x 32 tile transposes in one fused loop gives wrong values (torch 2.11 and 2.13, GCC 12:
 #: NaN gradients of the compiled bf16 DeltaNet and LongVQ hybrids; README, Precision)
@@ -65,6 +64,7 @@ def bf16_cpu_codegen(device: torch.device, amp: torch.dtype | None, compiled: bo
         return
     with inductor_config.patch({"cpp.simdlen": BF16_CPU_SIMD_BITS}):
         yield
+
 
 def task_options(cfg: TrainConfig) -> dict:
     options = {**TASK_SCALES.get(cfg.preset, {}).get(cfg.task, {}), **cfg.task_options}
