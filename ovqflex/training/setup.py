@@ -53,16 +53,13 @@ def bf16_cpu_codegen(device: torch.device, amp: torch.dtype | None, compiled: bo
     inductor code would use vectors wider than :data:`BF16_CPU_SIMD_BITS` (AVX-512) with bf16, that
     width (``torch._inductor.config.cpp.simdlen``; AVX2-width code) while inside, restored after;
     otherwise nothing. Graphs compile lazily, at their first call, so the model's calls go inside."""
-    if not (compiled and device.type == "cpu" and amp == torch.bfloat16):
-        yield
-        return
     from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    if inductor_config.cpp.simdlen is not None or pick_vec_isa().bit_width() <= BF16_CPU_SIMD_BITS:
-        yield  # a width the caller chose, or one that is narrow enough already
-        return
-    with inductor_config.patch({"cpp.simdlen": BF16_CPU_SIMD_BITS}):
+    narrow = (compiled and device.type == "cpu" and amp == torch.bfloat16
+              and inductor_config.cpp.simdlen is None  # else a width the caller chose
+              and pick_vec_isa().bit_width() > BF16_CPU_SIMD_BITS)
+    with inductor_config.patch({"cpp.simdlen": BF16_CPU_SIMD_BITS}) if narrow else contextlib.nullcontext():
         yield
 
 

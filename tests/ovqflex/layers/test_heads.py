@@ -71,7 +71,6 @@ def test_qk_conv_traces_to_elementwise_ops_not_a_convolution():
     assert not any("conv" in t for t in targets), targets
 
 
-
 def test_compiled_qk_conv_under_bf16_autocast_has_the_eager_gradients():
     """The projection with ``qk_conv`` compiled (inductor) under bf16 autocast: the taps' and the input's
     gradients are the eager ones. 256 q/k channels and 64 tokens make inductor's CPU code tile the
@@ -94,6 +93,7 @@ def test_compiled_qk_conv_under_bf16_autocast_has_the_eager_gradients():
     for g, w, name in zip(got, want, ("qk_conv_weight", "qkv_proj.weight")):
         assert torch.isfinite(g).all(), f"{name}: non-finite gradient"
         assert_close(g, w, GRAD_TOL[torch.bfloat16], f"{name} gradient")
+
 
 def test_qk_conv_mixes_earlier_tokens_only():
     """With taps w (oldest first), k_t = sum_j w_j * proj(x)_{t-K+1+j}, zero before the start."""
