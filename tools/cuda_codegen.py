@@ -43,20 +43,22 @@ class _CodegenDone(Exception):
 
 def _answer_device_queries() -> None:
     """Answer the device queries inductor's CUDA code generation makes, without a driver."""
+    if not torch.backends.cuda.is_built():
+        raise SystemExit("this torch is not built for CUDA: `pip install torch==2.11.0` (a CUDA build) in a venv")
     from torch._dynamo import device_interface
     from torch._subclasses import fake_tensor
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    if not torch.backends.cuda.is_built():
-        raise SystemExit("this torch is not built for CUDA: `pip install torch==2.11.0` (a CUDA build) in a venv")
-    cuda = device_interface.CudaInterface
-    for owner in (torch.cuda, cuda):
-        owner.get_device_properties = staticmethod(lambda *a, **k: H100)
-        owner.current_device = staticmethod(lambda: 0)
-        owner.device_count = staticmethod(lambda: 1)
+    torch.cuda.get_device_properties = lambda *a, **k: H100
     torch.cuda.get_device_capability = lambda *a, **k: (H100.major, H100.minor)
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device_count = lambda: 1
+    cuda = device_interface.CudaInterface
+    cuda.get_device_properties = staticmethod(lambda *a, **k: H100)
     cuda.get_compute_capability = staticmethod(lambda *a, **k: 10 * H100.major + H100.minor)
+    cuda.current_device = staticmethod(lambda: 0)
+    cuda.device_count = staticmethod(lambda: 1)
     cuda.is_available = staticmethod(lambda: True)
     fake_tensor.init_gpu_context = lambda device: None  # it would allocate on the device
 
@@ -74,13 +76,13 @@ def _answer_device_queries() -> None:
 
 
 def _stop_after_codegen(store: list[str]) -> None:
-    """Keep the wrapper's code (and its kernels') when inductor has written it, then stop."""
+    """Keep the wrapper's code (its kernels' source inside) once inductor has written it, then stop."""
     from torch._inductor.graph import GraphLowering
 
     codegen = GraphLowering.codegen
 
     def keep(self):
-        wrapper, kernels = codegen(self)
+        wrapper, _ = codegen(self)
         store.append(wrapper.value)
         raise _CodegenDone
 
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     config.joint_graph_constant_folding = False  # it would run the graph's constants on the device
     store: list[str] = []
     _stop_after_codegen(store)
-    with FakeTensorMode():
+    fake = FakeTensorMode()
+    with fake:
         step, step_args, kw = step_inputs(args.method, args.heads, args.dim, args.chunk, rows,
                                           args.normalize_centroids)
     from recurrences.ovq import routing_static as ovq_rs
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         rs.FUSED_ABSORB["cuda"] = not args.opaque_absorb
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     try:
-        with FakeTensorMode(), torch.no_grad():
+        with fake, torch.no_grad():
             compiled(*step_args, **kw)
     except Exception:  # dynamo wraps _CodegenDone in its own errors; the code kept says it was reached
         if not store:
