@@ -27,6 +27,11 @@
 #                   --jobs 1: a call brings back at most 8 files, 64 MiB). $EXP_FROM, a folder
 #                   holding such pieces, is unpacked into EXP_DIR first; EXP_DIR must then not hold an
 #                   experiment yet
+#   profile         ovqflex profile of the OVQ (N = 2048) and KVM (power law 16 sqrt(ctx), uncapped) layers at
+#                   $PROFILE_T tokens (default 65536; H = 8, d = 64, chunk 128, fp32, forward without grad) on
+#                   $DEVICE, $PROFILE_KERNELS kernels a stage (default 8; profile.log, traces in /tmp): each
+#                   stage's device time and its kernels' (a CUDA graph's kernels count in the stage that
+#                   replayed it), so whether the routing graph is bound by its kernels or by their launches
 #   pilot           ovqflex pilot $EXP --scale $EXP_SCALE (defaults as above) --models $PILOT_MODELS
 #                   (default: all) --lrs $PILOT_LRS (default 5e-3: the icr gpu scale's) --stop-after
 #                   $PILOT_STEPS (default 600: the icr gpu scale's steps at its first warm-up length) into
@@ -50,7 +55,7 @@ TEST_S=${TEST_S:-300}
 JOBS=${JOBS:-$(( $(nproc) > 16 ? 15 : $(nproc) - 1 ))}
 GPU_PARTS="routing stages op-ovq op-kvm op-vq dynamic train"
 DECODE_PARTS="decode-single decode-batched generate"
-OWN_PARTS="tier main experiment pilot"
+OWN_PARTS="tier main experiment pilot profile"
 in_list() { case " $2 " in *" $1 "*) return 0 ;; esac; return 1; }  # in_list WORD "WORD WORD ..."
 
 experiment_dir() { echo "${EXP_DIR:-runs/experiments/${EXP:-icr}-${EXP_SCALE:-gpu}}"; }
@@ -170,6 +175,23 @@ pilot() {
   cp "$dir"/pilot.md "$dir"/pilot.json "$OUT"/ 2>/dev/null && cat "$OUT/pilot.md"
 }
 
+profile_layers() {
+  local target opts
+  : > "$OUT/profile.log"
+  for target in ovq kvm; do
+    if [ "$target" = ovq ]; then opts=(--opt max_centroids=2048)
+    else opts=(--opt budget=power_law --opt growth_factor=16.0 --opt growth_exponent=0.5 --opt max_state_chunks=null
+               --opt n_bswa_chunks=2 --opt sink_len=1)
+    fi
+    echo "== $target" >> "$OUT/profile.log"
+    timeout "$PART_S" python3 -m ovqflex profile "$target" --device "$DEVICE" --seq-len "${PROFILE_T:-65536}" --heads 8 \
+      --head-dim 64 --opt chunk_size=128 "${opts[@]}" --mode fwd --steps 2 --kernels "${PROFILE_KERNELS:-8}" \
+      --trace "/tmp/gpu-check-profile-$target.json" >> "$OUT/profile.log" 2>&1
+    echo "profile $target: exit $? at $(since) s" | tee -a "$OUT/profile.log"
+  done
+  grep -E '^fwd +routing' "$OUT/profile.log"
+}
+
 bench() {  # bench PROFILE PART
   echo "== $1 --only $2" >> "$OUT/bench.log"
   timeout "$PART_S" python3 -m ovqflex bench "profiles/$1.toml" --device "$DEVICE" --only "$2" --out "$OUT/bench" \
@@ -182,6 +204,7 @@ for part in "${list[@]}"; do
   elif [ "$part" = main ]; then main_job
   elif [ "$part" = experiment ]; then experiment
   elif [ "$part" = pilot ]; then pilot
+  elif [ "$part" = profile ]; then profile_layers
   elif in_list "$part" "$GPU_PARTS"; then bench gpu "$part"
   else bench decode "$part"  # the parts were checked above: the rest are DECODE_PARTS
   fi
