@@ -31,7 +31,8 @@
 #                   $PROFILE_T tokens (default 65536; H = 8, d = 64, chunk 128, fp32, forward without grad) on
 #                   $DEVICE, $PROFILE_KERNELS kernels a stage (default 8; profile.log, traces in /tmp): each
 #                   stage's device time and its kernels' (a CUDA graph's kernels count in the stage that
-#                   replayed it), so whether the routing graph is bound by its kernels or by their launches
+#                   replayed it), so whether the routing graph is bound by its kernels or by their launches;
+#                   both layers within one PART_S
 #   pilot           ovqflex pilot $EXP --scale $EXP_SCALE (defaults as above) --models $PILOT_MODELS
 #                   (default: all) --lrs $PILOT_LRS (default 5e-3: the icr gpu scale's) --stop-after
 #                   $PILOT_STEPS (default 600: the icr gpu scale's steps at its first warm-up length) into
@@ -175,16 +176,18 @@ pilot() {
   cp "$dir"/pilot.md "$dir"/pilot.json "$OUT"/ 2>/dev/null && cat "$OUT/pilot.md"
 }
 
-profile_layers() {
-  local target opts
+profile_layers() {  # both layers within PART_S together
+  local target opts left end=$(( $(date +%s) + PART_S ))
   : > "$OUT/profile.log"
   for target in ovq kvm; do
+    left=$(( end - $(date +%s) ))
+    (( left > 0 )) || { echo "profile $target: no time left of PART_S=$PART_S" | tee -a "$OUT/profile.log"; continue; }
     if [ "$target" = ovq ]; then opts=(--opt max_centroids=2048)
     else opts=(--opt budget=power_law --opt growth_factor=16.0 --opt growth_exponent=0.5 --opt max_state_chunks=null
                --opt n_bswa_chunks=2 --opt sink_len=1)
     fi
     echo "== $target" >> "$OUT/profile.log"
-    timeout "$PART_S" python3 -m ovqflex profile "$target" --device "$DEVICE" --seq-len "${PROFILE_T:-65536}" --heads 8 \
+    timeout "$left" python3 -m ovqflex profile "$target" --device "$DEVICE" --seq-len "${PROFILE_T:-65536}" --heads 8 \
       --head-dim 64 --opt chunk_size=128 "${opts[@]}" --mode fwd --steps 2 --kernels "${PROFILE_KERNELS:-8}" \
       --trace "/tmp/gpu-check-profile-$target.json" >> "$OUT/profile.log" 2>&1
     echo "profile $target: exit $? at $(since) s" | tee -a "$OUT/profile.log"
