@@ -140,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     with fake:
         step, step_args, kw = step_inputs(args.method, args.heads, args.dim, args.chunk, rows,
                                           args.normalize_centroids)
-    from recurrences.ovq import routing_static as ovq_rs
-    from recurrences.kvm import routing_static as kvm_rs
-    for rs in (ovq_rs, kvm_rs):
-        rs.FUSED_ABSORB["cuda"] = not args.opaque_absorb
+    sys.modules[step.__module__].FUSED_ABSORB["cuda"] = not args.opaque_absorb  # the step's routing_static
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     try:
         with fake, torch.no_grad():

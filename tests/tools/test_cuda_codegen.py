@@ -1,7 +1,6 @@
 """tools/cuda_codegen.py: reading a wrapper's launches, and (with a CUDA build of torch, no GPU needed)
 the static routing steps' launch counts as inductor writes them for CUDA."""
 import importlib.util
-import importlib.metadata
 import re
 import subprocess
 import sys
@@ -40,20 +39,12 @@ def test_launches_are_the_calls_kernels_library_calls_and_opaque_ops_in_order():
         "triton_poi_fused_index_put_1"]
 
 
-def _triton_installed() -> bool:
-    try:
-        importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 #: launches of one static step compiled for CUDA (fused absorb), as inductor wrote them under torch
 #: 2.11 (README, GPU routing): a budget a change to a step must not exceed
 LAUNCH_BUDGET = {("ovq",): 5, ("ovq", "--normalize-centroids"): 7, ("kvm",): 11}
 
 
-@pytest.mark.skipif(not (torch.backends.cuda.is_built() and _triton_installed()),
+@pytest.mark.skipif(not (torch.backends.cuda.is_built() and importlib.util.find_spec("triton")),
                     reason="needs a CUDA build of torch with triton (pip install torch==2.11.0); no GPU needed")
 @pytest.mark.parametrize("argv", list(LAUNCH_BUDGET), ids=" ".join)
 def test_a_static_routing_step_compiled_for_cuda_stays_within_its_launch_budget(argv):
