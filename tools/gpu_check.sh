@@ -30,9 +30,9 @@
 #   profile         ovqflex profile of the OVQ (N = 2048) and KVM (power law 16 sqrt(ctx), uncapped) layers at
 #                   $PROFILE_T tokens (default 65536; H = 8, d = 64, chunk 128, fp32, forward without grad) on
 #                   $DEVICE, $PROFILE_KERNELS kernels a stage (default 8; profile.log, traces in /tmp): each
-#                   stage's device time and its kernels' (a CUDA graph's kernels count in the stage that
-#                   replayed it), so whether the routing graph is bound by its kernels or by their launches;
-#                   both layers within one PART_S
+#                   stage's device busy time and span and its kernels' time (a CUDA graph's kernels count in
+#                   the stage that replayed it), so whether the routing graph is bound by its kernels (busy
+#                   ~ span) or by their launches (span >> busy); both layers within one PART_S
 #   pilot           ovqflex pilot $EXP --scale $EXP_SCALE (defaults as above) --models $PILOT_MODELS
 #                   (default: all) --lrs $PILOT_LRS (default 5e-3: the icr gpu scale's) --stop-after
 #                   $PILOT_STEPS (default 600: the icr gpu scale's steps at its first warm-up length) into

@@ -9,7 +9,11 @@ that same trace to two tables:
   ``backward``, ``other`` (step minus stages) and the whole ``step``. ``ms/step`` is host time:
   on CUDA the time to launch, which a stage that does not wait for its kernels ends before they
   run. So on CUDA a ``gpu ms/step`` column adds the device time of the kernels, copies and
-  memsets each stage launched (busy time, summed). Memory columns come from the trace's allocator
+  memsets each stage launched (busy time, summed), and ``gpu span ms/step`` the device time from
+  the first of them to start to the last to end, in each call of the stage (the ``step`` row: in
+  each step): busy time plus the gaps between them. A stage whose span is much longer than its busy time is bound by launches (in a CUDA
+  graph, the device's latency from one kernel to the next; eager, the host launching), not by its
+  kernels' work. Memory columns come from the trace's allocator
   events: ``peak MB`` is the largest allocation level inside a stage above the level when it
   began (max over calls); ``alloc MB`` the bytes it allocated per step.
 - per kernel (:func:`kernel_table`): the ``top`` kernels of each stage by device time on CUDA,
@@ -22,6 +26,7 @@ that same trace to two tables:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -141,36 +146,61 @@ def _self_times(ops: list[dict]) -> list[tuple[dict, float]]:
     return out
 
 
-def _work(events: list[dict]) -> tuple[list[tuple[float, str, float]], bool]:
-    """The trace's work items ``(host time it was launched or ran, name, device or self time in us)``,
-    and whether they are device work. Device work (kernels, copies, memsets) when the trace has any,
-    each at the time of the host call that launched it; else the host operators with their self times."""
+@dataclass(frozen=True)
+class _Item:
+    """One work item of a trace: a kernel, copy or memset (``start``: its device start time), or a host
+    operator (``start``: its own host time); ``us``: its device time, or a host operator's self time."""
+
+    name: str
+    us: float
+    start: float
+    step: float = 0.0  # host start times of the step span and of the labelled span it belongs to (_attribute)
+    call: float = 0.0
+
+
+def _work(events: list[dict]) -> tuple[list[tuple[float, _Item]], bool]:
+    """The trace's work items with the host time each was launched or ran, ``(host time, item)``, and
+    whether they are device work. Device work (kernels, copies, memsets) when the trace has any, each at
+    the time of the host call that launched it; else the host operators with their self times."""
     launched = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_WORK]
     if device:
-        return [(launched[e["args"]["correlation"]], e["name"], e["dur"]) for e in device
+        return [(launched[e["args"]["correlation"]], _Item(e["name"], e["dur"], e["ts"])) for e in device
                 if e.get("args", {}).get("correlation") in launched], True
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-    return [(op["ts"], op["name"], self_us) for op, self_us in _self_times(ops)], False
+    return [(op["ts"], _Item(op["name"], self_us, op["ts"])) for op, self_us in _self_times(ops)], False
 
 
 def _attribute(events: list[dict]) -> tuple[dict, bool]:
     """Work items by ``(mode, label)``: each goes to the innermost labelled span open at its host time
     (label ``None``: a step's work outside every stage), within the step span of its mode. Returns
-    ``{(mode, label): [(name, us), ...]}`` and whether the items are device work."""
+    ``{(mode, label): [_Item, ...]}`` (each with its step's start) and whether the items are device work."""
     spans = _label_spans(events)
     steps = [e for e in spans if e["name"].startswith(STEP + "[")]
     inner = sorted((e for e in spans if not e["name"].startswith(STEP + "[")), key=lambda e: e["dur"])
     work, on_device = _work(events)
     out = defaultdict(list)
-    for ts, name, us in work:
+    for ts, item in work:
         step = next((s for s in steps if s["ts"] <= ts <= s["ts"] + s["dur"]), None)
         if step is None:
             continue
-        label = next((e["name"] for e in inner if e["ts"] <= ts <= e["ts"] + e["dur"]), None)
-        out[(step["name"][len(STEP) + 1:-1], label)].append((name, us))
+        span = next((e for e in inner if e["ts"] <= ts <= e["ts"] + e["dur"]), step)
+        label = None if span is step else span["name"]
+        out[(step["name"][len(STEP) + 1:-1], label)].append(
+            dataclasses.replace(item, step=step["ts"], call=span["ts"]))
     return out, on_device
+
+
+def _span_us(items: list[_Item], per: str) -> float:
+    """Device time from the first item's start to the last one's end within each step (``per="step"``) or
+    each call of a stage (``per="call"``), summed."""
+    first, last = {}, {}
+    for it in items:
+        key = getattr(it, per)
+        first[key] = min(first.get(key, it.start), it.start)
+        last[key] = max(last.get(key, it.start + it.us), it.start + it.us)
+    return sum(last[k] - first[k] for k in first)
 
 
 def kernel_table(trace: dict, top: int = 5) -> list[dict]:
@@ -187,11 +217,11 @@ def kernel_table(trace: dict, top: int = 5) -> list[dict]:
             items = attributed.get((mode, label))
             if not items:
                 continue
-            n, total = steps[mode], sum(us for _, us in items)
+            n, total = steps[mode], sum(it.us for it in items)
             by_name = defaultdict(lambda: [0, 0.0])
-            for name, us in items:
-                by_name[name][0] += 1
-                by_name[name][1] += us
+            for it in items:
+                by_name[it.name][0] += 1
+                by_name[it.name][1] += it.us
             ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
             for name, (calls, us) in ranked:
                 short = name if len(name) <= NAME_WIDTH else name[:NAME_WIDTH - 3] + "..."
@@ -212,7 +242,9 @@ def _step_counts(events: list[dict]) -> dict[str, int]:
 
 def stage_table(trace: dict, device_type: int = 0) -> list[dict]:
     """Reduce a Chrome trace to rows ``{mode, stage, calls/step, ms/step, % of step, alloc MB, peak MB}``,
-    with ``gpu ms/step`` (the device time of the work each stage launched) when the trace has device work."""
+    with ``gpu ms/step`` (the device time of the work each stage launched) and ``gpu span ms/step`` (from
+    the start of that work to its end, in each call of the stage; none for ``other``) when the trace
+    has device work."""
     events = trace["traceEvents"]
     mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
                  if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
@@ -222,8 +254,12 @@ def stage_table(trace: dict, device_type: int = 0) -> list[dict]:
     labels = [PREFIX + s for s in STAGES] + [BACKWARD]
     attributed, on_device = _attribute(events)
 
-    def device_ms(mode, label, n):  # (None where the trace has no device work)
-        return sum(us for _, us in attributed.get((mode, label), [])) / n / 1e3 if on_device else None
+    def gpu(mode, labels, n, per):  # the device columns of the work these labels launched (none on a CPU)
+        if not on_device:
+            return {}
+        items = [it for label in labels for it in attributed.get((mode, label), [])]
+        return {"gpu ms/step": sum(it.us for it in items) / n / 1e3,
+                "gpu span ms/step": _span_us(items, per) / n / 1e3 if per else None}
 
     def memory(t0, t1):
         i, j = bisect.bisect_left(mem_ts, t0), bisect.bisect_right(mem_ts, t1)
@@ -250,17 +286,12 @@ def stage_table(trace: dict, device_type: int = 0) -> list[dict]:
             staged += us
             mems = [memory(e["ts"], e["ts"] + e["dur"]) for e in hits]
             rows.append({"mode": mode, "stage": label[len(PREFIX):], "calls/step": len(hits) / n,
-                         "ms/step": us / n / 1e3, "% of step": 100 * us / step_us,
-                         "gpu ms/step": device_ms(mode, label, n),
+                         "ms/step": us / n / 1e3, "% of step": 100 * us / step_us, **gpu(mode, [label], n, "call"),
                          "alloc MB": sum(m[1] for m in mems) / n / 2**20, "peak MB": max(m[0] for m in mems) / 2**20})
         rows.append({"mode": mode, "stage": "other", "calls/step": None, "ms/step": (step_us - staged) / n / 1e3,
-                     "% of step": 100 * (step_us - staged) / step_us, "gpu ms/step": device_ms(mode, None, n),
+                     "% of step": 100 * (step_us - staged) / step_us, **gpu(mode, [None], n, None),
                      "alloc MB": None, "peak MB": None})
-        step_gpu = sum(device_ms(mode, label, n) for label in [*labels, None]) if on_device else None
         rows.append({"mode": mode, "stage": "step", "calls/step": 1.0, "ms/step": step_us / n / 1e3,
-                     "% of step": 100.0, "gpu ms/step": step_gpu, "alloc MB": sum(m[1] for m in step_mem) / n / 2**20,
+                     "% of step": 100.0, **gpu(mode, [*labels, None], n, "step"), "alloc MB": sum(m[1] for m in step_mem) / n / 2**20,
                      "peak MB": max(m[0] for m in step_mem) / 2**20})
-    if not on_device:
-        for row in rows:
-            del row["gpu ms/step"]
     return rows

@@ -117,12 +117,39 @@ def test_kernel_table_from_a_known_cuda_trace():
 
 
 def test_stage_table_of_a_cuda_trace_adds_the_device_time_each_stage_launched():
+    """Busy time sums the work's device time; the span runs from its first start to its last end:
+    routing's kernels and copy [150, 216) hold 30 us of work in a 66 us span (gaps between them)."""
     rows = {r["stage"]: r for r in stage_table(_cuda_trace(), device_type=1)}
     assert rows["step"]["calls/step"] == 1 and rows["step"]["ms/step"] == pytest.approx(0.1)  # host spans only
     assert rows["routing"]["ms/step"] == pytest.approx(0.03) and rows["routing"]["gpu ms/step"] == pytest.approx(0.03)
+    assert rows["routing"]["gpu span ms/step"] == pytest.approx(0.066)
     assert rows["attention"]["gpu ms/step"] == pytest.approx(0.03)
-    assert rows["other"]["gpu ms/step"] == pytest.approx(0.002)
+    assert rows["attention"]["gpu span ms/step"] == pytest.approx(0.03)
+    assert rows["other"]["gpu ms/step"] == pytest.approx(0.002) and rows["other"]["gpu span ms/step"] is None
     assert rows["step"]["gpu ms/step"] == pytest.approx(0.062)
+    assert rows["step"]["gpu span ms/step"] == pytest.approx(0.152)  # [150, 302): the unlaunched kernel is left out
+
+
+def test_gpu_span_is_taken_per_call_of_a_stage():
+    """A stage called twice in a step (a model's layers) spans each call's own work: two routing calls
+    whose kernels run [100, 110) and [200, 205), with an attention kernel [150, 190) between them."""
+    def host(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+                "args": {"correlation": corr}}
+
+    def kernel(ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [host("ovqflex.step[fwd]", 0, 100), host("ovqflex.routing", 10, 10), host("ovqflex.attention", 30, 10),
+              host("ovqflex.routing", 50, 10), launch(12, 1), launch(14, 2), launch(32, 3), launch(52, 4),
+              kernel(100, 4, 1), kernel(106, 4, 2), kernel(150, 40, 3), kernel(200, 5, 4)]
+    rows = {r["stage"]: r for r in stage_table({"traceEvents": events}, device_type=1)}
+    assert rows["routing"]["calls/step"] == 2 and rows["routing"]["gpu ms/step"] == pytest.approx(0.013)
+    assert rows["routing"]["gpu span ms/step"] == pytest.approx(0.015)  # 10 + 5 us, not [100, 205)
+    assert rows["step"]["gpu span ms/step"] == pytest.approx(0.105)
 
 
 def test_operator_self_times_subtract_their_children():
