@@ -62,10 +62,10 @@ from .routing import found_first_chunk, merge_keys
 #: kernels (:func:`kvm_absorb_fused`), per device type; otherwise (and always eager) it calls the opaque
 #: :func:`kvm_absorb_static`, the loop's own kernels. As for OVQ (recurrences/ovq/routing_static.py): on
 #: CUDA the loop's merge add is an unordered atomic sum already, so fusing costs no exactness, and the
-#: opaque op's eager launches a step (five, in a run bound by launches) become fewer: in inductor's CPU
-#: code the scatter, the scatter-add and the gather join the step's kernels (CUDA's count not yet measured);
-#: on the CPU the eager kernels add a row's tokens in token order, the loop's bits, where inductor's
-#: fused adds may split a head's tokens over threads.
+#: opaque op's eager launches a step (five, in a run bound by launches) become fewer: compiled for CUDA
+#: (torch 2.11) the step is 10 launches, 12 with the opaque op (``tools/cuda_codegen.py kvm``); on the
+#: CPU the eager kernels add a row's tokens in token order, the loop's bits, where inductor's fused adds
+#: may split a head's tokens over threads.
 FUSED_ABSORB = {"cpu": False, "cuda": True}
 
 
@@ -265,15 +265,18 @@ def _(state, rows, ok, founder_rows, merged, target, ln_weight, ln_bias, ln_eps)
 def kvm_absorb_fused(state: Tensor, rows: Tensor | None, ok: Tensor, founder_rows: Tensor, merged: Tensor,
                      target: Tensor, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float) -> None:
     """:func:`kvm_absorb_static`'s writes (same arguments) as traced code, for a compiled step on a device
-    of :data:`FUSED_ABSORB`: ``index_put_`` on each token's ``(b, h, row)``, which inductor writes into
-    the buffers in place and fuses with the step's kernels that compute the rows and summands, where the
-    opaque op launches five eager kernels. The founders' keys are written as the opaque op writes them
-    (the spare row, written by every other token, is never read); the merge's adds are atomic, in no
-    fixed order, as the loop's ``scatter_add_`` is on CUDA. ``LN_s`` of the rows written is still the
-    eager kernel (:func:`_ln_rows`: routing reads the loop's bits), on their gathered sums."""
+    of :data:`FUSED_ABSORB`: one accumulating ``index_put_`` on each token's ``(b, h, target row)``, which
+    inductor writes into the buffers in place and fuses with the step's kernels that compute the rows
+    and summands, where the opaque op launches five eager kernels. A founder (its target is its own new
+    row, ``founder_rows == target``; the others' is the spare) adds its key where the opaque op writes
+    it: its row is still zero (rows past the live ones are never written), so the key is the row's
+    first summand or, the adds being atomic and in no fixed order (as the loop's ``scatter_add_`` is
+    on CUDA), is added among the merge's summands, which the loop adds after it. One launch where
+    a write and then an add took two. ``LN_s`` of the rows written is still the eager kernel
+    (:func:`_ln_rows`: routing reads the loop's bits), on their gathered sums."""
     written = row_index(target)  # each token's (b, h, target row)
-    state.index_put_(row_index(founder_rows), ok)
-    state.index_put_(written, merged, accumulate=True)
+    founds = (founder_rows == target)[..., None]  # a founder's target is its new row, the others' a live row
+    state.index_put_(written, torch.where(founds, ok, merged), accumulate=True)
     if rows is not None:
         rows.index_put_(written, _ln_rows(state[written], ln_weight, ln_bias, ln_eps))
 

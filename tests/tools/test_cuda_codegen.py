@@ -41,7 +41,7 @@ def test_launches_are_the_calls_kernels_library_calls_and_opaque_ops_in_order():
 
 #: launches of one static step compiled for CUDA (fused absorb), as inductor wrote them under torch
 #: 2.11 (README, GPU routing): a budget a change to a step must not exceed
-LAUNCH_BUDGET = {("ovq",): 5, ("ovq", "--normalize-centroids"): 7, ("kvm",): 11}
+LAUNCH_BUDGET = {("ovq",): 5, ("ovq", "--normalize-centroids"): 7, ("kvm",): 10}
 
 
 @pytest.mark.skipif(not (torch.backends.cuda.is_built() and importlib.util.find_spec("triton")),
