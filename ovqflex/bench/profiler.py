@@ -11,10 +11,10 @@ that same trace to two tables:
   run. So on CUDA a ``gpu ms/step`` column adds the device time of the kernels, copies and
   memsets each stage launched (busy time, summed), and ``gpu span ms/step`` the device time from
   the first of them to start to the last to end, in each call of the stage (the ``step`` row: in
-  each step): busy time plus the gaps between them. A stage whose span is much longer than its busy time is bound by launches (in a CUDA
-  graph, the device's latency from one kernel to the next; eager, the host launching), not by its
-  kernels' work. Memory columns come from the trace's allocator
-  events: ``peak MB`` is the largest allocation level inside a stage above the level when it
+  each step): busy time plus the gaps between them. A stage whose span is much longer than its
+  busy time is bound by launches (in a CUDA graph, the device's latency from one kernel to the
+  next; eager, the host launching), not by its kernels' work. Memory columns come from the trace's
+  allocator events: ``peak MB`` is the largest allocation level inside a stage above the level when it
   began (max over calls); ``alloc MB`` the bytes it allocated per step.
 - per kernel (:func:`kernel_table`): the ``top`` kernels of each stage by device time on CUDA,
   the ``top`` operators by self time (their time minus that of the operators they called) on a
@@ -26,7 +26,6 @@ that same trace to two tables:
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -148,47 +147,48 @@ def _self_times(ops: list[dict]) -> list[tuple[dict, float]]:
 
 @dataclass(frozen=True)
 class _Item:
-    """One work item of a trace: a kernel, copy or memset (``start``: its device start time), or a host
-    operator (``start``: its own host time); ``us``: its device time, or a host operator's self time."""
+    """One work item of a trace, attributed to a step and a stage call (:func:`_attribute`): a kernel,
+    copy or memset (``start``: its device start time), or a host operator (``start``: its own host time);
+    ``us``: its device time, or a host operator's self time; ``step``, ``call``: the host start times of
+    the step span and of the innermost labelled span (the step's, outside every stage) it belongs to."""
 
     name: str
     us: float
     start: float
-    step: float = 0.0  # host start times of the step span and of the labelled span it belongs to (_attribute)
-    call: float = 0.0
+    step: float
+    call: float
 
 
-def _work(events: list[dict]) -> tuple[list[tuple[float, _Item]], bool]:
-    """The trace's work items with the host time each was launched or ran, ``(host time, item)``, and
-    whether they are device work. Device work (kernels, copies, memsets) when the trace has any, each at
-    the time of the host call that launched it; else the host operators with their self times."""
+def _work(events: list[dict]) -> tuple[list[tuple[float, str, float, float]], bool]:
+    """The trace's work items ``(host time it was launched or ran, name, device or self time in us, start
+    time)``, and whether they are device work. Device work (kernels, copies, memsets) when the trace has
+    any, each at the time of the host call that launched it; else the host operators with their self times."""
     launched = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_WORK]
     if device:
-        return [(launched[e["args"]["correlation"]], _Item(e["name"], e["dur"], e["ts"])) for e in device
+        return [(launched[e["args"]["correlation"]], e["name"], e["dur"], e["ts"]) for e in device
                 if e.get("args", {}).get("correlation") in launched], True
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-    return [(op["ts"], _Item(op["name"], self_us, op["ts"])) for op, self_us in _self_times(ops)], False
+    return [(op["ts"], op["name"], self_us, op["ts"]) for op, self_us in _self_times(ops)], False
 
 
 def _attribute(events: list[dict]) -> tuple[dict, bool]:
     """Work items by ``(mode, label)``: each goes to the innermost labelled span open at its host time
     (label ``None``: a step's work outside every stage), within the step span of its mode. Returns
-    ``{(mode, label): [_Item, ...]}`` (each with its step's start) and whether the items are device work."""
+    ``{(mode, label): [_Item, ...]}`` and whether the items are device work."""
     spans = _label_spans(events)
     steps = [e for e in spans if e["name"].startswith(STEP + "[")]
     inner = sorted((e for e in spans if not e["name"].startswith(STEP + "[")), key=lambda e: e["dur"])
     work, on_device = _work(events)
     out = defaultdict(list)
-    for ts, item in work:
+    for ts, name, us, start in work:
         step = next((s for s in steps if s["ts"] <= ts <= s["ts"] + s["dur"]), None)
         if step is None:
             continue
         span = next((e for e in inner if e["ts"] <= ts <= e["ts"] + e["dur"]), step)
         label = None if span is step else span["name"]
-        out[(step["name"][len(STEP) + 1:-1], label)].append(
-            dataclasses.replace(item, step=step["ts"], call=span["ts"]))
+        out[(step["name"][len(STEP) + 1:-1], label)].append(_Item(name, us, start, step["ts"], span["ts"]))
     return out, on_device
 
 
@@ -286,12 +286,14 @@ def stage_table(trace: dict, device_type: int = 0) -> list[dict]:
             staged += us
             mems = [memory(e["ts"], e["ts"] + e["dur"]) for e in hits]
             rows.append({"mode": mode, "stage": label[len(PREFIX):], "calls/step": len(hits) / n,
-                         "ms/step": us / n / 1e3, "% of step": 100 * us / step_us, **gpu(mode, [label], n, "call"),
+                         "ms/step": us / n / 1e3, "% of step": 100 * us / step_us,
+                         **gpu(mode, [label], n, "call"),
                          "alloc MB": sum(m[1] for m in mems) / n / 2**20, "peak MB": max(m[0] for m in mems) / 2**20})
         rows.append({"mode": mode, "stage": "other", "calls/step": None, "ms/step": (step_us - staged) / n / 1e3,
                      "% of step": 100 * (step_us - staged) / step_us, **gpu(mode, [None], n, None),
                      "alloc MB": None, "peak MB": None})
         rows.append({"mode": mode, "stage": "step", "calls/step": 1.0, "ms/step": step_us / n / 1e3,
-                     "% of step": 100.0, **gpu(mode, [*labels, None], n, "step"), "alloc MB": sum(m[1] for m in step_mem) / n / 2**20,
+                     "% of step": 100.0, **gpu(mode, [*labels, None], n, "step"),
+                     "alloc MB": sum(m[1] for m in step_mem) / n / 2**20,
                      "peak MB": max(m[0] for m in step_mem) / 2**20})
     return rows
