@@ -192,7 +192,7 @@ profile_layers() {  # both layers within PART_S together
       --trace "/tmp/gpu-check-profile-$target.json" >> "$OUT/profile.log" 2>&1
     echo "profile $target: exit $? at $(since) s" | tee -a "$OUT/profile.log"
   done
-  grep -E '^fwd +routing' "$OUT/profile.log"
+  grep -E '^(mode +stage +(calls/step|op|kernel) |fwd +routing)' "$OUT/profile.log"  # the routing rows under their headers
 }
 
 bench() {  # bench PROFILE PART
