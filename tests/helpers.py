@@ -31,6 +31,13 @@ def assert_close(a, b, tol, what="", floor: float = 1e-2):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def assert_finite_grads_close(got, want, names, dtype: torch.dtype) -> None:
+    """Each gradient of ``got`` is finite and within ``GRAD_TOL[dtype]`` of its twin in ``want``."""
+    for g, w, name in zip(got, want, names, strict=True):
+        assert torch.isfinite(g).all(), f"{name}: non-finite gradient"
+        assert_close(g, w, GRAD_TOL[dtype], f"{name} gradient")
+
+
 def assert_trains_compiled_once(layer, loss_of, steps: int = 3, after_step=None) -> None:
     """Compile ``layer`` (fullgraph) and take ``steps`` AdamW steps (lr 1e-3) on ``loss_of(compiled, step)``;
     ``after_step(step)`` (if given) runs after each optimizer step. Asserts no graph break and no

@@ -158,8 +158,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, resume_from: str | os.PathL
     try:
         device = resolve_device(cfg.device, info.local_rank)
         _lock_on_rank0(lock, out, info, device)
-        with _determinism(cfg, device), bf16_cpu_codegen(device, autocast_dtype(cfg, device), cfg.compile):
-            return _train(cfg, info, device, resume, resume_from, cfg.steps if stop_after is None else stop_after)
+        amp = autocast_dtype(cfg, device)
+        with _determinism(cfg, device), bf16_cpu_codegen(device, amp, cfg.compile):
+            return _train(cfg, info, device, amp, resume, resume_from, cfg.steps if stop_after is None else stop_after)
     finally:
         lock.release()
         if info.is_main and created and out.is_dir() and not any(out.iterdir()):
@@ -196,8 +197,9 @@ def _fault_signal(rank: int) -> tuple[int, int]:
     return (int(step) if only in ("", str(rank)) else 0), signal.Signals[f"SIG{name or 'TERM'}"]
 
 
-def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, resume_from,
-           end: int) -> TrainResult:
+def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dtype | None, resume: bool,
+           resume_from, end: int) -> TrainResult:
+    """The training loop of :func:`train`, on ``device`` under autocast to ``amp`` (None: fp32), to step ``end``."""
     out = Path(cfg.out)
     if cfg.batch_size % info.world_size:
         raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the number of ranks {info.world_size}")
@@ -234,7 +236,6 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
 
     # one graph per batch shape (a length warm-up's few, then seq_len's), none symbolic in the length
     fwd = torch.compile(model, dynamic=False) if cfg.compile else model
-    amp = autocast_dtype(cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     bar = _progress(cfg, info, start)
     metrics = open(out / METRICS_FILE, "a") if info.is_main else None

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 import ovqflex
 from ovqflex.layers import OVQAttention, SlidingWindowAttention
 from ovqflex.layers.heads import MultiHeadProjection, _causal_depthwise
-from tests.helpers import GRAD_TOL, assert_close
+from tests.helpers import assert_finite_grads_close
 
 
 def test_split_heads_shapes_and_size_check():
@@ -90,9 +90,7 @@ def test_compiled_qk_conv_under_bf16_autocast_has_the_eager_gradients():
     params = (m.qk_conv_weight, m.qkv_proj.weight)
     got = torch.autograd.grad(loss(torch.compile(m.split_heads, fullgraph=True)), params)
     want = torch.autograd.grad(loss(m.split_heads), params)
-    for g, w, name in zip(got, want, ("qk_conv_weight", "qkv_proj.weight")):
-        assert torch.isfinite(g).all(), f"{name}: non-finite gradient"
-        assert_close(g, w, GRAD_TOL[torch.bfloat16], f"{name} gradient")
+    assert_finite_grads_close(got, want, ("qk_conv_weight", "qkv_proj.weight"), torch.bfloat16)
 
 
 def test_qk_conv_mixes_earlier_tokens_only():
