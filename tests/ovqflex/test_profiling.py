@@ -77,30 +77,36 @@ def test_stage_table_from_a_known_trace():
     assert rows["other"]["ms/step"] == pytest.approx(0.03) and rows["step"]["peak MB"] == pytest.approx(10)
 
 
+def _host(name, ts, dur, cat="user_annotation"):
+    """A labelled span of a hand-written trace (host time; ``gpu_user_annotation``: the device's copy)."""
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def _launch(name, ts, corr, cat="cuda_runtime"):
+    """A host call launching device work with correlation id ``corr``."""
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": 1, "args": {"correlation": corr}}
+
+
+def _kernel(name, ts, dur, corr, cat="kernel"):
+    """Device work (a kernel; ``gpu_memcpy``: a copy) of the launch with correlation id ``corr``."""
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
 def _cuda_trace():
     """A hand-written CUDA trace: one fwd step [0, 100) holding routing [10, 40) and attention [50, 90)
     on the host, each label repeated on the device timeline (``gpu_user_annotation``, not host time).
     Launches (correlation id -> host time): a kernel in routing (1, t=12), a CUDA graph replay in
     routing whose four kernels share its id (2, t=20), a copy in routing (6, t=30), a kernel in
     attention (3, t=60), a driver launch outside the stages (4, t=95); kernel 5 has no launch."""
-    def host(name, ts, dur, cat="user_annotation"):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
-
-    def launch(name, ts, corr, cat="cuda_runtime"):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": 1, "args": {"correlation": corr}}
-
-    def kernel(name, ts, dur, corr, cat="kernel"):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
-
     return {"traceEvents": [
-        host("ovqflex.step[fwd]", 0, 100), host("ovqflex.routing", 10, 30), host("ovqflex.attention", 50, 40),
-        host("ovqflex.step[fwd]", 150, 160, "gpu_user_annotation"),
-        host("ovqflex.routing", 150, 60, "gpu_user_annotation"),
-        launch("cudaLaunchKernel", 12, 1), launch("cudaGraphLaunch", 20, 2), launch("cudaMemcpyAsync", 30, 6),
-        launch("cudaLaunchKernel", 60, 3), launch("cuLaunchKernel", 95, 4, "cuda_driver"),
-        kernel("layer_norm", 150, 4, 1), *(kernel("triton_argmax", 160 + 10 * i, 5, 2) for i in range(3)),
-        kernel("sgemm_" + "x" * 100, 200, 10, 2), kernel("Memcpy DtoD", 215, 1, 6, "gpu_memcpy"),
-        kernel("flex_attention", 230, 30, 3), kernel("tail", 300, 2, 4), kernel("orphan", 305, 7, 5)]}
+        _host("ovqflex.step[fwd]", 0, 100), _host("ovqflex.routing", 10, 30), _host("ovqflex.attention", 50, 40),
+        _host("ovqflex.step[fwd]", 150, 160, "gpu_user_annotation"),
+        _host("ovqflex.routing", 150, 60, "gpu_user_annotation"),
+        _launch("cudaLaunchKernel", 12, 1), _launch("cudaGraphLaunch", 20, 2), _launch("cudaMemcpyAsync", 30, 6),
+        _launch("cudaLaunchKernel", 60, 3), _launch("cuLaunchKernel", 95, 4, "cuda_driver"),
+        _kernel("layer_norm", 150, 4, 1), *(_kernel("triton_argmax", 160 + 10 * i, 5, 2) for i in range(3)),
+        _kernel("sgemm_" + "x" * 100, 200, 10, 2), _kernel("Memcpy DtoD", 215, 1, 6, "gpu_memcpy"),
+        _kernel("flex_attention", 230, 30, 3), _kernel("tail", 300, 2, 4), _kernel("orphan", 305, 7, 5)]}
 
 
 def test_kernel_table_from_a_known_cuda_trace():
@@ -133,19 +139,11 @@ def test_stage_table_of_a_cuda_trace_adds_the_device_time_each_stage_launched():
 def test_gpu_span_is_taken_per_call_of_a_stage():
     """A stage called twice in a step (a model's layers) spans each call's own work: two routing calls
     whose kernels run [100, 110) and [200, 205), with an attention kernel [150, 190) between them."""
-    def host(name, ts, dur):
-        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
-
-    def launch(ts, corr):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
-                "args": {"correlation": corr}}
-
-    def kernel(ts, dur, corr):
-        return {"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": ts, "dur": dur, "args": {"correlation": corr}}
-
-    events = [host("ovqflex.step[fwd]", 0, 100), host("ovqflex.routing", 10, 10), host("ovqflex.attention", 30, 10),
-              host("ovqflex.routing", 50, 10), launch(12, 1), launch(14, 2), launch(32, 3), launch(52, 4),
-              kernel(100, 4, 1), kernel(106, 4, 2), kernel(150, 40, 3), kernel(200, 5, 4)]
+    events = [_host("ovqflex.step[fwd]", 0, 100), _host("ovqflex.routing", 10, 10),
+              _host("ovqflex.attention", 30, 10), _host("ovqflex.routing", 50, 10),
+              *(_launch("cudaLaunchKernel", ts, corr) for ts, corr in [(12, 1), (14, 2), (32, 3), (52, 4)]),
+              *(_kernel(f"k{corr}", ts, dur, corr) for ts, dur, corr in [(100, 4, 1), (106, 4, 2), (150, 40, 3),
+                                                                          (200, 5, 4)])]
     rows = {r["stage"]: r for r in stage_table({"traceEvents": events}, device_type=1)}
     assert rows["routing"]["calls/step"] == 2 and rows["routing"]["gpu ms/step"] == pytest.approx(0.013)
     assert rows["routing"]["gpu span ms/step"] == pytest.approx(0.015)  # 10 + 5 us, not [100, 205)
