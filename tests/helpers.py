@@ -10,7 +10,7 @@ FWD_TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torc
 GRAD_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 # torch < 2.13 (the GPU machine's 2.11, installed on a CPU machine to check its dynamo): faults of its
-# inductor's C++ code generator that 2.13 does not have (README, "Torch versions"); compiled CPU cases
+# inductor's C++ code generator that 2.13 does not have (docs/torch-versions.md); compiled CPU cases
 # that meet them skip with the fault named (on CUDA inductor generates Triton, not this C++)
 OLD_TORCH = torch.__version__ < "2.13"  # (TorchVersion compares as a version)
 VECMASK_FAULT = "inductor's C++ code generator builds a VecMask<long> from a bool (no such constructor)"

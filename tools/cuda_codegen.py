@@ -12,7 +12,7 @@ launches (README, GPU routing table), so this is what a change to a step is firs
 no GPU is at hand; ``--code`` prints the whole wrapper and kernels' source.
 
 Needs torch built for CUDA, with triton: ``pip install torch==2.11.0`` in a venv gives the GPU
-machine's version (README, "Torch versions"). No GPU and no driver: torch's device queries are
+machine's version (docs/torch-versions.md). No GPU and no driver: torch's device queries are
 answered with an H100's properties, the inputs are fake tensors, and code generation stops before
 anything is compiled for or run on a device. What it cannot do: time anything; trace a backward
 (autograd's engine asks the driver); or compile ``flex_attention`` (tracing its mask makes small

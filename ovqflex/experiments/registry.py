@@ -38,7 +38,7 @@ Scales (``ovqflex experiment NAME --scale S``):
     (loss ln 252) throughout; at 128 tokens it learned in 300-400 steps with batch 32, by step 200
     with 64, not by step 700 with 16; with ``--length-warmup 128 --length-warmup-steps 400`` (batch
     64 at 128, then 16 at 512) it left the plateau by step 200 and evaluated 0.997 at 512 and
-    0.949 at 2,048 (README, Models, tasks, training). With lr 1e-3 at 128 tokens (batch 64) it
+    0.949 at 2,048 (docs/experiments.md, a length warm-up). With lr 1e-3 at 128 tokens (batch 64) it
     reached accuracy 0.24 in 600 steps, where 5e-3 had 0.82 by step 200.
   - With ``N`` = 1,024 (682 rows at 2k, a third of the tokens; ``ovqflex train --seq-len 2048
     --length-warmup 128,512 --length-warmup-steps 500 --steps 800 --batch-size 4 --model-opt
@@ -63,8 +63,8 @@ Scales (``ovqflex experiment NAME --scale S``):
     which this form's 2,048-token phase starts (1.1e-3, against 2.9e-3) is not what held seed 0
     back: with ``--steps 2000`` (800 steps at 2,048, from lr 1.9e-3) seed 0 did worse, training
     accuracy 0.70 at 2,048 and 0.770 / 0.643 / 0.419 / 0.186 / 0.047 evaluated.
-  - All five models at this scale ran on the CPU (``--device cpu --jobs 2``; README, "The ``gpu``
-    scale"): sw-nope held 0.99 at 2x and fell to 0.13 at 16x, below sw-ovq with ``N`` x4 (0.37),
+  - All five models at this scale ran on the CPU (``--device cpu --jobs 2``; docs/experiments.md,
+    icr at the gpu scale): sw-nope held 0.99 at 2x and fell to 0.13 at 16x, below sw-ovq with ``N`` x4 (0.37),
     because its NoPE layer's softmax spreads over 16x more keys (``ovqflex probe``: the queried pair
     keeps the top logit, its weight falls as 1/T); scaling that layer's logits at test time
     (``ovqflex eval --override logn_len=2048``; the experiment's line ``sw-nope logn_len=2048``) restored

@@ -104,7 +104,7 @@ def _causal_depthwise(x: Tensor, weight: Tensor) -> Tensor:
     guards the input gradient's strides to ints, which pins a graph to one length (docs/design.md §3.5).
     Time-major like the projections it reads, so neither pass transposes: channels-first, inductor's
     fused CPU backward under bf16 autocast transposed one bf16 32 x 32 tile per tap in one loop, and that
-    code (AVX-512, torch 2.11 and 2.13, GCC 12) gave garbage taps' gradients, NaN (README, Precision)."""
+    code (AVX-512, torch 2.11 and 2.13, GCC 12) gave garbage taps' gradients, NaN (docs/torch-versions.md)."""
     K = weight.shape[-1]
     T = x.shape[1] - K + 1
     taps = weight[:, 0, :]  # [C, K]

@@ -174,7 +174,7 @@ def merge_config(base: dict, overrides: dict, what: str = "model config") -> dic
 #: also match on what the window layer averaged over the last pairs, and which of the two a run
 #: learns is decided by float-level noise: seed 0 of the main job attended to the delimiter 7
 #: tokens after the queried key (the window's reach), held 0.94 at 64 tokens and fell to 0.06 at
-#: 1,024, while seeds 1 and 2 matched the pair itself and held 0.90-0.93 (README, main job).
+#: 1,024, while seeds 1 and 2 matched the pair itself and held 0.90-0.93 (docs/experiments.md, the main job).
 #: Its sliding window is 8 tokens: the window must be a small part of the training context,
 #: as in the paper (128 of 4k). With a 32-token window at the 64-token training length (and the
 #: window layer first), 55% of the ICR targets have their key inside the window, so training

@@ -100,6 +100,6 @@ def logn_scale(pos: Tensor, logn_len: int) -> Tensor:
     unchanged). The length-dependent logit scale of "Overcoming a
     Theoretical Limitation of Self-Attention" (Chiang & Cholak, ACL 2022) and of Scalable-Softmax
     (arXiv 2501.19399), here with the scale fixed so that a model trained without it can use it
-    at test time (README, Experiments: sw-nope at the gpu scale).
+    at test time (docs/experiments.md: icr at the gpu scale).
     """
     return ((pos + 1).float().log() / math.log(logn_len)).clamp(min=1.0)

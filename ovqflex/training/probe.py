@@ -11,7 +11,7 @@ predicts the first value token. The probe reads every probed layer's attention w
 
 A layer that does the recall directly puts its weight on the pair; one that matches on
 something else shows where (e.g. a delimiter a window's reach after the key, where a
-window layer below it has averaged the pair in). The README's main job reads seeds this way.
+window layer below it has averaged the pair in). docs/experiments.md (the main job) reads seeds this way.
 
 Probed mixers: every plain attention layer (``full``, ``nope``, ``swa``), through its own
 attention program (:meth:`~ovqflex.layers.plain.CausalAttention.program`), and OVQ-attention,

@@ -43,7 +43,7 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
 
 #: the widest vectors inductor's C++ may use for a compiled bf16 run on a CPU: its AVX-512 code for
 #: several bf16 32 x 32 tile transposes in one fused loop gives wrong values (torch 2.11 and 2.13, GCC 12:
-#: NaN gradients of the compiled bf16 DeltaNet and LongVQ hybrids; README, Precision)
+#: NaN gradients of the compiled bf16 DeltaNet and LongVQ hybrids; docs/torch-versions.md)
 BF16_CPU_SIMD_BITS = 256
 
 

@@ -40,7 +40,7 @@ def test_compiled_hybrid_lm_training_loss_falls(pattern, dtype):
     x = torch.randint(0, VOCAB, (8, 65), generator=seeded(0)).to(DEVICE)
     x, y = x[:, :-1], x[:, 1:]
     losses = []
-    with bf16_cpu_codegen(x.device, amp, True):  # as `ovqflex train` runs (in a CPU dry run: README, Precision)
+    with bf16_cpu_codegen(x.device, amp, True):  # as `ovqflex train` runs (in a CPU dry run: docs/torch-versions.md)
         for _ in range(STEPS):
             _, ce, aux = forward_loss(compiled, x, y, amp, with_aux=True)
             loss = ce / y.numel() + aux

@@ -103,8 +103,8 @@ def test_prefill_then_decode_equals_full_forward(name, t1, t2, steps):
 def test_a_float64_layer_decodes_like_its_float64_forward(name):
     """``layer.double()``: prefill and decode give float64 outputs equal to the float64 forward, to
     float64 precision where the cache holds float64 tensors (plain attention, the recurrences), and
-    within 1e-6 where it keeps its state and routing copies in fp32 (OVQ, KVM, VQ, LongVQ: README,
-    Precision; measured 2e-8 to 4e-8 here, 5e-10 for LongVQ)."""
+    within 1e-6 where it keeps its state and routing copies in fp32 (OVQ, KVM, VQ, LongVQ:
+    docs/precision.md; measured 2e-8 to 4e-8 here, 5e-10 for LongVQ)."""
     torch.manual_seed(0)
     layer = _perturbed(LAYERS[name]()).double()
     x = torch.randn(2, 61, HIDDEN, dtype=torch.float64)

@@ -32,7 +32,7 @@ def test_a_width_the_caller_chose_is_kept():
 def test_a_compiled_bf16_deltanet_layer_has_the_eager_gradients_inside_the_context():
     """The case that needs it: the tiny preset's DeltaNet layer compiled (inductor) under bf16 autocast. With
     AVX-512 code its fused backward transposes several bf16 tiles in one loop and its input's gradient is
-    NaN (README, Precision); inside the context the gradients are finite and the eager ones."""
+    NaN (docs/torch-versions.md); inside the context the gradients are finite and the eager ones."""
     torch.manual_seed(0)
     layer = HybridLM(preset("tiny", pattern="deltanet", vocab_size=64)).blocks[1].mixer
     x = torch.randn(8, 64, layer.hidden_size, requires_grad=True)
