@@ -10,12 +10,18 @@ from torch._dynamo.pgo import reset_code_state  # torch 2.11 and 2.13: what torc
 
 from tests.run_log import pytest_runtest_makereport  # noqa: F401 (a hook: OVQFLEX_FAILURE_LOG, _DURATION_LOG)
 
-# default: quick runs (README test command, CI); slow: more examples (`HYPOTHESIS_PROFILE=slow pytest -m slow`)
+# default: quick runs (README test command, CI); slow: more examples (`HYPOTHESIS_PROFILE=slow pytest -m slow`);
+# both derandomized, the same examples every run. fuzz: 200 new random examples every run, for hunting; a failure
+# prints the `@reproduce_failure` blob that replays it (`HYPOTHESIS_PROFILE=fuzz pytest tests/ovqflex/ops`)
 settings.register_profile(
     "default", deadline=None, max_examples=20, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.register_profile(
     "slow", deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile(
+    "fuzz", deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow], derandomize=False,
+    print_blob=True, database=None,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 

@@ -36,7 +36,11 @@ def assert_fast_matches_reference(fast, reference, inputs, what: str) -> None:
     in the gradients of every input under one random cotangent, at the dtype's tolerances.
 
     The reference loop runs in float64 on the same values, i.e. it gives the exact answer
-    for the given inputs, and the tolerance bounds the fast form's own rounding."""
+    for the given inputs, and the tolerance bounds the fast form's own rounding. That rounding
+    is relative to the computation's scale, not to each result: a gradient that is analytically
+    zero (dq and dk of a normalised read-out over one token, whose output is its value whatever
+    q and k are) comes out as rounding noise of the terms that cancel in it. So each gradient's
+    error is relative to its own norm or, below it, to 1% of the largest input gradient's norm."""
     dtype = inputs[0].dtype
     exact = [x.detach().double().requires_grad_() for x in inputs]
     out_f, out_r = fast(*inputs), reference(*exact)
@@ -45,5 +49,6 @@ def assert_fast_matches_reference(fast, reference, inputs, what: str) -> None:
     cot = torch.randn(out_r.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     g_f = torch.autograd.grad(out_f, inputs, cot.to(dtype))
     g_r = torch.autograd.grad(out_r, exact, cot)
+    floor = max(1e-2, 1e-2 * max(g.norm().item() for g in g_r))
     for i, (a, b) in enumerate(zip(g_f, g_r)):
-        assert_close(a, b, GRAD_TOL[dtype], f"{what} grad of input {i}")
+        assert_close(a, b, GRAD_TOL[dtype], f"{what} grad of input {i}", floor=floor)
