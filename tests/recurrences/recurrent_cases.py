@@ -61,10 +61,9 @@ def vla_state_tol(lambda0: float, penalty: torch.Tensor) -> float:
     The chunk form subtracts: ``A_C = A_0 - W^T W`` (recurrences/vla.py), rounded relative to
     ``||A_0|| <= ||I / lambda0||``, so relative to the result the error grows by ``amp = ||I /
     lambda0|| / ||A_T||`` (Frobenius) where the penalty shrinks A a lot, as with few key dims hit
-    by many tokens (Dk = 2, lambda0 = 0.1, 15 tokens: amp = 49); the loop's one-token steps do not
+    by many tokens (Dk = 2, lambda0 = 0.1, 14 tokens in one chunk: amp = 69); the loop's one-token steps do not
     cancel so (their fp32 error stays near ``eps32``). Measured once over 1,500 cases drawn as these
     tests draw them (2026-11-29): fp32 ``vla_chunked`` against float64 ``vla_reference``, the errors of
     A and S stayed below ``5.2 eps32 amp``. The bound is ``16 eps32 amp``, never below ``FWD_TOL``."""
     amp = (penalty.shape[-1] ** 0.5 / lambda0) / penalty.norm().item()
     return max(FWD_TOL[torch.float32], 16 * torch.finfo(torch.float32).eps * amp)
-
