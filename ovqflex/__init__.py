@@ -3,6 +3,7 @@
 Functional ops take ``[B, H, T, D]`` tensors; layers take ``x [B, T, hidden]``.
 """
 from masks.program import AttentionProgram, build_program
+from recurrences.checks import finite_checks
 
 from .attention import attend, resolve_backend
 from .layers import (AttentionLayer, CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
@@ -38,6 +39,7 @@ __all__ = [
     "build_program",
     "causal_attention",
     "delta_rule",
+    "finite_checks",
     "get_method",
     "kvm_attention",
     "linear_attention",

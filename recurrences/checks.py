@@ -9,6 +9,7 @@ This module is the lowest layer of the project (plain torch), so ``recurrences``
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -61,7 +62,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, same_len: bool = True) -> None
 
 def check_layer_input(x: object, hidden_size: int, dtype: torch.dtype) -> Tensor:
     """A layer's input ``x [B, T, hidden_size]`` in the dtype of the layer's parameters
-    (``dtype``), or any floating dtype under ``torch.autocast`` on x's device."""
+    (``dtype``), or any floating dtype under ``torch.autocast`` on x's device; finite, within
+    :func:`finite_checks`."""
     check_tensor("x", x, 3)
     if x.shape[-1] != hidden_size:
         raise ValueError(f"x must have last dim hidden_size={hidden_size}, got shape {tuple(x.shape)}")
@@ -70,6 +72,7 @@ def check_layer_input(x: object, hidden_size: int, dtype: torch.dtype) -> Tensor
     if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(f"x must have dtype {dtype} (the layer's parameters), got {x.dtype}: cast the input "
                         f"(x.to({dtype})) or the layer (layer.to({x.dtype})), or run under torch.autocast")
+    check_finite_args(None, x=x)
     return x
 
 
@@ -110,10 +113,52 @@ def host_check_is_free(x: Tensor) -> bool:
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def check_finite(name: str, x: Tensor) -> None:
-    """Opt-in (host-syncing) check used when ``check_finite=True``."""
-    if not torch.isfinite(x).all():
-        raise ValueError(f"{name} contains non-finite values (nan or inf)")
+_FINITE_CHECKS = False  # the default of every op's ``check_finite`` (None); set by :func:`finite_checks`
+
+
+@contextlib.contextmanager
+def finite_checks(enabled: bool = True):
+    """Within the block every op refuses non-finite tensor arguments and every layer a non-finite
+    input ``x`` — as ``check_finite=True`` on each call — unless a call passes ``check_finite=False``.
+    A debugging aid: each check reads the tensor's values on the host (a device sync), and compiled
+    code cannot take it (:func:`check_finite_args`). Process-wide, not per thread; blocks nest."""
+    global _FINITE_CHECKS
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+    before, _FINITE_CHECKS = _FINITE_CHECKS, enabled
+    try:
+        yield
+    finally:
+        _FINITE_CHECKS = before
+
+
+def check_finite_tensor(name: str, x: Tensor) -> None:
+    """Refuse a tensor holding nan or inf, naming it, how many and where the first is (reads ``x``
+    on the host)."""
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{name} must be finite, got {int(bad.sum())} non-finite value(s) (nan or inf) in shape "
+                         f"{tuple(x.shape)}, the first at index {first}")
+
+
+def check_finite_args(check_finite: bool | None, **tensors: Tensor | None) -> None:
+    """An op's ``check_finite`` option: with True (None: the :func:`finite_checks` setting, off by
+    default) every tensor given must be finite (None ones are skipped). ``torch.compile`` cannot
+    trace the check: with ``fullgraph=True`` a True is refused by this error; without, dynamo runs
+    the op's check in eager mode (a graph break)."""
+    if check_finite is None:
+        check_finite = _FINITE_CHECKS
+    elif not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool or None, got {type(check_finite).__name__} {check_finite!r}")
+    if not check_finite:
+        return
+    if torch.compiler.is_compiling():
+        raise ValueError("check_finite=True reads tensor values on the host, which a torch.compile(fullgraph=True) "
+                         "graph cannot do; check in eager mode, or leave it off when compiling")
+    for name, x in tensors.items():
+        if x is not None:
+            check_finite_tensor(name, x)
 
 
 def check_number(name: str, value: object, *, minimum: float = 0, strict: bool = True) -> float:

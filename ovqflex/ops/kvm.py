@@ -13,8 +13,8 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import BlockWindow
-from recurrences.checks import (check_choice, check_chunk, check_companion, check_int, check_qkv, check_tensor,
-                                options_of)
+from recurrences.checks import (check_choice, check_chunk, check_companion, check_finite_args, check_int, check_qkv,
+                                check_tensor, options_of)
 from recurrences.kvm import (ROUTING_IMPLS, KVMBudget, KVMSchedule, build_kvm_snapshots, build_kvm_versioned,
                              kvm_state_sizes, memory_keys, route_kvm, routing_memory_keys)
 from recurrences.precision import to_compute_dtype
@@ -110,7 +110,7 @@ class KVMOptions(KVMBudget):
         return kvm_state_sizes(seq_len, self.chunk_size, self.n_bswa_chunks, self)
 
 
-def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa) -> None:
+def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, check_finite) -> None:
     check_qkv(q, k, v)
     B, H, T, D = q.shape
     if gate is not None:
@@ -120,17 +120,20 @@ def _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa) 
     for name, tau in (("tau_state", tau_state), ("tau_bswa", tau_bswa)):
         if tau is not None:
             _check_vector(name, tau, H, q)
+    check_finite_args(check_finite, q=q, k=k, v=v, gate=gate, ln_s_weight=ln_s_weight, ln_s_bias=ln_s_bias,
+                      tau_state=tau_state, tau_bswa=tau_bswa)
 
 
 def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, ln_s_weight: Tensor,
                 ln_s_bias: Tensor, tau_state: Tensor | None = None, tau_bswa: Tensor | None = None,
-                options: KVMOptions | None = None, **option_kwargs) -> tuple[AttentionProgram, KVMState]:
+                options: KVMOptions | None = None, check_finite: bool | None = None,
+                **option_kwargs) -> tuple[AttentionProgram, KVMState]:
     """The KVM attention program, without running it (what the visualizer draws), and its
     :class:`KVMState`. Arguments as :func:`kvm_attention`. Stages are labelled
     ``ovqflex.routing``, ``ovqflex.state_build`` and ``ovqflex.block_mask`` for ``torch.profiler``.
     """
     o = options_of(KVMOptions, options, option_kwargs, "KVM options")
-    _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa)
+    _check_kvm_args(q, k, v, gate, ln_s_weight, ln_s_bias, tau_state, tau_bswa, check_finite)
     rope_dims = o.head_rope_dims(q.shape[-1])
     chunk_size, n_bswa_chunks, ln_eps = o.chunk_size, o.n_bswa_chunks, o.ln_eps
     q, k, v, gate = to_compute_dtype(q, k, v, gate)
@@ -165,7 +168,8 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *
     Keyword arguments (:func:`kvm_program`): ``ln_s_weight``, ``ln_s_bias`` ``[D]`` (the state
     LayerNorm, required), ``tau_state``, ``tau_bswa`` ``[H]`` (None: 1), and the options: a
     :class:`KVMOptions` (``options=``) or its fields as keywords (chunk, window, sinks, ``rope_dims``,
-    the state budget, ``use_vlens``, ``ln_eps``, the state layout, ``block_size``).
+    the state budget, ``use_vlens``, ``ln_eps``, the state layout, ``block_size``), and ``check_finite``:
+    True refuses nan/inf in every tensor argument (None: :func:`ovqflex.finite_checks`; eager only).
 
     The first ``Nb * C`` tokens attend causally; query chunk ``c`` after that sees the state
     built from tokens ``[0, (c - Nb + 1) C)`` and its ``Nb``-chunk block window.

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import OwnChunk
-from recurrences.checks import check_choice, check_chunk, check_int, check_qkv, check_tensor, options_of
+from recurrences.checks import (check_choice, check_chunk, check_finite_args, check_int, check_qkv, check_tensor,
+                                options_of)
 from recurrences.compiling import size_max
 from recurrences.ovq import (GROWTHS, ROUTING_IMPLS, SEEDINGS, DictionarySchedule, build_ovq_snapshots,
                              build_ovq_versioned, dictionary_size, dictionary_sizes, route_ovq)
@@ -92,7 +93,7 @@ class OVQOptions:
 
 
 def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOptions | None = None,
-                **option_kwargs) -> tuple[AttentionProgram, Tensor, Tensor]:
+                check_finite: bool | None = None, **option_kwargs) -> tuple[AttentionProgram, Tensor, Tensor]:
     """The OVQ attention program, without running it (what the visualizer draws).
 
     q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, beta ``[H]`` -> ``(program, routes [B, H, T], sizes)``,
@@ -100,8 +101,9 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     from the length in Python: the sizes are a formula of it (:class:`DictionarySchedule`), so under
     ``torch.compile(dynamic=True)`` one graph serves every length.
     Options: an :class:`OVQOptions`, or its fields as keywords. q, k, v are cast to one compute
-    dtype; routing reads fp32 unit keys (:mod:`recurrences.precision`). Stages are labelled
-    ``ovqflex.proj`` (normalization), ``ovqflex.routing``, ``ovqflex.state_build`` and
+    dtype; routing reads fp32 unit keys (:mod:`recurrences.precision`). ``check_finite=True``
+    refuses nan/inf in q, k, v, beta (None: :func:`ovqflex.finite_checks`; eager only). Stages are
+    labelled ``ovqflex.proj`` (normalization), ``ovqflex.routing``, ``ovqflex.state_build`` and
     ``ovqflex.block_mask`` for ``torch.profiler``.
     """
     o = options_of(OVQOptions, options, option_kwargs, "OVQ options")
@@ -109,6 +111,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     check_tensor("beta", beta, 1)
     if beta.shape[0] != q.shape[1]:
         raise ValueError(f"beta must have shape [H]=[{q.shape[1]}], got {tuple(beta.shape)}")
+    check_finite_args(check_finite, q=q, k=k, v=v, beta=beta)
     schedule = o.schedule
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
@@ -129,17 +132,19 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
 
 
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, backend: str = "auto",
-                  return_state: bool = False, options: OVQOptions | None = None, **option_kwargs):
+                  return_state: bool = False, options: OVQOptions | None = None, check_finite: bool | None = None,
+                  **option_kwargs):
     """OVQ-attention. q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, beta ``[H]`` -> ``[B, H, T, Dv]``
     (and an :class:`OVQState` with ``return_state=True``).
 
     q and k are L2-normalized inside; scores are ``beta[h] * <q̂, row>`` plus ``log(count)``
     on dictionary rows. Chunk ``c`` reads the dictionary of the chunks before it and its
     own tokens causally. Options: an :class:`OVQOptions` (chunk size, dictionary cap and growth,
-    seeding, state layout, block size), or its fields as keywords.
+    seeding, state layout, block size), or its fields as keywords. ``check_finite`` as
+    :func:`ovq_program`.
     """
     o = options_of(OVQOptions, options, option_kwargs, "OVQ options")
-    program, routes, sizes = ovq_program(q, k, v, beta, options=o)
+    program, routes, sizes = ovq_program(q, k, v, beta, options=o, check_finite=check_finite)
     with stage("attention"):
         out = attend(program, backend)
     if not return_state:

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, build_program
 from masks.regions import BlockWindow, Causal, Region, Sinks, TokenWindow
-from recurrences.checks import check_chunk, check_int
+from recurrences.checks import check_chunk, check_finite_args, check_int
 from recurrences.compiling import plain_int
 
 from ..attention import attend
@@ -49,35 +49,39 @@ def window_regions(what: str, causal: str, *, window: int | None, block_window: 
 
 
 def _plain_attention(q: Tensor, k: Tensor, v: Tensor, regions: tuple[Region, ...], scale: float | None,
-                     backend: str, block_size: int) -> Tensor:
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+                     backend: str, block_size: int, check_finite: bool | None) -> Tensor:
     with stage("block_mask"):
-        program = build_program(q, k, v, regions, scale=scale, block_size=block_size)
+        program = build_program(q, k, v, regions, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                block_size=block_size)
+    check_finite_args(check_finite, q=q, k=k, v=v)
     with stage("attention"):
         return attend(program, backend)
 
 
 def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, backend: str = "auto",
-    block_size: int = DEFAULT_BLOCK,
+    block_size: int = DEFAULT_BLOCK, check_finite: bool | None = None,
 ) -> Tensor:
-    """Full causal softmax attention. q, k: ``[B, H, T, D]``, v: ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``."""
-    return _plain_attention(q, k, v, plain_regions(), scale, backend, block_size)
+    """Full causal softmax attention. q, k: ``[B, H, T, D]``, v: ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``.
+
+    ``check_finite=True`` refuses nan/inf in q, k, v (None: :func:`ovqflex.finite_checks`; eager only)."""
+    return _plain_attention(q, k, v, plain_regions(), scale, backend, block_size, check_finite)
 
 
 def sliding_window_attention(
     q: Tensor, k: Tensor, v: Tensor, *, window: int | None = None, block_window: int | None = None,
     chunk_size: int = 128, n_sinks: int = 0, scale: float | None = None, backend: str = "auto",
-    block_size: int = DEFAULT_BLOCK,
+    block_size: int = DEFAULT_BLOCK, check_finite: bool | None = None,
 ) -> Tensor:
     """Causal attention restricted to a token ``window`` or a ``block_window`` (exactly one),
     plus ``n_sinks`` sinks; full causal attention is :func:`causal_attention`.
 
-    q, k: ``[B, H, T, D]``, v: ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``.
+    q, k: ``[B, H, T, D]``, v: ``[B, H, T, Dv]`` -> ``[B, H, T, Dv]``. ``check_finite`` as
+    :func:`causal_attention`.
     """
     regions = window_regions("sliding_window_attention", "causal_attention", window=window, block_window=block_window,
                              chunk_size=chunk_size, n_sinks=n_sinks)
-    return _plain_attention(q, k, v, regions, scale, backend, block_size)
+    return _plain_attention(q, k, v, regions, scale, backend, block_size, check_finite)
 
 
 def check_logn_len(logn_len: object) -> int:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import BlockWindow
-from recurrences.checks import check_choice, check_chunk, check_qkv, check_tensor, options_of
+from recurrences.checks import check_choice, check_chunk, check_finite_args, check_qkv, check_tensor, options_of
 from recurrences.compiling import size_max
 from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout
@@ -58,7 +58,7 @@ class VQOptions:
         check_state_layout(self.state_layout, self.checkpoint_every, self.block_size)
 
 
-def _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias):
+def _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias, check_finite):
     check_qkv(q, k, v)
     H, D = q.shape[1], q.shape[-1]
     check_tensor("codebook", codebook, 3)
@@ -78,10 +78,12 @@ def _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias):
         if tuple(code_bias.shape) != tuple(codebook.shape[:2]):
             raise ValueError(f"code_bias must have shape [H, N]={tuple(codebook.shape[:2])}, "
                              f"got {tuple(code_bias.shape)}")
+    check_finite_args(check_finite, q=q, k=k, v=v, codebook=codebook, beta=beta, local_bias=local_bias,
+                      code_bias=code_bias)
 
 
 def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, local_bias: Tensor | None = None,
-               code_bias: Tensor | None = None, options: VQOptions | None = None,
+               code_bias: Tensor | None = None, options: VQOptions | None = None, check_finite: bool | None = None,
                **option_kwargs) -> tuple[AttentionProgram, dict]:
     """The VQ attention program, without running it -> ``(program, aux)``. Arguments as
     :func:`vq_attention`.
@@ -91,7 +93,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     rows (:mod:`recurrences.precision`).
     """
     o = options_of(VQOptions, options, option_kwargs, "VQ options")
-    _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias)
+    _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias, check_finite)
     chunk_size = o.chunk_size
     q, k, v = to_compute_dtype(q, k, v)
     B, H, T, _ = q.shape
@@ -116,7 +118,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
 
 def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, local_bias: Tensor | None = None,
                  code_bias: Tensor | None = None, backend: str = "auto", options: VQOptions | None = None,
-                 **option_kwargs) -> tuple[Tensor, dict]:
+                 check_finite: bool | None = None, **option_kwargs) -> tuple[Tensor, dict]:
     """VQ-attention. q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``, codebook ``[H, N, D]``, beta ``[H]``
     -> ``(out [B, H, T, Dv], aux)``.
 
@@ -129,13 +131,14 @@ def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor
     ``local_bias`` ``[H]``: added to the scores of the window rows (LongVQ's local bias).
     ``code_bias`` ``[H, N]``: added to the assignment similarities only (no-use penalty).
     Options: a :class:`VQOptions` (chunk size, estimator, state layout, block size) or its fields
-    as keywords.
+    as keywords. ``check_finite=True`` refuses nan/inf in every tensor argument (None:
+    :func:`ovqflex.finite_checks`; eager only).
 
     ``aux``: ``codes``, ``commitment`` (``mean ||k̂ - sg(code)||²``, differentiable in k),
     and detached metrics ``usage``, ``perplexity``, ``unused_codes``, ``rel_quant_error``.
     """
     program, aux = vq_program(q, k, v, codebook, beta, local_bias=local_bias, code_bias=code_bias, options=options,
-                              **option_kwargs)
+                              check_finite=check_finite, **option_kwargs)
     with stage("attention"):
         out = attend(program, backend)
     kn, codes = aux.pop("k_unit"), aux["codes"]

@@ -8,6 +8,7 @@ chunks the last chunk is ragged. ``tests/ovqflex/test_conformance.py`` runs them
 import pytest
 import torch
 
+import ovqflex
 from ovqflex.methods import Method
 from tests.helpers import FWD_TOL, assert_close
 
@@ -134,5 +135,30 @@ def check_contract(method: Method) -> None:
     assert torch.equal(y1, y2), f"{method.name}: an empty decode step changed the cache"
 
 
+def check_finite_input(method: Method) -> None:
+    """Within ``ovqflex.finite_checks()`` a non-finite x is refused by name, in a full forward and in a
+    decode step (whose cache stays usable); outside, the layer runs on it."""
+    layer, x = layer_of(method).eval(), inputs()
+    bad = x.clone()
+    bad[1, 60, 3] = float("inf")
+    refused = r"^x must be finite, got 1 non-finite value\(s\) \(nan or inf\) in shape \(2, 100, 32\), " \
+              r"the first at index \[1, 60, 3\]$"
+    with torch.no_grad():
+        layer(bad)
+        unchecked = layer(x)
+        with ovqflex.finite_checks():
+            assert torch.equal(layer(x), unchecked), f"{method.name}: the check changed y"
+            with pytest.raises(ValueError, match=refused):
+                layer(bad)
+            if not method.decodes:
+                return
+            y, cache = layer(x[:, :37], use_cache=True)
+            with pytest.raises(ValueError, match=r"^x must be finite, got 1 non-finite value\(s\)"):
+                layer(bad[:, 60:61], cache=cache)
+            step, _ = layer(x[:, 37:38], cache=cache)
+    assert_close(step, layer(x[:, :38])[:, 37:], TOL, f"{method.name} decode after a refused step")
+
+
 CHECKS = {"causal": check_causal, "prefix": check_prefix, "batch": check_batch, "deterministic": check_deterministic,
-          "decode": check_decode, "static_decode": check_static_decode, "contract": check_contract}
+          "decode": check_decode, "static_decode": check_static_decode, "contract": check_contract,
+          "finite_input": check_finite_input}
