@@ -3,11 +3,14 @@ argument is refused by the argument's name; with False (the default, :func:`ovqf
 no check runs and the op follows its non-finite rule; ``finite_checks()`` turns the default on.
 The layers' input check: ``tests/ovqflex/conformance.py::check_finite_input``; the helpers:
 ``tests/recurrences/test_checks.py``."""
+import math
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 import ovqflex
 from ovqflex.ops import ovq_program
@@ -61,25 +64,34 @@ OPS = {
 CASES = [(op, arg) for op, (_, args) in OPS.items() for arg in args]
 
 
-def _poisoned(t: dict, name: str, value: float) -> dict:
-    """The inputs with one entry of ``t[name]`` (the last one: a later index than the first) set to ``value``."""
+def _poisoned(t: dict, name: str, value: float, at: int = -1) -> dict:
+    """The inputs with entry ``at`` (flat index) of ``t[name]`` set to ``value``."""
     bad = t[name].clone()
-    bad.view(-1)[-1] = value
+    bad.view(-1)[at] = value
     return t | {name: bad}
 
 
+NON_FINITE = [float("nan"), float("inf"), -float("inf")]
+
+
 @pytest.mark.parametrize("op, arg", CASES, ids=[f"{op}-{arg}" for op, arg in CASES])
-def test_check_finite_refuses_a_non_finite_argument_by_name(op, arg):
+@given(data=st.data())
+def test_check_finite_refuses_a_non_finite_argument_by_name(op, arg, data):
+    """nan, inf or -inf at 1 to 3 drawn places of one argument: refused naming it, their count and the
+    first place (row-major), with ``check_finite=True`` and by default inside ``finite_checks()``."""
     call, args = OPS[op]
-    value = float("nan") if len(arg) % 2 else float("inf")  # both kinds across the cases
-    bad = _poisoned(_inputs(), args[arg], value)
-    shape = tuple(bad[args[arg]].shape)
-    message = (f"{arg} must be finite, got 1 non-finite value(s) (nan or inf) in shape {shape}, the first at index "
-               f"{[n - 1 for n in shape]}")
+    t = _inputs()
+    shape = tuple(t[args[arg]].shape)
+    places = data.draw(st.sets(st.integers(0, math.prod(shape) - 1), min_size=1, max_size=3), label="places")
+    for at in places:
+        t = _poisoned(t, args[arg], data.draw(st.sampled_from(NON_FINITE), label="value"), at)
+    first = [int(i) for i in torch.unravel_index(torch.tensor(min(places)), shape)]
+    message = (f"{arg} must be finite, got {len(places)} non-finite value(s) (nan or inf) in shape {shape}, "
+               f"the first at index {first}")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        call(bad, check_finite=True)
-    with ovqflex.finite_checks(), pytest.raises(ValueError, match=rf"^{arg} must be finite"):
-        call(bad)
+        call(t, check_finite=True)
+    with ovqflex.finite_checks(), pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        call(t)
 
 
 @pytest.mark.parametrize("op", list(OPS))
