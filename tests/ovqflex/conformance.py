@@ -156,7 +156,8 @@ def check_finite_input(method: Method) -> None:
             with pytest.raises(ValueError, match=r"^x must be finite, got 1 non-finite value\(s\)"):
                 layer(bad[:, 60:61], cache=cache)
             step, _ = layer(x[:, 37:38], cache=cache)
-    assert_close(step, layer(x[:, :38])[:, 37:], TOL, f"{method.name} decode after a refused step")
+        full = layer(x[:, :38])[:, 37:]
+    assert_close(step, full, TOL, f"{method.name} decode after a refused step")
 
 
 CHECKS = {"causal": check_causal, "prefix": check_prefix, "batch": check_batch, "deterministic": check_deterministic,
