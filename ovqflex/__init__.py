@@ -9,9 +9,9 @@ from .attention import attend, resolve_backend
 from .layers import (AttentionLayer, CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention, VQCodebook)
 from .methods import METHODS, Method, get_method, register_method
-from .ops import (KVMOptions, KVMState, OVQOptions, OVQState, causal_attention, delta_rule, kvm_attention,
-                  VQOptions, linear_attention, ovq_attention, sliding_window_attention, vla_attention, vq_attention,
-                  vq_program)
+from .ops import (KVMOptions, KVMState, OVQOptions, OVQState, VQOptions, causal_attention, delta_rule, kvm_attention,
+                  kvm_program, linear_attention, ovq_attention, ovq_program, sliding_window_attention, vla_attention,
+                  vq_attention, vq_program)
 
 __version__ = "0.1.0"
 
@@ -42,8 +42,10 @@ __all__ = [
     "finite_checks",
     "get_method",
     "kvm_attention",
+    "kvm_program",
     "linear_attention",
     "ovq_attention",
+    "ovq_program",
     "register_method",
     "resolve_backend",
     "sliding_window_attention",

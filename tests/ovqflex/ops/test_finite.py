@@ -13,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ovqflex
-from ovqflex.ops import ovq_program
 from recurrences.linear import LinearState
 from recurrences.vla import VLAState
 
@@ -26,8 +25,8 @@ def _inputs() -> dict:
     return dict(q=q, k=k, v=v, u=u, gate=1 + F.elu(torch.randn(B, H, T, generator=g)),
                 beta_t=torch.rand(B, H, T, generator=g), beta=torch.ones(H), codebook=torch.randn(H, 6, D, generator=g),
                 ln_w=torch.ones(D), ln_b=torch.zeros(D), tau_s=torch.ones(H), tau_b=torch.ones(H),
-                local_bias=torch.zeros(H), code_bias=torch.zeros(H, 6), S=torch.zeros(B, H, D, D), z=torch.ones(B, H, D),
-                A=torch.eye(D).expand(B, H, D, D).clone())
+                local_bias=torch.zeros(H), code_bias=torch.zeros(H, 6), S=torch.zeros(B, H, D, D),
+                z=torch.ones(B, H, D), A=torch.eye(D).expand(B, H, D, D).clone())
 
 
 # name -> (op on a dict of inputs and keyword arguments, {argument name in the error: input it comes from})
@@ -39,8 +38,9 @@ OPS = {
                                                              backend="blocked", block_size=16, **kw), QKV),
     "ovq": (lambda t, **kw: ovqflex.ovq_attention(t["q"], t["k"], t["v"], t["beta"], chunk_size=16, max_centroids=4,
                                                   backend="blocked", block_size=16, **kw), QKV | {"beta": "beta"}),
-    "ovq-program": (lambda t, **kw: ovqflex.attend(ovq_program(t["q"], t["k"], t["v"], t["beta"], chunk_size=16,
-                                                               max_centroids=4, block_size=16, **kw)[0], "blocked"),
+    "ovq-program": (lambda t, **kw: ovqflex.attend(ovqflex.ovq_program(t["q"], t["k"], t["v"], t["beta"],
+                                                                       chunk_size=16, max_centroids=4, block_size=16,
+                                                                       **kw)[0], "blocked"),
                     QKV | {"beta": "beta"}),
     "kvm": (lambda t, **kw: ovqflex.kvm_attention(t["q"], t["k"], t["v"], t["gate"], ln_s_weight=t["ln_w"],
                                                   ln_s_bias=t["ln_b"], tau_state=t["tau_s"], tau_bswa=t["tau_b"],
