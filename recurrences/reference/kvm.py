@@ -33,6 +33,7 @@ class KVMReferenceResult:
     state_k: torch.Tensor   # [B, H, m, D] final key sums (after the last update made)
     state_v: torch.Tensor   # [B, H, m, Dv] final value sums
     radii: torch.Tensor     # [B, H, m] value radius of each row
+    gaps: torch.Tensor      # [B, H, T] float32, how far each decision falls short of the loop's own (0: its own)
 
 
 def _budget_rows(ctx: int, C: int, budget: str, state_min_len, f, e, round_down, sat_n) -> int:
@@ -53,18 +54,41 @@ def _ln(x, w, b, eps):
     return F.layer_norm(x, (x.shape[-1],), w, b, eps)
 
 
+def _scale(kbar_block: torch.Tensor, r_k: torch.Tensor, w, b, eps) -> torch.Tensor:
+    """The largest similarity a block's tokens [B,H,C,D] can have with the state rows (Cauchy-Schwarz:
+    largest key norm x largest ``LN_s`` row norm) [B,H,1]: the unit of KVM's gaps, so that they read
+    like cosine gaps whatever the scale of ``LN_s``."""
+    rows = _ln(r_k, w, b, eps).norm(dim=-1).amax(-1)
+    return (kbar_block.norm(dim=-1).amax(-1) * rows).clamp_min(1e-30)[..., None]
+
+
+def _append_gaps(score: torch.Tensor, app_mask: torch.Tensor, n_app: int) -> torch.Tensor:
+    """Gaps of forced appends [B,H,C]: the loop appends the ``n_app`` tokens with the lowest ``score``
+    (best similarity to the state); the forced set's ``i``-th lowest score is compared with the loop's
+    ``i``-th lowest, and the distance given to that token (0 on tokens not appended)."""
+    own = score.sort(dim=-1, stable=True).values[..., :n_app]
+    forced, idx = torch.where(app_mask, score, torch.inf).sort(dim=-1, stable=True)
+    return torch.zeros_like(score).scatter(2, idx[..., :n_app], (forced[..., :n_app] - own).abs())
+
+
 def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_state=None, tau_bswa=None,
                             chunk_size: int = 128, n_bswa_chunks: int = 2, sink_len: int = 1,
                             rope_dims: int | None = None, budget: str = "fixed", state_min_len: int | None = None,
                             growth_factor: float = 16.0, growth_exponent: float = 0.5, round_down: int = 1,
                             saturation_n: int = 1024, max_state_chunks: int | None = 1, use_vlens: bool = True,
                             ln_eps: float = 1e-5, norm_eps: float = 1e-12,
-                            routes: torch.Tensor | None = None) -> KVMReferenceResult:
+                            routes: torch.Tensor | None = None, founder: torch.Tensor | None = None
+                            ) -> KVMReferenceResult:
     """KVM attention by the paper's loop. q, k ``[B, H, T, D]`` (normalized and rotated), v
     ``[B, H, T, Dv]``, gate ``[B, H, T]`` (None: 1), ``ln_s_*`` ``[D]``, ``tau_*`` ``[H]`` (None: 1).
-    ``routes`` ([B, H, T] int64, e.g. the fused path's) forces the append/merge decisions:
-    in each overflow block the tokens routed to new rows ``m, m+1, ...`` are appended (in
-    temporal order) and the others merged into their given row.
+    ``routes`` ([B, H, T] int64) and ``founder`` ([B, H, T] bool), e.g. the fused path's, force the
+    append/merge decisions together (a token merged into a row appended in its own block has a new
+    row's id too, so the routes alone do not say which tokens were appended): in each overflow block
+    the founders are appended, in temporal order as rows ``m, m+1, ...``, and the others merged into
+    their given row; ``gaps`` [B, H, T] then says how far each forced decision falls short of the
+    loop's own on the same history, in units of the block's largest possible similarity (``_scale``;
+    0 for the loop's own routes): an append by the distance of its rank's score to the loop's
+    (``_append_gaps``), a merge by the best row's similarity minus its row's.
     """
     B, H, T, D = q.shape
     Dv, C, Nb, dev = v.shape[-1], chunk_size, n_bswa_chunks, q.device
@@ -83,8 +107,16 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
     wr, br = w.detach().float(), b.detach().float()
     k_win = kk * t_b.view(1, H, 1, 1)
 
+    if (routes is None) != (founder is None):
+        raise ValueError("routes and founder force the decisions together: give both or neither, got "
+                         f"{'routes' if founder is None else 'founder'} alone")
+    for name, x, dt in (("routes", routes, torch.int64), ("founder", founder, torch.bool)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dtype != dt or x.shape != (B, H, T)):
+            raise ValueError(f"{name} must be a {dt} tensor of shape [B, H, T]={(B, H, T)}, got "
+                             + (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
     out_routes = torch.full((B, H, T), -1, dtype=torch.long, device=dev)
-    founder = torch.zeros(B, H, T, dtype=torch.bool, device=dev)
+    out_founder = torch.zeros(B, H, T, dtype=torch.bool, device=dev)
+    gaps = torch.zeros(B, H, T, dtype=torch.float32, device=dev)
     L0 = min(T, Nb * C)
     causal = torch.ones(L0, L0, dtype=torch.bool, device=dev).tril()
     s = torch.einsum("bhid,bhjd->bhij", qq[:, :, :L0], k_win[:, :, :L0]) * scale
@@ -97,7 +129,7 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
         counts = torch.ones(B, H, C, dtype=cdt, device=dev)
         r_k = kbar_r[:, :, :C].clone()                                # routing copy: fp32 sums, no grad
         out_routes[:, :, :C] = torch.arange(C, device=dev)
-        founder[:, :, :C] = True
+        out_founder[:, :, :C] = True
     cap = math.inf if max_state_chunks is None else C * max_state_chunks
     for qs in range(L0, T, C):
         qe = min(qs + C, T)
@@ -124,16 +156,19 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
         target = max(m, min(_budget_rows(qe, C, budget, state_min_len, growth_factor, growth_exponent,
                                          round_down, saturation_n), bw + C, cap))
         n_app = min(target - m, C)
+        with torch.no_grad():
+            score = (kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)).max(-1).values  # [B,H,C]
         if routes is not None:
-            forced = routes[:, :, ob].to(dev)
-            app_mask = forced >= m
+            forced, app_mask = routes[:, :, ob].to(dev), founder[:, :, ob].to(dev)
             if (app_mask.sum(-1) != n_app).any():
-                raise ValueError(f"routes: block [{bw}, {bw + C}) must append exactly {n_app} tokens")
+                raise ValueError(f"founder: block [{bw}, {bw + C}) must append exactly {n_app} tokens")
+            if (app_mask & (forced != m + app_mask.cumsum(-1) - 1)).any():
+                raise ValueError(f"routes: the founders of block [{bw}, {bw + C}) must have rows {m}.. "
+                                 "in temporal order")
             chosen = torch.sort(torch.where(app_mask, torch.arange(C, device=dev), C), dim=-1).values[..., :n_app]
+            gaps[:, :, ob] = _append_gaps(score, app_mask, n_app) / _scale(kbar_r[:, :, ob], r_k, wr, br, ln_eps)
         else:
-            with torch.no_grad():
-                score = (kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)).max(-1).values
-                chosen = torch.sort(torch.argsort(score, dim=-1, stable=True)[..., :n_app], dim=-1).values
+            chosen = torch.sort(torch.argsort(score, dim=-1, stable=True)[..., :n_app], dim=-1).values
         app_mask = torch.zeros(B, H, C, dtype=torch.bool, device=dev).scatter(2, chosen, True)
         pick = lambda x: x[:, :, ob].gather(2, chosen[..., None].expand(B, H, n_app, x.shape[-1]))  # noqa: E731
         s_k, s_v, r_k = torch.cat([s_k, pick(kbar)], 2), torch.cat([s_v, pick(vv)], 2), torch.cat([r_k, pick(kbar_r)], 2)
@@ -141,17 +176,21 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
         counts = torch.cat([counts, torch.ones(B, H, n_app, dtype=cdt, device=dev)], 2)
         m2 = m + n_app
         g = gg[:, :, ob]
+        with torch.no_grad():
+            # (g kbar) . LN_s(s+), the gate applied to the products: the same argmax (KVM paper §4)
+            sim = kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)
+            logits = g.detach().float()[..., None] * sim
+            logits[..., :sink_len] = float("-inf")
         if routes is not None:
             dest = torch.where(app_mask, 0, forced)
             if ((dest < sink_len) & ~app_mask).any() or (dest >= m2).any():
                 raise ValueError(f"routes: block [{bw}, {bw + C}) must merge into rows [{sink_len}, {m2})")
+            # the merge's gap, per unit of gate (the gate scales a token's products, not its choice)
+            merge_gap = (logits.max(-1).values - logits.gather(-1, dest[..., None]).squeeze(-1)) / (
+                g.detach().float().abs() * _scale(kbar_r[:, :, ob], r_k, wr, br, ln_eps)).clamp_min(1e-30)
+            gaps[:, :, ob] = torch.where(app_mask, gaps[:, :, ob], merge_gap)
         else:
-            with torch.no_grad():
-                # (g kbar) . LN_s(s+), the gate applied to the products: the same argmax (KVM paper §4)
-                sim = kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)
-                logits = g.detach().float()[..., None] * sim
-                logits[..., :sink_len] = float("-inf")
-                dest = logits.argmax(-1)
+            dest = logits.argmax(-1)
         onehot = torch.zeros(B, H, C, m2, dtype=cdt, device=dev).scatter(-1, dest[..., None], 1.0)
         onehot = onehot * (~app_mask)[..., None]                      # appended tokens are not merged
         s_k = s_k + onehot.transpose(-1, -2) @ (g[..., None] * kbar[:, :, ob])
@@ -160,7 +199,7 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
         counts = counts + onehot.sum(-2)
         rows = torch.arange(m, m2, device=dev).expand(B, H, n_app)
         out_routes[:, :, ob] = torch.where(app_mask, 0, dest).scatter(2, chosen, rows)
-        founder[:, :, ob] = app_mask
+        out_founder[:, :, ob] = app_mask
     out = torch.cat(outs, dim=2)
-    return KVMReferenceResult(out=out.to(q.dtype), routes=out_routes, founder=founder, sizes=sizes,
-                              state_k=s_k, state_v=s_v, radii=radii)
+    return KVMReferenceResult(out=out.to(q.dtype), routes=out_routes, founder=out_founder, sizes=sizes,
+                              state_k=s_k, state_v=s_v, radii=radii, gaps=gaps)

@@ -30,6 +30,7 @@ class OVQReferenceResult:
     sizes: list[int]       # len n_chunks + 1; sizes[c] = dictionary size before chunk c
     keys: torch.Tensor     # [B, H, N, D] final key dictionary (running means of unit keys)
     values: torch.Tensor   # [B, H, N, Dv] final value dictionary (running means of values)
+    gaps: torch.Tensor     # [B, H, T] float32, how far each decision falls short of the loop's own (0: its own)
 
 
 def ovq_schedule(n_chunks: int, chunk_size: int, max_centroids: int,
@@ -66,6 +67,15 @@ def _running_mean_update(D: torch.Tensor, counts: torch.Tensor, r: torch.Tensor,
     return D.scatter_add(2, r_d, delta), new_counts
 
 
+def _seed_keys(kr: torch.Tensor, seeding: str, u: torch.Tensor | None) -> torch.Tensor:
+    """What the first seeding ranks the tokens of a chunk by [B,H,l], lowest first. Spread: token 0
+    first (key -2, below any cosine), then ascending similarity to token 0; random: the draw ``u``."""
+    if seeding == "random":
+        return u
+    sim0 = (kr * kr[:, :, :1]).sum(-1)                                  # [B,H,l] similarity to token 0
+    return torch.cat([torch.full_like(sim0[..., :1], -2.0), sim0[..., 1:]], dim=-1)
+
+
 def _route_chunk(kr: torch.Tensor, dict_read: torch.Tensor, n_old: int, n_new: int,
                  seeding: str, u: torch.Tensor | None) -> torch.Tensor:
     """Slot ids [B,H,l] for one complete chunk. kr [B,H,l,D] unit keys (f32), dict_read [B,H,n_old,D] f32."""
@@ -82,16 +92,61 @@ def _route_chunk(kr: torch.Tensor, dict_read: torch.Tensor, n_old: int, n_new: i
             route = route.scatter(2, chosen, ids)
         return route
     # First seeding: empty dictionary, n_new > 0 seeds taken from this chunk.
-    if seeding == "spread":
-        sim0 = (kr * kr[:, :, :1]).sum(-1)                              # [B,H,l] similarity to token 0
-        others = torch.argsort(sim0[..., 1:], dim=-1, stable=True)[..., : n_new - 1] + 1
-        seeds = torch.cat([torch.zeros(B, H, 1, dtype=torch.long, device=dev), others], dim=-1)
-    else:
-        seeds = torch.argsort(u, dim=-1, stable=True)[..., :n_new]
+    seeds = torch.argsort(_seed_keys(kr, seeding, u), dim=-1, stable=True)[..., :n_new]
     seed_keys = kr.gather(2, seeds.unsqueeze(-1).expand(B, H, n_new, kr.shape[-1]))
     route = _first_argmax(torch.einsum("bhld,bhsd->bhls", kr, seed_keys))
     ids = torch.arange(n_new, device=dev).expand(B, H, n_new)
     return route.scatter(2, seeds, ids)                                # seeds own their slot
+
+
+def _rank_gaps(order_key: torch.Tensor, own_sorted: torch.Tensor, slot: torch.Tensor, is_founder: torch.Tensor):
+    """Founder gaps: the founder of new slot ``i`` ([B,H,l] ``slot`` = i on founders) is the loop's
+    rank-``i`` token, so its key must equal the ``i``-th lowest key ``own_sorted[..., i]``; its gap is
+    the distance between the two (inf where a new slot has no founder or more than one)."""
+    idx = torch.where(is_founder, slot, 0)
+    hits = torch.zeros_like(own_sorted).scatter_add(2, idx, is_founder.float())
+    key = torch.zeros_like(own_sorted).scatter_add(2, idx, torch.where(is_founder, order_key, 0.0))
+    per_slot = torch.where(hits == 1, (key - own_sorted).abs(), torch.inf)
+    return torch.where(is_founder, per_slot.gather(2, idx), 0.0)
+
+
+def _decision_gaps(kr: torch.Tensor, dict_read: torch.Tensor, n_old: int, n_new: int, seeding: str,
+                   u: torch.Tensor | None, r: torch.Tensor) -> torch.Tensor:
+    """How far the slot ids ``r`` [B,H,l] (forced) fall short of the loop's own decisions in this
+    chunk, on the same dictionary, in similarity units [B,H,l] f32: 0 for the loop's own choice, so a
+    route that differs only at a near-tie has a gap of a few ulps (docs/design.md §4.2 "Near ties").
+
+    - a token merged into an old slot: best similarity minus the similarity to its slot;
+    - the founder of a new slot ``n_old + i``: the distance of its ranking key (best similarity,
+      or the draw ``u``) to the loop's ``i``-th lowest key;
+    - first seeding: each slot's seed is taken to be the member whose ranking key is nearest the
+      loop's key at that rank; its gap is that distance, the other members' is best seed similarity
+      minus the similarity to their own seed.
+    """
+    B, H, l, _ = kr.shape
+    if n_old > 0:
+        sim = torch.einsum("bhld,bhnd->bhln", kr, dict_read)
+        best = sim.max(dim=-1).values
+        founder = r >= n_old
+        merge_gap = best - sim.gather(3, r.clamp(max=n_old - 1).unsqueeze(-1)).squeeze(-1)
+        if n_new == 0:
+            return merge_gap
+        order_key = best if seeding == "spread" else u
+        own_sorted = order_key.sort(dim=-1, stable=True).values[..., :n_new]
+        founder_gap = _rank_gaps(order_key, own_sorted, r - n_old, founder)
+        return torch.where(founder, founder_gap, merge_gap)
+    keys = _seed_keys(kr, seeding, u)
+    own_sorted = keys.sort(dim=-1, stable=True).values[..., :n_new]
+    dist = (keys - own_sorted.gather(2, r)).abs()                       # each token as its slot's seed
+    best_dist = torch.full_like(own_sorted, torch.inf).scatter_reduce(2, r, dist, "amin")
+    pos = torch.arange(l, device=kr.device).expand(B, H, l)
+    candidate = torch.where(dist == best_dist.gather(2, r), pos, l)
+    seed_of = torch.full((B, H, n_new), l, device=kr.device).scatter_reduce(2, r, candidate, "amin")
+    is_seed = pos == seed_of.gather(2, r)
+    seeds = kr.gather(2, seed_of.unsqueeze(-1).expand(B, H, n_new, kr.shape[-1]))  # [B,H,n_new,D]
+    seed_sim = torch.einsum("bhld,bhsd->bhls", kr, seeds)
+    member_gap = seed_sim.max(dim=-1).values - seed_sim.gather(3, r.unsqueeze(-1)).squeeze(-1)
+    return torch.where(is_seed, best_dist.gather(2, r), member_gap)
 
 
 def _check_forced(r: torch.Tensor, c: int, n_old: int, n_next: int, routed: bool) -> None:
@@ -155,8 +210,10 @@ def ovq_attention_reference(q, k, v, beta, *, chunk_size: int, max_centroids: in
     """OVQ-attention by the paper's chunk loop.
 
     q, k: [B, H, T, D]; v: [B, H, T, Dv]; beta: [H]. ``routes`` ([B, H, T] int64)
-    forces the slot ids instead of routing. Returns out [B, H, T, Dv] (q's dtype),
-    routes [B, H, T], counts [B, H, N] f32, sizes, and the final dictionaries.
+    forces the slot ids instead of routing; ``gaps`` [B, H, T] then says how far each forced
+    decision falls short of the loop's own on the same (forced) history (``_decision_gaps``; 0 for
+    the loop's own routes). Returns out [B, H, T, Dv] (q's dtype), routes [B, H, T],
+    counts [B, H, N] f32, sizes, the final dictionaries and the gaps.
     """
     _validate(q, k, v, beta, chunk_size, max_centroids, growth, growth_horizon, seeding, seed, routes)
     B, H, T, D = q.shape
@@ -175,6 +232,7 @@ def ovq_attention_reference(q, k, v, beta, *, chunk_size: int, max_centroids: in
     R_k = torch.zeros(B, H, N, D, dtype=torch.float32, device=dev)  # routing copy, no grad
     counts = torch.zeros(B, H, N, dtype=torch.float32, device=dev)
     out_routes = torch.full((B, H, T), -1, dtype=torch.long, device=dev)
+    gaps = torch.zeros(B, H, T, dtype=torch.float32, device=dev)
     gen = torch.Generator().manual_seed(seed) if seeding == "random" else None
     outs, sizes = [], [0]
 
@@ -204,10 +262,12 @@ def ovq_attention_reference(q, k, v, beta, *, chunk_size: int, max_centroids: in
         if not routed:
             sizes.append(n_old)
             continue
-        if routes is None:
-            with torch.no_grad():
-                r_read = F.normalize(R_k[:, :, :n_old], dim=-1) if normalize_centroids else R_k[:, :, :n_old]
+        with torch.no_grad():
+            r_read = F.normalize(R_k[:, :, :n_old], dim=-1) if normalize_centroids else R_k[:, :, :n_old]
+            if routes is None:
                 r = _route_chunk(kr_all[:, :, s:e], r_read, n_old, n_next - n_old, seeding, u)
+            else:
+                gaps[:, :, s:e] = _decision_gaps(kr_all[:, :, s:e], r_read, n_old, n_next - n_old, seeding, u, r)
         out_routes[:, :, s:e] = r
         D_k, _ = _running_mean_update(D_k, counts, r, kh[:, :, s:e])
         D_v, _ = _running_mean_update(D_v, counts, r, vv[:, :, s:e])
@@ -216,4 +276,4 @@ def ovq_attention_reference(q, k, v, beta, *, chunk_size: int, max_centroids: in
 
     out = torch.cat(outs, dim=2) if outs else vv.new_zeros(B, H, 0, Dv)
     return OVQReferenceResult(out=out.to(q.dtype), routes=out_routes, counts=counts,
-                              sizes=sizes, keys=D_k, values=D_v)
+                              sizes=sizes, keys=D_k, values=D_v, gaps=gaps)

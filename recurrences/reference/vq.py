@@ -19,6 +19,7 @@ class VQReferenceResult:
     out: Tensor     # [B, H, T, Dv], dtype of q
     codes: Tensor   # [B, H, T] int64, nearest code of every key
     k_hat: Tensor   # [B, H, T, D] quantized (unit) keys, with the estimator's gradient
+    gaps: Tensor    # [B, H, T] float32, best similarity minus the chosen code's (0 for the loop's own codes)
 
 
 def vq_attention_reference(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *,
@@ -29,18 +30,20 @@ def vq_attention_reference(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, be
     ``codes`` ``[B, H, T]`` forces the assignments (compare routes first, then outputs under
     identical routes); otherwise each key takes its most similar code, on fp32 copies of the
     keys and the codebook normalized in fp32 (whatever the input dtype, as the fused op).
+    ``gaps`` says how far each (forced) code's similarity falls short of the best code's.
     """
     B, H, T, D = q.shape
     qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     cb = F.normalize(codebook, dim=-1).to(kn.dtype)
-    if codes is None:
-        with torch.no_grad():
-            k32 = F.normalize(k.detach().float(), dim=-1)
-            cb32 = F.normalize(codebook.detach().float(), dim=-1)
-            sim = k32 @ cb32.transpose(-1, -2).unsqueeze(0)  # [B, H, T, N]
-            if code_bias is not None:
-                sim = sim + code_bias.float()[None, :, None, :]
+    with torch.no_grad():
+        k32 = F.normalize(k.detach().float(), dim=-1)
+        cb32 = F.normalize(codebook.detach().float(), dim=-1)
+        sim = k32 @ cb32.transpose(-1, -2).unsqueeze(0)  # [B, H, T, N]
+        if code_bias is not None:
+            sim = sim + code_bias.float()[None, :, None, :]
+        if codes is None:
             codes = sim.argmax(-1)
+        gaps = sim.max(-1).values - sim.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
     chosen = cb[torch.arange(H, device=q.device).view(1, H, 1), codes]  # [B, H, T, D]
     if estimator == "ste":
         k_hat = kn + (chosen - kn).detach()
@@ -58,4 +61,4 @@ def vq_attention_reference(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, be
         s = s + torch.where(near, 1.0, 0.0).to(s.dtype) * local_bias.view(1, H, 1, 1)
     s = s.masked_fill(j > i, float("-inf"))
     out = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1).to(v.dtype) @ v  # fp32 or fp64
-    return VQReferenceResult(out.to(q.dtype), codes, k_hat)
+    return VQReferenceResult(out.to(q.dtype), codes, k_hat, gaps)

@@ -247,3 +247,66 @@ def test_forced_routes_validation():
         bad[0, 0, t] = val
         with pytest.raises(ValueError, match="routes"):
             ovq_attention_reference(q, k, v, beta, routes=bad, **kw)
+
+
+# --- gaps: how far forced routes fall short of the loop's own decisions (the near-tie rule, docs/design.md §4.2)
+
+@pytest.mark.parametrize("normalize_centroids", [False, True], ids=["means", "unit-means"])
+@pytest.mark.parametrize("growth,seeding", [("plateau", "spread"), ("linear", "random"), ("full", "spread"),
+                                            ("full", "random")])
+def test_gaps_are_zero_on_the_loops_own_routes(growth, seeding, normalize_centroids):
+    q, k, v, beta = _inputs(T=27, dtype=torch.float32)
+    kw = dict(chunk_size=4, max_centroids=7, growth=growth, seeding=seeding, seed=2,
+              normalize_centroids=normalize_centroids)
+    own = ovq_attention_reference(q, k, v, beta, **kw)
+    forced = ovq_attention_reference(q, k, v, beta, routes=own.routes, **kw)
+    assert (own.gaps == 0).all() and (forced.gaps == 0).all()
+
+
+def _by_hand(routes, rows=None, chunk_size=4, max_centroids=5):
+    """The chunks of test_first_seeding_and_new_centroids_by_hand (unit keys e1, e2, -e1, -e2 seed the
+    dictionary; chunk 1 makes one new centroid) forced onto ``routes``: their gaps [12]."""
+    e1, e2, e3 = [1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0]
+    rows = rows or [e1, e2, [-1.0, 0, 0], [0, -1.0, 0], e1, e3, [1.0, 1.0, 0], e2, [2.0, 0, 0], [0, 0, -3.0], e2, e3]
+    k = _keys(rows)
+    q = torch.zeros_like(k)
+    res = ovq_attention_reference(q, k, q, torch.ones(1, dtype=torch.float64), chunk_size=chunk_size,
+                                  max_centroids=max_centroids, growth="full",
+                                  routes=torch.tensor(routes).view(1, 1, -1))
+    return res.gaps[0, 0]
+
+
+OWN = [0, 2, 1, 3, 0, 4, 0, 2, 0, 0, 2, 4]  # the loop's own routes on _by_hand's keys
+
+
+def test_gaps_of_a_merge():
+    """Chunk 1 reads the unit dictionary e1, -e1, e2, -e2. (e1 + e2)/sqrt(2) is equally near e1 (slot
+    0, the loop's pick) and e2 (slot 2): routed to either, its gap is 0. e1 (token 4) routed to e2's
+    slot 2 falls a whole 1 - 0 short."""
+    assert (_by_hand(OWN) == 0).all()
+    tie = _by_hand(OWN[:6] + [2] + OWN[7:])
+    assert (tie[:8] == 0).all()  # (later chunks read another history, on which OWN is not the loop's)
+    wrong = _by_hand(OWN[:4] + [2] + OWN[5:])
+    assert wrong[4] == 1.0 and (wrong[:4] == 0).all() and (wrong[5:8] == 0).all()
+
+
+def test_gaps_of_a_founder():
+    """Chunk 1's new centroid goes to its token least like the dictionary: e3 (token 5, best
+    similarity 0), not e2 (token 7, similarity 1 to slot 2). With e2 forced to found slot 4 (and e3
+    merged into slot 0, where its similarity 0 ties every slot), e2's gap is |1 - 0|."""
+    gaps = _by_hand(OWN[:4] + [0, 0, 0, 4] + OWN[8:])
+    assert gaps[4:8].tolist() == [0.0, 0.0, 0.0, 1.0] and (gaps[:4] == 0).all()
+
+
+def test_gaps_of_the_first_seeding():
+    """Chunk 0 seeds its 4 slots with token 0 first, then in ascending similarity to it: -e1 (-1),
+    then e2 and -e2 (0 each, the lower index first). Swapping e2's and -e2's slots is an exact tie
+    (gap 0); swapping e2's and -e1's puts keys 0 and -1 a whole 1 off their ranks."""
+    assert (_by_hand([0, 3, 1, 2] + OWN[4:])[:4] == 0).all()
+    assert _by_hand([0, 1, 2, 3] + OWN[4:])[:4].tolist() == [0.0, 1.0, 1.0, 0.0]
+    # with fewer slots than tokens the others merge into the seed nearest them: (0.9, 0.1) goes to
+    # token 0's e1, and routed to -e1's slot falls 2 cos((0.9, 0.1), e1) short
+    rows = [[1.0, 0], [0.9, 0.1], [-1.0, 0], [0.8, 0.3]]
+    gaps = _by_hand([0, 1, 1, 0], rows=rows, max_centroids=2)
+    assert gaps[0] == 0 and gaps[2] == 0 and gaps[3] == 0
+    torch.testing.assert_close(gaps[1], 2 * F.normalize(torch.tensor(rows[1]), dim=0)[0].to(gaps.dtype))
