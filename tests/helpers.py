@@ -31,6 +31,38 @@ def assert_close(a, b, tol, what="", floor: float = 1e-2):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+# the near-tie rule (docs/design.md §4.2 "Near ties", §9): two routings may differ where a token's two
+# best choices are within this similarity gap; outputs are then compared under identical routes
+NEAR_TIE = 1e-6
+
+
+def reference_on_routes(run_reference, **decisions: torch.Tensor):
+    """The reference result to compare a fused op with, by the near-tie rule. ``decisions`` are the
+    fused op's discrete decisions ([B, H, T] each), named as the reference's result fields and as the
+    keywords that force them (``routes=``; KVM ``routes=, founder=``; VQ ``codes=``);
+    ``run_reference(**forced)`` runs the reference loop. If the loop takes the same decisions, its own
+    run is returned. Otherwise it is run again forced onto the fused decisions, each of which must
+    then fall short of the loop's own choice on that history by at most ``NEAR_TIE`` (the result's
+    ``gaps``), and the forced run is returned, to compare outputs and gradients with."""
+    ref = run_reference()
+    differ = {name: getattr(ref, name) != d for name, d in decisions.items()}
+    if not any(x.any() for x in differ.values()):
+        return ref
+    forced = run_reference(**decisions)
+    for name, d in decisions.items():
+        assert torch.equal(getattr(forced, name), d), f"the reference did not take the forced {name}"
+    gaps = forced.gaps.nan_to_num(nan=torch.inf)
+    worst = gaps.max()
+    at = [int(i) for i in (gaps == worst).nonzero()[0]]
+    first = {name: [int(i) for i in x.nonzero()[0]] for name, x in differ.items() if x.any()}
+    counts = ", ".join(f"{int(x.sum())} {name}" for name, x in differ.items())
+    assert worst <= NEAR_TIE, (
+        f"the fused op's decisions differ from the reference loop's ({counts}; the first at {first}), and not "
+        f"at near-ties: on the fused decisions' history the one at {at} falls {float(worst):.3e} short of the "
+        f"loop's own choice (a near-tie is at most {NEAR_TIE:.0e})")
+    return forced
+
+
 def assert_finite_grads_close(got, want, names, dtype: torch.dtype) -> None:
     """Each gradient of ``got`` is finite and within ``GRAD_TOL[dtype]`` of its twin in ``want``."""
     for g, w, name in zip(got, want, names, strict=True):

@@ -1,7 +1,7 @@
 """The dtype rule at the op boundary (``recurrences.precision``) on every op: mixed input dtypes are
-cast to one compute dtype (== the explicitly cast call), and in bf16 the fused ops route exactly like
-their sequential references on the same inputs. The layers under CPU autocast:
-``tests/ovqflex/layers/test_dtypes.py``."""
+cast to one compute dtype (== the explicitly cast call), and in bf16 the fused ops route like their
+sequential references on the same inputs (identical routes, up to near-ties: docs/design.md §9). The
+layers under CPU autocast: ``tests/ovqflex/layers/test_dtypes.py``."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import ovqflex
 from recurrences.reference import (delta_rule_reference, kvm_attention_reference, linear_attention_reference,
                                    ovq_attention_reference, vla_reference, vq_attention_reference)
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, reference_on_routes
 
 f32, bf16 = torch.float32, torch.bfloat16
 B, H, T, D = 2, 2, 150, 16
@@ -91,8 +91,9 @@ def test_ovq_bf16_routes_like_its_reference(layout, seed):
     kw = dict(chunk_size=16, max_centroids=24)
     out, state = ovqflex.ovq_attention(q, k, v, t["beta"], backend="blocked", state_layout=layout,
                                        return_state=True, block_size=16, **kw)
-    ref = ovq_attention_reference(q, k, v, t["beta"], **kw)
-    assert out.dtype == bf16 and torch.equal(state.routes, ref.routes)
+    ref = reference_on_routes(lambda **forced: ovq_attention_reference(q, k, v, t["beta"], **kw, **forced),
+                              routes=state.routes)
+    assert out.dtype == bf16
     _grads_close(out, ref.out, leaves, seed)
 
 
@@ -104,9 +105,9 @@ def test_kvm_bf16_routes_like_its_reference(seed):
     kw = dict(ln_s_weight=t["ln_w"], ln_s_bias=t["ln_b"], tau_state=t["tau"], tau_bswa=t["tau"], chunk_size=16,
               budget="power_law", growth_factor=4.0, max_state_chunks=None)
     out, state = ovqflex.kvm_attention(q, k, v, gate, backend="blocked", return_state=True, block_size=16, **kw)
-    ref = kvm_attention_reference(q, k, v, gate, **kw)
+    ref = reference_on_routes(lambda **forced: kvm_attention_reference(q, k, v, gate, **kw, **forced),
+                              routes=state.routes, founder=state.founder)
     assert out.dtype == bf16
-    assert torch.equal(state.routes, ref.routes) and torch.equal(state.founder, ref.founder)
     _grads_close(out, ref.out, leaves, seed)
 
 
@@ -117,8 +118,10 @@ def test_vq_bf16_codes_like_its_reference(seed):
     q, k, v = (t[n].bfloat16() for n in "qkv")
     out, aux = ovqflex.vq_attention(q, k, v, t["codebook"], t["beta"], chunk_size=16, backend="blocked",
                                     block_size=16)
-    ref = vq_attention_reference(q, k, v, t["codebook"], t["beta"], chunk_size=16)
-    assert out.dtype == bf16 and torch.equal(aux["codes"], ref.codes)
+    ref = reference_on_routes(
+        lambda **forced: vq_attention_reference(q, k, v, t["codebook"], t["beta"], chunk_size=16, **forced),
+        codes=aux["codes"])
+    assert out.dtype == bf16
     _grads_close(out, ref.out, leaves, seed)
 
 
