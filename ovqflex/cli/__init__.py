@@ -17,6 +17,7 @@ from recurrences.checks import ConfigError
 
 from ..experiments.runner import ExperimentInterrupted
 from ..training.interrupt import TrainingInterrupted
+from ..training.trainer import TrainingDiverged
 
 from . import runs, tools
 
@@ -46,4 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainingInterrupted, ExperimentInterrupted) as e:  # SIGINT/SIGTERM: stopped after a step, checkpointed
         if os.environ.get("RANK", "0") == "0":
             print(f"\novqflex {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except TrainingDiverged as e:  # a non-finite loss or weights: stopped without checkpointing them
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ovqflex {args.command}: {e}", file=sys.stderr)
         return e.exit_code

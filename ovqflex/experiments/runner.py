@@ -43,7 +43,7 @@ import torch
 
 from recurrences.checks import check_int
 
-from ..training import TrainingInterrupted, evaluate, latest_checkpoint, train
+from ..training import TrainingDiverged, TrainingInterrupted, evaluate, latest_checkpoint, train
 from ..training.checkpoint import checkpoint_dir, read_state
 from ..training.interrupt import STOP_SIGNALS
 from ..training.schedule import length_warmup_text
@@ -505,6 +505,9 @@ def _worker(plan: Plan, units: list[int], threads: int, messages: Connection, co
     except KeyboardInterrupt:  # a SIGINT outside training
         messages.send(("stopped", f"stopped during {_head(plan, i)}", signal.SIGINT))
         sys.exit(128 + signal.SIGINT)
+    except TrainingDiverged as e:  # its message says it all; no traceback
+        messages.send(("failed", str(e)))
+        sys.exit(e.exit_code)
     except BaseException:
         messages.send(("failed", traceback.format_exc()))
         sys.exit(1)

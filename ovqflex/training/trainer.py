@@ -8,6 +8,10 @@ clip ─▶ AdamW at the scheduled lr. Metrics go to ``DIR/metrics.jsonl`` every
 ``log_every`` steps; checkpoints every ``ckpt_every`` steps and at the end. SIGINT or SIGTERM
 stops the run after the step in flight with a checkpoint of it (:mod:`.interrupt`).
 
+A run that diverges stops (:class:`TrainingDiverged`) rather than train on and checkpoint non-finite
+weights, which would rotate its good checkpoints out: the loss is checked where it is read anyway
+(every logged step) and the weights before every checkpoint (one host sync per checkpoint).
+
 The run directory has one writer: rank 0 holds ``DIR/run.lock`` (:mod:`.lock`) from before it
 reads the directory until it returns; a second ``train`` on the same directory is refused
 with the holder named.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -47,6 +52,8 @@ FAULT_KILL_ENV = "OVQFLEX_FAULT_KILL_AFTER_STEP"
 # and for the clean-stop tests: send this process a signal right after a step: "STEP" (SIGTERM),
 # "STEP:INT" (SIGINT), "STEP:TERM:RANK" (only that rank of a torchrun job)
 FAULT_SIGNAL_ENV = "OVQFLEX_FAULT_SIGNAL_AFTER_STEP"
+# and for the divergence tests: the loss is NaN from that step on (1: the first)
+FAULT_NAN_ENV = "OVQFLEX_FAULT_NAN_FROM_STEP"
 # what must match between a checkpoint and the run that resumes it
 _RESUME_KEYS = ("task", "task_options", "data", "preset", "pattern", "model_options", "seq_len", "length_warmup",
                 "length_warmup_steps", "batch_size", "seed", "lr", "min_lr", "warmup", "weight_decay", "beta1",
@@ -64,6 +71,27 @@ def forward_loss(fwd, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None,
             logits = fwd(x)
     ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
     return (logits, ce, aux) if with_aux else (logits, ce)
+
+
+class TrainingDiverged(RuntimeError):
+    """Training met a non-finite loss (at a logged step) or non-finite weights (before a checkpoint) and
+    stopped without checkpointing them; ``checkpoint``: the run's latest (finite) checkpoint, if any.
+    The ``ovqflex`` command reports it in one line, exit status 3."""
+
+    exit_code = 3
+
+    def __init__(self, step: int, what: str, checkpoint: Path | None):
+        self.step, self.checkpoint = step, checkpoint
+        where = (f"its latest checkpoint, {checkpoint}, is finite and kept" if checkpoint is not None
+                 else "it has no checkpoint")
+        super().__init__(f"training diverged: {what} after step {step:,}; the run stopped without checkpointing "
+                         f"it ({where}). A resume would repeat the same steps: train again with a lower learning "
+                         f"rate (--lr) or a longer warmup (--warmup), in a new run directory")
+
+
+def _finite(params: list[torch.Tensor]) -> bool:
+    """Whether every parameter is finite (one host sync)."""
+    return bool(torch.stack([p.detach().isfinite().all() for p in params]).all())
 
 
 @dataclass
@@ -244,9 +272,13 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
     t_start = time.perf_counter()
     kill_after = int(os.environ.get(FAULT_KILL_ENV, "0"))
     signal_after, signal_kind = _fault_signal(info.rank)
+    nan_from = int(os.environ.get(FAULT_NAN_ENV, "0"))
 
     def save(done: int, last: TrainResult) -> Path | None:
-        """Checkpoint after step ``done`` (rank 0 writes, all wait); its directory on rank 0."""
+        """Checkpoint after step ``done`` (rank 0 writes, all wait); its directory on rank 0. Refuses
+        non-finite weights (every rank holds the same weights, so all refuse together)."""
+        if not _finite(params):
+            raise TrainingDiverged(done, "the weights are not finite", latest_checkpoint(out))
         path = None
         if info.is_main:
             path = save_checkpoint(out, done, model, optimizer, {
@@ -272,6 +304,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
                 n_targets = target.sum().to(torch.float32).reshape(1)
                 all_reduce_sum_([n_targets], info)
                 logits, loss_sum, aux_loss = forward_loss(fwd, x, y, amp, with_aux=True)
+                if nan_from and step + 1 >= nan_from:
+                    loss_sum = loss_sum * float("nan")
                 # gradients are summed over ranks: each rank adds its share of the aux loss
                 (loss_sum / n_targets.clamp_min(1) + aux_loss / info.world_size).backward()
                 all_reduce_sum_([p.grad for p in params if p.grad is not None], info)
@@ -286,6 +320,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
                         stats = torch.stack([loss_sum.detach().float(), correct])
                         all_reduce_sum_([stats], info)
                         loss, acc = (stats / n_targets.clamp_min(1)).tolist()
+                    if not math.isfinite(loss):  # the same value on every rank (all-reduced)
+                        raise TrainingDiverged(done, f"the training loss is {loss}", latest_checkpoint(out))
                     now = time.perf_counter()
                     tps = tokens_since / max(now - t_log, 1e-9)
                     t_log, tokens_since = now, 0

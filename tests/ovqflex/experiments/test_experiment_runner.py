@@ -24,7 +24,8 @@ from ovqflex.experiments import runner as runner_mod
 from ovqflex.experiments.registry import DICTIONARY_SWEEP
 from ovqflex.training import latest_checkpoint
 from ovqflex.training.checkpoint import load_checkpoint, read_state
-from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_SIGNAL_ENV
+from ovqflex.training import TrainingDiverged
+from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_NAN_ENV, FAULT_SIGNAL_ENV
 
 # a model small enough that a step takes milliseconds; eval on the blocked backend (no compilation)
 MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
@@ -294,6 +295,23 @@ def test_a_worker_that_dies_is_named_and_the_experiment_fails(tmp_path, monkeypa
                      r"\1 seed 0\n(.|\n)*continue with --resume$", str(failure.value))
     assert first, str(failure.value)
     assert _latest_step(tmp_path / f"{first[1]}-s0") == 2
+
+
+@pytest.mark.parametrize("jobs", [1, 2], ids=["in-order", "workers"])
+def test_a_diverging_run_fails_the_experiment_in_one_line(tmp_path, monkeypatch, jobs):
+    """Every run's loss is NaN from its 3rd step: the first run stops after it (its loss is logged
+    every step), its step-2 checkpoint kept; in this process the trainer's error propagates, from a
+    worker the experiment fails naming the run, without a traceback."""
+    monkeypatch.setenv(FAULT_NAN_ENV, "3")
+    error = TrainingDiverged if jobs == 1 else ExperimentFailed
+    with pytest.raises(error) as failure:
+        run_tiny(tmp_path, log=lambda line: None, jobs=jobs)
+    text = str(failure.value)
+    run, _, message = text.partition(" seed 0: ") if jobs == 2 else ("sw-ovq", "", text)
+    assert run in ("sw-ovq", "sw-linear") and "Traceback" not in text, text
+    assert message.startswith("training diverged: the training loss is nan after step 3; the run stopped without "
+                              "checkpointing it"), text
+    assert _latest_step(tmp_path / f"{run}-s0") == 2
 
 
 def test_jobs_must_be_a_positive_int(tmp_path):

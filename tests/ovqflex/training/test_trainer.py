@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ovqflex.training import (CheckpointError, TrainConfig, evaluate, latest_checkpoint, load_checkpoint,
-                              save_checkpoint, train)
+from ovqflex.training import (CheckpointError, TrainConfig, TrainingDiverged, evaluate, latest_checkpoint,
+                              load_checkpoint, save_checkpoint, train)
 from ovqflex.cli import main
 from ovqflex.training.evaluate import load_run, report_name
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
 from ovqflex.training.interrupt import StopRequest, TrainingInterrupted
-from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_SIGNAL_ENV
+from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_NAN_ENV, FAULT_SIGNAL_ENV
 
 # a model small enough that a step takes milliseconds: the loop is under test, not learning
 MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
@@ -564,3 +564,37 @@ def test_eval_measures_full_contexts_when_training_mixes_sizes():
     rows = evaluate_model(model, task, [64, 128], n_examples=16, batch_size=8, seed=0, device=torch.device("cpu"))
     assert [r.targets for r in rows] == [16 * 6, 16 * 6]
     assert sorted(set(seen)) == [task.n_pairs(64) + 6, task.n_pairs(128) + 6]
+
+
+@pytest.mark.parametrize("log_every, caught_at, what", [(1, 4, "the training loss is nan"),
+                                                         (5, 4, "the weights are not finite")],
+                         ids=["loss-logged", "weights-before-checkpoint"])
+def test_a_diverging_run_stops_without_checkpointing_non_finite_weights(tmp_path, monkeypatch, log_every, caught_at,
+                                                                         what):
+    """The 4th step's loss is NaN. Logged every step, the loss stops the run after step 4; logged
+    every 5, the check of the weights before step 4's checkpoint does. Either way the checkpoint of
+    step 2 is the run's latest, finite and kept (a rotation keeping one checkpoint would otherwise have
+    replaced it), and the metrics hold no NaN row."""
+    monkeypatch.setenv(FAULT_NAN_ENV, "4")
+    c = cfg(tmp_path, steps=8, ckpt_every=2, keep_checkpoints=1, log_every=log_every)
+    with pytest.raises(TrainingDiverged, match=rf"training diverged: {what} after step {caught_at}; the run stopped "
+                                               r"without checkpointing it \(its latest checkpoint, .*step.*2.*, is "
+                                               r"finite and kept\)") as e:
+        train(c)
+    assert e.value.step == caught_at and e.value.exit_code == 3
+    run = Path(c.out)
+    kept = load_checkpoint(e.value.checkpoint)
+    assert latest_checkpoint(run) == e.value.checkpoint and kept.step == 2
+    assert all(t.isfinite().all() for t in kept.model.values() if t.is_floating_point())
+    assert [r["step"] for r in metrics(run)] == ([1, 2, 3] if log_every == 1 else [])
+
+
+def test_the_cli_reports_divergence_in_one_line_with_exit_status_3(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(FAULT_NAN_ENV, "1")
+    code = main(["train", "--out", str(tmp_path / "run"), "--task", "icr", "--task-opt", "vocab_size=64",
+                 "--task-opt", "key_len=1", "--task-opt", "value_len=1", "--seq-len", "64", "--batch-size", "4",
+                 "--steps", "3", "--no-compile", "--log-every", "1", "--no-progress", *CLI_MODEL])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3
+    assert err[-1].startswith("ovqflex train: training diverged: the training loss is nan after step 1; ")
+    assert "it has no checkpoint" in err[-1] and "Traceback" not in "\n".join(err)
