@@ -1,50 +1,51 @@
 """The near-tie rule's helper (tests/helpers.py::reference_on_routes): it accepts routes that differ
-from the loop's only at near-ties and refuses any other difference."""
+from the loop's only at near-ties and refuses any other difference. The fused op taking the other
+side of real ties: tests/ovqflex/ops/test_ovq.py::test_a_tie_may_go_either_way."""
 import pytest
 import torch
 
-import ovqflex
 from recurrences.reference import ovq_attention_reference, vq_attention_reference
 from tests.helpers import reference_on_routes
 
-KW = dict(chunk_size=16, max_centroids=24)
+E1, E2, E3 = [1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0]
+# tests/recurrences/test_ovq_reference.py::test_first_seeding_and_new_centroids_by_hand: chunk 0 seeds
+# slots 0..3 with e1, then by similarity to it -e1 (-1), e2 and -e2 (0 each: a tie, the lower index first)
+KEYS = [E1, E2, [-1.0, 0, 0], [0, -1.0, 0], E1, E3, [1.0, 1.0, 0], E2, [2.0, 0, 0], [0, 0, -3.0], E2, E3]
+OWN = [0, 2, 1, 3, 0, 4, 0, 2, 0, 0, 2, 4]
 
 
-def _lattice(seed=134):
-    """Lattice keys on which the fused OVQ op merges token 21 of head 3 into slot 8, the loop into slot 0
-    (an exact tie for the loop; tests/ovqflex/ops/test_ovq.py::test_a_tie_may_go_either_way)."""
-    from tests.ovqflex.ops.test_ovq import lattice_inputs
-    return [x.detach() for x in lattice_inputs(seed)]
+def _run(**forced):
+    k = torch.tensor(KEYS).view(1, 1, 12, 3)
+    q, v = torch.randn(1, 1, 12, 3, generator=torch.Generator().manual_seed(0)), k.flip(-1)
+    return ovq_attention_reference(q, k, v, torch.ones(1), chunk_size=4, max_centroids=5, growth="full", **forced)
+
+
+def _routes(r):
+    return torch.tensor(r).view(1, 1, 12)
 
 
 def test_the_loops_own_routes_give_its_own_run():
-    q, k, v, beta = _lattice()
-    run = lambda **forced: ovq_attention_reference(q, k, v, beta, **KW, **forced)  # noqa: E731
-    own = run()
-    again = reference_on_routes(run, routes=own.routes)
-    assert torch.equal(again.routes, own.routes) and (again.gaps == 0).all()
+    own = _run()
+    assert own.routes[0, 0].tolist() == OWN
+    same = reference_on_routes(_run, routes=own.routes)
+    assert torch.equal(same.routes, own.routes) and torch.equal(same.out, own.out) and (same.gaps == 0).all()
 
 
-def test_a_tie_gives_the_run_forced_onto_the_fused_routes():
-    q, k, v, beta = _lattice()
-    _, state = ovqflex.ovq_attention(q, k, v, beta, backend="blocked", return_state=True, **KW)
-    run = lambda **forced: ovq_attention_reference(q, k, v, beta, **KW, **forced)  # noqa: E731
-    assert run().routes[0, 3, 21] == 0 and state.routes[0, 3, 21] == 8
-    forced = reference_on_routes(run, routes=state.routes)
-    assert torch.equal(forced.routes, state.routes) and forced.gaps[0, 3, 21] == 0 and forced.gaps.max() <= 1e-6
+def test_a_tie_gives_the_run_forced_onto_the_other_routes():
+    """e2 and -e2 tie for slot 2: founding it with -e2 instead swaps the contents of slots 2 and 3,
+    and every later decision is the loop's on that history with the two labels swapped."""
+    swapped = [{2: 3, 3: 2}.get(r, r) for r in OWN]
+    forced = reference_on_routes(_run, routes=_routes(swapped))
+    assert forced.routes[0, 0].tolist() == swapped and (forced.gaps == 0).all()
+    torch.testing.assert_close(forced.out, _run().out)  # a relabelling: the same dictionary, the same outputs
 
 
 def test_any_other_difference_is_refused_with_its_gap():
-    q, k, v, beta = _lattice()
-    run = lambda **forced: ovq_attention_reference(q, k, v, beta, **KW, **forced)  # noqa: E731
-    own = run()
-    routes = own.routes.clone()
-    t = 40  # a token of chunk 2 merged into an old slot: move it to the old slot least like it
-    slot = int(routes[0, 0, t])
-    routes[0, 0, t] = 0 if slot != 0 else 1
-    with pytest.raises(AssertionError, match=r"1 routes; the first at \{'routes': \[0, 0, 40\]\}\), and not at "
-                                             r"near-ties: .* falls \d\.\d{3}e[-+]\d\d short"):
-        reference_on_routes(run, routes=routes)
+    wrong = OWN[:4] + [2] + OWN[5:]  # e1 merged into e2's slot: 1 - 0 short of the best
+    with pytest.raises(AssertionError, match=r"\(1 routes; the first at \{'routes': \[0, 0, 4\]\}\), and not at "
+                                             r"near-ties: on the fused decisions' history the one at \[0, 0, 4\] "
+                                             r"falls 1\.000e\+00 short"):
+        reference_on_routes(_run, routes=_routes(wrong))
 
 
 def test_codes_too():
