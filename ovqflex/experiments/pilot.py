@@ -9,12 +9,15 @@ trained with ``train(..., stop_after=N)``: its first ``N`` steps under the whole
 the real run would do in those steps. Layout of ``OUT``::
 
     OUT/<model>-s<seed>-lr<lr>/     an ``ovqflex train`` run directory (config.json, metrics.jsonl);
-                                    its checkpoint is deleted once read (``keep_checkpoints`` keeps it)
+                                    its checkpoint is deleted once read (``keep_checkpoints`` keeps it);
+                                    diverged.json if it diverged
     OUT/pilot.json, pilot.md        one row per pilot run (rewritten after each)
 
 A pilot run whose ``metrics.jsonl`` already reaches ``N`` under the same training config is read,
 not trained again, and one with a checkpoint (stopped by SIGTERM or Ctrl-C, which leave one) is
-resumed, so a pilot cut off by a time limit continues where it stopped.
+resumed, so a pilot cut off by a time limit continues where it stopped. A pilot run that diverges
+(:class:`~ovqflex.training.TrainingDiverged`: a non-finite loss or weights) is a result, not a
+failure: its row says at which step (``diverged_at``), and the pilot goes on with the next.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from tabulate import tabulate
 from recurrences.checks import ConfigError
 
 from ..files import write_atomic
-from ..training import TrainConfig, latest_checkpoint, train
+from ..training import TrainConfig, TrainingDiverged, latest_checkpoint, train
 from ..training.checkpoint import checkpoint_dir
 from ..training.trainer import CONFIG_FILE, METRICS_FILE, check_stop_after
 from .plan import Plan, Run
@@ -38,6 +41,8 @@ from .plan import Plan, Run
 LEARNED = 0.5
 #: columns of training accuracy in the table: at these fractions of ``stop_after``
 COLUMNS = (0.25, 0.5, 0.75, 1.0)
+#: in a pilot run's directory: the step at which it diverged, and the trainer's message
+DIVERGED_FILE = "diverged.json"
 
 
 def _lr_name(lr: float) -> str:
@@ -58,8 +63,14 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _diverged_at(run_dir: Path) -> int | None:
+    path = run_dir / DIVERGED_FILE
+    return json.loads(path.read_text())["step"] if path.exists() else None
+
+
 def _done(run_dir: Path, cfg: TrainConfig, stop_after: int) -> bool:
-    """Whether ``run_dir`` holds the metrics of pilot run ``cfg`` to step ``stop_after`` already."""
+    """Whether ``run_dir`` holds pilot run ``cfg`` already: its metrics to step ``stop_after``, or its
+    divergence."""
     config = run_dir / CONFIG_FILE
     if not config.exists():
         return False
@@ -69,14 +80,15 @@ def _done(run_dir: Path, cfg: TrainConfig, stop_after: int) -> bool:
     except (ValueError, ConfigError):  # another run's, or an older release's: trained again
         return False
     rows = _rows(run_dir)
-    return bool(rows) and rows[-1]["step"] == stop_after
+    return (bool(rows) and rows[-1]["step"] == stop_after) or _diverged_at(run_dir) is not None
 
 
-def summarize(run: Run, lr: float, rows: list[dict], stop_after: int) -> dict:
+def summarize(run: Run, lr: float, rows: list[dict], stop_after: int, diverged_at: int | None = None) -> dict:
     """One pilot run's row: its training accuracy near each of :data:`COLUMNS` of ``stop_after``
     (the last logged step at or before it), the first logged step with accuracy >= :data:`LEARNED`,
     the last loss, and tokens/s (median over the logged rows after the first, whose interval
-    holds the compilation) with the seconds to the first logged row and to the end."""
+    holds the compilation) with the seconds to the first logged row and to the end; ``diverged_at``:
+    the step at which it diverged (None: it did not)."""
     accuracy = {}
     for fraction in COLUMNS:
         before = [r for r in rows if r["step"] <= round(fraction * stop_after)]
@@ -86,7 +98,8 @@ def summarize(run: Run, lr: float, rows: list[dict], stop_after: int) -> dict:
     return {"model": run.model.label, "seed": run.seed, "lr": lr, "steps": rows[-1]["step"] if rows else 0,
             "accuracy": accuracy, "learned_at": learned, "loss": rows[-1]["loss"] if rows else None,
             "tokens_per_s": statistics.median(speeds) if speeds else None,
-            "first_row_s": rows[0]["elapsed_s"] if rows else None, "seconds": rows[-1]["elapsed_s"] if rows else None}
+            "first_row_s": rows[0]["elapsed_s"] if rows else None, "seconds": rows[-1]["elapsed_s"] if rows else None,
+            "diverged_at": diverged_at}
 
 
 def table(rows: list[dict]) -> str:
@@ -98,9 +111,9 @@ def table(rows: list[dict]) -> str:
 
     body = [[r["model"], r["seed"], _lr_name(r["lr"]), *(num(r["accuracy"][s], ".3f") for s in steps),
              num(r["learned_at"], "d"), num(r["loss"], ".3f"), num(r["tokens_per_s"], ",.0f"),
-             num(r["first_row_s"], ".0f"), num(r["seconds"], ".0f")] for r in rows]
+             num(r["first_row_s"], ".0f"), num(r["seconds"], ".0f"), num(r["diverged_at"], "d")] for r in rows]
     head = ["model", "seed", "lr", *(f"acc @{s}" for s in steps), f"acc >= {LEARNED} at", "loss", "tokens/s",
-            "first row s", "s"]
+            "first row s", "s", "diverged at"]
     return tabulate(body, headers=head, tablefmt="github")
 
 
@@ -124,10 +137,15 @@ def lr_pilot(plan: Plan, lrs, stop_after: int, *, out: str | Path, log=print,
                 resume = latest_checkpoint(cfg.out) is not None  # one cut off (its checkpoint), or kept
                 log(f"{what}: the first {stop_after:,} of {cfg.steps:,} steps -> {cfg.out}"
                     + (" (resumed)" if resume else ""))
-                train(cfg, resume=resume, stop_after=stop_after)
+                (Path(cfg.out) / DIVERGED_FILE).unlink(missing_ok=True)  # another config's
+                try:
+                    train(cfg, resume=resume, stop_after=stop_after)
+                except TrainingDiverged as e:  # a result: this lr is too high
+                    write_atomic(Path(cfg.out) / DIVERGED_FILE, json.dumps({"step": e.step, "message": str(e)}))
+                    log(f"{what}: {e}")
                 if not keep_checkpoints:
                     shutil.rmtree(checkpoint_dir(cfg.out), ignore_errors=True)
-            rows.append(summarize(run, lr, _rows(Path(cfg.out)), stop_after))
+            rows.append(summarize(run, lr, _rows(Path(cfg.out)), stop_after, _diverged_at(Path(cfg.out))))
             text = table(rows)
             write_atomic(out / "pilot.json", json.dumps({"experiment": plan.experiment.name, "scale": plan.scale_name,
                                                          "stop_after": stop_after, "rows": rows}, indent=1))

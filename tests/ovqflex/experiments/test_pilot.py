@@ -12,6 +12,7 @@ from ovqflex.experiments import plan
 from ovqflex.experiments import pilot as pilot_mod
 from ovqflex.experiments.pilot import lr_pilot, summarize, table
 from ovqflex.training import latest_checkpoint, train
+from ovqflex.training.trainer import FAULT_NAN_ENV
 
 from .test_experiment_runner import tiny
 
@@ -76,6 +77,24 @@ def test_summary_columns_learned_step_and_speed():
     assert "acc >= 0.5 at" in text and "| sw-ovq  |      0 | 0.003 |" in text
     never = summarize(run, 1e-4, [{**r, "accuracy": 0.0} for r in rows], 9)
     assert never["learned_at"] is None and "| -  " in table([never])
+
+
+def test_a_diverging_lr_is_a_row_not_a_failure(tmp_path, monkeypatch):
+    """Every pilot run's loss is NaN from step 2 (``OVQFLEX_FAULT_NAN_FROM_STEP``): each lr's run stops
+    there without a checkpoint of it, its row says so and the pilot goes on; a second call reads the
+    divergence as done, trains nothing."""
+    monkeypatch.setenv(FAULT_NAN_ENV, "2")
+    p = plan(tiny(steps=6), "s", tmp_path / "exp", models=["sw-linear"], progress=False)
+    lines = []
+    rows = lr_pilot(p, [2e-3, 1e-2], 3, out=tmp_path / "pilot", log=lines.append)
+    assert [(r["lr"], r["steps"], r["diverged_at"]) for r in rows] == [(2e-3, 1, 2), (1e-2, 1, 2)]
+    assert sum("training diverged: the training loss is nan after step 2" in line for line in lines) == 2
+    md = (tmp_path / "pilot" / "pilot.md").read_text()
+    head, _, *body = md.splitlines()
+    assert head.split("|")[-2].strip() == "diverged at" and [line.split("|")[-2].strip() for line in body] == ["2", "2"]
+    calls = []
+    monkeypatch.setattr(pilot_mod, "train", lambda cfg, **kw: calls.append(cfg.lr))
+    assert lr_pilot(p, [2e-3, 1e-2], 3, out=tmp_path / "pilot", log=lambda line: None) == rows and calls == []
 
 
 @pytest.mark.parametrize("lrs, stop_after, match", [
