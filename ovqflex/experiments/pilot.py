@@ -10,7 +10,7 @@ the real run would do in those steps. Layout of ``OUT``::
 
     OUT/<model>-s<seed>-lr<lr>/     an ``ovqflex train`` run directory (config.json, metrics.jsonl);
                                     its checkpoint is deleted once read (``keep_checkpoints`` keeps it);
-                                    diverged.json if it diverged
+                                    diverged.json if it diverged (the trainer's record)
     OUT/pilot.json, pilot.md        one row per pilot run (rewritten after each)
 
 A pilot run whose ``metrics.jsonl`` already reaches ``N`` under the same training config is read,
@@ -32,7 +32,7 @@ from tabulate import tabulate
 from recurrences.checks import ConfigError
 
 from ..files import write_atomic
-from ..training import TrainConfig, TrainingDiverged, latest_checkpoint, train
+from ..training import TrainConfig, TrainingDiverged, diverged_step, latest_checkpoint, train
 from ..training.checkpoint import checkpoint_dir
 from ..training.trainer import CONFIG_FILE, METRICS_FILE, check_stop_after
 from .plan import Plan, Run
@@ -41,8 +41,6 @@ from .plan import Plan, Run
 LEARNED = 0.5
 #: columns of training accuracy in the table: at these fractions of ``stop_after``
 COLUMNS = (0.25, 0.5, 0.75, 1.0)
-#: in a pilot run's directory: the step at which it diverged, and the trainer's message
-DIVERGED_FILE = "diverged.json"
 
 
 def _lr_name(lr: float) -> str:
@@ -63,11 +61,6 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _diverged_at(run_dir: Path) -> int | None:
-    path = run_dir / DIVERGED_FILE
-    return json.loads(path.read_text())["step"] if path.exists() else None
-
-
 def _done(run_dir: Path, cfg: TrainConfig, stop_after: int) -> bool:
     """Whether ``run_dir`` holds pilot run ``cfg`` already: its metrics to step ``stop_after``, or its
     divergence."""
@@ -80,7 +73,7 @@ def _done(run_dir: Path, cfg: TrainConfig, stop_after: int) -> bool:
     except (ValueError, ConfigError):  # another run's, or an older release's: trained again
         return False
     rows = _rows(run_dir)
-    return (bool(rows) and rows[-1]["step"] == stop_after) or _diverged_at(run_dir) is not None
+    return (bool(rows) and rows[-1]["step"] == stop_after) or diverged_step(run_dir) is not None
 
 
 def summarize(run: Run, lr: float, rows: list[dict], stop_after: int, diverged_at: int | None = None) -> dict:
@@ -137,15 +130,13 @@ def lr_pilot(plan: Plan, lrs, stop_after: int, *, out: str | Path, log=print,
                 resume = latest_checkpoint(cfg.out) is not None  # one cut off (its checkpoint), or kept
                 log(f"{what}: the first {stop_after:,} of {cfg.steps:,} steps -> {cfg.out}"
                     + (" (resumed)" if resume else ""))
-                (Path(cfg.out) / DIVERGED_FILE).unlink(missing_ok=True)  # another config's
                 try:
                     train(cfg, resume=resume, stop_after=stop_after)
-                except TrainingDiverged as e:  # a result: this lr is too high
-                    write_atomic(Path(cfg.out) / DIVERGED_FILE, json.dumps({"step": e.step, "message": str(e)}))
+                except TrainingDiverged as e:  # a result: this lr is too high (the run directory records it)
                     log(f"{what}: {e}")
                 if not keep_checkpoints:
                     shutil.rmtree(checkpoint_dir(cfg.out), ignore_errors=True)
-            rows.append(summarize(run, lr, _rows(Path(cfg.out)), stop_after, _diverged_at(Path(cfg.out))))
+            rows.append(summarize(run, lr, _rows(Path(cfg.out)), stop_after, diverged_step(cfg.out)))
             text = table(rows)
             write_atomic(out / "pilot.json", json.dumps({"experiment": plan.experiment.name, "scale": plan.scale_name,
                                                          "stop_after": stop_after, "rows": rows}, indent=1))

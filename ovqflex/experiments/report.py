@@ -5,7 +5,8 @@ tabulate table) and ``OUT/results.png`` (accuracy vs length, log x, one line per
 variant with its min–max band; test-time variants dashed).
 
 Only complete reports count (the planned lengths, examples, overrides and final step); a
-line with fewer seeds than planned says so in its ``seeds`` column.
+line with fewer seeds than planned says so in its ``seeds`` column, with the seeds whose runs
+diverged (``diverged``: seed -> the step after which training stopped).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ..files import write_atomic
+from ..training import diverged_step
 from ..training.schedule import length_warmup_text
 from .plan import Plan, Run, Variant
 
@@ -49,6 +51,7 @@ def collect(plan: Plan) -> dict:
     lines = []
     for model in plan.models:
         runs = [r for r in plan.runs if r.model is model]
+        diverged = {str(r.seed): step for r in runs if (step := diverged_step(r.dir)) is not None}
         for variant in runs[0].variants:
             acc: dict[int, dict[int, float]] = {}
             for run in runs:
@@ -58,7 +61,7 @@ def collect(plan: Plan) -> dict:
             points = [{"length": n, **summarize({s: a[n] for s, a in acc.items()})} for n in plan.lengths]
             lines.append({"label": variant.label, "model": model.label, "pattern": model.pattern,
                           "variant": variant.name, "overrides": plan.eval_overrides(variant), "seeds": len(acc),
-                          "points": points})
+                          "diverged": diverged, "points": points})
     return {"experiment": plan.experiment.name, "scale": plan.scale_name, "task": plan.experiment.task,
             "task_description": plan.task.describe(), "train_seq_len": plan.scale.seq_len,
             "train_steps": plan.scale.steps, "train_batch_size": plan.scale.batch_size,
@@ -75,11 +78,18 @@ def _cell(p: dict) -> str:
     return f"{p['mean']:.3f} ({p['min']:.2f}–{p['max']:.2f})"
 
 
+def _diverged(line: dict) -> str:
+    """``", 1 diverged"`` for a line with a seed whose run diverged ("" otherwise; results written
+    before divergence was recorded have no ``diverged``)."""
+    n = len(line.get("diverged", {}))
+    return f", {n} diverged" if n else ""
+
+
 def table(results: dict, tablefmt: str = "simple") -> str:
     """One row per line, one column per length: mean accuracy over seeds (min–max)."""
     headers = ["model", "seeds"] + [f"{n:,}" for n in results["lengths"]]
-    rows = [[line["label"], f"{line['seeds']}/{len(results['seeds'])}"] + [_cell(p) for p in line["points"]]
-            for line in results["lines"]]
+    rows = [[line["label"], f"{line['seeds']}/{len(results['seeds'])}{_diverged(line)}"]
+            + [_cell(p) for p in line["points"]] for line in results["lines"]]
     return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
 
 
@@ -106,7 +116,7 @@ def plot(results: dict, path: Path) -> Path | None:
         style = "-" if line["variant"] == "base" else variant_styles[siblings.index(line["variant"]) % 3]
         color = colors[models.index(line["model"]) % len(colors)]
         ax.plot(x, [p["mean"] for p in pts], style, marker="o", ms=3.5, color=color,
-                label=f"{line['label']} ({line['seeds']} seed{'s' if line['seeds'] != 1 else ''})")
+                label=f"{line['label']} ({line['seeds']} seed{'s' if line['seeds'] != 1 else ''}{_diverged(line)})")
         ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts], color=color,
                         alpha=0.15 if line["variant"] == "base" else 0.07, lw=0)
     train = results["train_seq_len"]

@@ -20,7 +20,10 @@ with an earlier checkpoint continues from it (``train(..., resume=True)``: the s
 an uninterrupted run, bit for bit where the run is deterministic, by default on the CPU); one that
 died before its first checkpoint starts again. Ctrl-C or SIGTERM while a run trains stops it after
 the step in flight with a checkpoint of that step (:class:`~ovqflex.training.TrainingInterrupted`
-propagates), so ``--resume`` loses nothing.
+propagates), so ``--resume`` loses nothing. A run that diverges
+(:class:`~ovqflex.training.TrainingDiverged`) is a result: its directory records the step
+(``diverged.json``), its evaluations are skipped, the results count it as diverged, and the other runs go
+on; ``--resume`` leaves it so (to train it again, move its directory away).
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ import torch
 
 from recurrences.checks import check_int
 
-from ..training import TrainingDiverged, TrainingInterrupted, evaluate, latest_checkpoint, train
+from ..training import TrainingDiverged, TrainingInterrupted, diverged_step, evaluate, latest_checkpoint, train
 from ..training.checkpoint import checkpoint_dir, read_state
 from ..training.interrupt import STOP_SIGNALS
 from ..training.schedule import length_warmup_text
@@ -219,8 +222,9 @@ def run_experiment(plan: Plan, *, resume: bool = False, log=print, jobs: int = 1
     # a run whose evaluations are all on disk needs no checkpoint: its reports name the final step
     unevaluated = {units[i].run.dir for i, ok in evaluated.items() if not ok}
     evaluated_runs = {units[i].run.dir for i in evaluated} - unevaluated
-    todo = [not evaluated[i] if u.kind == "eval" else
-            u.run.dir not in evaluated_runs and (trained_step(u) or 0) < u.run.train.steps
+    todo = [diverged_step(u.run.dir) is None and (not evaluated[i] if u.kind == "eval" else
+                                                  u.run.dir not in evaluated_runs
+                                                  and (trained_step(u) or 0) < u.run.train.steps)
             for i, u in enumerate(units)]
     skipped = n - sum(todo)
     log(f"experiment {plan.experiment.name}, scale {plan.scale_name}: {n} units into {plan.out}"
@@ -267,7 +271,9 @@ def _run_in_order(plan: Plan, todo: list[bool], clock: _Clock, log, evaluated_no
     results = None
     for i, unit in enumerate(plan.units):
         if not todo[i]:
-            log(f"{_head(plan, i)}: complete, skipped")
+            step = diverged_step(unit.run.dir)
+            log(f"{_head(plan, i)}: " + ("complete, skipped" if step is None else
+                                          f"skipped, the run diverged after step {step:,}"))
             continue
         t0 = time.perf_counter()
         _run_unit(plan, i, clock.status(todo), log)
@@ -505,9 +511,6 @@ def _worker(plan: Plan, units: list[int], threads: int, messages: Connection, co
     except KeyboardInterrupt:  # a SIGINT outside training
         messages.send(("stopped", f"stopped during {_head(plan, i)}", signal.SIGINT))
         sys.exit(128 + signal.SIGINT)
-    except TrainingDiverged as e:  # its message says it all; no traceback
-        messages.send(("failed", str(e)))
-        sys.exit(e.exit_code)
     except BaseException:
         messages.send(("failed", traceback.format_exc()))
         sys.exit(1)
@@ -524,9 +527,12 @@ def _stop_when_asked(control: Connection) -> None:
 
 def _run_unit(plan: Plan, i: int, status: str | None, log, alone: bool = True) -> None:
     """Unit ``i``; not ``alone`` (one of several worker processes): no progress bar, and each
-    evaluated length's line names the unit."""
+    evaluated length's line names the unit. An evaluation of a run that diverged is skipped."""
     unit = plan.units[i]
-    if unit.kind == "train":
+    step = diverged_step(unit.run.dir)
+    if step is not None:
+        log(f"{_head(plan, i)}: skipped, the run diverged after step {step:,}")
+    elif unit.kind == "train":
         _train_unit(unit, _head(plan, i), status, log, progress=alone)
     else:
         _eval_unit(plan, unit, _head(plan, i), status, log, tag="" if alone else f"[{i + 1}/{len(plan.units)}] ")
@@ -542,7 +548,11 @@ def _train_unit(unit: Unit, head: str, status: str | None, log, progress: bool =
         f"{length_warmup_text(cfg.length_warmup, cfg.length_warmup_steps)}, {how} -> {unit.run.dir}"
         + (f" ({status})" if status else ""))
     t0 = time.perf_counter()
-    result = train(cfg, resume=step is not None)
+    try:
+        result = train(cfg, resume=step is not None)
+    except TrainingDiverged as e:  # a result (the run directory records it): the experiment goes on
+        log(f"{head}: {e}")
+        return
     what = "" if result.loss is None else \
         f": loss {result.loss:.4f}, target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s"
     log(f"{head}: trained in {_duration(time.perf_counter() - t0)}{what}")

@@ -3,7 +3,7 @@ from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, sav
 from .config import TrainConfig
 from .evaluate import evaluate, load_run
 from .interrupt import TrainingInterrupted
-from .trainer import TrainingDiverged, TrainResult, train
+from .trainer import TrainingDiverged, TrainResult, diverged_step, train
 
 __all__ = ["CheckpointError", "TrainConfig", "TrainResult", "evaluate", "latest_checkpoint", "load_checkpoint",
-           "load_run", "save_checkpoint", "train", "TrainingDiverged", "TrainingInterrupted"]
+           "load_run", "diverged_step", "save_checkpoint", "train", "TrainingDiverged", "TrainingInterrupted"]

@@ -10,7 +10,9 @@ stops the run after the step in flight with a checkpoint of it (:mod:`.interrupt
 
 A run that diverges stops (:class:`TrainingDiverged`) rather than train on and checkpoint non-finite
 weights, which would rotate its good checkpoints out: the loss is checked where it is read anyway
-(every logged step) and the weights before every checkpoint (one host sync per checkpoint).
+(every logged step) and the weights before every checkpoint (one host sync per checkpoint). It
+leaves ``DIR/diverged.json`` (step and message, :func:`diverged_step` reads it), which the next
+``train`` on the directory removes.
 
 The run directory has one writer: rank 0 holds ``DIR/run.lock`` (:mod:`.lock`) from before it
 reads the directory until it returns; a second ``train`` on the same directory is refused
@@ -46,7 +48,7 @@ from .schedule import length_at, lr_at
 from .setup import (autocast_dtype, bf16_cpu_codegen, build_model, build_optimizer, build_task, model_from_checkpoint,
                     train_config_of)
 
-CONFIG_FILE, METRICS_FILE = "config.json", "metrics.jsonl"
+CONFIG_FILE, METRICS_FILE, DIVERGED_FILE = "config.json", "metrics.jsonl", "diverged.json"
 # fault injection for the resume tests: SIGKILL this process right after that step
 FAULT_KILL_ENV = "OVQFLEX_FAULT_KILL_AFTER_STEP"
 # and for the clean-stop tests: send this process a signal right after a step: "STEP" (SIGTERM),
@@ -87,6 +89,12 @@ class TrainingDiverged(RuntimeError):
         super().__init__(f"training diverged: {what} after step {step:,}; the run stopped without checkpointing "
                          f"it ({where}). A resume would repeat the same steps: train again with a lower learning "
                          f"rate (--lr) or a longer warmup (--warmup), in a new run directory")
+
+
+def diverged_step(run_dir: str | os.PathLike) -> int | None:
+    """The step after which the run in ``run_dir`` diverged, from its ``diverged.json`` (None: it did not)."""
+    path = Path(run_dir) / DIVERGED_FILE
+    return int(json.loads(path.read_text())["step"]) if path.exists() else None
 
 
 def _finite(params: list[torch.Tensor]) -> bool:
@@ -254,6 +262,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
             raise ValueError(f"stop_after={end}: the run is already at step {start} ({ckpt_path})")
     if info.is_main:
         remove_leftovers(out)  # of writers that were killed (we hold the run lock)
+        (out / DIVERGED_FILE).unlink(missing_ok=True)  # an earlier attempt's: this one may go otherwise
         _truncate_metrics(out / METRICS_FILE, start)
         doc = {"train_config": cfg.to_dict(), "model_config": model.config.to_dict(),
                "task": task.describe(), "parameters": model.num_parameters()}
@@ -348,6 +357,10 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
                     if not saved:
                         ckpt_dir = save(done, last)
                     raise TrainingInterrupted(signum, done, ckpt_dir, complete=done == cfg.steps)
+    except TrainingDiverged as e:
+        if info.is_main:
+            write_atomic(out / DIVERGED_FILE, json.dumps({"step": e.step, "message": str(e)}, indent=1))
+        raise
     finally:
         if bar is not None:
             bar.close()

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ovqflex.training import (CheckpointError, TrainConfig, TrainingDiverged, evaluate, latest_checkpoint,
-                              load_checkpoint, save_checkpoint, train)
+from ovqflex.training import (CheckpointError, TrainConfig, TrainingDiverged, diverged_step, evaluate,
+                              latest_checkpoint, load_checkpoint, save_checkpoint, train)
 from ovqflex.cli import main
 from ovqflex.training.evaluate import load_run, report_name
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
@@ -574,7 +574,8 @@ def test_a_diverging_run_stops_without_checkpointing_non_finite_weights(tmp_path
     """The 4th step's loss is NaN. Logged every step, the loss stops the run after step 4; logged
     every 5, the check of the weights before step 4's checkpoint does. Either way the checkpoint of
     step 2 is the run's latest, finite and kept (a rotation keeping one checkpoint would otherwise have
-    replaced it), and the metrics hold no NaN row."""
+    replaced it), the metrics hold no NaN row, and the run directory records the divergence until a
+    later train on it."""
     monkeypatch.setenv(FAULT_NAN_ENV, "4")
     c = cfg(tmp_path, steps=8, ckpt_every=2, keep_checkpoints=1, log_every=log_every)
     with pytest.raises(TrainingDiverged, match=rf"training diverged: {what} after step {caught_at}; the run stopped "
@@ -587,6 +588,9 @@ def test_a_diverging_run_stops_without_checkpointing_non_finite_weights(tmp_path
     assert latest_checkpoint(run) == e.value.checkpoint and kept.step == 2
     assert all(t.isfinite().all() for t in kept.model.values() if t.is_floating_point())
     assert [r["step"] for r in metrics(run)] == ([1, 2, 3] if log_every == 1 else [])
+    assert diverged_step(run) == caught_at  # the run directory's record (diverged.json)
+    monkeypatch.delenv(FAULT_NAN_ENV)  # the next attempt goes otherwise: it resumes and removes the record
+    assert train(c, resume=True).step == 8 and diverged_step(run) is None
 
 
 def test_the_cli_reports_divergence_in_one_line_with_exit_status_3(tmp_path, monkeypatch, capsys):
