@@ -222,13 +222,15 @@ def run_experiment(plan: Plan, *, resume: bool = False, log=print, jobs: int = 1
     # a run whose evaluations are all on disk needs no checkpoint: its reports name the final step
     unevaluated = {units[i].run.dir for i, ok in evaluated.items() if not ok}
     evaluated_runs = {units[i].run.dir for i in evaluated} - unevaluated
-    todo = [diverged_step(u.run.dir) is None and (not evaluated[i] if u.kind == "eval" else
-                                                  u.run.dir not in evaluated_runs
-                                                  and (trained_step(u) or 0) < u.run.train.steps)
-            for i, u in enumerate(units)]
-    skipped = n - sum(todo)
+    diverged = [diverged_step(u.run.dir) is not None for u in units]  # a result: nothing left to do
+    todo = [not d and (not evaluated[i] if u.kind == "eval" else
+                       u.run.dir not in evaluated_runs and (trained_step(u) or 0) < u.run.train.steps)
+            for i, (u, d) in enumerate(zip(units, diverged))]
+    skipped, n_diverged = n - sum(todo), sum(diverged)
+    skipped_text = ", ".join(([f"{skipped - n_diverged} already complete"] if skipped > n_diverged else [])
+                             + ([f"{n_diverged} of runs that diverged"] if n_diverged else []))
     log(f"experiment {plan.experiment.name}, scale {plan.scale_name}: {n} units into {plan.out}"
-        + (f" ({skipped} already complete)" if skipped else "") + (f", {jobs} runs at a time" if jobs > 1 else ""))
+        + (f" ({skipped_text})" if skipped else "") + (f", {jobs} runs at a time" if jobs > 1 else ""))
     if drop_checkpoints:
         for run_dir in sorted(evaluated_runs):
             _drop_checkpoints(run_dir, log)

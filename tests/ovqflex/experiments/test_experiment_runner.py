@@ -324,7 +324,7 @@ def test_a_diverging_run_is_a_result_and_the_experiment_goes_on(tmp_path, monkey
     assert "0/1, 1 diverged" in res["table"] and "0/1, 1 diverged" in (tmp_path / "results.md").read_text()
     lines.clear()
     run_tiny(tmp_path, resume=True, log=lines.append)
-    assert "(6 already complete)" in lines[0]
+    assert "6 units into" in lines[0] and "(2 already complete, 4 of runs that diverged)" in lines[0]
     assert sum("skipped, the run diverged after step 3" in line for line in lines) == 4  # train and evaluations
 
 
