@@ -5,7 +5,7 @@ Layout of ``OUT`` (the plan's ``out``)::
     OUT/experiment.json                 the plan's spec; a resume must match it (it may add seeds, models
                                         and test-time variants)
     OUT/<model>-s<seed>/                an ``ovqflex train`` run directory (config.json,
-                                        metrics.jsonl, checkpoints/)
+                                        metrics.jsonl, checkpoints/; diverged.json if it diverged)
     OUT/<model>-s<seed>/eval-<variant>.json, .png   its evaluations (``ovqflex eval`` reports)
     OUT/results.json, results.md, results.png       the aggregate (rewritten after every evaluation)
 
