@@ -108,13 +108,14 @@ def plot(results: dict, path: Path) -> Path | None:
     variant_styles = ["--", ":", "-."]
     for line in results["lines"]:
         pts = [p for p in line["points"] if p["n"]]
-        if not pts:
+        if not pts and not _diverged(line):
             continue
         x = [p["length"] for p in pts]
         # a model's colour; its test-time variants in the same colour, dashed / dotted
         siblings = [ln["variant"] for ln in results["lines"] if ln["model"] == line["model"] and ln["variant"] != "base"]
         style = "-" if line["variant"] == "base" else variant_styles[siblings.index(line["variant"]) % 3]
         color = colors[models.index(line["model"]) % len(colors)]
+        # a line whose every run diverged has no points but keeps its legend entry, which says so
         ax.plot(x, [p["mean"] for p in pts], style, marker="o", ms=3.5, color=color,
                 label=f"{line['label']} ({line['seeds']} seed{'s' if line['seeds'] != 1 else ''}{_diverged(line)})")
         ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts], color=color,

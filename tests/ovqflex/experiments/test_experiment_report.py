@@ -1,6 +1,7 @@
 """Aggregation of evaluation reports over seeds (mean, min, max), the table, JSON and plot,
 from synthetic ``eval-<variant>.json`` files."""
 import json
+import re
 
 import pytest
 
@@ -69,3 +70,24 @@ def test_write_results_files(tmp_path):
     assert res["files"][-1] == str(png) and png.stat().st_size > 5000
     assert res["train_seq_len"] == 64 and res["lengths"] == [64, 128, 256]
     assert [pt["mean"] for pt in res["lines"][0]["points"]] == pytest.approx([0.75, 0.375, 0.1875])
+
+
+def test_runs_that_diverged_are_counted_by_seed(tmp_path):
+    """b's seed 1 diverged after step 7 (its run directory's record, as the trainer writes it) and has no
+    report: its line counts the seed as diverged; a line whose every run diverged keeps its table row and
+    its legend entry (the plot is written)."""
+    p = plan(EXP, "s", tmp_path, seeds=[0, 1])
+    fake_eval(p, "a", 0, "base", [1.0, 0.5, 0.25])
+    fake_eval(p, "b", 0, "base", [0.4, 0.2, 0.1])
+    for label, seed in (("b", 1), ("a", 0), ("a", 1)):
+        run = next(r for r in p.runs if r.model.label == label and r.seed == seed)
+        run.dir.mkdir(parents=True, exist_ok=True)
+        if (label, seed) != ("a", 0):
+            (run.dir / "diverged.json").write_text(json.dumps({"step": 7, "message": "training diverged: ..."}))
+    res = write_results(p)
+    lines = {line["label"]: line for line in res["lines"]}
+    assert lines["b"]["diverged"] == {"1": 7} and lines["b"]["seeds"] == 1
+    assert lines["a"]["diverged"] == {"1": 7} and lines["a N×2"]["diverged"] == {"1": 7}
+    seeds = {cells[0]: cells[1] for cells in (re.split(r"\s{2,}", row) for row in res["table"].splitlines()[2:])}
+    assert seeds == {"a": "1/2, 1 diverged", "a N×2": "0/2, 1 diverged", "b": "1/2, 1 diverged"}
+    assert (tmp_path / "results.png").stat().st_size > 5000
