@@ -369,3 +369,46 @@ def test_a_stack_of_rows_normalizes_as_each_chunk_alone_on_the_device():
     ``LN_s`` keys in one launch; the state's rows) give each chunk's own bits
     (``tests/recurrences/test_kvm_routing_static.py::row_kernels_on_stacks``)."""
     assert row_kernels_on_stacks(DEVICE) == []
+
+
+def test_references_take_forced_decisions_and_measure_their_gaps_on_the_device():
+    """The near-tie rule's second path (``tests/helpers.py::reference_on_routes``), which the tier's
+    comparisons take only when the fused op meets a tie, on the device: OVQ forced onto a tie and onto
+    a mistake (``tests/test_helpers.py``: gaps 0 and 1, the tie accepted, the mistake refused), and the
+    gaps of KVM's and VQ's forced decisions equal the CPU's."""
+    from tests.test_helpers import KEYS, OWN
+
+    k = torch.tensor(KEYS, device=DEVICE).view(1, 1, 12, 3)
+    q = torch.randn(1, 1, 12, 3, generator=seeded(0)).to(DEVICE)
+    run = lambda **forced: ovq_attention_reference(q, k, k.flip(-1), torch.ones(1, device=DEVICE), chunk_size=4,  # noqa
+                                                   max_centroids=5, growth="full", **forced)
+    tie = torch.tensor([{2: 3, 3: 2}.get(r, r) for r in OWN], device=DEVICE).view(1, 1, 12)
+    assert (reference_on_routes(run, routes=tie).gaps == 0).all()
+    mistake = torch.tensor(OWN[:4] + [2] + OWN[5:], device=DEVICE).view(1, 1, 12)
+    with pytest.raises(AssertionError, match=r"falls 1\.000e\+00 short"):
+        reference_on_routes(run, routes=mistake)
+
+    t = _inputs(7)
+    t["q"], t["k"] = F.layer_norm(t["q"], (D,)), F.layer_norm(t["k"], (D,))
+    kw = dict(chunk_size=32, budget="power_law", growth_factor=4.0, max_state_chunks=None)
+
+    def kvm(device, **forced):
+        x = {n: t[n].to(device) for n in KVM_NAMES}
+        return kvm_attention_reference(x["q"], x["k"], x["v"], **{n: x[n] for n in KVM_NAMES[3:]}, **kw,
+                                       **{n: f.to(device) for n, f in forced.items()})
+
+    own = kvm("cpu")
+    routes = own.routes.clone()
+    merged = ((own.routes[0, 0] >= 0) & ~own.founder[0, 0]).nonzero()[-1, 0]  # head 0's last merge: another row
+    routes[0, 0, merged] += -1 if routes[0, 0, merged] > 1 else 1  # (row 0 is the sink)
+    forced = dict(routes=routes, founder=own.founder)
+    cpu, dev = kvm("cpu", **forced).gaps, kvm(DEVICE, **forced).gaps.cpu()
+    assert cpu[0, 0, merged] > 0 and (cpu != 0).sum() == 1
+    torch.testing.assert_close(dev, cpu, rtol=1e-4, atol=1e-6)
+
+    codebook = torch.randn(H, 8, D, generator=seeded(8))
+    codes = (vq_attention_reference(t["q"], t["k"], t["v"], codebook, t["beta"]).codes + 1) % 8
+    cpu = vq_attention_reference(t["q"], t["k"], t["v"], codebook, t["beta"], codes=codes).gaps
+    dev = vq_attention_reference(*(t[n].to(DEVICE) for n in "qkv"), codebook.to(DEVICE), t["beta"].to(DEVICE),
+                                 codes=codes.to(DEVICE)).gaps.cpu()
+    torch.testing.assert_close(dev, cpu, rtol=1e-4, atol=1e-6)
