@@ -6,6 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recurrences.reference import kvm_attention_reference
 
@@ -116,3 +118,16 @@ def test_forced_decisions_are_checked():
     routes[0, 0, first] = C + 1  # the block's first founder must take row C
     with pytest.raises(ValueError, match=r"routes: the founders of block \[4, 8\) must have rows 4\.\. in temporal"):
         _run(12, forced=SimpleNamespace(routes=routes, founder=own.founder), **kw)
+
+
+@settings(max_examples=30)
+@given(st.integers(1, 3), st.sampled_from([4, 8]), st.integers(0, 2), st.booleans(),
+       st.sampled_from(["fixed", "power_law", "saturation"]), st.integers(0, 2**16))
+def test_forced_onto_its_own_decisions_the_loop_has_no_gaps(n_bswa, chunk, sink_len, gated, budget, seed):
+    """Whatever the options, the loop forced onto its own routes and founders reproduces its run
+    exactly and finds every decision its own (gaps 0): the near-tie rule never refuses the loop itself."""
+    kw = dict(chunk_size=chunk, n_bswa_chunks=n_bswa, sink_len=sink_len, budget=budget, max_state_chunks=None,
+              growth_factor=2.0, saturation_n=24, rope_dims=D // 2)
+    own, _ = _run(9 * chunk + 3, seed=seed, gated=gated, **kw)
+    forced, _ = _run(9 * chunk + 3, forced=own, seed=seed, gated=gated, **kw)
+    assert (forced.gaps == 0).all() and torch.equal(forced.out, own.out) and torch.equal(forced.routes, own.routes)

@@ -4,6 +4,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recurrences.reference import ovq_attention_reference, ovq_schedule
 
@@ -261,6 +263,20 @@ def test_gaps_are_zero_on_the_loops_own_routes(growth, seeding, normalize_centro
     own = ovq_attention_reference(q, k, v, beta, **kw)
     forced = ovq_attention_reference(q, k, v, beta, routes=own.routes, **kw)
     assert (own.gaps == 0).all() and (forced.gaps == 0).all()
+
+
+@settings(max_examples=40)
+@given(st.integers(1, 60), st.integers(1, 6), st.integers(1, 12), st.sampled_from(["plateau", "linear", "full"]),
+       st.sampled_from(["spread", "random"]), st.booleans(), st.integers(0, 2**16))
+def test_forced_onto_its_own_routes_the_loop_has_no_gaps(T, L, N, growth, seeding, normalize_centroids, seed):
+    """Whatever the options, the loop forced onto its own routes reproduces its run exactly and finds
+    every decision its own (gaps 0): the near-tie rule never refuses the loop itself."""
+    q, k, v, beta = _inputs(B=1, T=T, D=4, dtype=torch.float32, seed=seed)
+    kw = dict(chunk_size=L, max_centroids=N, growth=growth, seeding=seeding, seed=seed % 7,
+              normalize_centroids=normalize_centroids)
+    own = ovq_attention_reference(q, k, v, beta, **kw)
+    forced = ovq_attention_reference(q, k, v, beta, routes=own.routes, **kw)
+    assert (forced.gaps == 0).all() and torch.equal(forced.out, own.out)
 
 
 def _by_hand(routes, rows=None, chunk_size=4, max_centroids=5):
