@@ -6,12 +6,10 @@ import torch
 
 from recurrences.reference import ovq_attention_reference, vq_attention_reference
 from tests.helpers import reference_on_routes
-
-E1, E2, E3 = [1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0]
-# tests/recurrences/test_ovq_reference.py::test_first_seeding_and_new_centroids_by_hand: chunk 0 seeds
-# slots 0..3 with e1, then by similarity to it -e1 (-1), e2 and -e2 (0 each: a tie, the lower index first)
-KEYS = [E1, E2, [-1.0, 0, 0], [0, -1.0, 0], E1, E3, [1.0, 1.0, 0], E2, [2.0, 0, 0], [0, 0, -3.0], E2, E3]
-OWN = [0, 2, 1, 3, 0, 4, 0, 2, 0, 0, 2, 4]
+# test_first_seeding_and_new_centroids_by_hand's keys: chunk 0 seeds slots 0..3 with e1, then by
+# similarity to it -e1 (-1), e2 and -e2 (0 each: a tie, the lower index first)
+from tests.recurrences.test_ovq_reference import BY_HAND_KEYS as KEYS
+from tests.recurrences.test_ovq_reference import BY_HAND_ROUTES as OWN
 
 
 def _run(**forced):

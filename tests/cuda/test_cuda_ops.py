@@ -376,9 +376,9 @@ def test_references_take_forced_decisions_and_measure_their_gaps_on_the_device()
     comparisons take only when the fused op meets a tie, on the device: OVQ forced onto a tie and onto
     a mistake (``tests/test_helpers.py``: gaps 0 and 1, the tie accepted, the mistake refused), and the
     gaps of KVM's and VQ's forced decisions equal the CPU's."""
-    from tests.test_helpers import KEYS, OWN
+    from tests.recurrences.test_ovq_reference import BY_HAND_KEYS, BY_HAND_ROUTES as OWN
 
-    k = torch.tensor(KEYS, device=DEVICE).view(1, 1, 12, 3)
+    k = torch.tensor(BY_HAND_KEYS, device=DEVICE).view(1, 1, 12, 3)
     q = torch.randn(1, 1, 12, 3, generator=seeded(0)).to(DEVICE)
     run = lambda **forced: ovq_attention_reference(q, k, k.flip(-1), torch.ones(1, device=DEVICE), chunk_size=4,  # noqa
                                                    max_centroids=5, growth="full", **forced)

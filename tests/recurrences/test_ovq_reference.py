@@ -61,11 +61,16 @@ def _keys(rows):
     return torch.tensor(rows, dtype=torch.float64).view(1, 1, len(rows), -1)
 
 
+E1, E2, E3 = [1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0]
+# keys worked by hand (chunks of 4, max_centroids 5, full growth), and the loop's routes on them
+BY_HAND_KEYS = [E1, E2, [-1.0, 0, 0], [0, -1.0, 0],       # chunk 0: all four become seeds
+                E1, E3, [1.0, 1.0, 0], E2,                # chunk 1: one new centroid
+                [2.0, 0, 0], [0, 0, -3.0], E2, E3]        # chunk 2: N reached, all merge
+BY_HAND_ROUTES = [0, 2, 1, 3, 0, 4, 0, 2, 0, 0, 2, 4]
+
+
 def test_first_seeding_and_new_centroids_by_hand():
-    e1, e2, e3 = [1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0]
-    k = _keys([e1, e2, [-1.0, 0, 0], [0, -1.0, 0],        # chunk 0: all four become seeds
-               e1, e3, [1.0, 1.0, 0], e2,                 # chunk 1: one new centroid
-               [2.0, 0, 0], [0, 0, -3.0], e2, e3])        # chunk 2: N reached, all merge
+    k = _keys(BY_HAND_KEYS)
     q = torch.randn(1, 1, 12, 3, dtype=torch.float64)
     v = torch.randn(1, 1, 12, 2, dtype=torch.float64)
     res = ovq_attention_reference(q, k, v, torch.ones(1, dtype=torch.float64),
@@ -74,7 +79,7 @@ def test_first_seeding_and_new_centroids_by_hand():
     # chunk 0: slot 0 = token 0; others by ascending sim to token 0 (-1, then 0, 0 -> lower index)
     # chunk 1: best sims [1, 0, .707 (tie slots 0 and 2 -> slot 0), 1]; lowest (token 5) -> slot 4
     # chunk 2: e1 -> 0, -e3 (tie at 0 across slots 0..3 -> lowest slot 0), e2 -> 2, e3 -> 4
-    assert res.routes[0, 0].tolist() == [0, 2, 1, 3, 0, 4, 0, 2, 0, 0, 2, 4]
+    assert res.routes[0, 0].tolist() == BY_HAND_ROUTES
     assert res.counts[0, 0].tolist() == [5.0, 1.0, 3.0, 1.0, 2.0]
 
 
@@ -282,9 +287,7 @@ def test_forced_onto_its_own_routes_the_loop_has_no_gaps(T, L, N, growth, seedin
 def _by_hand(routes, rows=None, chunk_size=4, max_centroids=5):
     """The chunks of test_first_seeding_and_new_centroids_by_hand (unit keys e1, e2, -e1, -e2 seed the
     dictionary; chunk 1 makes one new centroid) forced onto ``routes``: their gaps [12]."""
-    e1, e2, e3 = [1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0]
-    rows = rows or [e1, e2, [-1.0, 0, 0], [0, -1.0, 0], e1, e3, [1.0, 1.0, 0], e2, [2.0, 0, 0], [0, 0, -3.0], e2, e3]
-    k = _keys(rows)
+    k = _keys(rows or BY_HAND_KEYS)
     q = torch.zeros_like(k)
     res = ovq_attention_reference(q, k, q, torch.ones(1, dtype=torch.float64), chunk_size=chunk_size,
                                   max_centroids=max_centroids, growth="full",
@@ -292,7 +295,7 @@ def _by_hand(routes, rows=None, chunk_size=4, max_centroids=5):
     return res.gaps[0, 0]
 
 
-OWN = [0, 2, 1, 3, 0, 4, 0, 2, 0, 0, 2, 4]  # the loop's own routes on _by_hand's keys
+OWN = BY_HAND_ROUTES
 
 
 def test_gaps_of_a_merge():
