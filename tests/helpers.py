@@ -36,15 +36,15 @@ def assert_close(a, b, tol, what="", floor: float = 1e-2):
 NEAR_TIE = 1e-6
 
 
-def reference_on_routes(run_reference, **decisions: torch.Tensor):
+def reference_on_routes(run_reference, own=None, **decisions: torch.Tensor):
     """The reference result to compare a fused op with, by the near-tie rule. ``decisions`` are the
     fused op's discrete decisions ([B, H, T] each), named as the reference's result fields and as the
     keywords that force them (``routes=``; KVM ``routes=, founder=``; VQ ``codes=``);
-    ``run_reference(**forced)`` runs the reference loop. If the loop takes the same decisions, its own
-    run is returned. Otherwise it is run again forced onto the fused decisions, each of which must
+    ``run_reference(**forced)`` runs the reference loop (``own``: its unforced run, if the caller has
+    it already). If the loop takes the same decisions, its own run is returned. Otherwise it is run again forced onto the fused decisions, each of which must
     then fall short of the loop's own choice on that history by at most ``NEAR_TIE`` (the result's
     ``gaps``), and the forced run is returned, to compare outputs and gradients with."""
-    ref = run_reference()
+    ref = run_reference() if own is None else own
     differ = {name: getattr(ref, name) != d for name, d in decisions.items()}
     if not any(x.any() for x in differ.values()):
         return ref
