@@ -54,12 +54,11 @@ def _ln(x, w, b, eps):
     return F.layer_norm(x, (x.shape[-1],), w, b, eps)
 
 
-def _scale(kbar_block: torch.Tensor, r_k: torch.Tensor, w, b, eps) -> torch.Tensor:
-    """The largest similarity a block's tokens [B,H,C,D] can have with the state rows (Cauchy-Schwarz:
-    largest key norm x largest ``LN_s`` row norm) [B,H,1]: the unit of KVM's gaps, so that they read
-    like cosine gaps whatever the scale of ``LN_s``."""
-    rows = _ln(r_k, w, b, eps).norm(dim=-1).amax(-1)
-    return (kbar_block.norm(dim=-1).amax(-1) * rows).clamp_min(1e-30)[..., None]
+def _scale(kbar_block: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The largest similarity a block's tokens [B,H,C,D] can have with the ``LN_s`` state rows
+    [B,H,m,D] (Cauchy-Schwarz: largest key norm x largest row norm) [B,H,1]: the unit of KVM's gaps,
+    so that they read like cosine gaps whatever the scale of ``LN_s``."""
+    return (kbar_block.norm(dim=-1).amax(-1) * rows.norm(dim=-1).amax(-1)).clamp_min(1e-30)[..., None]
 
 
 def _append_gaps(score: torch.Tensor, app_mask: torch.Tensor, n_app: int) -> torch.Tensor:
@@ -157,7 +156,8 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
                                          round_down, saturation_n), bw + C, cap))
         n_app = min(target - m, C)
         with torch.no_grad():
-            score = (kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)).max(-1).values  # [B,H,C]
+            rows_ln = _ln(r_k, wr, br, ln_eps)                                 # the state's routing rows
+            score = (kbar_r[:, :, ob] @ rows_ln.transpose(-1, -2)).max(-1).values  # [B,H,C]
         if routes is not None:
             forced, app_mask = routes[:, :, ob].to(dev), founder[:, :, ob].to(dev)
             if (app_mask.sum(-1) != n_app).any():
@@ -166,7 +166,7 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
                 raise ValueError(f"routes: the founders of block [{bw}, {bw + C}) must have rows {m}.. "
                                  "in temporal order")
             chosen = torch.sort(torch.where(app_mask, torch.arange(C, device=dev), C), dim=-1).values[..., :n_app]
-            gaps[:, :, ob] = _append_gaps(score, app_mask, n_app) / _scale(kbar_r[:, :, ob], r_k, wr, br, ln_eps)
+            gaps[:, :, ob] = _append_gaps(score, app_mask, n_app) / _scale(kbar_r[:, :, ob], rows_ln)
         else:
             chosen = torch.sort(torch.argsort(score, dim=-1, stable=True)[..., :n_app], dim=-1).values
         app_mask = torch.zeros(B, H, C, dtype=torch.bool, device=dev).scatter(2, chosen, True)
@@ -178,7 +178,8 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
         g = gg[:, :, ob]
         with torch.no_grad():
             # (g kbar) . LN_s(s+), the gate applied to the products: the same argmax (KVM paper §4)
-            sim = kbar_r[:, :, ob] @ _ln(r_k, wr, br, ln_eps).transpose(-1, -2)
+            rows_ln = _ln(r_k, wr, br, ln_eps)                                 # after the append
+            sim = kbar_r[:, :, ob] @ rows_ln.transpose(-1, -2)
             logits = g.detach().float()[..., None] * sim
             logits[..., :sink_len] = float("-inf")
         if routes is not None:
@@ -187,7 +188,7 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
                 raise ValueError(f"routes: block [{bw}, {bw + C}) must merge into rows [{sink_len}, {m2})")
             # the merge's gap, per unit of gate (the gate scales a token's products, not its choice)
             merge_gap = (logits.max(-1).values - logits.gather(-1, dest[..., None]).squeeze(-1)) / (
-                g.detach().float().abs() * _scale(kbar_r[:, :, ob], r_k, wr, br, ln_eps)).clamp_min(1e-30)
+                g.detach().float().abs() * _scale(kbar_r[:, :, ob], rows_ln)).clamp_min(1e-30)
             gaps[:, :, ob] = torch.where(app_mask, gaps[:, :, ob], merge_gap)
         else:
             dest = logits.argmax(-1)
