@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compile_watch import compile_counts
 from ..devices import failure_line, sync
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -157,9 +158,7 @@ def measure(fn, *, device: torch.device | str = "cpu", repeats: int = 3, warmup:
 
 def _compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
+    return compile_counts().graphs
 
 
 def saved_for_backward_mb(fn, inputs=()) -> float:

@@ -21,7 +21,8 @@ def _cmd_train(args) -> int:
     if result.loss is not None and int(os.environ.get("RANK", "0")) == 0:
         of = f" of {cfg.steps} (--stop-after; --resume continues)" if result.step < cfg.steps else ""
         print(f"trained {result.step} steps{of} -> {result.out}: loss {result.loss:.4f}, "
-              f"target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s")
+              f"target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s"
+              + (f"; {result.compiled}" if result.compiled else ""))
     return 0
 
 

@@ -6,7 +6,10 @@ compiled model forward (bf16 autocast where supported) ─▶ cross-entropy summ
 target tokens / global target count ─▶ backward ─▶ gradient all-reduce (torchrun) ─▶
 clip ─▶ AdamW at the scheduled lr. Metrics go to ``DIR/metrics.jsonl`` every
 ``log_every`` steps; checkpoints every ``ckpt_every`` steps and at the end. SIGINT or SIGTERM
-stops the run after the step in flight with a checkpoint of it (:mod:`.interrupt`).
+stops the run after the step in flight with a checkpoint of it (:mod:`.interrupt`). A compiled run
+watches what ``torch.compile`` does (:class:`~ovqflex.compile_watch.CompileWatch`): a graph break, a
+recompile at a shape an earlier step ran, or dynamo giving up at its recompile limit is a warning on
+stderr when it happens, and the totals end the run's result (``TrainResult.compiled``).
 
 A run that diverges stops (:class:`TrainingDiverged`) rather than train on and checkpoint non-finite
 weights, which would rotate its good checkpoints out: the loss is checked where it is read anyway
@@ -21,6 +24,8 @@ with the holder named.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -35,6 +40,7 @@ import torch.nn.functional as F
 
 from recurrences.checks import check_int
 
+from ..compile_watch import CompileWatch
 from ..devices import resolve_device, to_device
 from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
@@ -109,6 +115,7 @@ class TrainResult:
     loss: float | None
     accuracy: float | None
     tokens_per_s: float | None
+    compiled: str | None = None  # what torch.compile did (:meth:`CompileWatch.summary`); None: not compiled
 
 
 def deterministic_on(cfg: TrainConfig, device: torch.device) -> bool:
@@ -273,6 +280,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
 
     # one graph per batch shape (a length warm-up's few, then seq_len's), none symbolic in the length
     fwd = torch.compile(model, dynamic=False) if cfg.compile else model
+    watch = CompileWatch() if cfg.compile else contextlib.nullcontext()
     params = [p for p in model.parameters() if p.requires_grad]
     bar = _progress(cfg, info, start)
     metrics = open(out / METRICS_FILE, "a") if info.is_main else None
@@ -296,8 +304,13 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
         barrier(info)
         return path
 
+    def say(note: str) -> None:
+        if info.is_main:
+            (bar.write if bar is not None else functools.partial(print, flush=True))(f"warning: {note}",
+                                                                                  file=sys.stderr)
+
     try:
-        with StopRequest() as stop:
+        with StopRequest() as stop, watch:
             for step in range(start, end):
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
                 for group in optimizer.param_groups:
@@ -323,6 +336,9 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
                 optimizer.zero_grad(set_to_none=True)
                 tokens_since += cfg.batch_size * cfg.seq_len
                 done = step + 1
+                if cfg.compile:
+                    for note in watch.step(done, tuple(x.shape)):
+                        say(note)
                 if done % cfg.log_every == 0 or done == end:
                     with torch.no_grad():
                         correct = ((logits.argmax(-1) == y) & target).sum().to(torch.float32)
@@ -366,4 +382,4 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
             bar.close()
         if metrics is not None:
             metrics.close()
-    return last
+    return dataclasses.replace(last, compiled=watch.summary()) if cfg.compile else last

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...compile_watch import CompileWatch
 from ..measure import measure, progress
 from .base import Scenario, register
 
@@ -26,7 +27,9 @@ class TrainScenario(Scenario):
 @register("train", TrainScenario)
 def train(sc: TrainScenario, device: str) -> list[dict]:
     """Training throughput of whole models: ``torch.compile(model)`` AdamW steps on a task's
-    batches, for each mixer ``patterns`` entry."""
+    batches, for each mixer ``patterns`` entry, with what compiling did (:class:`CompileWatch`): the
+    graphs its first step compiled (``graphs_first_step``), the graph breaks met and the recompiles
+    over all its steps, which all have one shape (expected: 0 and 0)."""
     import time
 
     from ...devices import to_device
@@ -56,18 +59,26 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        t0 = time.perf_counter()
-        step(0)
-        first = time.perf_counter() - t0
-        for i in range(1, warm):
-            step(i)
-        m = measure(lambda: [step(warm + i) for i in range(steps)], device=dev, repeats=1, warmup=0)
+        with CompileWatch() as watch:
+            def watched(i):
+                step(i)
+                for note in watch.step(i + 1, (cfg.batch_size, cfg.seq_len)):
+                    progress(f"train {pattern}: warning: {note}")
+
+            t0 = time.perf_counter()
+            watched(0)
+            first = time.perf_counter() - t0
+            for i in range(1, warm):
+                watched(i)
+            m = measure(lambda: [watched(warm + i) for i in range(steps)], device=dev, repeats=1, warmup=0)
+        compiled = watch.counts()
         rows.append({"pattern": pattern, "T": cfg.seq_len, "batch": cfg.batch_size,
                      "params_m": model.num_parameters() / 1e6, "first_step_s": first,
                      "step_s": m.seconds / steps, "tokens_per_s": steps * cfg.batch_size * cfg.seq_len / m.seconds,
-                     "peak_mb": m.peak_mb})
-        progress(f"train {pattern} (first step {first:.1f} s, {rows[-1]['tokens_per_s']:,.0f} tokens/s)",
-                 m.seconds / steps)
+                     "peak_mb": m.peak_mb, "graphs_first_step": watch.first_graphs,
+                     "graph_breaks": compiled["graph_breaks"], "recompiles": compiled["recompiles"]})
+        progress(f"train {pattern} (first step {first:.1f} s, {rows[-1]['tokens_per_s']:,.0f} tokens/s; "
+                 f"{watch.summary()})", m.seconds / steps)
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["x_vs_baseline"] = r["tokens_per_s"] / base

@@ -325,3 +325,32 @@ def test_generate_reports_different_tokens(monkeypatch):
              "new_tokens": 2, "decodes": ["functional", "static"], "repeats": 1, "model_options": {"backend": "dense"}}
     assert [r["same_tokens"] for r in _run(table)] == [True, False]
     assert [r["same_tokens"] for r in _run({**table, "decodes": ["static"]})] == [None]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["whole", "graph-break"])
+def test_train_reports_what_compiling_did_per_model(monkeypatch, broken):
+    """Each pattern's row carries the graphs its first step compiled, its graph breaks and its recompiles
+    over all steps (the eager backend: dynamo traces and counts as for inductor, in seconds)."""
+    import functools
+
+    from ovqflex.models.hybrid import HybridLM
+
+    if broken:
+        forward = HybridLM.forward
+
+        def broken_forward(self, *args, **kwargs):
+            out = forward(self, *args, **kwargs)
+            torch._dynamo.graph_break()
+            return out
+
+        monkeypatch.setattr(HybridLM, "forward", broken_forward)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    rows = _run({"kind": "train", "name": "t", "patterns": ["swa", "swa,ovq"], "seq_len": 64, "batch_size": 2,
+                 "steps": 2, "warmup_steps": 1, "task_options": {"vocab_size": 64, "key_len": 1, "value_len": 1},
+                 "model_options": {"d_model": 32, "n_heads": 2, "window": 16, "chunk_size": 16, "block_size": 16,
+                                   "ovq.max_centroids": 8}})
+    assert [r["pattern"] for r in rows] == ["swa", "swa,ovq"]
+    for r in rows:
+        assert r["graphs_first_step"] >= 1 and r["recompiles"] == 0 and r["tokens_per_s"] > 0
+        assert r["graph_breaks"] == (1 if broken else 0)

@@ -151,10 +151,51 @@ def test_compiled_training_with_a_length_warmup_has_one_static_graph_per_length(
     torch._dynamo.reset()
     counters.clear()
     c = cfg(tmp_path, compile=True, steps=4, batch_size=4, **{**WARMUP, "length_warmup_steps": 2})
-    train(c)
+    result = train(c)
     rows = metrics(Path(c.out))
     assert [r["seq_len"] for r in rows] == [64, 64, 128, 128] and all(r["loss"] > 0 for r in rows)
     assert counters["stats"]["unique_graphs"] == 2
+    assert result.compiled == "torch.compile: 2 graphs, no graph break, no recompile"
+
+
+def _break_first(forward):
+    def broken(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(self, *args, **kwargs)
+    return broken
+
+
+def _recompile_every_call(forward):
+    def counting(self, *args, **kwargs):
+        self.calls = getattr(self, "calls", 0) + 1  # a Python int dynamo guards on: a new graph every call
+        return forward(self, *args, **kwargs) * (self.calls > 0)
+    return counting
+
+
+@pytest.mark.parametrize("fault, warnings, summary", [
+    (_break_first, ["step 1: torch.compile split the model at 1 graph break(s), and runs the code between the graphs "
+                    "unfused: Call to `torch._dynamo.graph_break()`"],
+     "torch.compile: 1 graph, 1 graph break, no recompile"),  # (nothing to compile before the break)
+    (_recompile_every_call, [f"step {s}: torch.compile compiled 1 new graph(s) for inputs of shape 4x64, which step 1 "
+                             f"ran already: a recompile" for s in (2, 3)],
+     "torch.compile: 3 graphs, no graph break, 2 recompiles"),
+], ids=["graph-break", "recompile"])
+def test_compiled_training_warns_of_graph_breaks_and_recompiles_as_they_happen(tmp_path, monkeypatch, capsys, fault,
+                                                                                 warnings, summary):
+    """What dynamo does to the model is told when it happens and summed up at the end (the eager backend:
+    dynamo traces and counts as for inductor, without inductor's compile time)."""
+    import functools
+
+    from ovqflex.models.hybrid import HybridLM
+
+    monkeypatch.setattr(HybridLM, "forward", fault(HybridLM.forward))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    result = train(cfg(tmp_path, compile=True, steps=3))
+    said = [line.removeprefix("warning: ") for line in capsys.readouterr().err.splitlines()
+            if line.startswith("warning: ")]
+    assert len(said) == len(warnings) and all(line.startswith(w) for line, w in zip(said, warnings)), said
+    assert result.compiled == summary
 
 
 def test_a_warmup_length_too_short_for_the_task_is_refused(tmp_path):
