@@ -1,7 +1,7 @@
 """Load a benchmark profile (TOML), run its scenarios, print a table, write JSON.
 
-Every run also measures the machine's fp32 matmul rate (``meta.matmul_gflops``, the
-denominator of the scenarios' FLOP-based efficiency), fits log-log slopes of time and
+Every run also measures the machine's fp32 matmul rate once (``meta.matmul_gflops``, the
+denominator of every scenario's FLOP-based efficiency: :func:`~.measure.matmul_gflops`), fits log-log slopes of time and
 peak memory vs T for every series with two or more lengths (a series: rows of one
 scenario and case, or of scenarios sharing a ``series = "..."`` key) (printed, ``fits`` in the
 JSON) and plots them (``<name>.png``). A profile::

@@ -153,3 +153,20 @@ def test_saved_for_backward_counts_what_the_graph_keeps_beyond_the_inputs():
         assert saved_for_backward_mb(lambda: (x * 2).exp().sin(), [x]) == pytest.approx(1.0)
     assert saved_for_backward_mb(lambda: x.sin() + x.cos(), [x]) == 0.0
     assert saved_for_backward_mb(lambda: x.sin() + x.cos()) == pytest.approx(1.0)
+
+
+def test_the_matmul_rate_is_measured_once_per_device_and_size(monkeypatch):
+    """A run's header and every table's efficiency share one denominator (the first measurement)."""
+    calls = []
+
+    def fake(fn, *, device, repeats, warmup):
+        calls.append((str(device), repeats))
+        return Measurement(seconds=0.2, seconds_min=0.1, peak_mb=0.0)
+
+    monkeypatch.setattr(measure_mod, "measure", fake)
+    monkeypatch.setattr(measure_mod, "_MATMUL_GFLOPS", {})
+    rate = measure_mod.matmul_gflops("cpu", n=64)
+    assert rate == pytest.approx(2 * 64**3 / 0.1 / 1e9)  # from the best of the timed products
+    assert measure_mod.matmul_gflops(torch.device("cpu"), n=64) == rate and len(calls) == 1
+    measure_mod.matmul_gflops("cpu", n=32)
+    assert len(calls) == 2

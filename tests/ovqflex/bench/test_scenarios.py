@@ -116,7 +116,11 @@ def test_op_scenario_times_forward_and_backward_against_sdpa_like_for_like():
                         "reference loop fwd", "fused blocked fwd+bwd, compiled op", "fused blocked fwd+bwd, eager op",
                         "sdpa causal fwd+bwd"]
     assert all("error" not in r and r["dtype"] == "bf16" and r["T"] == 64 for r in rows), rows
+    from ovqflex.bench.measure import matmul_gflops
+
     for name, r in by.items():
+        # the efficiency's denominator is the run's one measured rate (the header's)
+        assert r["pct_matmul_peak"] == pytest.approx(100 * r["gflops"] / matmul_gflops("cpu")), name
         sdpa = by["sdpa causal fwd+bwd" if "fwd+bwd" in name else "sdpa causal fwd"]
         assert r["x_vs_sdpa"] == pytest.approx(sdpa["time_s"] / r["time_s"]), name
         if "fwd+bwd" in name:
