@@ -1,5 +1,6 @@
 """cuda tier: a short ``ovqflex train --device cuda`` (compiled, the tiny preset, default dtype
-``auto`` = bf16 autocast, and ``--dtype fp32``) and ``ovqflex eval --device cuda`` on its run.
+``auto`` = bf16 autocast, and ``--dtype fp32``; its summary line says what compiling did: no graph
+break, no recompile) and ``ovqflex eval --device cuda`` on its run.
 
 The run trains on a small byte-level text, whose loss falls within 30 steps as the model learns
 the byte frequencies (the main job's recall task stays on its ln(vocab) plateau for hundreds of
@@ -23,8 +24,12 @@ def test_train_then_eval_on_the_device(tmp_path, dtype):
     words = ["memory", "attention", "chunk", "state", "recall", "token", "window", "key", "value", "query"]
     rng = random.Random(0)
     text.write_text(" ".join(rng.choice(words) for _ in range(20_000)))
-    _cli(["train", "--device", DEVICE.type, "--dtype", dtype, "--task", "text", "--data", str(text), "--steps", "30",
-          "--warmup", "5", "--batch-size", "16", "--log-every", "1", "--no-progress", "--out", str(run)])
+    proc = _cli(["train", "--device", DEVICE.type, "--dtype", dtype, "--task", "text", "--data", str(text),
+                 "--steps", "30", "--warmup", "5", "--batch-size", "16", "--log-every", "1", "--no-progress",
+                 "--out", str(run)])
+    # compiled whole: no graph break, no recompile across its equal steps, nothing left eager
+    assert "no graph break, no recompile" in proc.stdout, proc.stdout
+    assert "warning: step" not in proc.stderr, proc.stderr
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in rows), "a loss is NaN or not positive"

@@ -1,10 +1,12 @@
 """cuda tier: ``torch.compile(HybridLM)`` trains every mixer pattern of the ``tiny`` preset for 20
-steps in fp32 and under bf16 autocast and its loss falls; the compiled model's no-grad forward
+steps in fp32 and under bf16 autocast, its loss falls, and dynamo met no graph break and recompiled
+nothing (:class:`~ovqflex.compile_watch.CompileWatch`); the compiled model's no-grad forward
 equals the eager one; prefill + decode == full forward with flex on CUDA; ``generate`` with the
 static, compiled and CUDA-graph decodes gives the functional decode's greedy tokens."""
 import pytest
 import torch
 
+from ovqflex.compile_watch import CompileWatch
 from ovqflex.models import HybridLM, preset
 from ovqflex.training.setup import bf16_cpu_codegen
 from ovqflex.training.trainer import forward_loss
@@ -39,17 +41,21 @@ def test_compiled_hybrid_lm_training_loss_falls(pattern, dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x = torch.randint(0, VOCAB, (8, 65), generator=seeded(0)).to(DEVICE)
     x, y = x[:, :-1], x[:, 1:]
-    losses = []
-    with bf16_cpu_codegen(x.device, amp, True):  # as `ovqflex train` runs (in a CPU dry run: docs/torch-versions.md)
-        for _ in range(STEPS):
+    losses, notes = [], []
+    # as `ovqflex train` runs (in a CPU dry run: docs/torch-versions.md), watched as it watches
+    with bf16_cpu_codegen(x.device, amp, True), CompileWatch() as watch:
+        for step in range(1, STEPS + 1):
             _, ce, aux = forward_loss(compiled, x, y, amp, with_aux=True)
             loss = ce / y.numel() + aux
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            notes += watch.step(step, tuple(x.shape))
             assert torch.isfinite(loss), f"{pattern} {dtype}: loss {loss.item()}"
             losses.append(loss.item())
     assert loss_falls(losses), f"{pattern} {dtype}: losses {losses}"
+    counts = watch.counts()  # compiled whole: no graph break, no recompile across equal steps, nothing left eager
+    assert (counts["graph_breaks"], counts["recompiles"], counts["gave_up"]) == (0, 0, 0), (pattern, dtype, notes)
 
 
 def test_compiled_hybrid_lm_no_grad_forward_equals_eager():
