@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -305,9 +304,13 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
         return path
 
     def say(note: str) -> None:
-        if info.is_main:
-            (bar.write if bar is not None else functools.partial(print, flush=True))(f"warning: {note}",
-                                                                                  file=sys.stderr)
+        """A warning on rank 0's stderr, above the progress bar if there is one."""
+        if not info.is_main:
+            return
+        if bar is not None:
+            bar.write(f"warning: {note}", file=sys.stderr)
+        else:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
 
     try:
         with StopRequest() as stop, watch:
