@@ -31,10 +31,10 @@ MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{
 TASK = dict(vocab_size=256, key_len=2, value_len=1)
 
 
-def tiny(steps: int = 4, ckpt_every: int = 2) -> Experiment:
+def tiny(steps: int = 4, ckpt_every: int = 2, compile: bool = False) -> Experiment:
     scale = Scale(preset="tiny", seq_len=64, steps=steps, batch_size=4, eval_lengths=(64, 128), task_options=TASK,
                   model_options=MODEL, warmup=1, ckpt_every=ckpt_every,
-                  train_options={"compile": False, "log_every": 1},
+                  train_options={"compile": compile, "log_every": 1},
                   eval_examples=4, eval_batch_size=4, eval_overrides={"backend": "blocked"})
     return Experiment("tiny", "test", "icr", (ModelSpec("sw-ovq", "swa,ovq"), ModelSpec("sw-linear", "swa,linear")),
                       {"s": scale}, seeds=(0,), sweeps=(DICTIONARY_SWEEP,))
@@ -119,6 +119,19 @@ def test_resume_may_add_test_time_variants_evaluated_from_the_final_checkpoint(t
                                          r"disk: sw-ovq, sw-ovq N×2, sw-ovq N×4; to evaluate: sw-ovq max_centroids=48\)"):
         run_experiment(plan(extended, "s", tmp_path / "b", progress=False), resume=True, log=lines.append)
     assert (tmp_path / "b" / "experiment.json").read_text() == before
+
+
+def test_a_compiled_run_logs_what_compiling_did(tmp_path, monkeypatch):
+    """Each trained run's line ends with the trainer's compile summary (the eager backend: dynamo traces
+    and counts as for inductor, without its compile time)."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    lines = []
+    run_experiment(plan(tiny(compile=True), "s", tmp_path / "x", progress=False), log=lines.append)
+    trained = [line for line in lines if ": trained in " in line]
+    assert len(trained) == 2 and all(line.endswith("no graph break, no recompile") for line in trained), trained
 
 
 def test_spec_differences_names_fields():
