@@ -20,9 +20,7 @@ def _cmd_train(args) -> int:
     result = train(cfg, resume=args.resume, resume_from=args.resume_from, stop_after=args.stop_after)
     if result.loss is not None and int(os.environ.get("RANK", "0")) == 0:
         of = f" of {cfg.steps} (--stop-after; --resume continues)" if result.step < cfg.steps else ""
-        print(f"trained {result.step} steps{of} -> {result.out}: loss {result.loss:.4f}, "
-              f"target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s"
-              + (f"; {result.compiled}" if result.compiled else ""))
+        print(f"trained {result.step} steps{of} -> {result.out}: {result.describe()}")
     return 0
 
 

@@ -555,10 +555,8 @@ def _train_unit(unit: Unit, head: str, status: str | None, log, progress: bool =
     except TrainingDiverged as e:  # a result (the run directory records it): the experiment goes on
         log(f"{head}: {e}")
         return
-    what = "" if result.loss is None else \
-        f": loss {result.loss:.4f}, target accuracy {result.accuracy:.3f}, {result.tokens_per_s:,.0f} tokens/s"
-    compiled = f"; {result.compiled}" if result.compiled else ""
-    log(f"{head}: trained in {_duration(time.perf_counter() - t0)}{what}{compiled}")
+    what = "" if result.loss is None else f": {result.describe()}"
+    log(f"{head}: trained in {_duration(time.perf_counter() - t0)}{what}")
 
 
 def _eval_unit(plan: Plan, unit: Unit, head: str, status: str | None, log, tag: str = "") -> None:

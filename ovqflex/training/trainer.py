@@ -116,6 +116,11 @@ class TrainResult:
     tokens_per_s: float | None
     compiled: str | None = None  # what torch.compile did (:meth:`CompileWatch.summary`); None: not compiled
 
+    def describe(self) -> str:
+        """The last logged step's loss, accuracy and speed, and what compiling did (needs a logged step)."""
+        text = f"loss {self.loss:.4f}, target accuracy {self.accuracy:.3f}, {self.tokens_per_s:,.0f} tokens/s"
+        return text + (f"; {self.compiled}" if self.compiled else "")
+
 
 def deterministic_on(cfg: TrainConfig, device: torch.device) -> bool:
     """Whether a run of ``cfg`` on ``device`` uses deterministic algorithms: ``cfg.deterministic``,
