@@ -54,3 +54,15 @@ def _fresh_shape_memory():
     makes dims dynamic as it does for a user."""
     reset_code_state()
     yield
+
+
+@pytest.fixture
+def eager_backend_compile(monkeypatch):
+    """``torch.compile`` with the ``eager`` backend for this test, dynamo's caches reset first: dynamo
+    traces and counts (graphs, graph breaks, recompiles) exactly as for inductor, without inductor's
+    compile time. For tests of what compiling did (``ovqflex/compile_watch.py``) through the trainer,
+    the experiment runner and the bench."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()

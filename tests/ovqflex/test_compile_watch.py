@@ -38,11 +38,11 @@ class Counting(Plain):
         return (self.lin(x) * self.calls).sum()
 
 
-def run(module, lengths, **compile_kw):
+def run(module, lengths):
     """``module`` compiled (eager backend, static shapes), one forward+backward per length; the watch's
     notes per step and the watch."""
     torch._dynamo.reset()
-    fwd = torch.compile(module, backend="eager", dynamic=False, **compile_kw)
+    fwd = torch.compile(module, backend="eager", dynamic=False)
     notes = []
     with CompileWatch() as watch:
         for step, T in enumerate(lengths, 1):

@@ -332,11 +332,9 @@ def test_generate_reports_different_tokens(monkeypatch):
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["whole", "graph-break"])
-def test_train_reports_what_compiling_did_per_model(monkeypatch, broken):
+def test_train_reports_what_compiling_did_per_model(monkeypatch, broken, eager_backend_compile):
     """Each pattern's row carries the graphs its first step compiled, its graph breaks and its recompiles
-    over all steps (the eager backend: dynamo traces and counts as for inductor, in seconds)."""
-    import functools
-
+    over all steps."""
     from ovqflex.models.hybrid import HybridLM
 
     if broken:
@@ -348,8 +346,6 @@ def test_train_reports_what_compiling_did_per_model(monkeypatch, broken):
             return out
 
         monkeypatch.setattr(HybridLM, "forward", broken_forward)
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    torch._dynamo.reset()
     rows = _run({"kind": "train", "name": "t", "patterns": ["swa", "swa,ovq"], "seq_len": 64, "batch_size": 2,
                  "steps": 2, "warmup_steps": 1, "task_options": {"vocab_size": 64, "key_len": 1, "value_len": 1},
                  "model_options": {"d_model": 32, "n_heads": 2, "window": 16, "chunk_size": 16, "block_size": 16,

@@ -121,13 +121,8 @@ def test_resume_may_add_test_time_variants_evaluated_from_the_final_checkpoint(t
     assert (tmp_path / "b" / "experiment.json").read_text() == before
 
 
-def test_a_compiled_run_logs_what_compiling_did(tmp_path, monkeypatch):
-    """Each trained run's line ends with the trainer's compile summary (the eager backend: dynamo traces
-    and counts as for inductor, without its compile time)."""
-    import functools
-
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    torch._dynamo.reset()
+def test_a_compiled_run_logs_what_compiling_did(tmp_path, eager_backend_compile):
+    """Each trained run's line ends with the trainer's compile summary."""
     lines = []
     run_experiment(plan(tiny(compile=True), "s", tmp_path / "x", progress=False), log=lines.append)
     trained = [line for line in lines if ": trained in " in line]

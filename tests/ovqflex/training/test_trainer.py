@@ -181,16 +181,12 @@ def _recompile_every_call(forward):
      "torch.compile: 3 graphs, no graph break, 2 recompiles"),
 ], ids=["graph-break", "recompile"])
 def test_compiled_training_warns_of_graph_breaks_and_recompiles_as_they_happen(tmp_path, monkeypatch, capsys, fault,
-                                                                                 warnings, summary):
-    """What dynamo does to the model is told when it happens and summed up at the end (the eager backend:
-    dynamo traces and counts as for inductor, without inductor's compile time)."""
-    import functools
-
+                                                                                 warnings, summary,
+                                                                                 eager_backend_compile):
+    """What dynamo does to the model is told when it happens and summed up at the end."""
     from ovqflex.models.hybrid import HybridLM
 
     monkeypatch.setattr(HybridLM, "forward", fault(HybridLM.forward))
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    torch._dynamo.reset()
     # (the graph-break case with the progress bar, whose line the warning is written above)
     result = train(cfg(tmp_path, compile=True, steps=3, progress=fault is _break_first))
     said = [line.removeprefix("warning: ") for line in capsys.readouterr().err.splitlines()
