@@ -119,6 +119,12 @@ def training_backend(device: torch.device) -> str:
     return "flex" if flex_trains_on(device) else "blocked"
 
 
+def auto_backend(device: torch.device, dtype: torch.dtype, grad: bool) -> str:
+    """The backend ``auto`` picks for a program of ``dtype`` on ``device``: ``flex`` where it can run (no
+    gradient needed, or where flex trains; a dtype flex takes, :func:`flex_takes`), else ``blocked``."""
+    return (training_backend(device) if grad else "flex") if flex_takes(dtype) else "blocked"
+
+
 _reported: set[tuple[str, str, bool, torch.dtype]] = set()
 
 
@@ -130,7 +136,7 @@ def resolve_backend(backend: str, program: AttentionProgram) -> str:
         return backend
     dev, dtype = program.q.device, program.q.dtype
     grad = _needs_grad(program)
-    choice = (training_backend(dev) if grad else "flex") if flex_takes(dtype) else "blocked"
+    choice = auto_backend(dev, dtype, grad)
     key = (dev.type, choice, grad, dtype)
     if key not in _reported and not torch.compiler.is_compiling():
         _reported.add(key)

@@ -32,7 +32,8 @@ alike.
 The layout is chosen and laid out in one place for every method,
 ``ovqflex.ops.state_program.build_state_program``, in three steps::
 
-    plan = plan_versioned(n_chunks, chunk_size, rows, lag, checkpoint_every, align=block_size)
+    plan = plan_versioned(n_chunks, chunk_size, rows, lag, checkpoint_every, align=block_size,
+                          per_token=CHECKPOINT_ROWS_PER_TOKEN["memory" if memory_decides(...) and flex else "speed"])
     if choose_state_layout(state_layout, n_chunks=n_chunks, rows=rows, plan=plan, device_type=q.device.type,
                            grad=grad_recorded, row_bytes=row_bytes) == "versioned":
         ver = versioned(plan)   # the method's: versioned_sums of its weighted tokens + per-row readout
@@ -87,28 +88,32 @@ class VersionPlan:
         return self.n_ckpt * self.rows + self.n_versions
 
 
-def default_every(rows: int, chunk_size: int, n_chunks: int | None = None) -> int:
-    """``R ~ rows / (2 chunk_size)``: the smallest ``R >= ceil(rows / (2 chunk_size))`` whose ``floor(n_chunks / R)``
-    whole checkpoint intervals hold at most ``2 n_chunks chunk_size`` rows, so the checkpoints hold at most
-    ``2T + rows`` and the whole state about ``3T + rows``, while a query chunk scans at most ``R - 1`` chunks of
-    version rows. The last, partial interval is not counted: with it the spacing would change with
-    ``n_chunks mod R`` (2,048 rows, 128-token chunks: 11, 8, 9 for 31, 32, 33 chunks; now 8 for each), and under
-    dynamic shapes every residue would compile a graph of its own."""
-    every = max(1, -(-rows // (2 * chunk_size)))
-    while n_chunks is not None and every < n_chunks and n_chunks // every * rows > 2 * n_chunks * chunk_size:
+def default_every(rows: int, chunk_size: int, n_chunks: int | None = None, per_token: int = 2) -> int:
+    """``R ~ rows / (per_token chunk_size)``: the smallest ``R >= ceil(rows / (per_token chunk_size))`` whose
+    ``floor(n_chunks / R)`` whole checkpoint intervals hold at most ``per_token n_chunks chunk_size`` rows, so the
+    checkpoints hold at most ``per_token T + rows`` and the whole state about ``(per_token + 1) T + rows``, while a
+    query chunk scans at most ``R - 1`` chunks of version rows. ``per_token=2`` (the default) halves the scan
+    for the forward's speed; ``per_token=1`` is the spacing ``R ~ rows / chunk_size`` of about ``2T`` state rows,
+    for when memory decides (:func:`checkpoint_rows_per_token`). The last, partial interval is not counted: with
+    it the spacing would change with ``n_chunks mod R`` (2,048 rows, 128-token chunks, ``per_token=2``: 11, 8, 9
+    for 31, 32, 33 chunks; now 8 for each), and under dynamic shapes every residue would compile a graph of its
+    own."""
+    check_int("per_token", per_token)
+    every = max(1, -(-rows // (per_token * chunk_size)))
+    while n_chunks is not None and every < n_chunks and n_chunks // every * rows > per_token * n_chunks * chunk_size:
         every += 1
     return every
 
 
 def plan_versioned(n_chunks: int, chunk_size: int, rows: int, lag: int, every: int | None = None,
-                   align: int = 1) -> VersionPlan:
+                   align: int = 1, per_token: int = 2) -> VersionPlan:
     """The layout of a state of ``rows`` rows read by ``n_chunks`` chunks (``every=None``:
-    :func:`default_every` of the padded rows); checkpoint rows are padded to a multiple of ``align`` (the
-    block size)."""
+    :func:`default_every` of the padded rows, at most about ``per_token`` checkpoint rows per token); checkpoint
+    rows are padded to a multiple of ``align`` (the block size)."""
     if every is not None:
         check_int("checkpoint_every", every)
     rows_pad = -(-rows // align) * align
-    every = default_every(rows_pad, chunk_size, n_chunks) if every is None else every
+    every = default_every(rows_pad, chunk_size, n_chunks, per_token) if every is None else every
     return VersionPlan(n_chunks, chunk_size, rows_pad, every, lag)
 
 
@@ -145,19 +150,35 @@ LAYOUT_ROW_COST = {"cpu": (2, 1), "cuda": (21, 4)}
 SNAPSHOT_MAX_BYTES = 4 * 2**30
 
 
+def memory_decides(n_chunks: int, rows: int, *, grad: bool = False, row_bytes: int = 0) -> bool:
+    """Whether memory, not the forward's speed, decides how a state of ``rows`` rows read by ``n_chunks`` chunks
+    is laid out: gradients recorded (``grad``: a backward keeps memory in proportion to the state), or a snapshot
+    state past :data:`SNAPSHOT_MAX_BYTES` at ``row_bytes`` per row (a state row's key and value bytes over the
+    batch and heads; 0: not weighed)."""
+    return grad or n_chunks * rows * row_bytes > SNAPSHOT_MAX_BYTES
+
+
+#: Checkpoint rows per token of the default spacing (:func:`default_every`), by what decides: ``speed``, 2 (a
+#: query chunk scans at most ``rows / 2`` version rows; the spacing :data:`LAYOUT_ROW_COST` was measured with),
+#: or ``memory`` where the attention backend keeps the program's kv rows (flex: its backward keeps them and
+#: writes their gradients, two copies of every state row), 1: a quarter fewer kv rows at long lengths (OVQ, N =
+#: 2,048, chunk 128, 64k tokens: 196,608 kv rows instead of 262,144) for a fifth more listed blocks (11,744
+#: instead of 9,800; causal attention lists 131,328). The blocked backend, how a CPU trains, keeps tensors per
+#: listed block instead, so fewer blocks are its smaller memory and it keeps the ``speed`` spacing (docs/design.md §5).
+CHECKPOINT_ROWS_PER_TOKEN = {"speed": 2, "memory": 1}
+
+
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan,
                         device_type: str | None = None, grad: bool = False, row_bytes: int = 0) -> str:
-    """``auto`` -> with gradients recorded (``grad``), the layout with fewer state rows (snapshot: ``n_chunks *
-    rows``), since a backward keeps memory in proportion to them; without, the cheaper forward on
-    ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each (a ratio), are
-    fewer (``None``: no device, fewer rows) — unless the snapshot state would take more than
-    :data:`SNAPSHOT_MAX_BYTES` at ``row_bytes`` per row (a state row's key and value bytes over the batch and
-    heads; 0: not weighed), when fewer rows win again."""
+    """``auto`` -> where memory decides (:func:`memory_decides`: gradients recorded, or a snapshot state past
+    :data:`SNAPSHOT_MAX_BYTES`), the layout with fewer state rows (snapshot: ``n_chunks * rows``); otherwise the
+    cheaper forward on ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each (a
+    ratio), are fewer (``None``: no device, fewer rows)."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if state_layout != "auto":
         return state_layout
     snapshot_rows = n_chunks * rows
-    by_rows = grad or snapshot_rows * row_bytes > SNAPSHOT_MAX_BYTES
+    by_rows = memory_decides(n_chunks, rows, grad=grad, row_bytes=row_bytes)
     cost, per = (1, 1) if by_rows else LAYOUT_ROW_COST.get(device_type, (1, 1))
     return "versioned" if plan.state_rows * cost < snapshot_rows * per else "snapshot"
 

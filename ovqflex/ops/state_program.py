@@ -28,8 +28,10 @@ from masks.versioned import versioned_regions
 from recurrences.compiling import size_max
 from recurrences.precision import work_dtype
 from recurrences.segments import Snapshots
-from recurrences.versioned import Versioned, VersionPlan, choose_state_layout, plan_versioned
+from recurrences.versioned import (CHECKPOINT_ROWS_PER_TOKEN, Versioned, VersionPlan, choose_state_layout,
+                                   memory_decides, plan_versioned)
 
+from ..attention import auto_backend
 from ..profiling import stage
 
 
@@ -45,6 +47,16 @@ class StateLayoutOptions(Protocol):
 def _per_head(x: Tensor, like: Tensor) -> Tensor:
     """``x [H]`` viewed to broadcast over ``like [B, H, ...]``."""
     return x.view(1, -1, *(1,) * (like.dim() - 2))
+
+
+def _checkpoint_rows_per_token(q: Tensor, n_chunks: int, rows: int, grad: bool, row_bytes: int) -> int:
+    """The default checkpoint spacing's rows per token (:data:`~recurrences.versioned.CHECKPOINT_ROWS_PER_TOKEN`):
+    ``memory`` where memory decides and ``backend="auto"`` runs the program on flex, which keeps its kv rows
+    (every forward without gradients, and training where flex trains: :func:`~ovqflex.attention.auto_backend`),
+    else ``speed``."""
+    memory = memory_decides(n_chunks, rows, grad=grad, row_bytes=row_bytes)
+    flex = auto_backend(q.device, q.dtype, grad) == "flex"
+    return CHECKPOINT_ROWS_PER_TOKEN["memory" if memory and flex else "speed"]
 
 
 def _readout(state: Snapshots | Versioned, count_bias: bool, key_scale: Tensor | None,
@@ -85,9 +97,10 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
         with stage("block_mask"):
             return build_program(q, k, v, (window,), scale=scale, block_size=block_size)
     n_chunks = size_max(1, -(-q.shape[2] // C))
-    plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_scale))
     row_bytes = q.shape[0] * q.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()  # a state row, all b, h
+    plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size,
+                          per_token=_checkpoint_rows_per_token(q, n_chunks, rows, grad, row_bytes))
     layout = choose_state_layout(options.state_layout, n_chunks=n_chunks, rows=rows, plan=plan,
                                  device_type=q.device.type, grad=grad, row_bytes=row_bytes)
     if layout == "versioned":

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from recurrences.segments import segment_snapshot_sums
-from recurrences.versioned import (LAYOUT_ROW_COST, SNAPSHOT_MAX_BYTES, choose_state_layout, plan_versioned,
-                                   snapshot_from_versioned, versioned_sums)
+from recurrences.versioned import (LAYOUT_ROW_COST, SNAPSHOT_MAX_BYTES, choose_state_layout, default_every,
+                                   memory_decides, plan_versioned, snapshot_from_versioned, versioned_sums)
 from tests.helpers import rel_err, sum_narrow_as_on_cuda
 
 
@@ -135,6 +135,38 @@ def test_auto_weighs_rows_by_the_device_cost_without_gradients(device_type, grad
                                grad=grad) == ("snapshot" if (device_type, grad) == ("cuda", False) else "versioned")
     with pytest.raises(ValueError, match="checkpoint_every"):
         plan_versioned(4, 32, 40, 1, every=0)
+
+
+@pytest.mark.parametrize("rows, chunk, n_chunks", [(2048, 128, 512), (2048, 128, 33), (4096, 128, 512),
+                                                   (512, 128, 32), (40, 16, 7), (1000, 32, 250), (64, 64, 1)],
+                         ids=["ovq-64k", "ovq-4k-ragged", "kvm-64k", "vq-4k", "tiny", "odd", "one-chunk"])
+@pytest.mark.parametrize("per_token", [1, 2, 3])
+def test_default_spacing_is_the_smallest_within_its_rows_per_token(rows, chunk, n_chunks, per_token):
+    """R >= ceil(rows / (per_token L)), and the smallest such R whose whole checkpoint intervals hold at most
+    per_token T rows (T = n_chunks L), unless R reaches n_chunks (one checkpoint)."""
+    every = default_every(rows, chunk, n_chunks, per_token)
+    low = -(-rows // (per_token * chunk))
+    fits = lambda r: r >= n_chunks or n_chunks // r * rows <= per_token * n_chunks * chunk  # noqa: E731
+    assert every >= low and fits(every)
+    assert every == low or not fits(every - 1)
+
+
+def test_memory_spacing_holds_a_quarter_fewer_rows_at_64k():
+    """OVQ at 64k (N = 2,048, chunk 128): 2 checkpoint rows per token space checkpoints every 8 chunks (64 of
+    them, 131,072 rows, plus 65,536 version rows); 1 row per token every 16 chunks (32: 65,536 + 65,536), so the
+    kv rows with the 65,536 token rows fall from 262,144 to 196,608."""
+    speed = plan_versioned(n_chunks=512, chunk_size=128, rows=2048, lag=1, align=128)
+    memory = plan_versioned(n_chunks=512, chunk_size=128, rows=2048, lag=1, align=128, per_token=1)
+    assert (speed.every, speed.n_ckpt, speed.state_rows) == (8, 64, 196608)
+    assert (memory.every, memory.n_ckpt, memory.state_rows) == (16, 32, 131072)
+    with pytest.raises(ValueError, match="per_token"):
+        plan_versioned(512, 128, 2048, 1, per_token=0)
+
+
+def test_memory_decides_with_gradients_or_past_the_snapshot_bound():
+    assert memory_decides(32, 2048, grad=True)
+    assert not memory_decides(32, 2048, row_bytes=1024)  # 64 MiB of snapshot state
+    assert memory_decides(32, 2048, row_bytes=SNAPSHOT_MAX_BYTES // (32 * 2048) + 1)
 
 
 def test_auto_weighs_rows_alone_once_the_snapshot_state_passes_its_byte_bound():

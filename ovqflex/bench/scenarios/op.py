@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recurrences.checks import check_choice
+from recurrences.checks import check_choice, check_int
 
 from ...attention import training_backend
 from ...methods import Method, get_method
@@ -28,7 +28,8 @@ class OpScenario(Scenario):
     ``"bf16"``; the forward+backward cases run up to ``max_backward_len`` tokens, the reference
     loop up to ``max_reference_len`` (0: never). ``compile_shapes``: how the compiled cases compile
     (:data:`COMPILE_SHAPES`); with ``"dynamic"`` a row's ``graphs_first_call`` shows whether its length
-    compiled anew."""
+    compiled anew. ``checkpoint_every``: the ops' ``checkpoint_every`` (0: their default spacing,
+    ``recurrences.versioned.default_every``), to weigh one spacing against the default in one run."""
 
     seq_lens: list[int]
     heads: int = 4
@@ -39,9 +40,12 @@ class OpScenario(Scenario):
     max_reference_len: int = 1 << 30
     repeats: int = 3
     compile_shapes: str = "static"
+    checkpoint_every: int = 0
 
     def __post_init__(self):
         check_sizes("seq_lens", self.seq_lens)
+        if self.checkpoint_every:
+            check_int("checkpoint_every", self.checkpoint_every)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("compile_shapes", self.compile_shapes, COMPILE_SHAPES)
 
@@ -93,12 +97,16 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
 
     ``op(q=, k=, v=, **extra, backend=, **options)`` and ``method.reference(...)`` take the same
     keyword tensors; ``extra(T, H, D, generator, device)`` makes the method's extra inputs;
-    ``flops(T, H, D)`` its model FLOPs (forward; a backward counts twice that).
+    ``flops(T, H, D)`` its model FLOPs (forward; a backward counts twice that). The op also gets the
+    scenario's ``checkpoint_every`` when set (a layout option: the reference has none).
     """
     import torch.nn.functional as F
 
     from ..measure import matmul_gflops
 
+    reference_options = options
+    if sc.checkpoint_every:
+        options = dict(options, checkpoint_every=sc.checkpoint_every)
     dev, dtype = torch.device(device), DTYPES[sc.dtype]
     H, D = sc.heads, sc.head_dim
     repeats, peak = sc.repeats, matmul_gflops(dev)
@@ -125,7 +133,7 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
                  ("sdpa causal fwd", no_grad(lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"],
                                                                                     is_causal=True)), sdpa_fl)]
         if T <= sc.max_reference_len:
-            cases.append(("reference loop fwd", no_grad(lambda: method.reference(**t, **options).out), fl))
+            cases.append(("reference loop fwd", no_grad(lambda: method.reference(**t, **reference_options).out), fl))
         if T <= sc.max_backward_len:
             cases += [(f"fused {trains} fwd+bwd, compiled op", lambda: compiled[trains](grad_t).sum().backward(),
                        3 * fl),
@@ -137,7 +145,7 @@ def _op_scenario(sc: OpScenario, device: str, method: Method, *, op, extra, opti
         rows += compare_cases(T, cases, dev, repeats, peak_gflops=peak, baseline_of=_baseline_of,
                               reference_of=lambda name: None if "fwd+bwd" in name else "reference loop fwd")
         for row in rows[-len(cases):]:
-            row.update(dtype=sc.dtype, compile_shapes=sc.compile_shapes)
+            row.update(dtype=sc.dtype, compile_shapes=sc.compile_shapes, checkpoint_every=sc.checkpoint_every or None)
     return rows
 
 

@@ -37,7 +37,7 @@ STAGES = '[[scenario]]\nname = "st"\nkind = "stages"\nseq_lens = [64]\n'
     (OVQ + "seq_len = [64]\nmax_centroids = 8\n",
      r"scenario 0 \('s'\) of '.*' \(kind 'ovq'\): unknown key 'seq_len' \(did you mean 'seq_lens'\?\)"),
     (OVQ + "seq_lens = [64]\nmax_centriods = 8\n", r"unknown key 'max_centriods' \(did you mean 'max_centroids'\?\)"),
-    (OVQ + "seq_lens = [64]\nmax_centroids = 8\ncolour = 1\n", r"unknown key 'colour'; known keys: chunk_size, "),
+    (OVQ + "seq_lens = [64]\nmax_centroids = 8\ncolour = 1\n", r"unknown key 'colour'; known keys: checkpoint_every, chunk_size, "),
     (OVQ + "seq_lens = [64]\n", r"\(kind 'ovq'\): missing key 'max_centroids'"),
     (OVQ + "seq_lens = 64\nmax_centroids = 8\n", r"seq_lens must be list\[int\], got int 64"),
     (OVQ + "seq_lens = [64]\nmax_centroids = 8.5\n", r"max_centroids must be int, got float 8.5"),
@@ -131,6 +131,29 @@ def test_op_scenario_times_forward_and_backward_against_sdpa_like_for_like():
                   "max_centroids": 8, "dtype": "bf16", "max_backward_len": 32, "max_reference_len": 32,
                   "repeats": 1})
     assert [r["case"] for r in short] == ["fused flex fwd, compiled op", "fused flex fwd, eager op", "sdpa causal fwd"]
+
+
+def test_op_scenario_hands_its_checkpoint_spacing_to_the_op_not_the_reference(monkeypatch):
+    """``checkpoint_every`` reaches every call of the op (recorded from the eager ones) and the rows; the
+    reference loop, which has no layout, runs without it (it would refuse the keyword: an error row)."""
+    import ovqflex.ops.ovq as ovq_ops
+
+    seen, op = [], ovq_ops.ovq_attention
+
+    def recording(*args, **kw):
+        if not torch.compiler.is_compiling():
+            seen.append(kw.get("checkpoint_every"))
+        return op(*args, **kw)
+
+    monkeypatch.setattr(ovq_ops, "ovq_attention", recording)
+    rows = _run({"kind": "ovq", "name": "o", "seq_lens": [64], "heads": 2, "head_dim": 16, "chunk_size": 16,
+                 "max_centroids": 8, "checkpoint_every": 2, "repeats": 1})
+    assert all("error" not in r and r["checkpoint_every"] == 2 for r in rows), rows
+    assert "reference loop fwd" in {r["case"] for r in rows}
+    assert seen and set(seen) == {2}
+    with pytest.raises(ValueError, match="checkpoint_every must be"):
+        parse_scenario({"kind": "ovq", "name": "o", "seq_lens": [64], "max_centroids": 8, "checkpoint_every": -1},
+                       "test")
 
 
 @pytest.mark.slow

@@ -6,7 +6,10 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import ovqflex
+import ovqflex.attention
+import recurrences.versioned
 from ovqflex.ops.ovq import ovq_program
+from recurrences.versioned import plan_versioned
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 from tests.ovqflex.ops.test_kvm import BUDGETS
 from tests.ovqflex.ops.test_kvm import inputs as kvm_inputs
@@ -146,6 +149,42 @@ def test_versioned_layout_is_memory_linear_and_auto_picks_it():
     small = dict(chunk_size=32, max_centroids=40)
     assert state_rows(ovq_program(q[:, :, :128], k[:, :, :128], v[:, :, :128], beta, **small)[0]) == state_rows(
         ovq_program(q[:, :, :128], k[:, :, :128], v[:, :, :128], beta, state_layout="snapshot", **small)[0])
+
+
+@pytest.mark.parametrize("grad, flex_trains, bound, dtype, per_token", [
+    (False, False, None, torch.float32, 2), (True, False, None, torch.float32, 2),
+    (True, True, None, torch.float32, 1), (False, False, 1, torch.float32, 1), (False, False, 1, torch.float64, 2)],
+    ids=["forward", "blocked-trains", "flex-trains", "snapshot-past-its-bound", "fp64-runs-blocked"])
+def test_spacing_is_for_memory_where_memory_decides_and_flex_keeps_the_rows(monkeypatch, grad, flex_trains, bound,
+                                                                            dtype, per_token):
+    """OVQ at 4k (chunk 128, 32 chunks; N = 2,048 with plateau growth: 1,408 rows by the last chunk):
+    checkpoints every 6 chunks (2 rows per token: 6 checkpoints, the last partial) for the forward's speed;
+    every 11 (1 row per token: 3 checkpoints) where memory decides (gradients, or a snapshot state past
+    SNAPSHOT_MAX_BYTES) and ``auto`` runs the program on flex, which keeps its kv rows. The blocked backend (the
+    CPU's training, and every fp64 program) keeps tensors per listed block, so it keeps the speed spacing."""
+    monkeypatch.setattr(ovqflex.attention, "flex_trains_on", lambda device: flex_trains)
+    if bound is not None:
+        monkeypatch.setattr(recurrences.versioned, "SNAPSHOT_MAX_BYTES", bound)
+    q, k, v, beta = (x.to(dtype).requires_grad_(grad) for x in ovq_inputs(1, 1, 16, 4096, seed=0, requires_grad=False))
+    with torch.set_grad_enabled(grad):
+        prog = ovq_program(q, k, v, beta, chunk_size=128, max_centroids=2048, state_layout="versioned")[0]
+    assert state_rows(prog) == {2: 6 * 1408 + 4096, 1: 3 * 1408 + 4096}[per_token]
+
+
+def test_memory_spacing_versioned_equals_snapshot(monkeypatch):
+    """Where flex trains, the training program's checkpoints are spaced for memory: still the snapshot's
+    outputs and gradients (run on the blocked backend, which the CPU has a backward for)."""
+    monkeypatch.setattr(ovqflex.attention, "flex_trains_on", lambda device: True)
+    q, k, v, beta = ovq_inputs(1, 2, 16, 600, seed=3)
+    kw = dict(chunk_size=32, max_centroids=64, block_size=16)
+    n_state = state_rows(ovq_program(q, k, v, beta, state_layout="versioned", **kw)[0])
+    plans = {p: plan_versioned(19, 32, 64, 1, align=16, per_token=p) for p in (1, 2)}
+    assert n_state == plans[1].state_rows < plans[2].state_rows
+
+    def run(layout, backend):
+        return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **kw)
+
+    compare_layouts(run, (q, k, v, beta), seed=3)
 
 
 def test_versioned_blocks_are_never_full():

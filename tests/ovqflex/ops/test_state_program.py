@@ -145,7 +145,8 @@ def test_auto_takes_the_faster_layout_without_gradients_and_fewer_rows_with_them
 def test_auto_takes_fewer_rows_without_gradients_once_the_snapshot_state_passes_its_byte_bound(monkeypatch):
     """The same VQ program without gradients: its snapshot state is 16 chunks x 64 codes = 1,024 rows of
     keys and values of B=1, H=2, D=8 in fp32 (128 bytes a row). At a bound of exactly those bytes
-    ``auto`` keeps the faster snapshot; one byte less, the versioned layout's fewer rows."""
+    ``auto`` keeps the faster snapshot; one byte less, the versioned layout's fewer rows, its checkpoints
+    spaced for memory (recurrences/versioned.py::CHECKPOINT_ROWS_PER_TOKEN)."""
     from ovqflex.ops.vq import vq_program
     from recurrences import versioned
 
@@ -162,4 +163,5 @@ def test_auto_takes_fewer_rows_without_gradients_once_the_snapshot_state_passes_
     monkeypatch.setattr(versioned, "SNAPSHOT_MAX_BYTES", 1024 * 128)
     assert state_rows() == snapshot
     monkeypatch.setattr(versioned, "SNAPSHOT_MAX_BYTES", 1024 * 128 - 1)
-    assert state_rows() == versioned_rows
+    # and memory decides the checkpoint spacing too: every 4 chunks, not 2 (256 checkpoint rows, not 512)
+    assert state_rows() == state_rows("versioned") == 4 * 64 + 256 < versioned_rows == 8 * 64 + 256
