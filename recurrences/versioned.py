@@ -94,7 +94,7 @@ def default_every(rows: int, chunk_size: int, n_chunks: int | None = None, per_t
     checkpoints hold at most ``per_token T + rows`` and the whole state about ``(per_token + 1) T + rows``, while a
     query chunk scans at most ``R - 1`` chunks of version rows. ``per_token=2`` (the default) halves the scan
     for the forward's speed; ``per_token=1`` is the spacing ``R ~ rows / chunk_size`` of about ``2T`` state rows,
-    for when memory decides (:func:`checkpoint_rows_per_token`). The last, partial interval is not counted: with
+    for when memory decides (:data:`CHECKPOINT_ROWS_PER_TOKEN`). The last, partial interval is not counted: with
     it the spacing would change with ``n_chunks mod R`` (2,048 rows, 128-token chunks, ``per_token=2``: 11, 8, 9
     for 31, 32, 33 chunks; now 8 for each), and under dynamic shapes every residue would compile a graph of its
     own."""
