@@ -164,7 +164,8 @@ def memory_decides(n_chunks: int, rows: int, *, grad: bool = False, row_bytes: i
 #: writes their gradients, two copies of every state row), 1: a quarter fewer kv rows at long lengths (OVQ, N =
 #: 2,048, chunk 128, 64k tokens: 196,608 kv rows instead of 262,144) for a fifth more listed blocks (11,744
 #: instead of 9,800; causal attention lists 131,328). The blocked backend, how a CPU trains, keeps tensors per
-#: listed block instead, so fewer blocks are its smaller memory and it keeps the ``speed`` spacing (docs/design.md §5).
+#: listed block instead, so fewer blocks are its smaller memory and it keeps the ``speed`` spacing
+#: (docs/design.md §5).
 CHECKPOINT_ROWS_PER_TOKEN = {"speed": 2, "memory": 1}
 
 

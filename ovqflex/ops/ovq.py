@@ -49,7 +49,8 @@ class OVQOptions:
     routing); ``state_layout`` (docs/design.md §5): ``"snapshot"`` lays out one dictionary per
     chunk (``n_chunks * N`` state rows), ``"versioned"`` checkpoints every ``checkpoint_every``
     chunks (None: about ``N / 2L``, or ``N / L`` where memory decides: ``recurrences.versioned.default_every``)
-    plus one version row per token (about ``3T`` or ``2T`` rows, memory-linear), ``"auto"`` picks the one with fewer rows — same outputs and gradients;
+    plus one version row per token (about ``3T`` or ``2T`` rows, memory-linear), ``"auto"`` picks the one
+    with fewer rows — same outputs and gradients;
     ``block_size``: the attention block (a power of two >= 16); ``routing``: ``"auto"``
     (``"static"`` on CUDA, ``"loop"`` elsewhere), ``"loop"`` or ``"static"`` (the same routes from a
     compiled static-shape chunk step, on CUDA the whole run replayed from one CUDA graph;
