@@ -2,9 +2,12 @@
 
 The block lists are derived from the regions' interval bounds evaluated at the
 first and last query of each query block — never from a dense evaluation of the
-``mask_mod``. Work and memory are proportional to the number of listed blocks
-(``n_q_blocks x width``, with ``width`` a static bound from the regions), plus the
-zero-padded index storage FlexAttention's CPU kernel insists on.
+``mask_mod``. A region with a per-row predicate inside its interval may then sort its
+candidate blocks into full, partial and unseen from a summary of each whole kv block
+(``Region.refine_blocks``: the versioned layout's liveness, one pass over its rows). Work
+and memory are proportional to the number of candidate blocks (``n_q_blocks x width``,
+with ``width`` a static bound from the regions) and state rows, plus the zero-padded
+index storage FlexAttention's CPU kernel insists on.
 
 Everything here is plain tensor code with static shapes, so a layer that builds
 its program inside ``torch.compile(fullgraph=True)`` traces it without breaks.
@@ -140,7 +143,8 @@ def build_block_layout(
     q_first = torch.arange(geom.n_q_blocks, device=dev, dtype=torch.int32) * bq
     ends = torch.stack([q_first, q_first + (bq - 1)])  # [2, nQB]: each query block's first and last query
     cands, valids, fulls = [], [], []
-    full_width = 0  # full blocks come only from exact regions: their lists need no wider
+    full_width = 0  # the widths of the regions that can list full blocks: the full lists need no wider
+    memo: dict = {}  # summaries of whole blocks, shared by the regions of one shared test (Region.refine_blocks)
     for region, p in zip(regions, params):
         lo, hi = (x.long() for x in region.bounds(p, ends))  # both ends of every block in one evaluation
         # rows some query of the block sees: [lo(first), hi(last)); rows all see: [lo(last), hi(first))
@@ -150,8 +154,10 @@ def build_block_layout(
         cand = blo[:, None] + torch.arange(width, device=dev)
         valid = (cand < bhi[:, None]) & (cand < nkv)
         full = valid & (cand >= flo[:, None]) & (cand < fhi[:, None])
-        if region.exact:
+        refined = None if region.exact else region.refine_blocks(p, geom, ends, cand, valid, memo)
+        if region.exact or refined is not None:
             full_width += width
+            valid, full = (valid, full) if refined is None else refined
         else:  # rows inside the interval may be masked: every block is partial
             full = torch.zeros_like(full)
         cands.append(cand)

@@ -69,7 +69,8 @@ class Region:
 
     ``exact``: every row of ``[lo, hi)`` is visible. A region with a per-row predicate
     inside its interval (the versioned state layout, :mod:`masks.versioned`) sets it
-    False and overrides ``contains``: its blocks are then never listed as full.
+    False and overrides ``contains``: its blocks are then listed partial, unless ``refine_blocks``
+    knows from its predicate that a block is seen whole (listed full) or not at all (not listed).
 
     ``shared_test``: regions of one state whose rows are visible exactly when one per-row test
     says so (the versioned layout's checkpoints and version rows: the liveness alone decides,
@@ -104,6 +105,17 @@ class Region:
         """The shared test: whether query ``q_idx`` sees kv row ``kv_idx`` through any region with this
         region's ``shared_test`` key, for every kv row of the program."""
         raise NotImplementedError
+
+    def refine_blocks(self, p: tuple[Tensor, ...], geom: Geometry, ends: Tensor, cand: Tensor, valid: Tensor,
+                      memo: dict) -> tuple[Tensor, Tensor] | None:
+        """For a region that is not ``exact``: of its candidate kv blocks ``cand [nQB, width]`` (``valid``: the
+        block meets the region's rows of some query of the query block; ``ends [2, nQB]``, each query block's
+        first and last query), those some query may see (``listed``, within ``valid``) and those every query
+        of the block sees whole, in every batch row and head (``full``, within ``listed``): ``(listed, full)``,
+        ``[nQB, width]`` bool, or None (the default): every valid block partial. ``listed`` may hold blocks
+        nobody sees (they cost time, not correctness); ``full`` must be exact. ``memo``: one dict per program
+        build, for a summary of whole blocks that the regions of one ``shared_test`` compute once."""
+        return None
 
 
 def union_tests(regions, params) -> list:

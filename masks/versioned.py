@@ -10,13 +10,22 @@ Query chunk ``c`` (checkpoint ``k = c // R``) reads
 Both are intervals with non-decreasing bounds (the analytic block builder's contract), and
 inside them a row is visible only while ``born[b, h, r] <= c < dies[b, h, r]`` — a per-row
 predicate read from captured int32 tensors (``[B, H, rows + 1]``: the last row dead, read for every
-kv row after the state's, so token rows are never live), so these regions are not ``exact``: their
-blocks are always partial (the ``mask_mod`` decides). The
+kv row after the state's, so token rows are never live), so these regions are not ``exact``. The
 liveness alone decides (a live row always lies in its region's interval,
 :mod:`recurrences.versioned`), so the two regions share it as one test (``shared_test``): the
 ``mask_mod`` compares two gathered rows with the query's chunk once, not each region's interval
 and liveness. The queries of padding chunks read the last chunk's state, as
 :class:`~masks.regions.StateBank` does.
+
+Blocks (:meth:`CheckpointBank.refine_blocks`): the liveness of each whole kv block, over its rows in
+every batch row and head, is summarised once (:func:`block_liveness`: the earliest birth and the
+latest death of its live rows, the latest birth and the earliest death of all its rows), and a
+candidate block of a query block whose chunks run from ``c0`` to ``c1`` is listed when some row may
+live then, and full when every row lives from ``c0`` to ``c1``: no ``mask_mod`` runs on it. The rows
+are laid out in liveness order (``recurrences.versioned.liveness_order``: each checkpoint's and each
+chunk's rows by death, latest first), so a chunk's live rows are a prefix of each checkpoint: most of
+its blocks are full, its dead rows' blocks are not listed, and the rows of a head that differ from
+the others' fall in a block or two at the prefix's end.
 
 Viewers: ``contains`` without ``b, h`` draws batch 0, head 0; statistics computed from the
 interval bounds alone (``masks.viz.stats``) count every candidate row, live or not.
@@ -46,6 +55,43 @@ def _liveness(born: Tensor, dies: Tensor, geom: Geometry) -> tuple[Tensor, Tenso
     if born.shape[-1] > geom.n_state:
         raise ValueError(f"liveness covers {born.shape[-1]} rows, more than the program's {geom.n_state} state rows")
     return F.pad(born.to(torch.int32), (0, 1)), F.pad(dies.to(torch.int32), (0, 1))
+
+
+#: born of a block without live rows in :func:`block_liveness`: later than any chunk
+NEVER = 2**30
+
+
+def block_liveness(born: Tensor, dies: Tensor, geom: Geometry) -> Tensor:
+    """``[4, n + 1]`` int32 over the ``n`` kv blocks of ``geom.block_kv`` rows that hold state rows (``born,
+    dies [B, H, S + 1]`` as :func:`_liveness` gives them: state rows, then one dead row): per block, over its
+    rows in every batch row and head, the earliest birth of a live row (:data:`NEVER` if none), the latest
+    death, the latest birth and the earliest death (a dead row's 0: never full); the last column a block of
+    no state row. A block's row may live for some chunk of ``[c0, c1]`` only if ``first_born <= c1`` and
+    ``last_dies > c0``; every row lives for every such chunk iff ``last_born <= c0`` and ``first_dies > c1``.
+    Rows past the state (a block shared with token rows) are dead."""
+    bk, S = geom.block_kv, born.shape[-1] - 1
+    n = -(-S // bk)
+    born, dies = (F.pad(x[..., :S], (0, n * bk - S)).unflatten(-1, (n, bk)).transpose(0, 2).flatten(1)
+                  for x in (born, dies))  # [n, B * H * bk]: dead rows (0, 0) pad the last block
+    stats = torch.stack([torch.where(dies > born, born, NEVER).amin(-1), dies.amax(-1), born.amax(-1),
+                         dies.amin(-1)])
+    unseen = torch.tensor([NEVER, 0, 0, 0], dtype=stats.dtype, device=stats.device)[:, None]
+    return torch.cat([stats, unseen], dim=1)
+
+
+def _refine(region: Region, p, born: Tensor, dies: Tensor, geom: Geometry, ends: Tensor, cand: Tensor,
+            valid: Tensor, memo: dict) -> tuple[Tensor, Tensor]:
+    """``Region.refine_blocks`` of a versioned region (``born, dies`` its captured liveness; ``region._chunk``
+    the chunk its test reads for a query): the blocks some row may be live in, and those whose rows all live
+    for every chunk of the query block."""
+    key = region.shared_test
+    if key not in memo:
+        memo[key] = block_liveness(born, dies, geom)
+    stats = memo[key]
+    c0, c1 = (c[:, None] for c in region._chunk(p, ends))  # the query block's first and last chunk
+    s = stats[:, torch.clamp(cand, max=stats.shape[1] - 1)]  # [4, nQB, width]; past the state: no row
+    listed = valid & (s[0] <= c1) & (s[1] > c0)
+    return listed, listed & (s[2] <= c0) & (s[3] > c1)
 
 
 def _live(born: Tensor, dies: Tensor, c: Tensor, kv_idx: Tensor, b, h) -> Tensor:
@@ -97,6 +143,9 @@ class CheckpointBank(Region):
     def test_shared(self, p, q_idx, kv_idx, b=None, h=None):
         return _live(p[2], p[3], self._chunk(p, q_idx), kv_idx, b, h)
 
+    def refine_blocks(self, p, geom, ends, cand, valid, memo):
+        return _refine(self, p, p[2], p[3], geom, ends, cand, valid, memo)
+
     def max_span(self, geom):
         # chunks c0..c1 of one query block touch checkpoints c0 // R .. c1 // R
         return (-(-(_touched_chunks(geom, self.chunk_size) - 1) // self.every) + 1) * self.rows
@@ -144,6 +193,9 @@ class VersionRows(Region):
 
     def test_shared(self, p, q_idx, kv_idx, b=None, h=None):
         return _live(p[1], p[2], self._chunk(p, q_idx), kv_idx, b, h)
+
+    def refine_blocks(self, p, geom, ends, cand, valid, memo):
+        return _refine(self, p, p[1], p[2], geom, ends, cand, valid, memo)
 
     def max_span(self, geom):
         # over one query block: chunks c0..c1 read tokens from (R floor(c0/R) - lag + 1) L to (c1 - lag + 1) L

@@ -186,29 +186,39 @@ def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: Ve
 
 @dataclass
 class VersionedSums:
-    """Sums of a versioned layout (``S = n_ckpt * rows + n_versions`` rows, checkpoints first).
+    """Sums of a versioned layout, laid out: ``S = n_ckpt * rows + n_versions`` rows, checkpoints first.
 
-    ``ckpt[i]`` ``[B, H, n_ckpt, rows, D_i]`` and ``ckpt_counts`` ``[B, H, n_ckpt, rows]`` fp32;
-    ``ver[i]`` ``[B, H, n_versions, D_i]`` and ``ver_counts`` ``[B, H, n_versions]`` fp32 (version
-    row ``t`` sums its slot's tokens up to ``t`` in (slot, position) order: the full aggregate
-    on live rows); ``ver_slot`` ``[B, H, n_versions]`` int64 (``rows``: the token is in no state);
-    ``born``, ``dies`` ``[B, H, S]`` int32: row ``r`` is live for query chunk ``c`` iff
-    ``born[r] <= c < dies[r]``.
+    ``rows[i]`` ``[B, H, S, D_i]`` (in ``x_i``'s dtype) and ``counts`` ``[B, H, S]`` fp32: each row's sum and
+    tokens (a version row sums its slot's tokens up to its own in (slot, position) order: the full aggregate on
+    live rows); ``slot`` ``[B, H, S]`` int64: the slot a row belongs to (``rows``: a version row of a token in
+    no state); ``born``, ``dies`` ``[B, H, S]`` int32: row ``r`` is live for query chunk ``c`` iff ``born[r]
+    <= c < dies[r]``. Rows are in *liveness order* (:func:`liveness_order`): checkpoint ``k`` holds its slots
+    at rows ``[k rows, (k + 1) rows)`` and the tokens of chunk ``j`` have their version rows at ``n_ckpt rows +
+    [j L, (j + 1) L)``, each such group sorted by ``dies``, latest first (dead rows last), ties by slot or
+    position; so the rows of a group live at any chunk are a prefix of it.
     """
 
-    ckpt: list[Tensor]
-    ckpt_counts: Tensor
-    ver: list[Tensor]
-    ver_counts: Tensor
-    ver_slot: Tensor
+    rows: list[Tensor]
+    counts: Tensor
+    slot: Tensor
     born: Tensor
     dies: Tensor
 
 
+def liveness_order(dies: Tensor, tie: Tensor, n_tie: int) -> Tensor:
+    """``[..., G, n]`` int64: the order of each group's rows (last dim; ``dies [..., G, n]``, ``tie [..., G,
+    n]`` int64 in ``[0, n_tie)``, distinct within a group) by ``dies``, latest first, then by ``tie``. A row of
+    a checkpoint or of a chunk's version rows is visible while ``born <= c < dies``, with one ``born`` for the
+    group's live rows (the checkpoint's chunk, the version rows' entry chunk) and ``born = dies = 0`` for dead
+    rows: in this order the rows a chunk sees are a prefix of each group, so the attention's blocks are mostly
+    all visible or none (``masks.versioned``: blocks listed full, or not at all; docs/design.md §5)."""
+    return torch.sort(tie - dies * n_tie, dim=-1).indices
+
+
 def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: VersionPlan) -> VersionedSums:
     """Checkpoint and version sums of each ``x`` in ``xs`` (``[B, H, T, D_i]``, already weighted),
-    grouped by ``routes`` ``[B, H, T]`` (-1 or ``>= plan.rows``: in no state); one sort shared by
-    all ``xs``. Differentiable in ``xs``; ``T <= plan.n_versions``."""
+    grouped by ``routes`` ``[B, H, T]`` (-1 or ``>= plan.rows``: in no state), laid out in liveness order;
+    one sort shared by all ``xs``. Differentiable in ``xs``; ``T <= plan.n_versions``."""
     L, R, nc, rows, lag = plan.chunk_size, plan.every, plan.n_chunks, plan.rows, plan.lag
     Tp, n_ckpt = plan.n_versions, plan.n_ckpt
     T = routes.shape[2]
@@ -240,8 +250,13 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         born_s = torch.where(live_s, entry_s, 0)
         dies_s = torch.where(live_s, dies_s, 0)
         inv = torch.empty_like(order).scatter_(2, order, idx)  # sorted index of each position
-        ver_born, ver_dies = born_s.gather(2, inv), dies_s.gather(2, inv)
-        ver_counts = count_s.gather(2, inv).float()
+        # version rows: each chunk's tokens in liveness order (ver_pos: the token of each version row)
+        ver_dies = dies_s.gather(2, inv).view(B, H, nc, L)
+        ver_pos = (liveness_order(ver_dies, (pos % L).view(nc, L).expand_as(ver_dies), L)
+                   + pos.view(nc, L)[:, :1]).flatten(2)
+        ver_sorted = inv.gather(2, ver_pos)  # sorted index of each version row's token
+        ver_born, ver_dies = born_s.gather(2, ver_sorted), dies_s.gather(2, ver_sorted)
+        ver_counts = count_s.gather(2, ver_sorted).float()
         # checkpoint (k, s) dies at the first entry of s in chunks (R k, R (k + 1)] (a later one is past the
         # next checkpoint, where it dies anyway): put each live group's entry at checkpoint (e - 1) // R
         cell = torch.where(last, ((entry_s - 1) // R) * (rows + 1) + slot_s, n_ckpt * (rows + 1))
@@ -249,14 +264,23 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         first = first.scatter_reduce(2, cell, entry_s.expand(B, H, Tp), reduce="amin")
         first = first.view(B, H, n_ckpt + 1, rows + 1)[:, :, :n_ckpt, :rows]
         ck_chunk = torch.arange(n_ckpt, device=dev)[:, None] * R  # [n_ckpt, 1]: checkpoint k is chunk R k's state
-        ck_dies = torch.minimum(first, ck_chunk + R)
-        ck_born = torch.where(ckpt_counts > 0, ck_chunk, 0)
-        ck_dies = torch.where(ckpt_counts > 0, ck_dies, 0)
+        ck_dies = torch.where(ckpt_counts > 0, torch.minimum(first, ck_chunk + R), 0)
+        ck_slot = liveness_order(ck_dies, torch.arange(rows, device=dev).expand_as(ck_dies), rows)  # [B, H, n_ckpt, rows]
+        ck_dies = ck_dies.gather(3, ck_slot)
+        ck_born = torch.where(ck_dies > 0, ck_chunk, 0)
+        ck_counts = ckpt_counts.gather(3, ck_slot)
         born = torch.cat([ck_born.flatten(2), ver_born], -1).to(torch.int32)
         dies = torch.cat([ck_dies.flatten(2), ver_dies], -1).to(torch.int32)
+        counts = torch.cat([ck_counts.flatten(2), ver_counts], -1)
+        row_slot = torch.cat([ck_slot.flatten(2), slot.gather(2, ver_pos)], -1)
+        # where each checkpoint row (in slot order) and each version sum (in sorted order) is laid out
+        ck_dest = torch.empty_like(ck_slot).scatter_(3, ck_slot, torch.arange(rows, device=dev).expand_as(ck_slot))
+        ck_dest = (ck_dest + ck_chunk // R * rows).flatten(2)
+        ver_dest = torch.empty_like(ver_sorted).scatter_(2, ver_sorted, idx) + n_ckpt * rows
 
-    ver = [_version_sums(x, order, inv, seg_start) for x in xs]
-    return VersionedSums(ckpt, ckpt_counts, ver, ver_counts, slot, born, dies)
+    laid = [placed_rows(plan.state_rows, (ck.flatten(2, 3), ck_dest), (_version_sums(x, order, seg_start), ver_dest))
+            for ck, x in zip(ckpt, xs)]
+    return VersionedSums(laid, counts, row_slot, born, dies)
 
 
 #: columns of a version-row sum done at once in fp64: the cumsum's fp64 buffers (and their gradients') are
@@ -264,10 +288,10 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
 FP64_COLUMNS = 16
 
 
-def _version_sums(x: Tensor, order: Tensor, inv: Tensor, seg_start: Tensor) -> Tensor:
-    """Version rows ``[B, H, Tp, D]`` of ``x [B, H, Tp, D]`` (in x's dtype): each token's slot sum up to
-    it, from tokens sorted by (slot, position) (``order``, ``inv`` its inverse, ``seg_start`` the sorted
-    index where each sorted token's slot begins, all ``[B, H, Tp]``).
+def _version_sums(x: Tensor, order: Tensor, seg_start: Tensor) -> Tensor:
+    """Version sums ``[B, H, Tp, D]`` of ``x [B, H, Tp, D]`` (in x's dtype), in (slot, position) order: each
+    token's slot sum up to it, the tokens sorted by ``order`` (``seg_start``: the sorted index where each sorted
+    token's slot begins; both ``[B, H, Tp]``).
 
     One cumsum over all slots minus the running sum before the slot, in fp64, taken
     :data:`FP64_COLUMNS` columns at a time (the columns are independent: the same sums, a fraction
@@ -288,7 +312,7 @@ def _version_sums(x: Tensor, order: Tensor, inv: Tensor, seg_start: Tensor) -> T
     sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     if marked:
         sums = torch.where(bad_so_far[..., None] > 0, float("nan"), sums)
-    return rows_at(sums, inv)
+    return sums
 
 
 def _slot_running_sums(xs: Tensor, seg_start: Tensor) -> Tensor:
@@ -310,6 +334,38 @@ def rows_at(x: Tensor, index: Tensor) -> Tensor:
     Compiled, it is ``gather`` and ``scatter_add`` as before (an ``index_select`` of the flattened
     rows would keep only the index too, but compiled it costs more time and memory than ``gather``)."""
     return _RowsAt.apply(x, index[..., None].expand(*index.shape, x.shape[-1]))
+
+
+def placed_rows(n: int, *parts: tuple[Tensor, Tensor]) -> Tensor:
+    """``[B, H, n, C]``: the rows of each part ``(x [B, H, N_i, C], dest [B, H, N_i] int64)`` written at rows
+    ``dest`` (the parts' ``dest`` together name every row ``0..n-1`` once per batch row and head): a
+    concatenation and a permutation in one pass over the rows (``index_copy_`` of whole rows), whose backward
+    reads each part's rows back (``index_select``) and keeps only the indices (:class:`_PlacedRows`)."""
+    xs, dests = [x for x, _ in parts], [d for _, d in parts]
+    return _PlacedRows.apply(n, len(parts), *dests, *xs)
+
+
+class _PlacedRows(torch.autograd.Function):
+    """:func:`placed_rows`: ``forward(n, k, dest_1..dest_k, x_1..x_k)``."""
+
+    @staticmethod
+    def forward(ctx, n: int, k: int, *args: Tensor) -> Tensor:
+        dests, xs = args[:k], args[k:]
+        B, H, _, C = xs[0].shape
+        base = torch.arange(B * H, device=xs[0].device).view(B, H, 1) * n
+        flat = [(d + base).flatten() for d in dests]  # rows of the flattened [B * H * n, C] output
+        out = xs[0].new_empty(B * H * n, C)
+        for x, f in zip(xs, flat):
+            out.index_copy_(0, f, x.reshape(-1, C))
+        ctx.save_for_backward(*flat)
+        ctx.shapes = [x.shape for x in xs]
+        return out.view(B, H, n, C)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        g = grad.reshape(-1, grad.shape[-1])
+        return (None, None, *(None for _ in ctx.shapes),
+                *(g.index_select(0, f).view(shape) for f, shape in zip(ctx.saved_tensors, ctx.shapes)))
 
 
 class _RowsAt(torch.autograd.Function):
@@ -343,8 +399,7 @@ def snapshot_from_versioned(rows_of: Tensor, vs: VersionedSums, plan: VersionPla
     in_ck = (r >= k * plan.rows) & (r < (k + 1) * plan.rows)
     in_ver = (r >= off + lo_t) & (r < off + hi_t)
     live = (vs.born <= c) & (c < vs.dies) & (in_ck | in_ver)
-    slot = torch.cat([torch.arange(plan.rows, device=r.device).repeat(plan.n_ckpt).expand(B, H, -1), vs.ver_slot], -1)
-    slot = torch.where(live, slot, plan.rows)
+    slot = torch.where(live, vs.slot, plan.rows)
     state = rows_of.new_zeros(B, H, plan.rows + 1, D).scatter_add(2, slot[..., None].expand(B, H, S, D),
                                                                    rows_of * live[..., None])
     seen = torch.zeros(B, H, plan.rows + 1, dtype=torch.long, device=r.device).scatter_add(2, slot, live.long())
@@ -377,8 +432,5 @@ class Versioned:
 def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> Versioned:
     """Means of the keys and values routed to each slot, laid out as :func:`versioned_sums`."""
     vs = versioned_sums([k, v], routes, plan)
-    counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
-    ks = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
-    vv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
-    denom = counts.clamp_min(1.0)[..., None]
-    return Versioned(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), counts, vs.born, vs.dies, plan)
+    (ks, vv), denom = vs.rows, vs.counts.clamp_min(1.0)[..., None]
+    return Versioned(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), vs.counts, vs.born, vs.dies, plan)

@@ -102,12 +102,10 @@ def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
     sums and per-row readout as :func:`build_kvm_snapshots`; a version row has its slot's founder radius."""
     rows = plan.rows
     vs = versioned_sums(list(_weighted(kbar, v, gate, founder)), routes, plan)
-    sk = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
-    sv = torch.cat([vs.ckpt[1].flatten(2, 3), vs.ver[1]], 2)
-    counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)
+    (sk, sv), counts = vs.rows, vs.counts
     row_rho = None
     if use_vlens:
         rho = _founder_radius(v, routes, founder, rows)  # [B, H, rows + 1], spare last
-        row_rho = torch.cat([rho[:, :, :rows].repeat(1, 1, plan.n_ckpt), rho.gather(2, vs.ver_slot)], 2)
+        row_rho = rho.gather(2, vs.slot)  # each row's slot's (a version row of no slot: the spare's)
     keys, values = readout_rows(sk, sv, counts, row_rho, v.dtype, ln_weight, ln_bias, ln_eps)
     return Versioned(keys, values, counts, vs.born, vs.dies, plan)

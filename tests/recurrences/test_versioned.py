@@ -53,8 +53,7 @@ def test_every_chunk_sees_exactly_its_snapshot(case):
     plan = plan_versioned(n_chunks, L, rows, lag, case["every"], case["align"])
     (snap,), counts = segment_snapshot_sums([x], routes, L, n_chunks, plan.rows, lag=lag)
     vs = versioned_sums([x], routes, plan)
-    laid = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
-    laid_counts = torch.cat([vs.ckpt_counts.flatten(2), vs.ver_counts], 2)[..., None].double()
+    laid, laid_counts = vs.rows[0], vs.counts[..., None].double()
     assert vs.born.shape == vs.dies.shape == (B, H, plan.state_rows)
     n_ck_rows, pos = plan.n_ckpt * plan.rows, torch.arange(plan.n_versions)
     for c in range(n_chunks):
@@ -65,6 +64,10 @@ def test_every_chunk_sees_exactly_its_snapshot(case):
         inside = torch.cat([torch.arange(n_ck_rows) // plan.rows == k, (entry > k * plan.every) & (entry <= c)])
         alone = (vs.born <= c) & (c < vs.dies)
         assert not (alone & ~inside).any(), f"chunk {c}: a live row outside its intervals"
+        # liveness order: of each checkpoint's rows and of each chunk's version rows, those live now are a prefix
+        for group in (alone[..., :n_ck_rows].unflatten(-1, (plan.n_ckpt, plan.rows)),
+                      alone[..., n_ck_rows:].unflatten(-1, (n_chunks, L))):
+            assert (group[..., 1:] <= group[..., :-1]).all(), f"chunk {c}: a live row after a dead one of its group"
         state, seen = snapshot_from_versioned(laid, vs, plan, c)
         cnt, _ = snapshot_from_versioned(laid_counts, vs, plan, c)
         # each slot with tokens in the snapshot is seen exactly once, the others never
@@ -82,7 +85,7 @@ def test_sums_are_differentiable_and_match_snapshot_gradients():
     x = torch.randn(1, 2, 90, 4, generator=g, dtype=torch.float64, requires_grad=True)
     plan = plan_versioned(len(sizes), L, 12, lag, every=2)
     vs = versioned_sums([x], routes, plan)
-    laid = torch.cat([vs.ckpt[0].flatten(2, 3), vs.ver[0]], 2)
+    laid = vs.rows[0]
     (snap,), _ = segment_snapshot_sums([x], routes, L, len(sizes), 12, lag=lag)
     w = torch.randn(len(sizes), 1, 2, 12, 4, generator=g, dtype=torch.float64)
     got = sum((snapshot_from_versioned(laid, vs, plan, c)[0] * w[c]).sum() for c in range(len(sizes)))
@@ -99,11 +102,13 @@ def test_long_sequence_keeps_fp32_accuracy():
     plan = plan_versioned(T // L, L, 8, 1, every=4)
     vs = versioned_sums([x], routes, plan)
     (ref,), _ = segment_snapshot_sums([x.double()], routes, L, T // L, 8, lag=1)
-    last = vs.born[0, 0, plan.n_ckpt * 8:] > 0
-    slots, t = vs.ver_slot[0, 0][last], torch.nonzero(last).squeeze(1)
+    n_ck_rows = plan.n_ckpt * 8
+    last = vs.born[0, 0, n_ck_rows:] > 0
+    # a version row lies among its token's chunk's rows: row t of the version rows is a token of chunk t // L
+    slots, t = vs.slot[0, 0, n_ck_rows:][last], torch.nonzero(last).squeeze(1)
     want = ref[0, 0, (t // L + 1).clamp(max=T // L - 1), slots]
     ok = t // L + 1 < T // L
-    err = ((vs.ver[0][0, 0][last][ok].double() - want[ok]).abs() / want[ok].abs()).max().item()
+    err = ((vs.rows[0][0, 0, n_ck_rows:][last][ok].double() - want[ok]).abs() / want[ok].abs()).max().item()
     assert err < 1e-6, err
 
 
@@ -221,7 +226,7 @@ def test_version_sums_in_column_groups_equal_one_group_bit_for_bit(monkeypatch, 
     for columns in (64, 4):
         monkeypatch.setattr(versioned, "FP64_COLUMNS", columns)
         leaf = x.clone().requires_grad_()
-        ver = versioned_sums([leaf], routes, plan).ver[0]
+        ver = versioned_sums([leaf], routes, plan).rows[0][:, :, plan.n_ckpt * plan.rows:]  # the version rows
         grad, = torch.autograd.grad((ver.float().nan_to_num(0.0, 0.0, 0.0) * w[:, :, :ver.shape[2]]).sum(), leaf)
         results.append((ver, grad))
     (ver1, grad1), (ver4, grad4) = results
@@ -249,7 +254,7 @@ def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
         vs = versioned_sums([x], routes, plan)
     floats = [t for t in saved if t.is_floating_point()]
     assert floats and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in floats)
-    assert vs.ver[0].requires_grad
+    assert vs.rows[0].requires_grad
 
 
 HEAVY_CHUNK, HEAVY_ROWS = 128, 8  # the chunk size and state rows of heavy_bf16_case's routes
@@ -278,7 +283,7 @@ def layout_sums(layout: str, x: torch.Tensor, routes: torch.Tensor) -> torch.Ten
         (s,), _ = segment_snapshot_sums([x], routes, L, T // L, rows)
         return s.flatten()
     vs = versioned_sums([x], routes, plan_versioned(T // L, L, rows, 1))
-    return torch.cat([vs.ckpt[0].flatten(), vs.ver[0].flatten()])
+    return vs.rows[0].flatten()
 
 
 def bf16_state_sums_error(layout: str, device) -> float:

@@ -121,7 +121,10 @@ def test_a_nan_token_leaves_every_earlier_output_unchanged(backend, layout, whic
     bit-identical to the clean run's; with a NaN value every query from t on reads it (its chunk
     causally, later chunks through the slot) and is NaN. Versioned with a checkpoint every 4
     chunks: chunks 5 and 6 read version rows of chunk 4 and 5 tokens, whose sums share one
-    cumulative sum (across slots) with the NaN token."""
+    cumulative sum (across slots) with the NaN token. A NaN key also changes the token's route, and with it
+    when rows of its slot die: the versioned layout orders a checkpoint's and a chunk's rows by their death
+    (``recurrences.versioned.liveness_order``), so the rows earlier chunks read may be summed in another order
+    there — the same values to fp32 rounding, none of them NaN."""
     T, t = 256, 200
     q, k, v, beta = inputs(1, 2, 16, T, seed=5, requires_grad=False)
     kw = dict(chunk_size=32, max_centroids=16, backend=backend, state_layout=layout, block_size=32,
@@ -130,7 +133,11 @@ def test_a_nan_token_leaves_every_earlier_output_unchanged(backend, layout, whic
     bad[which][:, :, t] = float("nan")
     clean = ovqflex.ovq_attention(q, k, v, beta, **kw)
     out = ovqflex.ovq_attention(q, bad["k"], bad["v"], beta, **kw)
-    assert torch.equal(out[:, :, :t], clean[:, :, :t])
+    if layout == "versioned" and which == "k":
+        assert not out[:, :, :t].isnan().any()
+        assert_close(out[:, :, :t], clean[:, :, :t], FWD_TOL[torch.float32], "outputs before the NaN key")
+    else:
+        assert torch.equal(out[:, :, :t], clean[:, :, :t])
     assert out[:, :, t].isnan().all()
     if which == "v":
         assert out[:, :, t:].isnan().all()

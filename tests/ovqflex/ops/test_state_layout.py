@@ -11,6 +11,7 @@ import recurrences.versioned
 from ovqflex.ops.ovq import ovq_program
 from recurrences.versioned import plan_versioned
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.masks.test_blocks import listed
 from tests.ovqflex.ops.test_kvm import BUDGETS
 from tests.ovqflex.ops.test_kvm import inputs as kvm_inputs
 from tests.ovqflex.ops.test_ovq import inputs as ovq_inputs
@@ -187,16 +188,34 @@ def test_memory_spacing_versioned_equals_snapshot(monkeypatch):
     compare_layouts(run, (q, k, v, beta), seed=3)
 
 
-def test_versioned_blocks_are_never_full():
-    """Rows inside the versioned intervals can be dead: their blocks must reach the mask_mod."""
-    q, k, v, beta = ovq_inputs(1, 1, 16, 512, seed=0, requires_grad=False)
-    prog = ovq_program(q, k, v, beta, chunk_size=32, max_centroids=64, state_layout="versioned", block_size=16)[0]
-    lay = prog.layout
-    listed = torch.arange(lay.full_idx.shape[1]) < lay.full_num[:, None]
-    assert lay.full_num.sum() > 0  # the own-chunk window still has full blocks
-    assert (lay.full_idx[listed] * 16 >= prog.geom.n_state).all(), "a state block was listed as full"
-    # the full lists are only as wide as the exact (window) region needs
-    assert lay.full_idx.shape[1] < lay.kv_idx.shape[1]
+def test_versioned_blocks_are_listed_by_the_liveness_of_their_rows():
+    """A versioned state block is listed full (no mask_mod runs on it) exactly when every query of its query
+    block sees all its rows in every batch row and head, and every block with a visible row is listed, also on
+    larger blocks (a block then holds state and token rows). In liveness order (each checkpoint's and each
+    chunk's rows by death, latest first: recurrences.versioned.liveness_order) most state blocks a query block
+    reads are full: with the rows in slot order this case lists 464 partial and 80 full state blocks, in
+    liveness order 168 and 270."""
+    q, k, v, beta = ovq_inputs(2, 2, 16, 1024, seed=0, requires_grad=False)
+    prog = ovq_program(q, k, v, beta, chunk_size=32, max_centroids=128, checkpoint_every=4, state_layout="versioned",
+                       block_size=16)[0]
+    assert prog.regions[0].every == 4
+    for p in (prog, prog.on_blocks(64)):
+        g, lay = p.geom, p.layout
+        b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(2).view(1, 2, 1, 1)
+        qi, kv = torch.arange(g.q_pad).view(1, 1, -1, 1), torch.arange(g.kv_len).view(1, 1, 1, -1)
+        tiles = p.mask_mod(b, h, qi, kv).expand(2, 2, g.q_pad, g.kv_len).reshape(
+            2, 2, g.n_q_blocks, g.block_q, g.n_kv_blocks, g.block_kv)
+        any_visible = tiles.any(-1).any(-2).any(0).any(0)
+        all_visible = tiles.all(-1).all(-2).all(0).all(0)
+        partial, full = listed(lay.kv_num, lay.kv_idx, g), listed(lay.full_num, lay.full_idx, g)
+        state_only = (torch.arange(g.n_kv_blocks) + 1) * g.block_kv <= g.n_state
+        assert not (partial & full).any()
+        assert ((partial | full) >= any_visible).all(), "a visible block is not listed"
+        assert torch.equal(full & state_only, all_visible & state_only), "full state blocks are not the seen-whole ones"
+    state = torch.arange(prog.geom.n_kv_blocks) * 16 < prog.geom.n_state
+    n_partial, n_full = int((listed(prog.layout.kv_num, prog.layout.kv_idx, prog.geom) & state).sum()), int(
+        (listed(prog.layout.full_num, prog.layout.full_idx, prog.geom) & state).sum())
+    assert n_full > n_partial, (n_partial, n_full)
 
 
 @pytest.mark.parametrize("method", ["ovq", "kvm"])
