@@ -29,6 +29,12 @@ method's state is such a sum (OVQ means, KVM gated sums, VQ code means with ``la
 the method applies its per-row readout (means, ``LN_s``, radius) to checkpoint and version rows
 alike.
 
+Each checkpoint's rows, and the version rows of each chunk's tokens, are placed in *liveness order*
+(:func:`liveness_order`: by ``dies``, latest first, per batch row and head), so the rows a chunk sees
+are a prefix of every such group, and the attention's block lists can take most state blocks as
+full and skip blocks of rows already replaced (``masks.versioned.block_liveness``). The rows stay
+in their group, so inside the intervals above; :class:`VersionedSums` gives each row's slot.
+
 The layout is chosen and laid out in one place for every method,
 ``ovqflex.ops.state_program.build_state_program``, in three steps::
 
@@ -162,10 +168,10 @@ def memory_decides(n_chunks: int, rows: int, *, grad: bool = False, row_bytes: i
 #: query chunk scans at most ``rows / 2`` version rows; the spacing :data:`LAYOUT_ROW_COST` was measured with),
 #: or ``memory`` where the attention backend keeps the program's kv rows (flex: its backward keeps them and
 #: writes their gradients, two copies of every state row), 1: a quarter fewer kv rows at long lengths (OVQ, N =
-#: 2,048, chunk 128, 64k tokens: 196,608 kv rows instead of 262,144) for a fifth more listed blocks (11,744
-#: instead of 9,800; causal attention lists 131,328). The blocked backend, how a CPU trains, keeps tensors per
-#: listed block instead, so fewer blocks are its smaller memory and it keeps the ``speed`` spacing
-#: (docs/design.md §5).
+#: 2,048, chunk 128, 64k tokens: 196,608 kv rows instead of 262,144) for a fifth more candidate blocks (11,744
+#: instead of 9,800; with random keys, H = 8, 9,181 listed instead of 8,374; causal attention lists 131,328).
+#: The blocked backend, how a CPU trains, keeps tensors per listed block instead, so fewer blocks are its smaller
+#: memory and it keeps the ``speed`` spacing (docs/design.md §5).
 CHECKPOINT_ROWS_PER_TOKEN = {"speed": 2, "memory": 1}
 
 
@@ -265,7 +271,8 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         first = first.view(B, H, n_ckpt + 1, rows + 1)[:, :, :n_ckpt, :rows]
         ck_chunk = torch.arange(n_ckpt, device=dev)[:, None] * R  # [n_ckpt, 1]: checkpoint k is chunk R k's state
         ck_dies = torch.where(ckpt_counts > 0, torch.minimum(first, ck_chunk + R), 0)
-        ck_slot = liveness_order(ck_dies, torch.arange(rows, device=dev).expand_as(ck_dies), rows)  # [B, H, n_ckpt, rows]
+        # [B, H, n_ckpt, rows]: the slot of each checkpoint row in liveness order
+        ck_slot = liveness_order(ck_dies, torch.arange(rows, device=dev).expand_as(ck_dies), rows)
         ck_dies = ck_dies.gather(3, ck_slot)
         ck_born = torch.where(ck_dies > 0, ck_chunk, 0)
         ck_counts = ckpt_counts.gather(3, ck_slot)
@@ -275,7 +282,7 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         row_slot = torch.cat([ck_slot.flatten(2), slot.gather(2, ver_pos)], -1)
         # where each checkpoint row (in slot order) and each version sum (in sorted order) is laid out
         ck_dest = torch.empty_like(ck_slot).scatter_(3, ck_slot, torch.arange(rows, device=dev).expand_as(ck_slot))
-        ck_dest = (ck_dest + ck_chunk // R * rows).flatten(2)
+        ck_dest = (ck_dest + torch.arange(n_ckpt, device=dev)[:, None] * rows).flatten(2)
         ver_dest = torch.empty_like(ver_sorted).scatter_(2, ver_sorted, idx) + n_ckpt * rows
 
     laid = [placed_rows(plan.state_rows, (ck.flatten(2, 3), ck_dest), (_version_sums(x, order, seg_start), ver_dest))
