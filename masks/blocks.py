@@ -133,9 +133,12 @@ def _transpose(num: Tensor, idx: Tensor, n_rows_out: int, width_out: int) -> tup
 
 
 def build_block_layout(
-    regions: tuple[Region, ...], params: tuple[tuple[Tensor, ...], ...], geom: Geometry
+    regions: tuple[Region, ...], params: tuple[tuple[Tensor, ...], ...], geom: Geometry, *, refine: bool = True
 ) -> BlockLayout:
-    """Block lists of the union of ``regions`` (their ``params`` already on device)."""
+    """Block lists of the union of ``regions`` (their ``params`` already on device). ``refine=False``: the
+    candidate lists alone, every block of a region that is not ``exact`` partial (``Region.refine_blocks``
+    skipped): the same outputs, with the work a kernel does without the refinement (the ``stages`` bench
+    times both)."""
     if not regions:
         raise ValueError("a program needs at least one region")
     bq, bk, nkv = geom.block_q, geom.block_kv, geom.n_kv_blocks
@@ -154,7 +157,7 @@ def build_block_layout(
         cand = blo[:, None] + torch.arange(width, device=dev)
         valid = (cand < bhi[:, None]) & (cand < nkv)
         full = valid & (cand >= flo[:, None]) & (cand < fhi[:, None])
-        refined = None if region.exact else region.refine_blocks(p, geom, ends, cand, valid, memo)
+        refined = None if region.exact or not refine else region.refine_blocks(p, geom, ends, cand, valid, memo)
         if region.exact or refined is not None:
             full_width += width
             valid, full = (valid, full) if refined is None else refined

@@ -2,12 +2,14 @@
 state layout, the flex kernel on that program, the whole op and causal SDPA, in one process."""
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from masks.blocks import build_block_layout
 from masks.regions import StateBank
 from masks.versioned import CheckpointBank
 from recurrences.checks import check_choice
@@ -90,9 +92,11 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
     :func:`~ovqflex.bench.measure.saved_for_backward_mb`), the flex kernel on the built program
     (``kernel_s``: compiled, as ``attend(program, "flex")`` runs it, its ``BlockMask`` object made per
     call; ``kernel_first_call_s``: its first call, the flex compile for this program's shapes), its kv
-    rows and listed blocks; then the op itself (``state_layout="auto"``, flex, eager: which layout it
-    took) and causal SDPA on the same q, k, v. ``x_vs_sdpa``: SDPA's time over the row's (kernel and
-    program rows: over the kernel and the build). The versioned row's ``row_cost_vs_snapshot``: its
+    rows, listed blocks and the full ones among them (no ``mask_mod`` runs on those; for the versioned layout
+    also ``kernel_unrefined_s``, the kernel on the same program with every state block partial, its candidate
+    lists of ``build_block_layout(refine=False)``: what its liveness order and full blocks save); then the op
+    itself (``state_layout="auto"``, flex, eager: which layout it took) and causal SDPA on the same q, k, v.
+    ``x_vs_sdpa``: SDPA's time over the row's (kernel and program rows: over the kernel and the build). The versioned row's ``row_cost_vs_snapshot``: its
     (build + kernel) time per state row over the snapshot's (the cost ``state_layout="auto"`` weighs).
     """
     program_of, op, extra, options = _method(sc)
@@ -121,6 +125,12 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
                                               leaves.values())
                 program = build()
                 kernel = measure(lambda: attend(program, "flex"), device=dev, repeats=repeats)
+                lay = program.layout
+                if layout == "versioned":  # the same program with every state block partial (no refinement)
+                    unrefined = dataclasses.replace(program, layout=build_block_layout(
+                        program.regions, program.params, program.geom, refine=False))
+                    kernel_unrefined = measure(lambda: attend(unrefined, "flex"), device=dev, repeats=repeats)
+                    del unrefined
                 row = {"T": T, "case": f"{layout} program + flex kernel",
                        **{f"{name}_s": statistics.median(s) for name, s in per_stage.items()},
                        "program_s": whole.seconds, "program_peak_mb": whole.peak_mb, "program_saved_mb": saved,
@@ -128,7 +138,9 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
                        "kernel_first_call_s": kernel.first_s,
                        "kernel_x_vs_sdpa": sdpa / kernel.seconds, "program_x_vs_sdpa": sdpa / whole.seconds,
                        "kv_rows": program.geom.kv_len, "state_rows": program.geom.n_state,
-                       "visible_blocks": int(program.layout.visible_blocks())}
+                       "visible_blocks": int(lay.visible_blocks()), "full_blocks": int(lay.full_num.sum())}
+                if layout == "versioned":
+                    row["kernel_unrefined_s"] = kernel_unrefined.seconds
                 progress(f"T={T} {layout}: program {whole.seconds * 1e3:.2f} ms, kernel {kernel.seconds * 1e3:.2f} ms")
                 rows.append(row)
                 by_layout[layout] = row

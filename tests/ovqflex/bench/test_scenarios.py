@@ -181,6 +181,7 @@ def _check_stages(rows, T, layouts):
         r = by[f"{layout} program + flex kernel"]
         assert r["T"] == T and r["routing_s"] > 0 and r["state_build_s"] > 0 and r["block_mask_s"] > 0, r
         assert r["program_saved_mb"] > 0 and r["kernel_first_call_s"] > 0, r  # (times of a loaded machine: no order)
+        assert layout == "snapshot" or r["kernel_unrefined_s"] > 0, r
         assert r["kernel_x_vs_sdpa"] == pytest.approx(sdpa / r["kernel_s"])
         assert r["program_x_vs_sdpa"] == pytest.approx(sdpa / r["program_s"])
     (op,) = [r for r in rows if r["case"].startswith("op, flex, eager (auto: ")]
@@ -202,8 +203,9 @@ def test_stages_time_each_stage_per_layout_next_to_the_kernel_and_sdpa():
     for layout in ("snapshot", "versioned"):
         p = ovq_program(q, k, v, torch.full((2,), 4.0), chunk_size=16, max_centroids=8, state_layout=layout)[0]
         r = by[f"{layout} program + flex kernel"]
-        assert (r["kv_rows"], r["state_rows"], r["visible_blocks"]) == \
-            (p.geom.kv_len, p.geom.n_state, int(p.layout.visible_blocks()))
+        assert (r["kv_rows"], r["state_rows"], r["visible_blocks"], r["full_blocks"]) == \
+            (p.geom.kv_len, p.geom.n_state, int(p.layout.visible_blocks()), int(p.layout.full_num.sum()))
+        assert ("kernel_unrefined_s" in r) == (layout == "versioned")  # the versioned kernel, every block partial
     snap, ver = (by[f"{layout} program + flex kernel"] for layout in ("snapshot", "versioned"))
     per_row = [(r["program_s"] + r["kernel_s"]) / r["state_rows"] for r in (snap, ver)]
     assert ver["row_cost_vs_snapshot"] == pytest.approx(per_row[1] / per_row[0])
