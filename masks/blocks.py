@@ -157,12 +157,14 @@ def build_block_layout(
         cand = blo[:, None] + torch.arange(width, device=dev)
         valid = (cand < bhi[:, None]) & (cand < nkv)
         full = valid & (cand >= flo[:, None]) & (cand < fhi[:, None])
-        refined = None if region.exact or not refine else region.refine_blocks(p, geom, ends, cand, valid, memo)
-        if region.exact or refined is not None:
+        if region.exact:
             full_width += width
-            valid, full = (valid, full) if refined is None else refined
-        else:  # rows inside the interval may be masked: every block is partial
-            full = torch.zeros_like(full)
+        else:
+            refined = region.refine_blocks(p, geom, ends, cand, valid, memo) if refine else None
+            if refined is None:  # rows inside the interval may be masked: every block is partial
+                full = torch.zeros_like(full)
+            else:
+                (valid, full), full_width = refined, full_width + width
         cands.append(cand)
         valids.append(valid)
         fulls.append(full)

@@ -96,8 +96,9 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
     also ``kernel_unrefined_s``, the kernel on the same program with every state block partial, its candidate
     lists of ``build_block_layout(refine=False)``: what its liveness order and full blocks save); then the op
     itself (``state_layout="auto"``, flex, eager: which layout it took) and causal SDPA on the same q, k, v.
-    ``x_vs_sdpa``: SDPA's time over the row's (kernel and program rows: over the kernel and the build). The versioned row's ``row_cost_vs_snapshot``: its
-    (build + kernel) time per state row over the snapshot's (the cost ``state_layout="auto"`` weighs).
+    ``x_vs_sdpa``: SDPA's time over the row's (kernel and program rows: over the kernel and the build). The
+    versioned row's ``row_cost_vs_snapshot``: its (build + kernel) time per state row over the snapshot's (the
+    cost ``state_layout="auto"`` weighs).
     """
     program_of, op, extra, options = _method(sc)
     dev, dtype = torch.device(device), DTYPES[sc.dtype]
@@ -126,11 +127,6 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
                 program = build()
                 kernel = measure(lambda: attend(program, "flex"), device=dev, repeats=repeats)
                 lay = program.layout
-                if layout == "versioned":  # the same program with every state block partial (no refinement)
-                    unrefined = dataclasses.replace(program, layout=build_block_layout(
-                        program.regions, program.params, program.geom, refine=False))
-                    kernel_unrefined = measure(lambda: attend(unrefined, "flex"), device=dev, repeats=repeats)
-                    del unrefined
                 row = {"T": T, "case": f"{layout} program + flex kernel",
                        **{f"{name}_s": statistics.median(s) for name, s in per_stage.items()},
                        "program_s": whole.seconds, "program_peak_mb": whole.peak_mb, "program_saved_mb": saved,
@@ -139,8 +135,12 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
                        "kernel_x_vs_sdpa": sdpa / kernel.seconds, "program_x_vs_sdpa": sdpa / whole.seconds,
                        "kv_rows": program.geom.kv_len, "state_rows": program.geom.n_state,
                        "visible_blocks": int(lay.visible_blocks()), "full_blocks": int(lay.full_num.sum())}
-                if layout == "versioned":
-                    row["kernel_unrefined_s"] = kernel_unrefined.seconds
+                if layout == "versioned":  # the same program with every state block partial (no refinement)
+                    unrefined = dataclasses.replace(program, layout=build_block_layout(
+                        program.regions, program.params, program.geom, refine=False))
+                    row["kernel_unrefined_s"] = measure(lambda: attend(unrefined, "flex"), device=dev,
+                                                        repeats=repeats).seconds
+                    del unrefined
                 progress(f"T={T} {layout}: program {whole.seconds * 1e3:.2f} ms, kernel {kernel.seconds * 1e3:.2f} ms")
                 rows.append(row)
                 by_layout[layout] = row
