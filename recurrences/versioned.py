@@ -258,8 +258,9 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         inv = torch.empty_like(order).scatter_(2, order, idx)  # sorted index of each position
         # version rows: each chunk's tokens in liveness order (ver_pos: the token of each version row)
         ver_dies = dies_s.gather(2, inv).view(B, H, nc, L)
-        ver_pos = (liveness_order(ver_dies, (pos % L).view(nc, L).expand_as(ver_dies), L)
-                   + pos.view(nc, L)[:, :1]).flatten(2)
+        chunk_start = torch.arange(nc, device=dev)[:, None] * L  # [nc, 1]: each chunk's first version row
+        ver_pos = (liveness_order(ver_dies, torch.arange(L, device=dev).expand_as(ver_dies), L)
+                   + chunk_start).flatten(2)
         ver_sorted = inv.gather(2, ver_pos)  # sorted index of each version row's token
         ver_born, ver_dies = born_s.gather(2, ver_sorted), dies_s.gather(2, ver_sorted)
         ver_counts = count_s.gather(2, ver_sorted).float()
