@@ -255,7 +255,7 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         live_s = last & (dies_s > entry_s)  # a row entering at a checkpoint's chunk is in that checkpoint
         born_s = torch.where(live_s, entry_s, 0)
         dies_s = torch.where(live_s, dies_s, 0)
-        inv = torch.empty_like(order).scatter_(2, order, idx)  # sorted index of each position
+        inv = _inverse(order)  # sorted index of each position
         # version rows: each chunk's tokens in liveness order (ver_pos: the token of each version row)
         ver_dies = dies_s.gather(2, inv).view(B, H, nc, L)
         chunk_start = torch.arange(nc, device=dev)[:, None] * L  # [nc, 1]: each chunk's first version row
@@ -282,13 +282,17 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
         counts = torch.cat([ck_counts.flatten(2), ver_counts], -1)
         row_slot = torch.cat([ck_slot.flatten(2), slot.gather(2, ver_pos)], -1)
         # where each checkpoint row (in slot order) and each version sum (in sorted order) is laid out
-        ck_dest = torch.empty_like(ck_slot).scatter_(3, ck_slot, torch.arange(rows, device=dev).expand_as(ck_slot))
-        ck_dest = (ck_dest + torch.arange(n_ckpt, device=dev)[:, None] * rows).flatten(2)
-        ver_dest = torch.empty_like(ver_sorted).scatter_(2, ver_sorted, idx) + n_ckpt * rows
+        ck_dest = (_inverse(ck_slot) + torch.arange(n_ckpt, device=dev)[:, None] * rows).flatten(2)
+        ver_dest = _inverse(ver_sorted) + n_ckpt * rows
 
     laid = [placed_rows(plan.state_rows, (ck.flatten(2, 3), ck_dest), (_version_sums(x, order, seg_start), ver_dest))
             for ck, x in zip(ckpt, xs)]
     return VersionedSums(laid, counts, row_slot, born, dies)
+
+
+def _inverse(perm: Tensor) -> Tensor:
+    """The inverse of each permutation ``perm [..., n]`` (int64, along the last dim): ``out[..., perm[..., i]] = i``."""
+    return torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device).expand_as(perm))
 
 
 #: columns of a version-row sum done at once in fp64: the cumsum's fp64 buffers (and their gradients') are
