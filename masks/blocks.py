@@ -153,7 +153,7 @@ def build_block_layout(
         # rows some query of the block sees: [lo(first), hi(last)); rows all see: [lo(last), hi(first))
         blo, flo = lo[0] // bk, _cdiv(lo[1], bk)
         bhi, fhi = _cdiv(hi[1], bk), hi[0] // bk
-        width = size_min(_cdiv(region.max_span(geom), bk) + 1, nkv)
+        width = size_min(region.max_blocks(geom), nkv)
         cand = blo[:, None] + torch.arange(width, device=dev)
         valid = (cand < bhi[:, None]) & (cand < nkv)
         full = valid & (cand >= flo[:, None]) & (cand < fhi[:, None])

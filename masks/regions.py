@@ -19,11 +19,13 @@ tensors of the ``blocked``/``dense`` backends alike.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from recurrences.checks import check_chunk, check_int
 from recurrences.compiling import device_constant
@@ -65,7 +67,9 @@ class Region:
     Subclasses define ``name`` (``"sink" | "state" | "window" | "causal"``),
     ``params`` (int32 tensors captured by the mask_mod), ``bounds`` and
     ``max_span`` (an upper bound, in rows, of ``hi(qe-1) - lo(qs)`` over one
-    query block, from which the static width of the block lists follows).
+    query block ``[qs, qe)``); ``start_lattice`` tells where ``lo(qs)`` can fall, so that
+    ``max_blocks``, the static width of the block lists, counts only the kv blocks such an
+    interval can really touch.
 
     ``exact``: every row of ``[lo, hi)`` is visible. A region with a per-row predicate
     inside its interval (the versioned state layout, :mod:`masks.versioned`) sets it
@@ -92,6 +96,18 @@ class Region:
 
     def max_span(self, geom: Geometry) -> int:
         raise NotImplementedError
+
+    def start_lattice(self, geom: Geometry) -> tuple[int, int]:
+        """``(base, step)``: the first row ``lo(qs)`` of every query block (``qs`` a multiple of
+        ``geom.block_q``) is ``base + j step`` for some integer ``j`` (``step = 0``: always ``base``).
+        The default ``(0, 1)`` claims nothing."""
+        return 0, 1
+
+    def max_blocks(self, geom: Geometry) -> int:
+        """The most kv blocks (of ``geom.block_kv`` rows) the rows of one query block can touch: its
+        interval of at most ``max_span`` rows, starting where ``start_lattice`` allows
+        (:func:`blocks_touched`). The block lists are this wide (at most ``n_kv_blocks``)."""
+        return blocks_touched(self.max_span(geom), *self.start_lattice(geom), geom.block_kv)
 
     def contains(self, p: tuple[Tensor, ...], q_idx: Tensor, kv_idx: Tensor, b: Tensor | None = None,
                  h: Tensor | None = None) -> Tensor:
@@ -132,6 +148,30 @@ def union_tests(regions, params) -> list:
     return tests
 
 
+def _known_multiple(x: int, m: int) -> bool:
+    """Whether ``x`` is a multiple of ``m``, provably: a symbolic ``x`` (a size under ``torch.compile``
+    with a dynamic length) only where that holds for every value, so the answer adds no guard."""
+    return statically_known_true(x % m == 0)
+
+
+def blocks_touched(span: int, base: int, step: int, block: int) -> int:
+    """The most blocks of ``block`` rows (a power of two) an interval of at most ``span`` rows touches
+    when it starts at a row ``base + j step`` (``j`` any integer; ``step = 0``: at ``base``).
+
+    Its first row's offset in its block is then ``base mod d`` plus a multiple of ``d = gcd(step,
+    block)``, at most ``block - d + base mod d``, and the interval reaches ``ceil((offset + span) /
+    block)`` blocks: ``ceil(span / block)`` for an aligned start, at most one more for any start.
+    Symbolic ``base`` or ``step`` count only what is provable (:func:`_known_multiple`)."""
+    d = block
+    while d > 1 and not _known_multiple(step, d):
+        d //= 2
+    if isinstance(base, int):
+        offset = base % d
+    else:
+        offset = 0 if _known_multiple(base, d) else d - 1
+    return -(-(block - d + offset + span) // block)
+
+
 def _i32(values: list[int], device: torch.device) -> Tensor:
     """A region's Python parameters as an int32 tensor on ``device`` (read only): eager, one kept tensor
     per values and device (:func:`~recurrences.compiling.device_constant`: no host copy, so no stream
@@ -160,6 +200,9 @@ class Causal(Region):
     def max_span(self, geom):
         return geom.kv_tokens
 
+    def start_lattice(self, geom):
+        return geom.n_state, 0
+
 
 @dataclass(frozen=True)
 class TokenWindow(Region):
@@ -182,6 +225,10 @@ class TokenWindow(Region):
 
     def max_span(self, geom):
         return self.window + geom.block_q - 1
+
+    def start_lattice(self, geom):
+        # lo(qs) - S is 0 or qs - window + 1, qs a multiple of block_q
+        return geom.n_state, math.gcd(geom.block_q, self.window - 1)
 
 
 @dataclass(frozen=True)
@@ -210,7 +257,14 @@ class BlockWindow(Region):
         return t[0] + lo, t[0] + q_idx + 1
 
     def max_span(self, geom):
-        return self.width * self.chunk_size + geom.block_q
+        # [(c - width + 1) L, qs + bq) for the chunk c of qs: qs lies at most L - gcd(bq, L) rows into it
+        bq, L = geom.block_q, self.chunk_size
+        return bq + (self.width - 1) * L + L - math.gcd(bq, L)
+
+    def start_lattice(self, geom):
+        # lo(qs) - S is 0 or a multiple of L; for chunk-aligned query blocks 0 or qs - (width - 1) L
+        bq, L = geom.block_q, self.chunk_size
+        return geom.n_state, math.gcd(bq, (self.width - 1) * L) if bq % L == 0 else L
 
 
 def OwnChunk(chunk_size: int) -> BlockWindow:
@@ -238,6 +292,9 @@ class Sinks(Region):
 
     def max_span(self, geom):
         return self.n
+
+    def start_lattice(self, geom):
+        return geom.n_state, 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,6 +335,9 @@ class StateBank(Region):
         # query blocks start at multiples of block_q: count the chunks one can touch
         touched = max(1, bq // c) if (bq % c == 0 or c % bq == 0) else (bq - 1) // c + 2
         return touched * self.rows_per_chunk
+
+    def start_lattice(self, geom):
+        return 0, self.rows_per_chunk  # each chunk's rows start at c * rows_per_chunk
 
 
 

@@ -114,12 +114,17 @@ def default_every(rows: int, chunk_size: int, n_chunks: int | None = None, per_t
 def plan_versioned(n_chunks: int, chunk_size: int, rows: int, lag: int, every: int | None = None,
                    align: int = 1, per_token: int = 2) -> VersionPlan:
     """The layout of a state of ``rows`` rows read by ``n_chunks`` chunks (``every=None``:
-    :func:`default_every` of the padded rows, at most about ``per_token`` checkpoint rows per token); checkpoint
-    rows are padded to a multiple of ``align`` (the block size)."""
+    :func:`default_every` of the padded rows, at most about ``per_token`` checkpoint rows per token, rounded up to
+    a multiple of the chunks in a block when a block of ``align`` rows holds several: every query block then
+    reads one checkpoint, and its block lists need no room for two, ``masks.versioned``); checkpoint rows are
+    padded to a multiple of ``align`` (the block size)."""
     if every is not None:
         check_int("checkpoint_every", every)
     rows_pad = -(-rows // align) * align
-    every = default_every(rows_pad, chunk_size, n_chunks, per_token) if every is None else every
+    if every is None:
+        every = default_every(rows_pad, chunk_size, n_chunks, per_token)
+        if align > chunk_size and align % chunk_size == 0:
+            every = -(-every // (align // chunk_size)) * (align // chunk_size)
     return VersionPlan(n_chunks, chunk_size, rows_pad, every, lag)
 
 

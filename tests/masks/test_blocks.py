@@ -1,10 +1,12 @@
 """Analytic block lists against the dense truth on tiny shapes (docs/design.md §3.2)."""
+import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from masks.blocks import build_block_layout
-from masks.regions import BlockWindow, Causal, Geometry, Sinks, StateBank, TokenWindow
+from masks.regions import BlockWindow, Causal, Geometry, Sinks, StateBank, TokenWindow, blocks_touched
+from masks.versioned import CheckpointBank, VersionRows
 
 
 def dense_tiles(regions, params, geom):
@@ -117,3 +119,76 @@ def test_visible_block_count_is_linear_for_windows():
     params = (TokenWindow(512).params(geom, torch.device("cpu")),)
     lay = build_block_layout((TokenWindow(512),), params, geom)
     assert lay.kv_idx.shape[-1] <= 6 and int(lay.visible_blocks()) <= 6 * geom.n_q_blocks
+
+
+@st.composite
+def any_region_geometry(draw):
+    """A region of each kind on a geometry whose state rows need not fill whole blocks (as on the larger
+    blocks flex runs a program with on CUDA, ``AttentionProgram.on_blocks``)."""
+    block = draw(st.sampled_from([16, 32, 64, 128]))
+    chunk = draw(st.sampled_from([16, 32, 48, 64, 128, 256]))
+    q_pad = draw(st.integers(1, 12)) * block
+    n_chunks = -(-q_pad // chunk)
+    kind = draw(st.sampled_from(["causal", "window", "bswa", "sinks", "bank", "checkpoints", "versions"]))
+    n_state = draw(st.integers(0, 3 * block))
+    if kind == "causal":
+        region = Causal()
+    elif kind == "window":
+        region = TokenWindow(draw(st.integers(1, 3 * block)))
+    elif kind == "bswa":
+        region = BlockWindow(draw(st.integers(1, 3)), chunk)
+    elif kind == "sinks":
+        region = Sinks(draw(st.integers(1, 40)))
+    elif kind == "bank":
+        rows = draw(st.integers(1, 70))
+        region = StateBank(rows, chunk, torch.full((n_chunks,), rows))
+        n_state = n_chunks * rows + draw(st.integers(0, block - 1))
+    else:
+        rows, every, lag = draw(st.integers(1, 70)), draw(st.integers(1, 6)), draw(st.integers(0, 1))
+        n_ckpt = -(-n_chunks // every)
+        n_state = n_ckpt * rows + n_chunks * chunk + draw(st.integers(0, block - 1))
+        none = torch.zeros(1, 1, n_state, dtype=torch.int32)
+        live = torch.full((n_ckpt,), rows)
+        region = (CheckpointBank(rows, chunk, every, n_chunks, live, none, none) if kind == "checkpoints" else
+                  VersionRows(chunk, every, lag, n_chunks, n_ckpt * rows, n_chunks * chunk, none, none))
+    kv_len = -(-(n_state + q_pad) // block) * block
+    return region, Geometry(q_pad, q_pad, n_state, kv_len - n_state, block, block)
+
+
+@settings(max_examples=400)  # cheap (a few small tensor ops each); the default 20 leave kinds untried
+@given(any_region_geometry())
+def test_list_width_covers_the_rows_of_every_query_block(case):
+    """The block lists are ``max_blocks`` wide: no query block's rows ``[lo(qs), hi(qe - 1))`` may reach
+    more kv blocks (a narrower list would drop visible blocks)."""
+    region, geom = case
+    p = region.params(geom, torch.device("cpu"))
+    first = torch.arange(geom.n_q_blocks) * geom.block_q
+    lo, hi = region.bounds(p, torch.stack([first, first + geom.block_q - 1]))
+    bk = geom.block_kv
+    reached = torch.where(hi[1] > lo[0], -(-hi[1].long() // bk) - lo[0].long() // bk, 0)
+    assert int(reached.max()) <= min(region.max_blocks(geom), geom.n_kv_blocks)
+
+
+@pytest.mark.parametrize("span, base, step, want", [
+    (32, 0, 32, 1), (33, 0, 32, 2), (32, 16, 32, 2), (32, 0, 16, 2), (16, 16, 16, 1), (1, 31, 0, 1),
+    (2, 31, 0, 2), (40, 0, 1, 3), (64, 0, 0, 2), (64, 1, 2, 3),
+], ids=lambda x: str(x))
+def test_blocks_touched_by_an_interval(span, base, step, want):
+    """Counted by hand on blocks of 32 rows: an aligned start reaches ceil(span / 32) blocks, a start
+    that can fall inside a block one more where the span's end then crosses a block boundary."""
+    assert blocks_touched(span, base, step, 32) == want
+
+
+def test_tiny_preset_lists_are_as_wide_as_what_they_hold():
+    """The blocked backend (how a CPU trains) gathers every query block's list at its full width: with
+    the tiny preset's 16-token chunks on 32-row blocks, the OVQ lists were 7 and 15 blocks wide at 64
+    and 128 tokens for at most 5 listed (so 3x the gathered rows at 128); their width is now within two
+    blocks of the most any query block lists."""
+    from ovqflex.ops.ovq import ovq_program
+    torch.manual_seed(0)
+    for T in (64, 128):
+        q, k, v = (torch.randn(2, 2, T, 16) for _ in range(3))
+        program, _, _ = ovq_program(q, k, v, torch.ones(2), chunk_size=16, max_centroids=2048, block_size=32)
+        lay = program.layout
+        most = int((lay.kv_num + lay.full_num).max())
+        assert lay.kv_idx.shape[-1] <= most + 2, (T, lay.kv_idx.shape[-1], most)
