@@ -148,7 +148,14 @@ def union_tests(regions, params) -> list:
     return tests
 
 
-def _known_multiple(x: int, m: int) -> bool:
+def touched_chunks(geom: Geometry, chunk_size: int) -> int:
+    """The most chunks of ``chunk_size`` tokens one query block touches (query blocks start at multiples of
+    ``geom.block_q``): ``block_q / chunk_size`` whole chunks, or 1, when one size divides the other."""
+    bq = geom.block_q
+    return max(1, bq // chunk_size) if (bq % chunk_size == 0 or chunk_size % bq == 0) else (bq - 1) // chunk_size + 2
+
+
+def known_multiple(x: int, m: int) -> bool:
     """Whether ``x`` is a multiple of ``m``, provably: a symbolic ``x`` (a size under ``torch.compile``
     with a dynamic length) only where that holds for every value, so the answer adds no guard."""
     return statically_known_true(x % m == 0)
@@ -161,14 +168,14 @@ def blocks_touched(span: int, base: int, step: int, block: int) -> int:
     Its first row's offset in its block is then ``base mod d`` plus a multiple of ``d = gcd(step,
     block)``, at most ``block - d + base mod d``, and the interval reaches ``ceil((offset + span) /
     block)`` blocks: ``ceil(span / block)`` for an aligned start, at most one more for any start.
-    Symbolic ``base`` or ``step`` count only what is provable (:func:`_known_multiple`)."""
+    Symbolic ``base`` or ``step`` count only what is provable (:func:`known_multiple`)."""
     d = block
-    while d > 1 and not _known_multiple(step, d):
+    while d > 1 and not known_multiple(step, d):
         d //= 2
     if isinstance(base, int):
         offset = base % d
     else:
-        offset = 0 if _known_multiple(base, d) else d - 1
+        offset = 0 if known_multiple(base, d) else d - 1
     return -(-(block - d + offset + span) // block)
 
 
@@ -331,10 +338,7 @@ class StateBank(Region):
         return lo, lo + live[c]
 
     def max_span(self, geom):
-        bq, c = geom.block_q, self.chunk_size
-        # query blocks start at multiples of block_q: count the chunks one can touch
-        touched = max(1, bq // c) if (bq % c == 0 or c % bq == 0) else (bq - 1) // c + 2
-        return touched * self.rows_per_chunk
+        return touched_chunks(geom, self.chunk_size) * self.rows_per_chunk
 
     def start_lattice(self, geom):
         return 0, self.rows_per_chunk  # each chunk's rows start at c * rows_per_chunk

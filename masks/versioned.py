@@ -41,20 +41,15 @@ from torch import Tensor
 
 from recurrences.versioned import VersionPlan
 
-from .regions import Geometry, Region, _i32, _known_multiple
-
-
-def _touched_chunks(geom: Geometry, chunk_size: int) -> int:
-    bq = geom.block_q
-    return max(1, bq // chunk_size) if (bq % chunk_size == 0 or chunk_size % bq == 0) else (bq - 1) // chunk_size + 2
+from .regions import Geometry, Region, _i32, known_multiple, touched_chunks
 
 
 def _in_one_interval(geom: Geometry, chunk_size: int, every: int) -> bool:
     """Whether the chunks of every query block lie in one checkpoint interval (``every`` chunks): a block
     inside one chunk, or of ``t`` whole chunks (starting at a multiple of ``t``) with ``t`` dividing ``every``
     (provably, for a symbolic ``every``)."""
-    t = _touched_chunks(geom, chunk_size)
-    return t == 1 or (geom.block_q % chunk_size == 0 and _known_multiple(every, t))
+    t = touched_chunks(geom, chunk_size)
+    return t == 1 or (geom.block_q % chunk_size == 0 and known_multiple(every, t))
 
 
 def _liveness(born: Tensor, dies: Tensor, geom: Geometry) -> tuple[Tensor, Tensor]:
@@ -158,7 +153,7 @@ class CheckpointBank(Region):
         # chunks c0..c1 of one query block touch checkpoints c0 // R .. c1 // R
         if _in_one_interval(geom, self.chunk_size, self.every):
             return self.rows
-        return (-(-(_touched_chunks(geom, self.chunk_size) - 1) // self.every) + 1) * self.rows
+        return (-(-(touched_chunks(geom, self.chunk_size) - 1) // self.every) + 1) * self.rows
 
     def start_lattice(self, geom):
         return 0, self.rows  # checkpoint k's rows start at k rows
@@ -213,7 +208,7 @@ class VersionRows(Region):
     def max_span(self, geom):
         # over one query block: chunks c0..c1 read tokens from (R floor(c0/R) - lag + 1) L to (c1 - lag + 1) L,
         # and c1 - R floor(c0/R) <= R - 1 when c0..c1 lie in one checkpoint interval
-        extra = 0 if _in_one_interval(geom, self.chunk_size, self.every) else _touched_chunks(geom, self.chunk_size) - 1
+        extra = 0 if _in_one_interval(geom, self.chunk_size, self.every) else touched_chunks(geom, self.chunk_size) - 1
         return (self.every - 1 + extra) * self.chunk_size
 
     def start_lattice(self, geom):
