@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from masks.blocks import build_block_layout
 from masks.regions import BlockWindow, Causal, Geometry, Sinks, StateBank, TokenWindow, blocks_touched
 from masks.versioned import CheckpointBank, VersionRows
+from ovqflex.ops.ovq import ovq_program
 
 
 def dense_tiles(regions, params, geom):
@@ -184,7 +185,6 @@ def test_tiny_preset_lists_are_as_wide_as_what_they_hold():
     the tiny preset's 16-token chunks on 32-row blocks, the OVQ lists were 7 and 15 blocks wide at 64
     and 128 tokens for at most 5 listed (so 3x the gathered rows at 128); their width is now within two
     blocks of the most any query block lists."""
-    from ovqflex.ops.ovq import ovq_program
     torch.manual_seed(0)
     for T in (64, 128):
         q, k, v = (torch.randn(2, 2, T, 16) for _ in range(3))
