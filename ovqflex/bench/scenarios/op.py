@@ -2,11 +2,12 @@
 forward+backward, in fp32 or bf16, with FLOP efficiency."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from recurrences.checks import check_choice, check_int
+from recurrences.versioned import STATE_LAYOUTS
 
 from ...attention import training_backend
 from ...methods import Method, get_method
@@ -188,6 +189,41 @@ class KVMStateKeys:
                     budget=self.budget, state_min_len=self.state_min_len or None, growth_factor=self.growth_factor,
                     growth_exponent=self.growth_exponent, round_down=self.round_down,
                     saturation_n=self.saturation_n, max_state_chunks=self.max_state_chunks or None)
+
+
+STATE_METHODS = ("ovq", "kvm", "vq")
+
+
+@dataclass(kw_only=True)
+class StateMethodKeys(KVMStateKeys):
+    """The keys of a scenario that runs one of the stateful ops on each of its state ``layouts``: ``method``, one
+    of :data:`STATE_METHODS` (OVQ reads ``max_centroids``, KVM the keys of :class:`KVMStateKeys`, VQ
+    ``codebook_size``), and ``chunk_size``."""
+
+    method: str = "ovq"
+    max_centroids: int = 2048
+    codebook_size: int = 512
+    chunk_size: int = 128
+    layouts: list[str] = field(default_factory=lambda: ["snapshot", "versioned"])
+
+    def __post_init__(self):
+        check_choice(f"scenario {self.name!r}: method", self.method, STATE_METHODS)
+        for i, layout in enumerate(self.layouts):
+            check_choice(f"layouts[{i}]", layout, STATE_LAYOUTS[:2])
+
+    def method_parts(self) -> tuple:
+        """``(program, op, extra, options)``: ``program(**inputs, **options)[0]`` is the op's attention program,
+        ``op(**inputs, backend=, **options)`` its output, ``extra`` draws its inputs beside q, k, v
+        (:func:`op_inputs`)."""
+        from ...ops import kvm_attention, kvm_program, ovq_attention, ovq_program, vq_attention, vq_program
+
+        if self.method == "ovq":
+            return ovq_program, ovq_attention, ovq_extra, dict(chunk_size=self.chunk_size,
+                                                               max_centroids=self.max_centroids)
+        if self.method == "kvm":
+            return kvm_program, kvm_attention, kvm_extra, self.kvm_options(self.chunk_size)
+        return (vq_program, lambda **a: vq_attention(**a)[0], vq_extra(self.codebook_size),
+                dict(chunk_size=self.chunk_size))
 
 
 @dataclass(kw_only=True)

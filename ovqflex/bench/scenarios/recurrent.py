@@ -1,17 +1,18 @@
-"""The non-softmax recurrences vs their loops, OVQ and SDPA (``recurrent``); OVQ's state layouts (``state_layout``)
-and OVQ's and KVM's routing implementations (``routing``)."""
+"""The non-softmax recurrences vs their loops, OVQ and SDPA (``recurrent``); a stateful op's state layouts
+(``state_layout``) and OVQ's and KVM's routing implementations (``routing``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from masks.program import DEFAULT_BLOCK
 from recurrences.checks import check_choice
 
-from ..measure import compare_cases, measure
+from ..measure import compare_cases, measure, saved_for_backward_mb
 from .base import Scenario, register
-from .op import KVMStateKeys
+from .op import KVMStateKeys, StateMethodKeys, op_inputs
 
 
 @dataclass(kw_only=True)
@@ -115,14 +116,16 @@ def _reference_case(name: str) -> str | None:
 
 
 @dataclass(kw_only=True)
-class StateLayoutScenario(Scenario):
+class StateLayoutScenario(Scenario, StateMethodKeys):
+    """The method keys of :class:`~ovqflex.bench.scenarios.op.StateMethodKeys` (OVQ also ``growth``); inputs
+    ``[1, heads, T, head_dim]`` fp32, drawn as the op scenarios draw them; the op runs on ``backend`` with each
+    of ``layouts``, ``block_size`` its attention block, ``checkpoint_every`` its spacing (0: the default)."""
+
     seq_lens: list[int]
-    max_centroids: int = 2048
     heads: int = 2
     head_dim: int = 64
-    chunk_size: int = 128
+    block_size: int = DEFAULT_BLOCK
     growth: str = "plateau"
-    layouts: list[str] = field(default_factory=lambda: ["snapshot", "versioned"])
     checkpoint_every: int = 0     # 0: the default
     backend: str = "blocked"
     backward: bool = True
@@ -131,45 +134,54 @@ class StateLayoutScenario(Scenario):
 
 @register("state_layout", StateLayoutScenario)
 def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
-    """OVQ op under each state layout (docs/design.md §5): state rows, forward and forward+backward time and
-    peak memory at each ``seq_len`` of ``seq_lens``; the runner fits the log-log slope of each case.
-    ``x_time_vs_snapshot`` is the time ratio to the snapshot layout's same case (> 1: slower).
+    """A stateful op under each state layout (docs/design.md §5) at each ``seq_len`` of ``seq_lens``: its state
+    rows, the width of its block lists (``listed_width``: the blocks every query block lists at most, what the
+    ``blocked`` backend gathers for each), forward and forward+backward time and peak memory, and for the
+    forward+backward what autograd keeps for the backward (``saved_mb``:
+    :func:`~ovqflex.bench.measure.saved_for_backward_mb`, what each such layer adds to a model's training
+    peak); the runner fits the log-log slope of each case. ``x_time_vs_snapshot`` and ``x_saved_vs_snapshot``
+    are ratios to the snapshot layout's same case (> 1: slower, more kept).
     """
-    from ...ops.ovq import ovq_attention, ovq_program
-
-    dev = torch.device(device)
-    H, D = sc.heads, sc.head_dim
-    L, N = sc.chunk_size, sc.max_centroids
-    every = sc.checkpoint_every or None
-    backend, repeats = sc.backend, sc.repeats
-    options = dict(chunk_size=L, max_centroids=N, growth=sc.growth, checkpoint_every=every)
+    program_of, op, extra, options = sc.method_parts()
+    options.update(block_size=sc.block_size, checkpoint_every=sc.checkpoint_every or None)
+    if sc.method == "ovq":
+        options["growth"] = sc.growth
+    dev, backend, repeats = torch.device(device), sc.backend, sc.repeats
     rows: list[dict] = []
     for T in sc.seq_lens:
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, H, T, D, generator=g).to(dev) for _ in range(3))
-        beta = torch.full((H,), D**0.5, device=dev)
-        leaves = [x.clone().requires_grad_() for x in (q, k, v, beta)]
-        base: dict[str, float] = {}
+        t = op_inputs(T, sc.heads, sc.head_dim, extra, dev, torch.float32)
+        leaves = {n: x.clone().requires_grad_(x.is_floating_point()) for n, x in t.items()}
+        base: dict[str, dict] = {}
         for layout in sc.layouts:
             with torch.no_grad():
-                n_state = ovq_program(q, k, v, beta, state_layout=layout, **options)[0].geom.n_state
+                program = program_of(**t, state_layout=layout, **options)[0]
+            n_state, width = program.geom.n_state, program.layout.kv_idx.shape[-1]
+            del program
 
             def fwd(layout=layout):
                 with torch.no_grad():
-                    return ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **options)
+                    return op(**t, backend=backend, state_layout=layout, **options)
 
             def fwd_bwd(layout=layout):
-                ovq_attention(*leaves, backend=backend, state_layout=layout, **options).sum().backward()
-                for x in leaves:
+                op(**leaves, backend=backend, state_layout=layout, **options).sum().backward()
+                for x in leaves.values():
                     x.grad = None
 
             cases = [("fwd", fwd)] + ([("fwd+bwd", fwd_bwd)] if sc.backward else [])
             for what, fn in cases:
                 m = measure(fn, device=dev, repeats=repeats)
-                base.setdefault(what, m.seconds) if layout == "snapshot" else None
-                rows.append({"T": T, "case": f"{layout} {backend} {what}", "state_rows": n_state,
-                             "state_rows_per_T": n_state / T, "time_s": m.seconds, "peak_mb": m.peak_mb,
-                             "x_time_vs_snapshot": m.seconds / base[what] if what in base else None})
+                row = {"T": T, "case": f"{layout} {backend} {what}", "state_rows": n_state,
+                       "state_rows_per_T": n_state / T, "listed_width": width, "time_s": m.seconds,
+                       "peak_mb": m.peak_mb}
+                if what == "fwd+bwd":
+                    row["saved_mb"] = saved_for_backward_mb(
+                        lambda layout=layout: op(**leaves, backend=backend, state_layout=layout, **options),
+                        leaves.values())
+                ref = base.setdefault(what, row) if layout == "snapshot" else base.get(what)
+                row["x_time_vs_snapshot"] = m.seconds / ref["time_s"] if ref else None
+                if "saved_mb" in row:
+                    row["x_saved_vs_snapshot"] = row["saved_mb"] / ref["saved_mb"] if ref else None
+                rows.append(row)
     return rows
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,53 +13,30 @@ from masks.blocks import build_block_layout
 from masks.regions import StateBank
 from masks.versioned import CheckpointBank
 from recurrences.checks import check_choice
-from recurrences.versioned import STATE_LAYOUTS
 
 from ...attention import attend
 from ...profiling import stage_timer
 from ..measure import measure, progress, saved_for_backward_mb
 from .base import Scenario, check_sizes, register
-from .op import DTYPES, KVMStateKeys, kvm_extra, op_inputs, ovq_extra, vq_extra
-
-STAGE_METHODS = ("ovq", "kvm", "vq")
+from .op import DTYPES, StateMethodKeys, op_inputs
 
 
 @dataclass(kw_only=True)
-class StagesScenario(Scenario, KVMStateKeys):
-    """``method``: ``"ovq"`` (``max_centroids``), ``"kvm"`` (the KVM keys of
-    :class:`~ovqflex.bench.scenarios.op.KVMStateKeys`) or ``"vq"`` (``codebook_size``); inputs
-    ``[1, heads, T, head_dim]`` in ``dtype`` (``"fp32"`` or ``"bf16"``), as the op scenarios draw them;
-    ``layouts``: the state layouts whose programs are built and run."""
+class StagesScenario(Scenario, StateMethodKeys):
+    """The method keys of :class:`~ovqflex.bench.scenarios.op.StateMethodKeys`; inputs ``[1, heads, T,
+    head_dim]`` in ``dtype`` (``"fp32"`` or ``"bf16"``), as the op scenarios draw them; ``layouts``: the state
+    layouts whose programs are built and run."""
 
     seq_lens: list[int]
-    method: str = "ovq"
-    max_centroids: int = 2048
-    codebook_size: int = 512
     heads: int = 8
     head_dim: int = 64
-    chunk_size: int = 128
     dtype: str = "bf16"
-    layouts: list[str] = field(default_factory=lambda: ["snapshot", "versioned"])
     repeats: int = 3
 
     def __post_init__(self):
+        super().__post_init__()
         check_sizes("seq_lens", self.seq_lens)
-        check_choice(f"scenario {self.name!r}: method", self.method, STAGE_METHODS)
         check_choice("dtype", self.dtype, DTYPES)
-        for i, layout in enumerate(self.layouts):
-            check_choice(f"layouts[{i}]", layout, STATE_LAYOUTS[:2])
-
-
-def _method(sc: StagesScenario):
-    """``(program, op, extra, options)`` of the scenario's method; ``program(**inputs, **options)[0]``
-    is the op's attention program, ``op(**inputs, backend=, **options)`` its output."""
-    from ...ops import kvm_attention, kvm_program, ovq_attention, ovq_program, vq_attention, vq_program
-
-    if sc.method == "ovq":
-        return ovq_program, ovq_attention, ovq_extra, dict(chunk_size=sc.chunk_size, max_centroids=sc.max_centroids)
-    if sc.method == "kvm":
-        return kvm_program, kvm_attention, kvm_extra, sc.kvm_options(sc.chunk_size)
-    return vq_program, lambda **a: vq_attention(**a)[0], vq_extra(sc.codebook_size), dict(chunk_size=sc.chunk_size)
 
 
 def layout_of(program) -> str:
@@ -100,7 +77,7 @@ def stages(sc: StagesScenario, device: str) -> list[dict]:
     versioned row's ``row_cost_vs_snapshot``: its (build + kernel) time per state row over the snapshot's (the
     cost ``state_layout="auto"`` weighs).
     """
-    program_of, op, extra, options = _method(sc)
+    program_of, op, extra, options = sc.method_parts()
     dev, dtype = torch.device(device), DTYPES[sc.dtype]
     H, D, repeats = sc.heads, sc.head_dim, sc.repeats
     rows: list[dict] = []

@@ -225,6 +225,38 @@ def test_stages_of_kvm_and_vq(method):
     _check_stages(_run(table), 64, ["versioned"])
 
 
+@pytest.mark.parametrize("method", ["ovq", "kvm", "vq"])
+def test_state_layout_reports_each_layouts_rows_width_and_what_its_backward_keeps(method):
+    """Per layout, a forward and a forward+backward row with the state rows and list width of the program that
+    layout builds (built here anew), what autograd keeps for the backward (the forward+backward rows only)
+    and the ratios to the snapshot layout's row of the same case."""
+    from ovqflex.bench.scenarios.op import kvm_extra, op_inputs, ovq_extra, vq_extra
+    from ovqflex.ops import kvm_program, ovq_program, vq_program
+
+    table = {"kind": "state_layout", "name": "sl", "method": method, "seq_lens": [96], "heads": 2, "head_dim": 16,
+             "chunk_size": 16, "block_size": 32, "max_centroids": 8, "codebook_size": 8, "budget": "power_law",
+             "growth_factor": 4.0, "max_state_chunks": 0, "repeats": 1}
+    rows = _run(table)
+    assert [r["case"] for r in rows] == [f"{lay} blocked {what}" for lay in ("snapshot", "versioned")
+                                         for what in ("fwd", "fwd+bwd")]
+    program_of, extra, options = {
+        "ovq": (ovq_program, ovq_extra, dict(max_centroids=8)),
+        "kvm": (kvm_program, kvm_extra, dict(budget="power_law", growth_factor=4.0, max_state_chunks=None)),
+        "vq": (vq_program, vq_extra(8), {})}[method]
+    t = op_inputs(96, 2, 16, extra, torch.device("cpu"), torch.float32)
+    by = {r["case"]: r for r in rows}
+    for layout in ("snapshot", "versioned"):
+        p = program_of(**t, chunk_size=16, block_size=32, state_layout=layout, **options)[0]
+        fwd, fwd_bwd = by[f"{layout} blocked fwd"], by[f"{layout} blocked fwd+bwd"]
+        for r in (fwd, fwd_bwd):
+            assert (r["state_rows"], r["listed_width"]) == (p.geom.n_state, p.layout.kv_idx.shape[-1]), r
+            what = r["case"].rsplit(" ", 1)[1]
+            assert r["x_time_vs_snapshot"] == pytest.approx(r["time_s"] / by[f"snapshot blocked {what}"]["time_s"])
+        assert "saved_mb" not in fwd and fwd_bwd["saved_mb"] > 0
+        assert fwd_bwd["x_saved_vs_snapshot"] == pytest.approx(
+            fwd_bwd["saved_mb"] / by["snapshot blocked fwd+bwd"]["saved_mb"])
+
+
 def test_decode_runs_every_case_at_every_batch(capsys):
     """Rows for each (case, batch, T); tokens/s counts the tokens of all rows of the batch, and the
     speed-up is against the baseline at the same batch and T. A CUDA-graph case is left out on the CPU."""
