@@ -15,6 +15,7 @@ its program inside ``torch.compile(fullgraph=True)`` traces it without breaks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -132,6 +133,19 @@ def _transpose(num: Tensor, idx: Tensor, n_rows_out: int, width_out: int) -> tup
     return counts.to(torch.int32), out[:-1].view(n_rows_out, width_out)
 
 
+def _region_width(region: Region, geom: Geometry) -> int:
+    return size_min(region.max_blocks(geom), geom.n_kv_blocks)
+
+
+def list_width(regions: Sequence[Region], geom: Geometry) -> int:
+    """The width ``Wp`` of the block lists :func:`build_block_layout` makes for ``regions`` over ``geom``: each
+    region's :meth:`~masks.regions.Region.max_blocks` (at most every kv block), summed, at most every kv block.
+    Static, from the regions' int fields alone, so it is known before their tensors are (a state layout's,
+    before its state is built: ``ovqflex.ops.state_program``); the ``blocked`` backend gathers this many kv
+    blocks for every query block."""
+    return size_min(sum(_region_width(r, geom) for r in regions), geom.n_kv_blocks)
+
+
 def build_block_layout(
     regions: tuple[Region, ...], params: tuple[tuple[Tensor, ...], ...], geom: Geometry, *, refine: bool = True
 ) -> BlockLayout:
@@ -153,7 +167,7 @@ def build_block_layout(
         # rows some query of the block sees: [lo(first), hi(last)); rows all see: [lo(last), hi(first))
         blo, flo = lo[0] // bk, _cdiv(lo[1], bk)
         bhi, fhi = _cdiv(hi[1], bk), hi[0] // bk
-        width = size_min(region.max_blocks(geom), nkv)
+        width = _region_width(region, geom)
         cand = blo[:, None] + torch.arange(width, device=dev)
         valid = (cand < bhi[:, None]) & (cand < nkv)
         full = valid & (cand >= flo[:, None]) & (cand < fhi[:, None])
@@ -178,7 +192,7 @@ def build_block_layout(
     prev = torch.cat([torch.full_like(blk[:, :1], -1), blk[:, :-1]], dim=-1)
     keep = (key < big) & (blk != prev)
     is_full = (key % 2) == 0
-    out_w = size_min(cand.shape[-1], nkv)
+    out_w = size_min(cand.shape[-1], nkv)  # list_width(regions, geom): the sum of the widths above
     kv_num, kv_idx = _compact(blk, keep & ~is_full, out_w, big)
     full_num, full_idx = _compact(blk, keep & is_full, size_max(1, size_min(full_width, nkv)), big)
     return BlockLayout(geom, kv_num, kv_idx, full_num, full_idx)

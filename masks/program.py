@@ -101,6 +101,14 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def program_geometry(T: int, n_state: int, block_size: int) -> Geometry:
+    """The geometry :func:`build_program` gives a program of ``T`` queries and tokens after ``n_state`` state rows:
+    both padded up to ``block_size``, the blocks' size on both sides."""
+    t_pad = _round_up(max(T, 1), block_size)
+    n_state = _round_up(n_state, block_size) if n_state else 0
+    return Geometry(q_len=T, q_pad=t_pad, n_state=n_state, kv_tokens=t_pad, block_q=block_size, block_kv=block_size)
+
+
 def _kv_rows(state: Tensor | None, n_state: int, tokens: Tensor, t_pad: int) -> Tensor:
     """``[state ; zeros ; tokens ; zeros]`` along dim 2, ``[B, H, n_state + t_pad, D]``: one
     concatenation, each row written once (padding each part first would copy the state twice). Under
@@ -145,21 +153,18 @@ def build_program(
     q, k, v, state_k, state_v = to_dtype(dtype, q, k, v, state_k, state_v)
     regions = tuple(regions)
     B, H, T, _ = q.shape
-    q_pad = _round_up(max(T, 1), block_size)
-    t_pad = q_pad
-    n_state = 0
-    bias = None
     if (state_k is None) != (state_v is None) or (state_k is not None and state_k.shape[:3] != state_v.shape[:3]):
         raise ValueError("state_k and state_v must both be given with matching [B, H, S]")
+    s_real = 0 if state_k is None else state_k.shape[2]
+    geom = program_geometry(T, s_real, block_size)
+    n_state, t_pad = geom.n_state, geom.kv_tokens
+    bias = None
     if state_k is not None:
-        s_real = state_k.shape[2]
-        n_state = _round_up(s_real, block_size) if s_real else 0
         sb = torch.zeros(B, H, s_real, device=q.device) if state_bias is None else state_bias
         bias = pad_to(pad_to(sb.to(work_dtype(q)), 2, n_state, value=float("-inf")), 2, n_state + t_pad)
     k = _kv_rows(state_k, n_state, k, t_pad)
     v = _kv_rows(state_v, n_state, v, t_pad)
-    q = pad_to(q, 2, q_pad)
-    geom = Geometry(q_len=T, q_pad=q_pad, n_state=n_state, kv_tokens=t_pad, block_q=block_size, block_kv=block_size)
+    q = pad_to(q, 2, geom.q_pad)
     params = tuple(r.params(geom, q.device) for r in regions)
     layout = build_block_layout(regions, params, geom)
     return AttentionProgram(q=q, k=k, v=v, regions=regions, params=params, layout=layout, scale=scale, bias=bias)

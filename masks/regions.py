@@ -106,7 +106,8 @@ class Region:
     def max_blocks(self, geom: Geometry) -> int:
         """The most kv blocks (of ``geom.block_kv`` rows) the rows of one query block can touch: its
         interval of at most ``max_span`` rows, starting where ``start_lattice`` allows
-        (:func:`blocks_touched`). The block lists are this wide (at most ``n_kv_blocks``)."""
+        (:func:`blocks_touched`). The block lists are this wide (at most ``n_kv_blocks``). Static: it reads the
+        region's int fields and ``geom``, never its tensors (``masks.blocks.list_width`` relies on it)."""
         return blocks_touched(self.max_span(geom), *self.start_lattice(geom), geom.block_kv)
 
     def contains(self, p: tuple[Tensor, ...], q_idx: Tensor, kv_idx: Tensor, b: Tensor | None = None,

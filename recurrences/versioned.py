@@ -152,8 +152,9 @@ def check_state_layout(state_layout: str, checkpoint_every: int | None, block_si
 LAYOUT_ROW_COST = {"cpu": (2, 1), "cuda": (21, 4)}
 
 #: Most bytes the keys and values of a snapshot state (every chunk's rows, all batch rows and heads) may
-#: take for ``auto`` to weigh the layouts by speed: past it the layout with fewer rows is taken, as with
-#: gradients. The program copies those rows once more, so the forward's peak is about three times this.
+#: take for ``auto`` to weigh the layouts by speed (or, with gradients on the blocked backend, by their block
+#: lists' widths): past it the layout with fewer rows is taken. The program copies those rows once more, so
+#: the forward's peak is about three times this.
 #: At 4 GiB every case of the H200 stages run keeps its measured choice (OVQ at 64k, B=1, H=8, bf16: 1.9
 #: GiB of snapshot state, 4% faster than its versioned layout), while a batch of 16 at 64k (31 GiB of
 #: fp32 snapshot state, out of memory on an 80 GB H100 in ``profiles/decode.toml``'s decode-batched
@@ -181,16 +182,23 @@ CHECKPOINT_ROWS_PER_TOKEN = {"speed": 2, "memory": 1}
 
 
 def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: VersionPlan,
-                        device_type: str | None = None, grad: bool = False, row_bytes: int = 0) -> str:
+                        device_type: str | None = None, grad: bool = False, row_bytes: int = 0,
+                        widths: tuple[int, int] | None = None) -> str:
     """``auto`` -> where memory decides (:func:`memory_decides`: gradients recorded, or a snapshot state past
-    :data:`SNAPSHOT_MAX_BYTES`), the layout with fewer state rows (snapshot: ``n_chunks * rows``); otherwise the
-    cheaper forward on ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each (a
-    ratio), are fewer (``None``: no device, fewer rows)."""
+    :data:`SNAPSHOT_MAX_BYTES`), the layout whose backward keeps less: the one with fewer state rows (snapshot:
+    ``n_chunks * rows``), what flex keeps — or, with gradients on the ``blocked`` backend, which keeps its
+    gathered tiles instead, the one with the narrower block lists (``widths``: the snapshot's and the versioned
+    program's, given for that backend; ties and a state past the bound by rows). Otherwise the cheaper forward on
+    ``device_type``: versioned when its rows, at :data:`LAYOUT_ROW_COST` snapshot rows each (a ratio), are fewer
+    (``None``: no device, fewer rows). docs/design.md §5, "Choosing the layout"."""
     check_choice("state_layout", state_layout, STATE_LAYOUTS)
     if state_layout != "auto":
         return state_layout
+    too_big = memory_decides(n_chunks, rows, row_bytes=row_bytes)  # the snapshot state alone past the bound
+    if grad and widths is not None and widths[0] != widths[1] and not too_big:
+        return "snapshot" if widths[0] < widths[1] else "versioned"
     snapshot_rows = n_chunks * rows
-    by_rows = memory_decides(n_chunks, rows, grad=grad, row_bytes=row_bytes)
+    by_rows = grad or too_big  # memory_decides
     cost, per = (1, 1) if by_rows else LAYOUT_ROW_COST.get(device_type, (1, 1))
     return "versioned" if plan.state_rows * cost < snapshot_rows * per else "snapshot"
 

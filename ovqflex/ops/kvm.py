@@ -62,8 +62,9 @@ class KVMOptions(KVMBudget):
     ``rope_dims`` (None: ``D // 2``), the leading channels zeroed in memory keys; ``use_vlens``
     (False: state values ``s_v / count`` instead of the founder's radius); ``ln_eps`` of ``LN_s``; ``state_layout``
     (``"snapshot"``: one state per query chunk; ``"versioned"``: checkpoints every
-    ``checkpoint_every`` chunks plus one version row per token, memory-linear; ``"auto"``: fewer
-    rows; docs/design.md §5); ``block_size``, the attention block (a power of two >= 16); ``routing``:
+    ``checkpoint_every`` chunks plus one version row per token, memory-linear; ``"auto"``: the one
+    whose backward keeps less, or without gradients the faster forward, ``recurrences.versioned.
+    choose_state_layout``; docs/design.md §5); ``block_size``, the attention block (a power of two >= 16); ``routing``:
     ``"auto"`` (``"static"`` on CUDA, ``"loop"`` elsewhere), ``"loop"`` or ``"static"`` (the same routes
     from a compiled static-shape chunk step, on CUDA the whole run replayed from one CUDA graph;
     docs/design.md §4.3).
@@ -88,7 +89,8 @@ class KVMOptions(KVMBudget):
         check_int("n_bswa_chunks", self.n_bswa_chunks)
         check_int("sink_len", self.sink_len, minimum=0)
         if self.sink_len >= self.chunk_size:
-            raise ValueError(f"sink_len must be < chunk_size={self.chunk_size} (the initial state), got {self.sink_len}")
+            raise ValueError(f"sink_len must be < chunk_size={self.chunk_size} (the initial state), "
+                             f"got {self.sink_len}")
         r = self.rope_dims
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r % 2 or r < 0):
             raise ValueError(f"rope_dims must be None (head_dim // 2) or an even int >= 0, got {r!r}")

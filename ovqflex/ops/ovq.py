@@ -50,7 +50,8 @@ class OVQOptions:
     chunk (``n_chunks * N`` state rows), ``"versioned"`` checkpoints every ``checkpoint_every``
     chunks (None: about ``N / 2L``, or ``N / L`` where memory decides: ``recurrences.versioned.default_every``)
     plus one version row per token (about ``3T`` or ``2T`` rows, memory-linear), ``"auto"`` picks the one
-    with fewer rows — same outputs and gradients;
+    whose backward keeps less, or without gradients the faster forward on the device
+    (``recurrences.versioned.choose_state_layout``) — same outputs and gradients;
     ``block_size``: the attention block (a power of two >= 16); ``routing``: ``"auto"``
     (``"static"`` on CUDA, ``"loop"`` elsewhere), ``"loop"`` or ``"static"`` (the same routes from a
     compiled static-shape chunk step, on CUDA the whole run replayed from one CUDA graph;

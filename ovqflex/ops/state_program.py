@@ -22,7 +22,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from masks.program import AttentionProgram, build_program
+from masks.blocks import list_width
+from masks.program import AttentionProgram, build_program, program_geometry
 from masks.regions import Region, StateBank
 from masks.versioned import versioned_regions
 from recurrences.compiling import size_max
@@ -49,14 +50,22 @@ def _per_head(x: Tensor, like: Tensor) -> Tensor:
     return x.view(1, -1, *(1,) * (like.dim() - 2))
 
 
-def _checkpoint_rows_per_token(q: Tensor, n_chunks: int, rows: int, grad: bool, row_bytes: int) -> int:
+def _checkpoint_rows_per_token(backend: str, n_chunks: int, rows: int, grad: bool, row_bytes: int) -> int:
     """The default checkpoint spacing's rows per token (:data:`~recurrences.versioned.CHECKPOINT_ROWS_PER_TOKEN`):
-    ``memory`` where memory decides and ``backend="auto"`` runs the program on flex, which keeps its kv rows
-    (every forward without gradients, and training where flex trains: :func:`~ovqflex.attention.auto_backend`),
-    else ``speed``."""
+    ``memory`` where memory decides and ``backend`` (what ``backend="auto"`` runs the program on) is flex, which
+    keeps its kv rows, else ``speed``."""
     memory = memory_decides(n_chunks, rows, grad=grad, row_bytes=row_bytes)
-    flex = auto_backend(q.device, q.dtype, grad) == "flex"
-    return CHECKPOINT_ROWS_PER_TOKEN["memory" if memory and flex else "speed"]
+    return CHECKPOINT_ROWS_PER_TOKEN["memory" if memory and backend == "flex" else "speed"]
+
+
+def _list_widths(T: int, window: Region, rows: int, plan: VersionPlan, block_size: int) -> tuple[int, int]:
+    """The width of the block lists of the snapshot and of the versioned program (:func:`masks.blocks.list_width`),
+    before either state is built: the state regions get stand-ins for their tensors, which no width reads."""
+    stand_in = torch.zeros(1, dtype=torch.int32)
+    snapshot = (StateBank(rows, plan.chunk_size, stand_in), window)
+    versioned = versioned_regions(plan, [0], stand_in, stand_in) + (window,)
+    return (list_width(snapshot, program_geometry(T, plan.n_chunks * rows, block_size)),
+            list_width(versioned, program_geometry(T, plan.state_rows, block_size)))
 
 
 def _readout(state: Snapshots | Versioned, count_bias: bool, key_scale: Tensor | None,
@@ -81,8 +90,9 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     state rows chunk ``c`` reads (non-decreasing); ``rows``: ``R``, the rows of the largest state (0: no state — the
     program is the window alone); ``lag``: a token of chunk ``ct`` enters the state of chunk
     ``ct + lag``. ``options``: ``chunk_size``, ``state_layout`` (``"snapshot"``, ``"versioned"``,
-    ``"auto"``: :func:`~recurrences.versioned.choose_state_layout`: the one with fewer rows when
-    gradients are recorded or the snapshot state would be large, else the cheaper one on q's device),
+    ``"auto"``: :func:`~recurrences.versioned.choose_state_layout`: when gradients are recorded or the snapshot
+    state would be large, the one whose backward keeps less on the backend ``auto`` runs it on (fewer rows;
+    with gradients on ``blocked``, the narrower block lists), else the cheaper one on q's device),
     ``checkpoint_every`` and ``block_size``.
 
     ``snapshots()`` (keys ``[B, H, n_chunks, R, D]``) and ``versioned(plan)`` (keys ``[B, H, S, D]``)
@@ -99,10 +109,14 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     n_chunks = size_max(1, -(-q.shape[2] // C))
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_scale))
     row_bytes = q.shape[0] * q.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()  # a state row, all b, h
+    backend = auto_backend(q.device, q.dtype, grad)
     plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size,
-                          per_token=_checkpoint_rows_per_token(q, n_chunks, rows, grad, row_bytes))
+                          per_token=_checkpoint_rows_per_token(backend, n_chunks, rows, grad, row_bytes))
+    widths = None
+    if options.state_layout == "auto" and grad and backend == "blocked":
+        widths = _list_widths(q.shape[2], window, rows, plan, block_size)
     layout = choose_state_layout(options.state_layout, n_chunks=n_chunks, rows=rows, plan=plan,
-                                 device_type=q.device.type, grad=grad, row_bytes=row_bytes)
+                                 device_type=q.device.type, grad=grad, row_bytes=row_bytes, widths=widths)
     if layout == "versioned":
         with stage("state_build"):
             ver = versioned(plan)

@@ -42,8 +42,9 @@ class VQOptions:
     ``chunk_size`` ``C`` (a multiple of 16); ``estimator``: ``"ste"`` (straight-through; the
     codebook gets no gradient) or ``"diveq"``; ``state_layout`` (docs/design.md §5): ``"snapshot"``
     (one codebook state per chunk, ``n_chunks * N`` rows), ``"versioned"`` (checkpoints every
-    ``checkpoint_every`` chunks plus one version row per token: memory-linear) or ``"auto"`` (fewer
-    rows), same outputs and gradients; ``block_size``, the attention block (a power of two >= 16).
+    ``checkpoint_every`` chunks plus one version row per token: memory-linear) or ``"auto"`` (the one
+    whose backward keeps less, or without gradients the faster forward: ``recurrences.versioned.
+    choose_state_layout``), same outputs and gradients; ``block_size``, the attention block (a power of two >= 16).
     """
 
     chunk_size: int = 128

@@ -40,7 +40,7 @@ def _kvm(T, block):
     q, k, v, g = _leaves(T, 3)
     w, b = (1 + 0.1 * torch.randn(16, generator=g)).requires_grad_(), (0.1 * torch.randn(16, generator=g))
     p, _ = kvm_program(q, k, v, ln_s_weight=w, ln_s_bias=b, chunk_size=16, budget="power_law", growth_factor=3.0,
-                       max_state_chunks=None, block_size=block)
+                       max_state_chunks=None, block_size=block, state_layout="snapshot")
     return p, (q, k, v, w)
 
 
@@ -48,7 +48,7 @@ def _vq_local_bias(T, block):
     q, k, v, g = _leaves(T, 4)
     beta, local = (3 + torch.rand(2, generator=g)).requires_grad_(), torch.randn(2, generator=g).requires_grad_()
     p, _ = vq_program(q, k, v, torch.randn(2, 10, 16, generator=g), beta, chunk_size=16, local_bias=local,
-                      block_size=block)
+                      block_size=block, state_layout="snapshot")
     return p, (q, v, beta, local)  # the bias carries local_bias's gradient
 
 

@@ -186,6 +186,47 @@ def test_auto_weighs_rows_alone_once_the_snapshot_state_passes_its_byte_bound():
     assert layout() == "snapshot"  # 0: bytes not weighed
 
 
+# The 2-core CPU (torch 2.13, fp32, B=1, H=2, D=64, blocked backend; `ovqflex bench profiles/memory.toml`, one run
+# on 2026-12-03): state rows and block-list widths of each layout, and what the forward+backward kept for its
+# backward (`saved_mb`). OVQ N = 2,048 (chunk 128, and the tiny preset's chunk 16 with blocks of 32), KVM power-law
+# 16 sqrt(ctx), VQ N = 512.
+# (case, T): (snapshot rows, versioned rows, snapshot width, versioned width, snapshot MB kept, versioned MB kept)
+CPU_BLOCKED = {
+    ("ovq", 4096): (43264, 12544, 13, 17, 173.5, 232.4), ("ovq", 8192): (104576, 24832, 15, 20, 397.3, 543.0),
+    ("ovq", 16384): (232704, 47104, 17, 23, 894.9, 1242), ("ovq", 32768): (493312, 98304, 18, 24, 1890, 2589),
+    ("ovq-tiny", 512): (12768, 1760, 27, 21, 22.16, 17.85), ("ovq-tiny", 1024): (43200, 3136, 45, 34, 72.15, 56.11),
+    ("ovq-tiny", 2048): (130432, 6144, 66, 49, 209.3, 159.3), ("kvm", 4096): (32256, 12288, 11, 13, 198.6, 201.0),
+    ("kvm", 16384): (260992, 49152, 19, 25, 1394, 1429), ("vq", 4096): (16384, 12288, 6, 7, 87.89, 104.4),
+    ("vq", 16384): (65536, 49152, 6, 7, 350.8, 416.8)}
+
+
+@pytest.mark.parametrize("case", list(CPU_BLOCKED), ids=[f"{m}-{t // 1024}k" if t >= 1024 else f"{m}-{t}"
+                                                        for m, t in CPU_BLOCKED])
+def test_blocked_training_takes_the_layout_that_kept_less_on_the_cpu(case):
+    """With gradients on the blocked backend (``widths`` given) ``auto`` takes the layout whose backward kept
+    less in the CPU run, in every case, by the narrower block lists; by rows (what flex keeps) it would take
+    the versioned state, fewer rows in each case, which kept more in 8 of these 11."""
+    snap_rows, ver_rows, snap_w, ver_w, snap_mb, ver_mb = CPU_BLOCKED[case]
+    plan = types.SimpleNamespace(state_rows=ver_rows)
+    kept_less = "snapshot" if snap_mb < ver_mb else "versioned"
+    layout = functools.partial(choose_state_layout, "auto", n_chunks=1, rows=snap_rows, plan=plan, device_type="cpu")
+    assert layout(grad=True, widths=(snap_w, ver_w)) == kept_less
+    assert layout(grad=True) == "versioned"
+
+
+def test_blocked_widths_weigh_only_gradients_with_a_snapshot_within_its_bound():
+    """Widths decide only with gradients, when they differ and the snapshot state is within SNAPSHOT_MAX_BYTES;
+    otherwise rows (and without gradients, the device's row cost) decide as before."""
+    plan = types.SimpleNamespace(state_rows=12544)
+    layout = functools.partial(choose_state_layout, "auto", n_chunks=1, rows=43264, plan=plan, device_type="cpu")
+    assert layout(grad=True, widths=(13, 17)) == "snapshot"
+    assert layout(grad=True, widths=(17, 17)) == "versioned"  # a tie: fewer rows
+    assert layout(grad=True, widths=(13, 17), row_bytes=SNAPSHOT_MAX_BYTES // 43264 + 1) == "versioned"
+    assert layout(grad=False, widths=(13, 17)) == "versioned"  # 2 x 12,544 < 43,264 (LAYOUT_ROW_COST["cpu"])
+    assert choose_state_layout("versioned", n_chunks=1, rows=43264, plan=plan, grad=True, widths=(13, 17)) == \
+        "versioned"
+
+
 # One H200 (torch 2.11, bf16, B=1, H=8, D=64, chunk 128; `ovqflex bench profiles/gpu.toml --device cuda
 # --only stages`): state rows of each layout and the measured forward (program build + flex kernel), ms.
 H200_STAGES = {  # (method, T): (snapshot rows, versioned rows, snapshot ms, versioned ms)

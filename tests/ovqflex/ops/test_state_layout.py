@@ -153,6 +153,73 @@ def test_versioned_layout_is_memory_linear_and_auto_picks_it():
         ovq_program(q[:, :, :128], k[:, :, :128], v[:, :, :128], beta, state_layout="snapshot", **small)[0])
 
 
+@st.composite
+def width_cases(draw):
+    method = draw(st.sampled_from(["ovq", "kvm", "vq"]))
+    T, L = draw(st.integers(1, 1200)), draw(st.sampled_from([16, 32, 64, 128]))
+    return method, T, dict(chunk_size=L, block_size=draw(st.sampled_from([16, 32, 64, 128])),
+                           checkpoint_every=draw(st.sampled_from([None, 1, 3]))), draw(st.integers(0, 2**16))
+
+
+def _program_of(method, T, kw, seed):
+    """A program of ``method`` (OVQ N = 64, KVM power-law 4 sqrt(ctx) uncapped, VQ N = 32; H = 2, D = 16), with
+    gradients recorded, and its leaves."""
+    if method == "ovq":
+        q, k, v, beta = ovq_inputs(1, 2, 16, T, seed)
+        return lambda **o: ovq_program(q, k, v, beta, max_centroids=64, **kw, **o)[0]
+    if method == "kvm":
+        q, k, v, params, _ = kvm_inputs(1, 2, 16, T, seed)
+        return lambda **o: ovqflex.kvm_program(q, k, v, **params, budget="power_law", growth_factor=4.0,
+                                               max_state_chunks=None, **kw, **o)[0]
+    q, k, v, codebook, beta, local = vq_inputs(1, 2, 16, T, 32, seed)
+    return lambda **o: ovqflex.vq_program(q, k, v, codebook, beta, local_bias=local, **kw, **o)[0]
+
+
+@given(case=width_cases())
+def test_widths_known_before_the_state_are_the_built_programs(case):
+    """The block-list widths ``auto`` weighs under gradients on the blocked backend, known before either state
+    is built (``state_program._list_widths``: the regions' ``max_blocks`` alone), are the widths of the
+    programs each layout builds; ``auto`` takes the narrower one, ties by fewer rows."""
+    from unittest import mock
+
+    from ovqflex.ops import state_program
+
+    method, T, kw, seed = case
+    program = _program_of(method, T, kw, seed)
+    seen, list_widths = [], state_program._list_widths
+    with mock.patch.object(state_program, "_list_widths", lambda *a: seen.append(list_widths(*a)) or seen[-1]):
+        auto = program()
+    built = {layout: program(state_layout=layout) for layout in ("snapshot", "versioned")}
+    widths = tuple(built[layout].layout.kv_idx.shape[-1] for layout in ("snapshot", "versioned"))
+    event(f"{method}: {'state' if seen else 'no state'}")
+    if not seen:  # no chunk reads a state: one program, nothing to choose
+        assert built["snapshot"].geom.n_state == built["versioned"].geom.n_state == auto.geom.n_state == 0
+        return
+    assert seen[0] == widths
+    rows = {layout: state_rows(p) for layout, p in built.items()}
+    narrower = min(("snapshot", "versioned"), key=lambda layout: (widths[layout == "versioned"], rows[layout]))
+    assert state_rows(auto) == rows[narrower] and auto.layout.kv_idx.shape[-1] == widths[narrower == "versioned"]
+
+
+def test_auto_under_gradients_on_the_blocked_backend_takes_the_narrower_lists():
+    """OVQ at 4k (N = 2,048, chunk 128): the snapshot program lists 13 blocks per query block, the versioned one
+    17 (``ovqflex bench profiles/memory.toml``: 173 MB kept for the backward against 232), so training on the CPU
+    keeps snapshots, though the versioned state has 3.4x fewer rows; a forward alone runs on flex and takes the
+    versioned state (docs/design.md §5). At the tiny preset's shapes (chunk 16, blocks of 32, 1k tokens) the
+    versioned lists are the narrower too (34 against 45)."""
+    for T, kw, want in [(4096, dict(chunk_size=128), "snapshot"),
+                        (1024, dict(chunk_size=16, block_size=32), "versioned")]:
+        q, k, v, beta = ovq_inputs(1, 2, 16, T, seed=0)
+        built = {layout: ovq_program(q, k, v, beta, max_centroids=2048, state_layout=layout, **kw)[0]
+                 for layout in ("snapshot", "versioned")}
+        assert state_rows(built["versioned"]) < state_rows(built["snapshot"])
+        widths = {layout: p.layout.kv_idx.shape[-1] for layout, p in built.items()}
+        assert widths == ({"snapshot": 13, "versioned": 17} if T == 4096 else {"snapshot": 45, "versioned": 34})
+        assert state_rows(ovq_program(q, k, v, beta, max_centroids=2048, **kw)[0]) == state_rows(built[want])
+        with torch.no_grad():
+            assert state_rows(ovq_program(q, k, v, beta, max_centroids=2048, **kw)[0]) == state_rows(built["versioned"])
+
+
 @pytest.mark.parametrize("grad, flex_trains, bound, dtype, per_token", [
     (False, False, None, torch.float32, 2), (True, False, None, torch.float32, 2),
     (True, True, None, torch.float32, 1), (False, False, 1, torch.float32, 1), (False, False, 1, torch.float64, 2)],

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ovqflex
+import ovqflex.attention
 from masks.regions import OwnChunk, StateBank
 from masks.versioned import CheckpointBank, VersionRows
 from ovqflex.ops.ovq import ovq_program
@@ -94,7 +95,9 @@ def test_snapshot_and_versioned_give_equal_outputs_and_gradients(T):
     assert_close(out, ref, FWD_TOL[torch.float32], "versioned forward")
     for i, (a, b) in enumerate(zip(grads, ref_grads)):
         assert_close(a, b, GRAD_TOL[torch.float32], f"versioned grad of leaf {i}")
-    assert outs["auto"][0] == min(n_snap, n_ver)  # auto takes the layout with fewer rows
+    # with gradients on the CPU (the blocked backend) auto takes the narrower block lists, ties by fewer rows
+    width = {layout: toy_program(q, k, v, layout).layout.kv_idx.shape[-1] for layout in ("snapshot", "versioned")}
+    assert outs["auto"][0] == min((width["snapshot"], n_snap), (width["versioned"], n_ver))[1]
     assert all(g.abs().sum() > 0 for g in ref_grads)  # the score pieces reach their parameters
 
 
@@ -118,10 +121,12 @@ def test_state_scores():
                             snapshots=fail, versioned=fail, bias_shift=torch.zeros(2))
 
 
-def test_auto_takes_the_faster_layout_without_gradients_and_fewer_rows_with_them():
+def test_auto_takes_the_faster_layout_without_gradients_and_what_keeps_less_with_them(monkeypatch):
     """VQ (codebook 64, chunk 16, T = 256, lag 2): the snapshot has 4/3 the versioned state rows. On the
     CPU a versioned row costs 2 snapshot rows (recurrences.versioned.LAYOUT_ROW_COST), so a forward
-    without gradients keeps the snapshot; with gradients recorded, fewer rows (versioned) win."""
+    without gradients keeps the snapshot. With gradients recorded, the layout whose backward keeps less:
+    on the CPU's blocked backend the narrower block lists (the snapshot's, 6 blocks against 7); where flex
+    trains, fewer rows (versioned)."""
     from ovqflex.ops.vq import vq_program
 
     g = torch.Generator().manual_seed(0)
@@ -138,8 +143,15 @@ def test_auto_takes_the_faster_layout_without_gradients_and_fewer_rows_with_them
     assert state_rows() == snapshot
     with torch.no_grad():
         assert state_rows(q=q.clone().requires_grad_()) == snapshot
-    assert state_rows(q=q.clone().requires_grad_()) == versioned
-    assert state_rows(v=v.clone().requires_grad_()) == versioned
+    widths = [vq_program(q, k, v, codebook, beta, state_layout=layout, **opts)[0].layout.kv_idx.shape[-1]
+              for layout in ("snapshot", "versioned")]
+    assert widths == [6, 7]
+    assert state_rows(q=q.clone().requires_grad_()) == snapshot
+    assert state_rows(v=v.clone().requires_grad_()) == snapshot
+    monkeypatch.setattr(ovqflex.attention, "flex_trains_on", lambda device: True)
+    trained = state_rows("versioned", q=q.clone().requires_grad_())  # checkpoints spaced for memory: 512 rows
+    assert trained < versioned and trained == state_rows(q=q.clone().requires_grad_())
+    assert state_rows(v=v.clone().requires_grad_()) == trained
 
 
 def test_auto_takes_fewer_rows_without_gradients_once_the_snapshot_state_passes_its_byte_bound(monkeypatch):
