@@ -162,8 +162,8 @@ def width_cases(draw):
 
 
 def _program_of(method, T, kw, seed):
-    """A program of ``method`` (OVQ N = 64, KVM power-law 4 sqrt(ctx) uncapped, VQ N = 32; H = 2, D = 16), with
-    gradients recorded, and its leaves."""
+    """``build(**options)``: the program of ``method`` (OVQ N = 64, KVM power-law 4 sqrt(ctx) uncapped, VQ N = 32;
+    H = 2, D = 16) on inputs that record gradients."""
     if method == "ovq":
         q, k, v, beta = ovq_inputs(1, 2, 16, T, seed)
         return lambda **o: ovq_program(q, k, v, beta, max_centroids=64, **kw, **o)[0]
@@ -187,7 +187,12 @@ def test_widths_known_before_the_state_are_the_built_programs(case):
     method, T, kw, seed = case
     program = _program_of(method, T, kw, seed)
     seen, list_widths = [], state_program._list_widths
-    with mock.patch.object(state_program, "_list_widths", lambda *a: seen.append(list_widths(*a)) or seen[-1]):
+
+    def spy(*args):
+        seen.append(list_widths(*args))
+        return seen[-1]
+
+    with mock.patch.object(state_program, "_list_widths", spy):
         auto = program()
     built = {layout: program(state_layout=layout) for layout in ("snapshot", "versioned")}
     widths = tuple(built[layout].layout.kv_idx.shape[-1] for layout in ("snapshot", "versioned"))
