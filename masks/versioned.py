@@ -109,7 +109,10 @@ def _live(born: Tensor, dies: Tensor, c: Tensor, kv_idx: Tensor, b, h) -> Tensor
 @dataclass(frozen=True, eq=False)
 class CheckpointBank(Region):
     """Checkpoint ``k = c // every`` of query chunk ``c``: rows ``[k rows, k rows + live[k])``,
-    each visible while the slot has no newer version (``born <= c < dies``)."""
+    each visible while the slot has no newer version (``born <= c < dies``). ``max_live``: the most rows any
+    checkpoint holds (None: ``rows``), a static bound of ``live`` that narrows the block lists (the last
+    checkpoint's, since sizes never decrease: a growing state's checkpoints hold fewer rows than the
+    largest state, which ``rows`` is sized for)."""
 
     rows: int
     chunk_size: int
@@ -118,6 +121,7 @@ class CheckpointBank(Region):
     live: Tensor
     born: Tensor
     dies: Tensor
+    max_live: int | None = None
     name: ClassVar[str] = "state"
     exact: ClassVar[bool] = False
     shared_test: ClassVar[str] = "versioned-liveness"  # a program has one state: these two regions share it
@@ -150,10 +154,12 @@ class CheckpointBank(Region):
         return _refine(self, p, p[2], p[3], geom, ends, cand, valid, memo)
 
     def max_span(self, geom):
-        # chunks c0..c1 of one query block touch checkpoints c0 // R .. c1 // R
+        # chunks c0..c1 of one query block touch checkpoints c0 // R .. c1 // R: from the first one's start to
+        # the last one's live rows
+        live = self.rows if self.max_live is None else self.max_live
         if _in_one_interval(geom, self.chunk_size, self.every):
-            return self.rows
-        return (-(-(touched_chunks(geom, self.chunk_size) - 1) // self.every) + 1) * self.rows
+            return live
+        return -(-(touched_chunks(geom, self.chunk_size) - 1) // self.every) * self.rows + live
 
     def start_lattice(self, geom):
         return 0, self.rows  # checkpoint k's rows start at k rows
@@ -216,10 +222,11 @@ class VersionRows(Region):
 
 
 def versioned_regions(plan: VersionPlan, sizes: Tensor | Sequence[int], born: Tensor,
-                      dies: Tensor) -> tuple[Region, Region]:
+                      dies: Tensor, max_live: int | None = None) -> tuple[Region, Region]:
     """The two state regions of a versioned layout; ``sizes [>= n_chunks]`` (ints or an int tensor): rows
-    chunk ``c`` reads."""
+    chunk ``c`` reads; ``max_live``: at least the last checkpoint's ``sizes[every (n_ckpt - 1)]``, as a plain
+    int (None: ``plan.rows``), which bounds the checkpoints' block lists (:class:`CheckpointBank`)."""
     live = torch.as_tensor(sizes, device=born.device)[:: plan.every][: plan.n_ckpt].to(torch.int32)
-    return (CheckpointBank(plan.rows, plan.chunk_size, plan.every, plan.n_chunks, live, born, dies),
+    return (CheckpointBank(plan.rows, plan.chunk_size, plan.every, plan.n_chunks, live, born, dies, max_live),
             VersionRows(plan.chunk_size, plan.every, plan.lag, plan.n_chunks, plan.n_ckpt * plan.rows, plan.n_versions,
                         born, dies))

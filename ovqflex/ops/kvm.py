@@ -156,7 +156,7 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
         lag=n_bswa_chunks, options=o,
         snapshots=lambda: build_kvm_snapshots(kbar, v, gate, routes, founder, schedule=schedule, **readout),
         versioned=lambda plan: build_kvm_versioned(kbar, v, gate, routes, founder, plan, **readout),
-        key_scale=tau_state)
+        key_scale=tau_state, rows_at=schedule.rows)
     return program, KVMState(routes, founder, live)
 
 

@@ -129,7 +129,8 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
         q_scaled, kn, v, OwnChunk(o.chunk_size), scale=1.0, sizes=sizes, rows=schedule.rows(n_chunks), lag=1,
         options=o, snapshots=lambda: build_ovq_snapshots(kn, v, routes, schedule=schedule,
                                                          normalize_centroids=o.normalize_centroids),
-        versioned=lambda plan: build_ovq_versioned(kn, v, routes, plan, o.normalize_centroids), count_bias=True)
+        versioned=lambda plan: build_ovq_versioned(kn, v, routes, plan, o.normalize_centroids), count_bias=True,
+        rows_at=schedule.rows)
     return program, routes, sizes
 
 

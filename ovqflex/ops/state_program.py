@@ -26,7 +26,7 @@ from masks.blocks import list_width
 from masks.program import AttentionProgram, build_program, program_geometry
 from masks.regions import Region, StateBank
 from masks.versioned import versioned_regions
-from recurrences.compiling import size_max
+from recurrences.compiling import is_symbolic, size_max
 from recurrences.precision import work_dtype
 from recurrences.segments import Snapshots
 from recurrences.versioned import (CHECKPOINT_ROWS_PER_TOKEN, Versioned, VersionPlan, choose_state_layout,
@@ -58,12 +58,13 @@ def _checkpoint_rows_per_token(backend: str, n_chunks: int, rows: int, grad: boo
     return CHECKPOINT_ROWS_PER_TOKEN["memory" if memory and backend == "flex" else "speed"]
 
 
-def _list_widths(T: int, window: Region, rows: int, plan: VersionPlan, block_size: int) -> tuple[int, int]:
+def _list_widths(T: int, window: Region, rows: int, plan: VersionPlan, block_size: int,
+                 max_live: int | None) -> tuple[int, int]:
     """The width of the block lists of the snapshot and of the versioned program (:func:`masks.blocks.list_width`),
     before either state is built: the state regions get stand-ins for their tensors, which no width reads."""
     stand_in = torch.zeros(1, dtype=torch.int32)
     snapshot = (StateBank(rows, plan.chunk_size, stand_in), window)
-    versioned = versioned_regions(plan, [0], stand_in, stand_in) + (window,)
+    versioned = versioned_regions(plan, [0], stand_in, stand_in, max_live) + (window,)
     return (list_width(snapshot, program_geometry(T, plan.n_chunks * rows, block_size)),
             list_width(versioned, program_geometry(T, plan.state_rows, block_size)))
 
@@ -82,7 +83,8 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
                         sizes: Tensor | Sequence[int], rows: int, lag: int, options: StateLayoutOptions,
                         snapshots: Callable[[], Snapshots], versioned: Callable[[VersionPlan], Versioned],
                         count_bias: bool = False, key_scale: Tensor | None = None,
-                        bias_shift: Tensor | None = None) -> AttentionProgram:
+                        bias_shift: Tensor | None = None,
+                        rows_at: Callable[[int], int] | None = None) -> AttentionProgram:
     """The program ``[state rows ; tokens]`` of a stateful method, in the layout ``options.state_layout``.
 
     q, k ``[B, H, T, D]``, v ``[B, H, T, Dv]``: the queries and token keys/values the program reads;
@@ -99,6 +101,9 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     build the same state after the method's per-row readout; only the chosen one runs. With
     ``count_bias`` state rows get the bias ``log(count)`` (``-inf`` on empty or dead rows) minus
     ``bias_shift [H]`` (if given); without it, no bias. Their keys are multiplied by ``key_scale [H]``.
+    ``rows_at(n)`` (optional; a growing state's schedule): the rows of a state holding the states of chunks
+    ``0..n-1`` (``rows = rows_at(n_chunks)``); with a plain length it bounds the versioned checkpoints' rows by
+    the last checkpoint's, narrowing their block lists.
     """
     if bias_shift is not None and not count_bias:
         raise ValueError("bias_shift shifts the log-count bias: it needs count_bias=True")
@@ -112,9 +117,12 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     backend = auto_backend(q.device, q.dtype, grad)
     plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size,
                           per_token=_checkpoint_rows_per_token(backend, n_chunks, rows, grad, row_bytes))
+    max_live = None  # the last checkpoint's rows, where a plain length makes it a plain int
+    if rows_at is not None and not is_symbolic(n_chunks):
+        max_live = rows_at(plan.every * (plan.n_ckpt - 1) + 1)
     widths = None
     if options.state_layout == "auto" and grad and backend == "blocked":
-        widths = _list_widths(q.shape[2], window, rows, plan, block_size)
+        widths = _list_widths(q.shape[2], window, rows, plan, block_size, max_live)
     layout = choose_state_layout(options.state_layout, n_chunks=n_chunks, rows=rows, plan=plan,
                                  device_type=q.device.type, grad=grad, row_bytes=row_bytes, widths=widths)
     if layout == "versioned":
@@ -122,7 +130,7 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
             ver = versioned(plan)
             keys, bias = _readout(ver, count_bias, key_scale, bias_shift)
         with stage("block_mask"):
-            regions = versioned_regions(plan, sizes, ver.born, ver.dies) + (window,)
+            regions = versioned_regions(plan, sizes, ver.born, ver.dies, max_live) + (window,)
             return build_program(q, k, v, regions, scale=scale, state_k=keys, state_v=ver.values, state_bias=bias,
                                  block_size=block_size)
     with stage("state_build"):

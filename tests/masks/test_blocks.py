@@ -149,8 +149,12 @@ def any_region_geometry(draw):
         n_ckpt = -(-n_chunks // every)
         n_state = n_ckpt * rows + n_chunks * chunk + draw(st.integers(0, block - 1))
         none = torch.zeros(1, 1, n_state, dtype=torch.int32)
-        live = torch.full((n_ckpt,), rows)
-        region = (CheckpointBank(rows, chunk, every, n_chunks, live, none, none) if kind == "checkpoints" else
+        # a growing state's checkpoints: non-decreasing sizes up to max_live (None: rows, every one full)
+        max_live = draw(st.one_of(st.none(), st.integers(0, rows)))
+        top = rows if max_live is None else max_live
+        live = torch.tensor(sorted(draw(st.lists(st.integers(0, top), min_size=n_ckpt - 1, max_size=n_ckpt - 1)))
+                            + [top])
+        region = (CheckpointBank(rows, chunk, every, n_chunks, live, none, none, max_live) if kind == "checkpoints" else
                   VersionRows(chunk, every, lag, n_chunks, n_ckpt * rows, n_chunks * chunk, none, none))
     kv_len = -(-(n_state + q_pad) // block) * block
     return region, Geometry(q_pad, q_pad, n_state, kv_len - n_state, block, block)
