@@ -186,16 +186,16 @@ def test_auto_weighs_rows_alone_once_the_snapshot_state_passes_its_byte_bound():
     assert layout() == "snapshot"  # 0: bytes not weighed
 
 
-# The 2-core CPU (torch 2.13, fp32, B=1, H=2, D=64, blocked backend; `ovqflex bench profiles/memory.toml`, one run
-# on 2026-12-03): state rows and block-list widths of each layout, and what the forward+backward kept for its
+# The 2-core CPU (torch 2.13, fp32, B=1, H=2, D=64, blocked backend; `ovqflex bench profiles/memory.toml`, run on
+# 2026-12-03 at 33ad39b): state rows and block-list widths of each layout, and what the forward+backward kept for its
 # backward (`saved_mb`). OVQ N = 2,048 (chunk 128, and the tiny preset's chunk 16 with blocks of 32), KVM power-law
 # 16 sqrt(ctx), VQ N = 512.
 # (case, T): (snapshot rows, versioned rows, snapshot width, versioned width, snapshot MB kept, versioned MB kept)
 CPU_BLOCKED = {
     ("ovq", 4096): (43264, 12544, 13, 17, 173.5, 232.4), ("ovq", 8192): (104576, 24832, 15, 20, 397.3, 543.0),
     ("ovq", 16384): (232704, 47104, 17, 23, 894.9, 1242), ("ovq", 32768): (493312, 98304, 18, 24, 1890, 2589),
-    ("ovq-tiny", 512): (12768, 1760, 27, 21, 22.16, 17.85), ("ovq-tiny", 1024): (43200, 3136, 45, 34, 72.15, 56.11),
-    ("ovq-tiny", 2048): (130432, 6144, 66, 49, 209.3, 159.3), ("kvm", 4096): (32256, 12288, 11, 13, 198.6, 201.0),
+    ("ovq-tiny", 512): (12768, 1760, 27, 20, 22.16, 17.07), ("ovq-tiny", 1024): (43200, 3136, 45, 29, 72.15, 48.25),
+    ("ovq-tiny", 2048): (130432, 6144, 66, 45, 209.3, 146.8), ("kvm", 4096): (32256, 12288, 11, 13, 198.6, 201.0),
     ("kvm", 16384): (260992, 49152, 19, 25, 1394, 1429), ("vq", 4096): (16384, 12288, 6, 7, 87.89, 104.4),
     ("vq", 16384): (65536, 49152, 6, 7, 350.8, 416.8)}
 
