@@ -46,8 +46,8 @@ def vq_prefill(k_hat: Tensor, v: Tensor, codes: Tensor, n_codes: int, chunk_size
 def vq_decode(cache: VQCache, q_scaled: Tensor, k_hat: Tensor, v: Tensor, codes: Tensor, code_keys: Tensor,
               state_bias: Tensor | None, chunk_size: int) -> tuple[Tensor, dict]:
     """New tokens (``q_scaled = beta * q̂``, quantized keys, values, codes ``[B, H, T2, *]``) ->
-    outputs ``[B, H, T2, Dv]`` and the new cache's VQ fields (the layer adds the others). ``code_keys`` ``[H, N, D]`` unit
-    codebook; ``state_bias`` ``[H]`` added to the state rows' scores (LongVQ's local bias,
+    outputs ``[B, H, T2, Dv]`` and the new cache's VQ fields (the layer adds the others). ``code_keys``
+    ``[H, N, D]`` unit codebook; ``state_bias`` ``[H]`` added to the state rows' scores (LongVQ's local bias,
     folded as in :func:`ovqflex.vq_attention`), or None."""
     B, H, T2, _ = q_scaled.shape
     counts, value_sums, copied = cache.counts, cache.value_sums, False
