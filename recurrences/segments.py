@@ -81,11 +81,31 @@ def _cell_sums(x: Tensor, cell: Tensor, n_cells: int, group: Tensor | None) -> T
     """``[n_cells, D]`` sums, in x's dtype, of the tokens ``x [N, D]`` by ``cell [N]``, added in place into
     a zeroed buffer. ``group`` (:func:`_cell_leaders`): a cell's tokens are first summed in fp32 into the
     row of its first token, and only that row's sum, rounded once, is added to the cell (the other rows
-    are zeros, which add exactly): one rounding per cell whatever the order of the adds."""
-    if group is not None:
-        wide = x.float()
-        x = torch.zeros_like(wide).index_add_(0, group, wide).to(x.dtype)
-    return x.new_zeros(n_cells, x.shape[-1]).index_add_(0, cell, x)
+    are zeros, which add exactly): one rounding per cell whatever the order of the adds.
+
+    Differentiable in x through :class:`_CellSums`, whose backward keeps only ``cell``: autograd's
+    ``index_add`` keeps its source whole, here the tokens (and with ``group`` their fp32 copy and its
+    grouped sums) — ``[N, D]`` copies alive until the backward, for a gradient that needs none of them."""
+    return _CellSums.apply(x, cell, n_cells, group)
+
+
+class _CellSums(torch.autograd.Function):
+    """:func:`_cell_sums`. The gradient of a token is its cell's, whichever path summed it (a grouped
+    token reaches its cell through its leader, in the same cell; the fp32 round trip is the identity
+    for the gradient): one ``index_select`` of the cells' gradient, in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cell: Tensor, n_cells: int, group: Tensor | None) -> Tensor:
+        ctx.save_for_backward(cell)
+        if group is not None:
+            wide = x.float()
+            x = torch.zeros_like(wide).index_add_(0, group, wide).to(x.dtype)
+        return x.new_zeros(n_cells, x.shape[-1]).index_add_(0, cell, x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (cell,) = ctx.saved_tensors
+        return grad.index_select(0, cell), None, None, None
 
 
 @dataclass

@@ -277,10 +277,11 @@ def test_version_sums_in_column_groups_equal_one_group_bit_for_bit(monkeypatch, 
 
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "with-inf"])
 def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
-    """What autograd keeps of ``versioned_sums`` until the backward is the summed tensor itself and
-    integer indices: gathering the fp64 running sums (and the sums back into token order) kept a
-    ``[B, H, T, 16]`` fp64 copy per column block and a ``[B, H, T, D]`` one per tensor; so did the
-    finiteness masks of the non-finite path (the CUDA and compiled path), through ``isfinite``'s ``abs``."""
+    """What autograd keeps of ``versioned_sums`` until the backward is integer indices alone: gathering
+    the fp64 running sums (and the sums back into token order) kept a ``[B, H, T, 16]`` fp64 copy per
+    column block and a ``[B, H, T, D]`` one per tensor; so did the finiteness masks of the non-finite path
+    (the CUDA and compiled path), through ``isfinite``'s ``abs``; and the checkpoints' ``index_add`` kept
+    the tensor itself (recurrences/segments.py)."""
     g = torch.Generator().manual_seed(4)
     L, lag, sizes = 16, 1, [0, 5, 9, 9, 12, 12]
     routes = random_routes(1, 2, 96, L, lag, sizes, 0.1, g)
@@ -293,8 +294,7 @@ def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         vs = versioned_sums([x], routes, plan)
-    floats = [t for t in saved if t.is_floating_point()]
-    assert floats and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in floats)
+    assert saved and not [tuple(t.shape) for t in saved if t.is_floating_point()]
     assert vs.rows[0].requires_grad
 
 
