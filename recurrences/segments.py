@@ -83,24 +83,34 @@ def _cell_sums(x: Tensor, cell: Tensor, n_cells: int, group: Tensor | None) -> T
     row of its first token, and only that row's sum, rounded once, is added to the cell (the other rows
     are zeros, which add exactly): one rounding per cell whatever the order of the adds.
 
-    Differentiable in x through :class:`_CellSums`, whose backward keeps only ``cell``: autograd's
+    Eager, differentiable in x through :class:`_CellSums`, whose backward keeps only ``cell``: autograd's
     ``index_add`` keeps its source whole, here the tokens (and with ``group`` their fp32 copy and its
-    grouped sums) — ``[N, D]`` copies alive until the backward, for a gradient that needs none of them."""
+    grouped sums), ``[N, D]`` copies alive until the backward for a gradient that needs none of them.
+    Compiled, autograd's own ``index_add``: AOTAutograd's partitioner keeps only what the backward graph
+    reads (the cells), and torch 2.11 compiles the ``index_add_`` of a fresh buffer inside an
+    ``autograd.Function`` to a zero gradient (torch 2.13 does not;
+    ``tests/recurrences/test_segments.py`` checks the compiled gradient)."""
+    if torch.compiler.is_compiling():
+        return _sum_cells(x, cell, n_cells, group)
     return _CellSums.apply(x, cell, n_cells, group)
 
 
+def _sum_cells(x: Tensor, cell: Tensor, n_cells: int, group: Tensor | None) -> Tensor:
+    if group is not None:
+        wide = x.float()
+        x = torch.zeros_like(wide).index_add_(0, group, wide).to(x.dtype)
+    return x.new_zeros(n_cells, x.shape[-1]).index_add_(0, cell, x)
+
+
 class _CellSums(torch.autograd.Function):
-    """:func:`_cell_sums`. The gradient of a token is its cell's, whichever path summed it (a grouped
-    token reaches its cell through its leader, in the same cell; the fp32 round trip is the identity
-    for the gradient): one ``index_select`` of the cells' gradient, in x's dtype."""
+    """:func:`_cell_sums`, eager. The gradient of a token is its cell's, whichever path summed it (a grouped
+    token reaches its cell through its leader, in the same cell; the fp32 round trip is the identity for
+    the gradient): one ``index_select`` of the cells' gradient, in x's dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, cell: Tensor, n_cells: int, group: Tensor | None) -> Tensor:
         ctx.save_for_backward(cell)
-        if group is not None:
-            wide = x.float()
-            x = torch.zeros_like(wide).index_add_(0, group, wide).to(x.dtype)
-        return x.new_zeros(n_cells, x.shape[-1]).index_add_(0, cell, x)
+        return _sum_cells(x, cell, n_cells, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -90,3 +90,22 @@ def test_autograd_keeps_only_integer_indices(monkeypatch, dtype, narrow):
         (sums,), _ = segment_snapshot_sums([x], routes, *shape)
     assert sums.requires_grad
     assert saved and not [tuple(t.shape) for t in saved if t.is_floating_point()]
+
+
+@pytest.mark.parametrize("dtype, narrow", [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16-narrow-as-on-cuda"])
+def test_compiled_gradient_is_the_eager_one(monkeypatch, dtype, narrow):
+    """Compiled, the sums are autograd's own ``index_add`` (recurrences/segments.py ``_cell_sums``): torch
+    2.11 compiled the eager path's ``autograd.Function`` to a zero gradient."""
+    if narrow:
+        sum_narrow_as_on_cuda(monkeypatch)
+    x, routes, upstream, shape = _bf16_case(7)
+    x, upstream = x.detach().to(dtype).requires_grad_(), upstream.to(dtype)
+
+    def sums(x, routes):
+        return segment_snapshot_sums([x], routes, *shape)[0][0]
+
+    torch._dynamo.reset()
+    (eager,) = torch.autograd.grad(sums(x, routes), x, upstream)
+    (compiled,) = torch.autograd.grad(torch.compile(sums, fullgraph=True)(x, routes), x, upstream)
+    assert bool(eager.abs().max() > 0) and rel_err(compiled.float(), eager.float()) < 1e-6
