@@ -49,9 +49,15 @@ def test_layer_trains_compiled_like_eager_blocked(name, dtype):
     assert not counters["graph_break"], dict(counters["graph_break"])
     fwd_tol, grad_tol = (FWD_TOL_CUDA, GRAD_TOL_CUDA) if amp is None else (FWD_TOL[amp], GRAD_TOL[amp])
     assert_close(y.float().cpu(), y_ref.float().cpu(), fwd_tol, f"{name} {dtype} forward")
+    # this loss gives gradient norms of 1e-10 to 3e-2, so a fixed floor of 0.1 made the tolerance an
+    # absolute bound above most of them: q/k convolution gradients 12-18% off scored only 1.0-1.6e-3. In
+    # fp32 the floor is the layer's own scale (worst error 3.6e-6 on the CPU, longvq's rounding-level EMA
+    # gradients included; the 12-18% errors score 0.12-0.18); bf16 keeps 0.1 (kvm's worst error against
+    # the layer's scale is 3.0e-2 of its 5e-2 on the CPU; not yet run on a GPU)
+    floor = 1e-2 * max(p.grad.norm().item() for p in ref.parameters()) if amp is None else 0.1
     for (pname, p), p_ref in zip(layer.named_parameters(), ref.parameters()):
         assert p.grad is not None and torch.isfinite(p.grad).all(), f"{pname} has no finite gradient"
-        assert_close(p.grad.cpu(), p_ref.grad.cpu(), grad_tol, f"{name} {dtype} d{pname}", floor=0.1)
+        assert_close(p.grad.cpu(), p_ref.grad.cpu(), grad_tol, f"{name} {dtype} d{pname}", floor=floor)
 
 
 @pytest.mark.parametrize("name", MIXERS)
