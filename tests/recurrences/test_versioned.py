@@ -295,7 +295,65 @@ def test_the_version_sums_keep_no_float_intermediate_for_the_backward(finite):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         vs = versioned_sums([x], routes, plan)
     assert saved and not [tuple(t.shape) for t in saved if t.is_floating_point()]
+    # nor a mask of the summed entries (``where``'s backward kept the finiteness mask, a byte an entry): at most
+    # one flag a token (the slot's rows marked non-finite)
+    per_token = x.numel() // x.shape[-1]
+    assert not [tuple(t.shape) for t in saved if t.dtype == torch.bool and t.numel() > per_token]
     assert vs.rows[0].requires_grad
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "nan-and-inf"])
+def test_a_non_finite_token_gets_the_gradient_of_its_finite_rows_alone(bad):
+    """With non-finite tokens (the marked path), the gradient of the state rows' finite entries is the one
+    of the finite run that sums those entries as 0 and drops the rows that came out non-finite from the loss:
+    a finite token's gradient as before, the non-finite entries' zero (up to the cumsum's rounding, fp64)."""
+    g = torch.Generator().manual_seed(8)
+    L, lag, sizes = 16, 1, [0, 5, 9, 9, 12, 12]
+    routes = random_routes(2, 2, 96, L, lag, sizes, 0.1, g)
+    x = torch.randn(2, 2, 96, 6, generator=g, dtype=torch.float64)
+    if "nan" in bad:
+        x[0, 1, 20, 3] = float("nan")
+    if "inf" in bad:
+        x[1, 0, 33, 0] = float("inf")
+    plan = plan_versioned(len(sizes), L, 12, lag, every=2)
+    w = torch.randn(2, 2, plan.state_rows, 6, generator=g, dtype=torch.float64)
+
+    def grad(x, w):
+        leaf = x.clone().requires_grad_()
+        rows = versioned_sums([leaf], routes, plan).rows[0]
+        (got,) = torch.autograd.grad((rows.nan_to_num(0.0, 0.0, 0.0) * w).sum(), leaf)
+        return rows.detach(), got
+
+    rows, got = grad(x, w)
+    finite_rows = torch.isfinite(rows)
+    assert not finite_rows.all()
+    _, want = grad(x.nan_to_num(0.0, 0.0, 0.0), torch.where(finite_rows, w, 0.0))  # every token finite
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-12
+    assert float(got[~torch.isfinite(x)].abs().max()) < 1e-12 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_version_sums_gradient_is_the_eager_one_with_a_non_finite_token(dtype):
+    """Compiled (the marked path, as on CUDA), the version sums' gradient is the eager one: the summed tokens
+    pass through :class:`recurrences.versioned._ZeroedNonFinite` and the column blocks' fp64 cumsums."""
+    g = torch.Generator().manual_seed(9)
+    L, lag, sizes = 16, 1, [0, 5, 9, 9, 12, 12]
+    routes = random_routes(1, 2, 96, L, lag, sizes, 0.1, g)
+    x = torch.randn(1, 2, 96, 20, generator=g).to(dtype)
+    x[0, 1, 40, 3] = float("inf")
+    plan = plan_versioned(len(sizes), L, 12, lag, every=2)
+    w = torch.randn(1, 2, plan.state_rows, 20, generator=g).to(dtype)
+
+    def loss(x):
+        return (versioned_sums([x], routes, plan).rows[0].nan_to_num(0.0, 0.0, 0.0) * w).float().sum()
+
+    torch._dynamo.reset()
+    leaf = x.clone().requires_grad_()
+    (eager,) = torch.autograd.grad(loss(leaf), leaf)
+    (compiled,) = torch.autograd.grad(torch.compile(loss, fullgraph=True)(leaf), leaf)
+    assert bool(eager.abs().max() > 0) and torch.isfinite(compiled).all()
+    assert rel_err(compiled.float(), eager.float()) < 1e-6
 
 
 HEAVY_CHUNK, HEAVY_ROWS = 128, 8  # the chunk size and state rows of heavy_bf16_case's routes
