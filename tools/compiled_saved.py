@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import operator
 import pathlib
 import sys
 
@@ -92,9 +93,18 @@ def _source_line(node) -> str:
     return place.replace(f'File "{ROOT}/', "").replace('", line ', ":").split(", in ")[0]
 
 
+def _is_view(node) -> bool:
+    """A view op, or one item of a view op's list (``unbind``, ``split``)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _is_view(node.args[0])
+    return bool(getattr(node.target, "is_view", False))
+
+
 def _base(node):
-    """The node whose memory ``node`` views (itself where it is no view)."""
-    while node.op == "call_function" and getattr(node.target, "is_view", False):
+    """The node whose memory ``node`` views (itself where it is no view): a saved view keeps all of it."""
+    while _is_view(node):
         node = node.args[0]
     return node
 
