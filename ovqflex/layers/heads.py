@@ -76,9 +76,15 @@ class MultiHeadProjection(AttentionLayer):
             tail = qk[:, qk.shape[1] - (self.qk_conv - 1):].transpose(1, 2)  # the cache's [B, 2HD, K-1]
             # in fp32, rounded once: the same q, k eager and compiled (recurrences/precision.py, rule 4)
             qk = rounded(_causal_depthwise(widened(qk), widened(self.qk_conv_weight)), qk.dtype)
-            qkv = torch.cat([qk, qkv[..., n:]], dim=-1)
-        q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        return q, k, v, tail
+            # q, k and v stay views of their own buffers: joined again into one, v's rows would be copied once
+            # more and kept alive with q and k, which the backward keeps (their normalization reads them)
+            return (*self._heads(qk), *self._heads(qkv[..., n:]), tail)
+        return (*self._heads(qkv), tail)
+
+    def _heads(self, x: Tensor) -> tuple[Tensor, ...]:
+        """x ``[B, T, n*H*D]`` -> n views ``[B, H, T, D]``."""
+        B, T, _ = x.shape
+        return x.view(B, T, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
     def merge(self, o: Tensor) -> Tensor:
         """o ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""

@@ -29,6 +29,16 @@ def test_hidden_size_must_divide_into_heads(layer):
     assert getattr(ovqflex, layer)(30, 4, head_dim=8).head_dim == 8  # an explicit head_dim may differ
 
 
+def test_with_qk_conv_v_keeps_no_storage_with_q_and_k():
+    """The backward keeps q and k (their normalization reads them); were v a view of the same buffer, its rows
+    would stay alive with them (in a compiled layer too: ``tools/compiled_saved.py``, 64 MB per layer at 64k)."""
+    m = MultiHeadProjection(32, 4, None, "blocked", qk_conv=3)
+    q, k, v = m.split_heads(torch.randn(2, 7, 32))
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert v.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+    assert v.untyped_storage().nbytes() == 2 * 7 * 3 * 32 * 4  # the projection's own output
+
+
 def test_qk_conv_starts_as_identity():
     torch.manual_seed(0)
     plain = MultiHeadProjection(32, 2, None, "blocked")
