@@ -1,7 +1,8 @@
-"""What a compiled op keeps for its backward, read from inductor's own partition, traced on a CPU.
+"""What a compiled op or layer keeps for its backward, read from inductor's own partition, traced on a CPU.
 
     python tools/compiled_saved.py {ovq,kvm,vq} [--seq-len T] [--layout {auto,snapshot,versioned}]
                                    [--dtype {bf16,fp32}] [--heads H] [--dim D] [--top N]
+    python tools/compiled_saved.py METHOD --layer [--qk-conv K] [same options]
 
 Training on CUDA runs an op compiled with ``torch.compile(fullgraph=True)`` through flex, and what its
 forward graph hands the backward (AOTAutograd's min-cut partition, as inductor asks for it) lies in memory
@@ -11,7 +12,10 @@ method options; inputs as the op scenarios draw them, requiring grad), lets indu
 graph, and stops before any code is generated: nothing of the op runs, so 64k tokens take seconds. It
 prints each kept tensor by the source line that made it, then the totals: the op's inputs kept, its output
 kept, and what is kept beyond both (the op's own cost; causal SDPA's is its log-sum-exp, ``H T`` fp32) —
-and what flex's backward reads and writes at once, its k and v and their gradients.
+and what flex's backward reads and writes at once, its k and v and their gradients. With ``--layer`` the same
+for the method's layer (any registered method: ``Method.example``, hidden ``H d``, through flex, the
+scenario's method options for OVQ, KVM and VQ) on fp32 ``x [1, T, H d]`` under bf16 autocast (``--dtype
+bf16``) or in fp32: its projections, q/k convolution (``--qk-conv``), rotations and output projection too.
 
 The partition does not depend on the device, and with gradients the ops choose their state layout by rows,
 not by the device (docs/design.md §5), so a CPU traces the CUDA program: the CPU's block size and routing
@@ -137,27 +141,63 @@ def flex_kv_mb(part: _Partitioned) -> float:
     return total
 
 
+def _op_case(args, scenario) -> tuple:
+    """``(function, its input, H, D)``: the op on the scenario's inputs, compiled for training through flex."""
+    from ovqflex.bench.scenarios.op import DTYPES, op_inputs
+
+    _, op, extra, options = scenario.method_parts()
+    H, D = args.heads or scenario.heads, args.dim or scenario.head_dim
+    inputs = {n: x.requires_grad_(x.is_floating_point())
+              for n, x in op_inputs(args.seq_len, H, D, extra, torch.device("cpu"), DTYPES[args.dtype]).items()}
+    return (lambda t: op(**t, backend="flex", state_layout=args.layout, **options)), inputs, H, D
+
+
+def _layer_case(args, scenario) -> tuple:
+    """``(function, its input, H, D)``: the method's layer (``Method.example``: hidden ``H d``, flex, the scenario's
+    method options for OVQ, KVM and VQ) on fp32 ``x [1, T, H d]``, under bf16 autocast for ``--dtype bf16``."""
+    from ovqflex.methods import get_method
+
+    method = get_method(args.method)
+    H = args.heads or (scenario.heads if scenario else 8)
+    D = args.dim or (scenario.head_dim if scenario else 64)
+    options = dict(scenario.method_parts()[3], state_layout=args.layout) if scenario else {}
+    names = method.option_names()
+    options.update({k: v for k, v in dict(backend="flex", qk_conv=args.qk_conv).items() if k in names})
+    layer = method.example(H, D, options)
+    x = torch.randn(1, args.seq_len, H * D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def run(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            y = layer(x)
+        return y[0] if isinstance(y, tuple) else y
+
+    return run, x, H, D
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("method", choices=["ovq", "kvm", "vq"])
+    p.add_argument("method", help="ovq, kvm or vq; with --layer, any method (ovqflex info lists them)")
+    p.add_argument("--layer", action="store_true", help="the method's layer, not its op")
     p.add_argument("--seq-len", type=int, default=65536)
     p.add_argument("--layout", choices=["auto", "snapshot", "versioned"], default="auto")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--heads", type=int, default=None, help="default: the scenario's")
-    p.add_argument("--dim", type=int, default=None, help="head dim; default: the scenario's")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="the op's inputs; a layer's autocast (its parameters and x stay fp32)")
+    p.add_argument("--heads", type=int, default=None, help="default: the scenario's (8)")
+    p.add_argument("--dim", type=int, default=None, help="head dim; default: the scenario's (64)")
+    p.add_argument("--qk-conv", type=int, default=0, help="a layer's q/k convolution width (0: none)")
     p.add_argument("--top", type=int, default=12, help="source lines listed, largest first")
     args = p.parse_args(argv)
 
     from ovqflex.bench.runner import load_profile
-    from ovqflex.bench.scenarios.op import DTYPES, op_inputs
 
     _let_cpu_flex_trace_a_backward()
-    scenario = {sc.name: sc for sc in load_profile(ROOT / "profiles" / "gpu.toml")["scenario"]}[f"stages-{args.method}"]
-    _, op, extra, options = scenario.method_parts()
-    H, D, T = args.heads or scenario.heads, args.dim or scenario.head_dim, args.seq_len
-    inputs = {n: x.requires_grad_(x.is_floating_point())
-              for n, x in op_inputs(T, H, D, extra, torch.device("cpu"), DTYPES[args.dtype]).items()}
-    part = partitioned_forward(lambda t: op(**t, backend="flex", state_layout=args.layout, **options), inputs)
+    scenarios = {sc.name: sc for sc in load_profile(ROOT / "profiles" / "gpu.toml")["scenario"]}
+    scenario = scenarios.get(f"stages-{args.method}")
+    if scenario is None and not args.layer:
+        p.error(f"the op of {args.method!r} has no stages scenario in profiles/gpu.toml: ovq, kvm or vq "
+                f"(or --layer)")
+    fn, inputs, H, D = (_layer_case if args.layer else _op_case)(args, scenario)
+    part = partitioned_forward(fn, inputs)
     rows = kept(part)
 
     by_line = collections.defaultdict(lambda: [0.0, 0, set()])
@@ -167,16 +207,19 @@ def main(argv: list[str] | None = None) -> int:
             entry[0] += r["mb"]
             entry[1] += 1
             entry[2].add(f"{list(r['shape'])} {r['dtype']}")
-    print(f"{args.method} T={T} H={H} d={D} {args.dtype} layout={args.layout}: the compiled op's forward keeps "
-          f"{len(rows)} tensors for its backward")
+    what = "layer" if args.layer else "op"
+    print(f"{args.method} {what} T={args.seq_len} H={H} d={D} {args.dtype} layout={args.layout}: the compiled "
+          f"{what}'s forward keeps {len(rows)} tensors for its backward")
     print(f"{'MB':>9}  {'n':>3}  source line: shapes")
     for line, (mb, n, shapes) in sorted(by_line.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{mb:9.1f}  {n:3d}  {line}: {', '.join(sorted(shapes))}")
     total = {kind: sum(r["mb"] for r in rows if r["kind"] == kind) for kind in ("input", "output", "kept")}
-    sdpa = H * T * 4 / MB
+    sdpa = H * args.seq_len * 4 / MB
     print(f"inputs kept {total['input']:.1f} MB, output kept {total['output']:.1f} MB, kept beyond both "
           f"{total['kept']:.1f} MB (causal SDPA: {sdpa:.1f} MB, its log-sum-exp)")
-    print(f"flex's backward reads its k, v ({flex_kv_mb(part):.1f} MB) and writes their gradients (as many MB)")
+    kv = flex_kv_mb(part)
+    if kv:
+        print(f"flex's backward reads its k, v ({kv:.1f} MB) and writes their gradients (as many MB)")
     return 0
 
 
