@@ -1,7 +1,8 @@
 """``MultiHeadProjection``: the projections every attention layer shares.
 
-Owns the fused ``qkv_proj`` (``[B, T, hidden] -> 3 x [B, H, T, head_dim]``) and
-``o_proj`` (``[B, H, T, head_dim] -> [B, T, hidden]``), and validates the sizes.
+Owns ``qkv_proj`` (``[B, T, hidden] -> 3 x [B, H, T, head_dim]``; with gradients recorded its weight is
+applied as two products, q/k and v, so that what the backward keeps of one does not hold the other) and ``o_proj``
+(``[B, H, T, head_dim] -> [B, T, hidden]``), and validates the sizes.
 
 ``qk_conv=K > 0`` adds a depthwise causal convolution of width ``K`` over time on the
 q and k projections (the OVQ paper's appendix-C tweak, arXiv 2602.03922 §9: "applying
@@ -13,10 +14,11 @@ a previous-token head in an earlier layer.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recurrences.checks import check_choice, check_int, check_layer_input
-from recurrences.precision import rounded, widened
+from recurrences.precision import rounded, to_compute_dtype, widened
 
 from ..attention import BACKENDS
 from ..profiling import stage
@@ -66,20 +68,27 @@ class MultiHeadProjection(AttentionLayer):
         the tail after ``x`` (None without ``qk_conv``)."""
         self.check_input(x)
         B, T, _ = x.shape
-        qkv = self.qkv_proj(x)  # [B, T, 3*H*D]
-        tail = None
-        if self.qk_conv:
-            n = 2 * self.num_heads * self.head_dim
-            qk = qkv[..., :n]  # [B, T, 2HD]
-            prev = qk.new_zeros(B, self.qk_conv - 1, n) if conv_tail is None else conv_tail.to(qk.dtype).transpose(1, 2)
-            qk = torch.cat([prev, qk], dim=1)  # causal: the K-1 tokens before x, then x
-            tail = qk[:, qk.shape[1] - (self.qk_conv - 1):].transpose(1, 2)  # the cache's [B, 2HD, K-1]
-            # in fp32, rounded once: the same q, k eager and compiled (recurrences/precision.py, rule 4)
-            qk = rounded(_causal_depthwise(widened(qk), widened(self.qk_conv_weight)), qk.dtype)
-            # q, k and v stay views of their own buffers: joined again into one, v's rows would be copied once
-            # more and kept alive with q and k, which the backward keeps (their normalization reads them)
-            return (*self._heads(qk), *self._heads(qkv[..., n:]), tail)
-        return (*self._heads(qkv), tail)
+        n = 2 * self.num_heads * self.head_dim
+        weight = self.qkv_proj.weight
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            # q/k and v from products of their own (x cast once for both under autocast): the backward keeps q and
+            # k (OVQ's and VQ's normalization reads them) or v (flex reads it beside the rotated q, k), and views
+            # of one [B, T, 3*H*D] product kept all three alive for it
+            (x,) = to_compute_dtype(x)
+            qk, v = F.linear(x, weight[:n]), F.linear(x, weight[n:])  # [B, T, 2HD], [B, T, HD]
+        else:  # nothing kept for a backward: one product, the fewest launches and ops for a decode step
+            qkv = self.qkv_proj(x)  # [B, T, 3HD]
+            if not self.qk_conv:
+                return (*self._heads(qkv), None)
+            qk, v = qkv[..., :n], qkv[..., n:]
+        if not self.qk_conv:
+            return (*self._heads(qk), *self._heads(v), None)
+        prev = qk.new_zeros(B, self.qk_conv - 1, n) if conv_tail is None else conv_tail.to(qk.dtype).transpose(1, 2)
+        qk = torch.cat([prev, qk], dim=1)  # causal: the K-1 tokens before x, then x
+        tail = qk[:, qk.shape[1] - (self.qk_conv - 1):].transpose(1, 2)  # the cache's [B, 2HD, K-1]
+        # in fp32, rounded once: the same q, k eager and compiled (recurrences/precision.py, rule 4)
+        qk = rounded(_causal_depthwise(widened(qk), widened(self.qk_conv_weight)), qk.dtype)
+        return (*self._heads(qk), *self._heads(v), tail)
 
     def _heads(self, x: Tensor) -> tuple[Tensor, ...]:
         """x ``[B, T, n*H*D]`` -> n views ``[B, H, T, D]``."""

@@ -29,14 +29,25 @@ def test_hidden_size_must_divide_into_heads(layer):
     assert getattr(ovqflex, layer)(30, 4, head_dim=8).head_dim == 8  # an explicit head_dim may differ
 
 
-def test_with_qk_conv_v_keeps_no_storage_with_q_and_k():
-    """The backward keeps q and k (their normalization reads them); were v a view of the same buffer, its rows
-    would stay alive with them (in a compiled layer too: ``tools/compiled_saved.py``, 64 MB per layer at 64k)."""
-    m = MultiHeadProjection(32, 4, None, "blocked", qk_conv=3)
-    q, k, v = m.split_heads(torch.randn(2, 7, 32))
+@pytest.mark.parametrize("qk_conv", [0, 3], ids=["plain", "qk_conv"])
+def test_q_k_and_v_keep_no_storage_in_common(qk_conv):
+    """The backward keeps q and k (OVQ's and VQ's normalization reads them) or v (flex reads it beside the rotated
+    q and k); as views of one buffer, the part kept held the others alive (in a compiled layer too:
+    ``tools/compiled_saved.py --layer``, 64 or 128 MB per layer at 64k). With gradients recorded v's storage is v
+    alone."""
+    m = MultiHeadProjection(32, 4, None, "blocked", qk_conv=qk_conv)
+    x = torch.randn(2, 7, 32)
+    q, k, v = m.split_heads(x)
     assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
     assert v.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
-    assert v.untyped_storage().nbytes() == 2 * 7 * 3 * 32 * 4  # the projection's own output
+    assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
+    assert q.untyped_storage().nbytes() == 2 * q.numel() * q.element_size()
+    # without gradients nothing is kept: one product (a decode step's fewest launches), the same values
+    with torch.no_grad():
+        one = m.split_heads(x)
+    assert one[2].untyped_storage().nbytes() == 3 * v.numel() * v.element_size()
+    for a, b in zip((q, k, v), one):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_qk_conv_starts_as_identity():
