@@ -22,8 +22,7 @@ not by the device (docs/design.md §5), so a CPU traces the CUDA program: the CP
 implementation differ, which changes a few small integer tensors. torch has no CPU backward for flex; for
 this trace alone the tool lets the op and torch's ``flex_attention`` take the CPU program with gradients,
 in its own process (importing it patches nothing: :func:`main` does). What it cannot tell: the forward's
-and backward's transient memory (a device's peak, ``op-ovq`` of ``profiles/gpu.toml``), or a layer's
-memory beyond its op.
+and backward's transient memory (a device's peak: ``op-ovq`` of ``profiles/gpu.toml``).
 """
 from __future__ import annotations
 
@@ -174,28 +173,43 @@ def _layer_case(args, scenario) -> tuple:
     return run, x, H, D
 
 
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text}")
+        return value
+    return parse
+
+
+_positive = _at_least(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("method", help="ovq, kvm or vq; with --layer, any method (ovqflex info lists them)")
     p.add_argument("--layer", action="store_true", help="the method's layer, not its op")
-    p.add_argument("--seq-len", type=int, default=65536)
+    p.add_argument("--seq-len", type=_positive, default=65536)
     p.add_argument("--layout", choices=["auto", "snapshot", "versioned"], default="auto")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="the op's inputs; a layer's autocast (its parameters and x stay fp32)")
-    p.add_argument("--heads", type=int, default=None, help="default: the scenario's (8)")
-    p.add_argument("--dim", type=int, default=None, help="head dim; default: the scenario's (64)")
-    p.add_argument("--qk-conv", type=int, default=0, help="a layer's q/k convolution width (0: none)")
-    p.add_argument("--top", type=int, default=12, help="source lines listed, largest first")
+    p.add_argument("--heads", type=_positive, default=None, help="default: the scenario's (8)")
+    p.add_argument("--dim", type=_positive, default=None, help="head dim; default: the scenario's (64)")
+    p.add_argument("--qk-conv", type=_at_least(0), default=0, help="a layer's q/k convolution width (0: none)")
+    p.add_argument("--top", type=_positive, default=12, help="source lines listed, largest first")
     args = p.parse_args(argv)
 
     from ovqflex.bench.runner import load_profile
+    from ovqflex.methods import method_names
 
-    _let_cpu_flex_trace_a_backward()
+    if args.method not in method_names():
+        p.error(f"method must be one of {method_names()}, got {args.method!r}")
     scenarios = {sc.name: sc for sc in load_profile(ROOT / "profiles" / "gpu.toml")["scenario"]}
     scenario = scenarios.get(f"stages-{args.method}")
     if scenario is None and not args.layer:
         p.error(f"the op of {args.method!r} has no stages scenario in profiles/gpu.toml: ovq, kvm or vq "
                 f"(or --layer)")
+    _let_cpu_flex_trace_a_backward()
     fn, inputs, H, D = (_layer_case if args.layer else _op_case)(args, scenario)
     part = partitioned_forward(fn, inputs)
     rows = kept(part)

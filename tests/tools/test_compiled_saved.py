@@ -38,6 +38,22 @@ def test_kept_tensors_are_told_apart_as_inputs_outputs_and_intermediates():
     assert [r[3] for r in rows if r[0] == "kept"] == ["tests/tools/test_compiled_saved.py"]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["ovq", "--seq-len", "0"], "--seq-len: must be an integer >= 1, got 0"),
+    (["ovq", "--layer", "--qk-conv", "-1"], "--qk-conv: must be an integer >= 0, got -1"),
+    (["nosuch", "--layer"], "method must be one of"),
+    (["swa"], "the op of 'swa' has no stages scenario")], ids=["seq-len", "qk-conv", "method", "op-of-swa"])
+def test_bad_arguments_are_refused_by_name(argv, message, capsys):
+    """Refused before anything is patched or traced."""
+    import ovqflex.attention
+
+    trains_on = ovqflex.attention.flex_trains_on
+    with pytest.raises(SystemExit) as exit_:
+        compiled_saved.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert ovqflex.attention.flex_trains_on is trains_on  # nothing patched
+
+
 #: MB an op or layer compiled for training keeps for its backward beyond its inputs, its output and flex's k and
 #: v, at 4,096 tokens in fp32 (H = 8, d = 64, the stages-* options of profiles/gpu.toml; traced under torch 2.13
 #: and 2.11): a budget a change must not exceed. KVM's readout keeps its state-sized sums (LN_s and the radius
