@@ -5,6 +5,18 @@ A program bundles the padded queries ``q [B, H, Qp, D]``, the kv sequence
 (whose union is the ``mask_mod``), the analytic block lists, the softmax scale
 and an optional per-row bias (the ``score_mod``). Programs never run attention:
 backends in :mod:`ovqflex.attention` do.
+
+Queries are written token-major. Flex's output follows its query's memory order (torch lays
+the output out with the query's strides, in eager and in inductor), and a layer merges heads
+from ``[B, T, H, D]`` memory (``o.transpose(1, 2).reshape(B, T, H * D)``). A query written
+``[B, H, T, D]`` makes that merge a copy: one more pass over the output and, in training, a
+second copy of it kept for the output projection's backward (64 MB per attention layer at
+64k tokens, hidden 512, bf16; docs/design.md §5). So whatever writes a query a program reads
+writes it in ``[B, T, H, D]`` shape and hands on its ``[B, H, T, D]`` transpose: the rotary
+embedding (:mod:`ovqflex.layers.rope`), :func:`scaled_unit_queries` and :func:`pad_queries`. The shape, not a
+``.contiguous()``, is what holds under ``torch.compile``: inductor lays an intermediate out
+in the order of its shape, whatever strides eager would give it, and drops a copy whose
+traced strides already match.
 """
 from __future__ import annotations
 
@@ -89,12 +101,27 @@ class AttentionProgram:
         geom = Geometry(q_len=g.q_len, q_pad=q_pad, n_state=g.n_state, kv_tokens=kv_len - g.n_state,
                         block_q=block, block_kv=block)
         extra = kv_len - g.kv_len
-        q = F.pad(self.q, (0, 0, 0, q_pad - g.q_pad))
+        q = pad_queries(self.q, q_pad)
         k, v = F.pad(self.k, (0, 0, 0, extra)), F.pad(self.v, (0, 0, 0, extra))
         bias = None if self.bias is None else F.pad(self.bias, (0, extra))  # token rows: bias 0
         params = tuple(r.params(geom, q.device) for r in self.regions)
         return AttentionProgram(q=q, k=k, v=v, regions=self.regions, params=params,
                                 layout=build_block_layout(self.regions, params, geom), scale=self.scale, bias=bias)
+
+
+def scaled_unit_queries(q: Tensor, beta: Tensor) -> Tensor:
+    """``beta_h q / |q|``, the unit queries with a per-head temperature of OVQ, VQ and the ``qk_norm`` layers:
+    q ``[B, H, T, D]``, beta ``[H]`` -> ``[B, H, T, D]``, written token-major (module docstring)."""
+    qn = F.normalize(q.transpose(1, 2), dim=-1)  # [B, T, H, D]
+    return (qn * beta.to(qn.dtype).view(1, 1, -1, 1)).transpose(1, 2)
+
+
+def pad_queries(q: Tensor, n: int) -> Tensor:
+    """``q [B, H, T, D]`` padded with zero rows up to ``n`` queries, written token-major (module docstring);
+    ``q`` itself when it is ``n`` long already."""
+    tokens = q.transpose(1, 2)
+    padded = pad_to(tokens, 1, n)
+    return q if padded is tokens else padded.transpose(1, 2)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -164,7 +191,7 @@ def build_program(
         bias = pad_to(pad_to(sb.to(work_dtype(q)), 2, n_state, value=float("-inf")), 2, n_state + t_pad)
     k = _kv_rows(state_k, n_state, k, t_pad)
     v = _kv_rows(state_v, n_state, v, t_pad)
-    q = pad_to(q, 2, geom.q_pad)
+    q = pad_queries(q, geom.q_pad)
     params = tuple(r.params(geom, q.device) for r in regions)
     layout = build_block_layout(regions, params, geom)
     return AttentionProgram(q=q, k=k, v=v, regions=regions, params=params, layout=layout, scale=scale, bias=bias)

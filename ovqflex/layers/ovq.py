@@ -5,10 +5,9 @@ import math
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import AttentionProgram
+from masks.program import AttentionProgram, scaled_unit_queries
 from recurrences.checks import options_of
 from recurrences.precision import routing_keys, to_compute_dtype
 
@@ -70,8 +69,7 @@ class OVQAttention(OptionAttributes, MultiHeadProjection):
         on them), v ``[B, H, T, *]`` and the conv tail."""
         q, k, v, tail = inputs
         q, k, v = to_compute_dtype(q, k, v)
-        qn = F.normalize(q, dim=-1)
-        return qn * self.beta.to(qn.dtype).view(1, -1, 1, 1), routing_keys(k), v, tail
+        return scaled_unit_queries(q, self.beta), routing_keys(k), v, tail
 
     def _decode_step(self, inputs, cache: OVQCache, *, max_centroids: int | None = None) -> tuple[Tensor, OVQCache]:
         q_scaled, kn, v, tail = self._decode_inputs(inputs)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program
+from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program, scaled_unit_queries
 from recurrences.checks import check_block_size
 
 from ..attention import attend
@@ -50,7 +50,7 @@ class _PlainAttention(MultiHeadProjection):
         with stage("proj"):
             q, k, v, tail = self.split_heads_cached(x, conv_tail)
             if self.qk_norm:
-                q = F.normalize(q, dim=-1) * self.beta.to(q.dtype).view(1, -1, 1, 1)
+                q = scaled_unit_queries(q, self.beta)
                 k = F.normalize(k, dim=-1)
             if self.rope:
                 pos = positions(start, x.shape[1], x.device)

@@ -31,12 +31,14 @@ def apply_rope(
         raise ValueError(f"rope_dims must be even and in [0, {D}], got {r}")
     if r == 0:
         return x
-    xr, rest = widened(x[..., :r]), x[..., r:]
-    cos, sin = rope_angles(positions, r, base, xr.dtype)
+    # written token-major, [B, T, H, D] (masks/program.py, "Queries are written token-major")
+    xt = x.transpose(-3, -2)
+    xr, rest = widened(xt[..., :r]), xt[..., r:]
+    cos, sin = (c[:, None, :] for c in rope_angles(positions, r, base, xr.dtype))  # [T, 1, r/2]
     if interleaved:
         a, b = xr[..., 0::2], xr[..., 1::2]
         rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
     else:
         a, b = xr[..., : r // 2], xr[..., r // 2 :]
         rot = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
-    return torch.cat([rot.to(x.dtype), rest], dim=-1)
+    return torch.cat([rot.to(x.dtype), rest], dim=-1).transpose(-3, -2)

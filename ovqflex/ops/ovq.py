@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram
+from masks.program import DEFAULT_BLOCK, AttentionProgram, scaled_unit_queries
 from masks.regions import OwnChunk
 from recurrences.checks import (check_choice, check_chunk, check_finite_args, check_int, check_qkv, check_tensor,
                                 options_of)
@@ -120,8 +120,8 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     n_chunks = size_max(1, -(-T // o.chunk_size))
     sizes = schedule.live(n_chunks + 1, q.device)  # chunks 0..n_chunks: the last is the dictionary after T
     with stage("proj"):
-        qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
+        kn = F.normalize(k, dim=-1)
+        q_scaled = scaled_unit_queries(q, beta)
     with stage("routing"):
         routes = route_ovq(routing_keys(k), schedule=schedule, seeding=o.seeding, seed=o.seed,
                            normalize_centroids=o.normalize_centroids, impl=o.routing)

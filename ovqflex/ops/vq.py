@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram
+from masks.program import DEFAULT_BLOCK, AttentionProgram, scaled_unit_queries
 from masks.regions import BlockWindow
 from recurrences.checks import check_choice, check_chunk, check_finite_args, check_qkv, check_tensor, options_of
 from recurrences.compiling import size_max
@@ -100,9 +100,9 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     B, H, T, _ = q.shape
     N = codebook.shape[1]
     with stage("proj"):
-        qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        kn = F.normalize(k, dim=-1)
         cb = F.normalize(codebook, dim=-1)
-        q_scaled = qn * beta.to(qn.dtype).view(1, H, 1, 1)
+        q_scaled = scaled_unit_queries(q, beta)
     with stage("routing"):
         codes = assign_codes(k, codebook, code_bias)  # fp32 unit keys and codes (recurrences.precision)
     with stage("state_build"):

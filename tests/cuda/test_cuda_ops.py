@@ -272,6 +272,22 @@ def test_whole_op_compiled_under_no_grad(method):
     assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, f"compiled {method} at T={NO_GRAD_T}")
 
 
+@pytest.mark.parametrize("grad", [False, pytest.param(True, marks=pytest.mark.skipif(
+    DEVICE.type != "cuda", reason="CPU flex has no backward"))], ids=["forward", "forward-backward"])
+@pytest.mark.parametrize("method", ["ovq", "vq", "swa"])
+def test_flex_output_merges_heads_as_a_view(method, grad):
+    """The layers merge heads with ``o.transpose(1, 2).reshape(B, T, H d)``; the ops write their queries
+    token-major (masks/program.py) and torch lays flex's output out like its query, so on the device that is
+    a view of flex's output: no copy, and in training no second copy kept for the output projection. 300
+    tokens: padded queries."""
+    t, op = _whole_op(method, 9, T=300)
+    t["q"].requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out = op("flex", t)
+    merged = out.transpose(1, 2).reshape(1, 300, -1)
+    assert merged.data_ptr() == out.data_ptr() and merged._base is not None, f"a copy: out strides {out.stride()}"
+
+
 @pytest.mark.parametrize("method", ["ovq", "vq"])
 def test_whole_op_compiled_with_dynamic_shapes_and_keyword_options_under_no_grad(method):
     """``torch.compile(lambda *x: op(*x, backend="flex", **kw), dynamic=True, fullgraph=True)`` under no_grad

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ovqflex
-from masks.program import build_program
+from masks.program import build_program, pad_queries, scaled_unit_queries
 from ovqflex.ops.kvm import kvm_program
 from ovqflex.ops.ovq import ovq_program
 from ovqflex.ops.plain import plain_regions
@@ -143,3 +143,29 @@ def test_state_rows_need_both_keys_and_values():
     q = k = v = torch.zeros(1, 1, 16, 8)
     with pytest.raises(ValueError, match="state_k and state_v must both be given"):
         build_program(q, k, v, plain_regions(window=4), scale=1.0, state_v=torch.zeros(1, 1, 3, 8))
+
+
+def _token_major(q: torch.Tensor) -> bool:
+    """``q [B, H, T, D]`` laid out ``[B, T, H, D]`` in memory (flex's output then merges heads as a view)."""
+    return q.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_queries_are_written_token_major(name):
+    """Every query a program writes (scaled unit queries, padding; the rope is tested with it) is laid out
+    [B, T, H, D], from queries given [B, H, T, D]: flex's output follows it (masks/program.py)."""
+    p, _ = PROGRAMS[name](70, 16)  # 70 queries: padded to 80
+    assert not _token_major(_leaves(70, 0)[0])
+    assert _token_major(p.q), p.q.stride()
+    assert _token_major(p.on_blocks(128).q)
+
+
+def test_scaled_unit_queries_and_padding_keep_their_values():
+    g = torch.Generator().manual_seed(5)
+    q, beta = torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64), torch.rand(3, generator=g, dtype=torch.float64)
+    want = beta.view(1, 3, 1, 1) * q / q.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(scaled_unit_queries(q, beta), want, rtol=1e-14, atol=0)
+    padded = pad_queries(q, 16)
+    assert padded.shape == (2, 3, 16, 8) and _token_major(padded)
+    assert torch.equal(padded[:, :, :9], q) and not padded[:, :, 9:].any()
+    assert pad_queries(q, 9) is q  # already long enough: as given

@@ -1,4 +1,6 @@
-"""MultiHeadProjection: shapes, size checks, the optional causal q/k convolution."""
+"""MultiHeadProjection: shapes, size checks, the optional causal q/k convolution, the heads merged."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,29 @@ def test_q_k_and_v_keep_no_storage_in_common(qk_conv):
     assert one[2].untyped_storage().nbytes() == 3 * v.numel() * v.element_size()
     for a, b in zip((q, k, v), one):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["swa", "ovq", "vq", "kvm"])
+def test_compiled_layer_merges_heads_from_the_flex_output(method):
+    """Flex's output follows its query's memory order, and the layers write their queries token-major
+    (masks/program.py): the compiled layer's output projection reads the buffer the flex kernel wrote, with no
+    copy of the attention output between them (it was one more pass, and in training a second 64 MB kept per
+    layer at 64k). Read from inductor's generated CPU code, 1,000 tokens (padded queries), no gradients."""
+    from torch._inductor.utils import run_and_get_code
+
+    from ovqflex.methods import get_method
+
+    torch.manual_seed(0)
+    layer = get_method(method).example(2, 64, dict(backend="flex"))
+    x = torch.randn(1, 1000, 128)
+    with torch.no_grad():
+        _, codes = run_and_get_code(torch.compile(layer, fullgraph=True, dynamic=False), x)
+    code = "\n".join(codes)
+    flex_calls = re.findall(r"\n\s*cpp_fused\w*flex_attention\w*\(([^)]*)\)", code)
+    mm_inputs = re.findall(r"extern_kernels\.mm\(reinterpret_tensor\((buf\d+),", code)
+    assert len(flex_calls) == 1 and mm_inputs, "no flex kernel call or matmul found in the generated code"
+    written = flex_calls[0].split(",")[-1].strip()  # the kernel's output buffer, its last argument
+    assert mm_inputs[-1] == written, f"the output projection reads {mm_inputs[-1]}, flex wrote {written}"
 
 
 def test_qk_conv_starts_as_identity():

@@ -29,6 +29,8 @@ def test_rope_matches_complex_rotation(interleaved, rope_dims):
     got = apply_rope(x, pos, rope_dims, 500.0, interleaved)
     want = rope_complex(x, pos, rope_dims, 500.0, interleaved) if rope_dims else x.double()
     assert torch.allclose(got.double(), want, atol=1e-5)
+    if rope_dims:  # written token-major, [B, T, H, D] in memory, as flex's queries are (masks/program.py)
+        assert got.transpose(1, 2).is_contiguous(), got.stride()
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
