@@ -9,14 +9,15 @@ backends in :mod:`ovqflex.attention` do.
 Queries are written token-major. Flex's output follows its query's memory order (torch lays
 the output out with the query's strides, in eager and in inductor), and a layer merges heads
 from ``[B, T, H, D]`` memory (``o.transpose(1, 2).reshape(B, T, H * D)``). A query written
-``[B, H, T, D]`` makes that merge a copy: one more pass over the output and, in training, a
-second copy of it kept for the output projection's backward (64 MB per attention layer at
-64k tokens, hidden 512, bf16; docs/design.md §5). So whatever writes a query a program reads
-writes it in ``[B, T, H, D]`` shape and hands on its ``[B, H, T, D]`` transpose: the rotary
-embedding (:mod:`ovqflex.layers.rope`), :func:`scaled_unit_queries` and :func:`pad_queries`. The shape, not a
-``.contiguous()``, is what holds under ``torch.compile``: inductor lays an intermediate out
-in the order of its shape, whatever strides eager would give it, and drops a copy whose
-traced strides already match.
+``[B, H, T, D]`` makes that merge a copy: one more pass over the output, and in training the
+window, full-attention and KVM layers kept that copy for the output projection's backward
+besides flex's own (64 MB at 64k tokens, hidden 512, bf16; docs/design.md §7). So whatever
+writes a query a program reads writes it in ``[B, T, H, D]`` shape and hands on its
+``[B, H, T, D]`` transpose: the rotary embedding (:mod:`ovqflex.layers.rope`),
+:func:`scaled_unit_queries` and :func:`pad_queries`. The shape, not a ``.contiguous()``, is
+what holds under ``torch.compile``: inductor lays an intermediate out in the order of its
+shape, whatever strides eager would give it, and drops a copy whose traced strides already
+match.
 """
 from __future__ import annotations
 

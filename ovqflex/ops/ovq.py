@@ -116,7 +116,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     check_finite_args(check_finite, q=q, k=k, v=v, beta=beta)
     schedule = o.schedule
     q, k, v = to_compute_dtype(q, k, v)
-    B, H, T, _ = q.shape
+    T = q.shape[2]
     n_chunks = size_max(1, -(-T // o.chunk_size))
     sizes = schedule.live(n_chunks + 1, q.device)  # chunks 0..n_chunks: the last is the dictionary after T
     with stage("proj"):

@@ -97,7 +97,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     _check_vq_args(q, k, v, codebook, beta, local_bias, code_bias, check_finite)
     chunk_size = o.chunk_size
     q, k, v = to_compute_dtype(q, k, v)
-    B, H, T, _ = q.shape
+    T = q.shape[2]
     N = codebook.shape[1]
     with stage("proj"):
         kn = F.normalize(k, dim=-1)
