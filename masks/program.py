@@ -17,7 +17,9 @@ writes a query a program reads writes it in ``[B, T, H, D]`` shape and hands on 
 :func:`scaled_unit_queries` and :func:`pad_queries`. The shape, not a ``.contiguous()``, is
 what holds under ``torch.compile``: inductor lays an intermediate out in the order of its
 shape, whatever strides eager would give it, and drops a copy whose traced strides already
-match.
+match. Eager ops follow their input's layout instead; the layers' queries are views of their
+``[B, T, ...]`` projections, so eager writes them token-major too, while a caller's
+contiguous ``[B, H, T, D]`` queries stay so in eager unless padded.
 """
 from __future__ import annotations
 

@@ -276,10 +276,10 @@ def test_whole_op_compiled_under_no_grad(method):
     DEVICE.type != "cuda", reason="CPU flex has no backward"))], ids=["forward", "forward-backward"])
 @pytest.mark.parametrize("method", ["ovq", "vq", "swa"])
 def test_flex_output_merges_heads_as_a_view(method, grad):
-    """The layers merge heads with ``o.transpose(1, 2).reshape(B, T, H d)``; the ops write their queries
+    """The layers merge heads with ``o.transpose(1, 2).reshape(B, T, H d)``; programs write their queries
     token-major (masks/program.py) and torch lays flex's output out like its query, so on the device that is
     a view of flex's output: no copy, and in training no second copy kept for the output projection. 300
-    tokens: padded queries."""
+    tokens: the queries are padded, which writes them token-major from the contiguous ones given."""
     t, op = _whole_op(method, 9, T=300)
     t["q"].requires_grad_(grad)
     with torch.set_grad_enabled(grad):

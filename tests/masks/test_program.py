@@ -151,9 +151,10 @@ def _token_major(q: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_queries_are_written_token_major(name):
-    """Every query a program writes (scaled unit queries, padding; the rope is tested with it) is laid out
-    [B, T, H, D], from queries given [B, H, T, D]: flex's output follows it (masks/program.py)."""
+def test_padded_queries_are_written_token_major(name):
+    """Padding writes a program's queries [B, T, H, D] in memory whatever the layout given (here contiguous
+    [B, H, T, D]), also on flex's larger blocks: flex's output follows it (masks/program.py). Compiled, every
+    query writer is held to it by tests/ovqflex/layers/test_heads.py (inductor's code)."""
     p, _ = PROGRAMS[name](70, 16)  # 70 queries: padded to 80
     assert not _token_major(_leaves(70, 0)[0])
     assert _token_major(p.q), p.q.stride()
@@ -165,6 +166,9 @@ def test_scaled_unit_queries_and_padding_keep_their_values():
     q, beta = torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64), torch.rand(3, generator=g, dtype=torch.float64)
     want = beta.view(1, 3, 1, 1) * q / q.norm(dim=-1, keepdim=True)
     torch.testing.assert_close(scaled_unit_queries(q, beta), want, rtol=1e-14, atol=0)
+    # eager follows the layout given: the layers' queries, views of a [B, T, ...] projection, stay token-major
+    projected = torch.randn(2, 9, 2 * 3 * 8, generator=g, dtype=torch.float64).view(2, 9, 2, 3, 8)[:, :, 0]
+    assert _token_major(scaled_unit_queries(projected.transpose(1, 2), beta))
     padded = pad_queries(q, 16)
     assert padded.shape == (2, 3, 16, 8) and _token_major(padded)
     assert torch.equal(padded[:, :, :9], q) and not padded[:, :, 9:].any()
