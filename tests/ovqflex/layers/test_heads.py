@@ -52,19 +52,21 @@ def test_q_k_and_v_keep_no_storage_in_common(qk_conv):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["swa", "ovq", "vq", "kvm"])
-def test_compiled_layer_merges_heads_from_the_flex_output(method):
+@pytest.mark.parametrize("method, T", [("swa", 1024), ("ovq", 1024), ("vq", 1000), ("kvm", 1000)],
+                         ids=["swa-rope", "ovq-scaled-queries", "vq-padded", "kvm-padded"])
+def test_compiled_layer_merges_heads_from_the_flex_output(method, T):
     """Flex's output follows its query's memory order, and the layers write their queries token-major
     (masks/program.py): the compiled layer's output projection reads the buffer the flex kernel wrote, with no
     copy of the attention output between them (it was one more pass, and in training a second 64 MB kept per
-    layer at 64k). Read from inductor's generated CPU code, 1,000 tokens (padded queries), no gradients."""
+    layer at 64k). Read from inductor's generated CPU code, no gradients. 1,024 tokens fill their blocks, so the
+    rotary embedding or the scaled unit queries write flex's query; 1,000 are padded, and the padding writes it."""
     from torch._inductor.utils import run_and_get_code
 
     from ovqflex.methods import get_method
 
     torch.manual_seed(0)
     layer = get_method(method).example(2, 64, dict(backend="flex"))
-    x = torch.randn(1, 1000, 128)
+    x = torch.randn(1, T, 128)
     with torch.no_grad():
         _, codes = run_and_get_code(torch.compile(layer, fullgraph=True, dynamic=False), x)
     code = "\n".join(codes)
