@@ -15,9 +15,10 @@ from recurrences.precision import widened
 
 def rope_angles(positions: Tensor, rope_dims: int, base: float = 10000.0,
                 dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-    """cos, sin of ``positions [T] * base^(-2i/rope_dims)``: each ``[T, rope_dims // 2]`` in ``dtype``."""
+    """cos, sin of ``positions [T] * base^(-2i/rope_dims)``: each ``[T, 1, rope_dims // 2]`` in ``dtype``, to
+    broadcast over the heads of a token-major ``[B, T, H, rope_dims // 2]``."""
     inv = base ** (-torch.arange(0, rope_dims, 2, device=positions.device, dtype=dtype) / rope_dims)
-    ang = positions.to(dtype)[:, None] * inv[None, :]
+    ang = positions.to(dtype)[:, None, None] * inv
     return torch.cos(ang), torch.sin(ang)
 
 
@@ -34,7 +35,7 @@ def apply_rope(
     # written token-major, [B, T, H, D] (masks/program.py, "Queries are written token-major")
     xt = x.transpose(-3, -2)
     xr, rest = widened(xt[..., :r]), xt[..., r:]
-    cos, sin = (c[:, None, :] for c in rope_angles(positions, r, base, xr.dtype))  # [T, 1, r/2]
+    cos, sin = rope_angles(positions, r, base, xr.dtype)  # [T, 1, r/2]
     if interleaved:
         a, b = xr[..., 0::2], xr[..., 1::2]
         rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
