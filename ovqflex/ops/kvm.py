@@ -150,13 +150,13 @@ def kvm_program(q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None = None, *, 
         routes, founder = route_kvm(kbar32, gate, ln_s_weight, ln_s_bias, schedule=schedule, sink_len=o.sink_len,
                                     ln_eps=ln_eps, impl=o.routing)
     k_win = k if tau_bswa is None else k * tau_bswa.to(k.dtype).view(1, H, 1, 1)
-    readout = dict(ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps, use_vlens=o.use_vlens)
+    readout = dict(ln_weight=ln_s_weight, ln_bias=ln_s_bias, ln_eps=ln_eps, tau_state=tau_state, use_vlens=o.use_vlens)
     program = build_state_program(
         q, k_win, v, BlockWindow(n_bswa_chunks, chunk_size), scale=D ** -0.5, sizes=live, rows=schedule.rows(n_chunks),
         lag=n_bswa_chunks, options=o,
         snapshots=lambda: build_kvm_snapshots(kbar, v, gate, routes, founder, schedule=schedule, **readout),
         versioned=lambda plan: build_kvm_versioned(kbar, v, gate, routes, founder, plan, **readout),
-        key_scale=tau_state, rows_at=schedule.rows)
+        rows_at=schedule.rows)
     return program, KVMState(routes, founder, live)
 
 

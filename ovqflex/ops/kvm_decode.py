@@ -97,14 +97,10 @@ def _state_rows(st: dict, rows: int, opts: KVMOptions, readout: KVMReadout) -> t
     """What queries read from the first ``rows`` state rows: keys ``LN_s(state) * tau_state``
     ``[B, H, rows, D]`` and values ``[B, H, rows, Dv]`` (``radius``-scaled directions with
     ``use_vlens``, else means), fp32."""
-    H = st["state"].shape[1]
     rho = st["radius"][:, :, :rows] if opts.use_vlens else None
-    s_keys, values = readout_rows(st["state"][:, :, :rows], st["value_sums"][:, :, :rows], st["counts"][:, :, :rows],
-                                  rho, torch.float32, readout.ln_s_weight.float(), readout.ln_s_bias.float(),
-                                  opts.ln_eps)
-    if readout.tau_state is not None:
-        s_keys = s_keys * readout.tau_state.float().view(1, H, 1, 1)
-    return s_keys, values
+    tau = None if readout.tau_state is None else readout.tau_state.float()
+    return readout_rows(st["state"][:, :, :rows], st["value_sums"][:, :, :rows], st["counts"][:, :, :rows],
+                        rho, torch.float32, readout.ln_s_weight.float(), readout.ln_s_bias.float(), opts.ln_eps, tau)
 
 
 def _window_keys(win_k: Tensor, readout: KVMReadout) -> Tensor:

@@ -7,13 +7,14 @@ versioned layout (:mod:`recurrences.versioned`, :mod:`masks.versioned`) — or i
 chunk reads a state. This module owns that fork; a method supplies
 
 - its token region (``window``: ``OwnChunk``, ``BlockWindow``) and the queries and keys the
-  program reads (temperatures already folded in);
+  program reads (temperatures already folded in: KVM's ``tau_state`` into its state keys' readout,
+  :func:`recurrences.kvm.state.state_keys`);
 - ``sizes`` (rows each chunk reads: ints, or an int tensor), ``rows`` and ``lag`` (its schedule);
 - two builders of the same state after its per-row readout: ``snapshots() -> Snapshots`` and
   ``versioned(plan) -> Versioned`` (segment sums, :mod:`recurrences.segments`, and
   ``versioned_sums``);
-- the score pieces on state rows: ``count_bias`` (``log(count)``), ``bias_shift`` (a per-head
-  term subtracted from that bias) and ``key_scale`` (a per-head temperature of the state keys).
+- the score pieces on state rows: ``count_bias`` (``log(count)``) and ``bias_shift`` (a per-head
+  term subtracted from that bias).
 """
 from __future__ import annotations
 
@@ -69,21 +70,18 @@ def _list_widths(T: int, window: Region, rows: int, plan: VersionPlan, block_siz
             list_width(versioned, program_geometry(T, plan.state_rows, block_size)))
 
 
-def _readout(state: Snapshots | Versioned, count_bias: bool, key_scale: Tensor | None,
-             bias_shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """The state's key rows and their bias (fp32, fp64 for fp64 keys, or None), in the state's own shape."""
-    keys = state.keys if key_scale is None else state.keys * _per_head(key_scale.to(state.keys.dtype), state.keys)
+def _state_bias(state: Snapshots | Versioned, count_bias: bool, bias_shift: Tensor | None) -> Tensor | None:
+    """The state rows' bias (fp32, fp64 for fp64 keys, or None), in the state's own shape."""
     if not count_bias:
-        return keys, None
-    bias = state.bias(work_dtype(keys))
-    return keys, bias if bias_shift is None else bias - _per_head(bias_shift.to(bias.dtype), bias)
+        return None
+    bias = state.bias(work_dtype(state.keys))
+    return bias if bias_shift is None else bias - _per_head(bias_shift.to(bias.dtype), bias)
 
 
 def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scale: float,
                         sizes: Tensor | Sequence[int], rows: int, lag: int, options: StateLayoutOptions,
                         snapshots: Callable[[], Snapshots], versioned: Callable[[VersionPlan], Versioned],
-                        count_bias: bool = False, key_scale: Tensor | None = None,
-                        bias_shift: Tensor | None = None,
+                        count_bias: bool = False, bias_shift: Tensor | None = None,
                         rows_at: Callable[[int], int] | None = None) -> AttentionProgram:
     """The program ``[state rows ; tokens]`` of a stateful method, in the layout ``options.state_layout``.
 
@@ -100,7 +98,7 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     ``snapshots()`` (keys ``[B, H, n_chunks, R, D]``) and ``versioned(plan)`` (keys ``[B, H, S, D]``)
     build the same state after the method's per-row readout; only the chosen one runs. With
     ``count_bias`` state rows get the bias ``log(count)`` (``-inf`` on empty or dead rows) minus
-    ``bias_shift [H]`` (if given); without it, no bias. Their keys are multiplied by ``key_scale [H]``.
+    ``bias_shift [H]`` (if given); without it, no bias.
     ``rows_at(n)`` (optional; a growing state's schedule): the rows of a state holding the states of chunks
     ``0..n-1`` (``rows = rows_at(n_chunks)``); with a plain length it bounds the versioned checkpoints' rows by
     the last checkpoint's, narrowing their block lists.
@@ -112,7 +110,7 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
         with stage("block_mask"):
             return build_program(q, k, v, (window,), scale=scale, block_size=block_size)
     n_chunks = size_max(1, -(-q.shape[2] // C))
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_scale))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     row_bytes = q.shape[0] * q.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()  # a state row, all b, h
     backend = auto_backend(q.device, q.dtype, grad)
     plan = plan_versioned(n_chunks, C, rows, lag, options.checkpoint_every, align=block_size,
@@ -128,15 +126,15 @@ def build_state_program(q: Tensor, k: Tensor, v: Tensor, window: Region, *, scal
     if layout == "versioned":
         with stage("state_build"):
             ver = versioned(plan)
-            keys, bias = _readout(ver, count_bias, key_scale, bias_shift)
+            bias = _state_bias(ver, count_bias, bias_shift)
         with stage("block_mask"):
             regions = versioned_regions(plan, sizes, ver.born, ver.dies, max_live) + (window,)
-            return build_program(q, k, v, regions, scale=scale, state_k=keys, state_v=ver.values, state_bias=bias,
+            return build_program(q, k, v, regions, scale=scale, state_k=ver.keys, state_v=ver.values, state_bias=bias,
                                  block_size=block_size)
     with stage("state_build"):
         snap = snapshots()
-        keys, bias = _readout(snap, count_bias, key_scale, bias_shift)
+        bias = _state_bias(snap, count_bias, bias_shift)
     with stage("block_mask"):
         return build_program(q, k, v, (StateBank(rows, C, snap.live), window), scale=scale,
-                             state_k=keys.flatten(2, 3), state_v=snap.values.flatten(2, 3),
+                             state_k=snap.keys.flatten(2, 3), state_v=snap.values.flatten(2, 3),
                              state_bias=None if bias is None else bias.flatten(2, 3), block_size=block_size)

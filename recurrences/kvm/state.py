@@ -58,15 +58,33 @@ def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Te
     return radius.new_zeros(B, H, rows + 1).scatter_add(2, slot, radius)
 
 
+def state_keys(sk: Tensor, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float, tau_state: Tensor | None) -> Tensor:
+    """The state's key rows ``LN_s(sk) * tau_state[h]``: sk ``[B, H, ..., D]`` -> the same shape, sk's dtype.
+
+    The temperature is folded into ``LN_s``'s affine (``x̂ (w tau_h) + b tau_h`` in sk's :func:`work_dtype`,
+    rounded once), so
+    its gradient is read from the normalized rows, which the backward recomputes from the sums ``LN_s``
+    keeps anyway; a product of the keys with ``tau_state`` would keep the keys for it besides (a compiled
+    KVM layer at 64k, bf16: 124 MB, ``tools/compiled_saved.py kvm --layer``)."""
+    D = sk.shape[-1]
+    if tau_state is None:
+        return F.layer_norm(sk, (D,), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
+    dt = work_dtype(sk)
+    tau = tau_state.to(dt).view(1, -1, *(1,) * (sk.dim() - 2))  # [1, H, 1.., 1]
+    normalized = F.layer_norm(sk, (D,), eps=ln_eps).to(dt)
+    return (normalized * (ln_weight.to(dt) * tau) + ln_bias.to(dt) * tau).to(sk.dtype)
+
+
 def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,
-                 ln_bias: Tensor, ln_eps: float) -> tuple[Tensor, Tensor]:
-    """Per-row readout of the gated sums ``sk [..., D]``, ``sv [..., Dv]``: keys ``LN_s(sk)``; values
-    ``rho * sv / max(||sv||, 1e-12)`` (``rho [...]``, the founder radius) or, with ``rho=None``,
+                 ln_bias: Tensor, ln_eps: float, tau_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per-row readout of the gated sums ``sk [B, H, ..., D]``, ``sv [B, H, ..., Dv]``: keys
+    ``LN_s(sk) * tau_state[h]`` (:func:`state_keys`; ``tau_state [H]`` or None: 1); values
+    ``rho * sv / max(||sv||, 1e-12)`` (``rho [B, H, ...]``, the founder radius) or, with ``rho=None``,
     ``sv / count``. The state builds and the decode caches (:mod:`ovqflex.ops.kvm_decode`) read their
     rows through it. The norm's floor is a literal: a float that traced code reads from a default or a
     module global is symbolic under ``torch.compile(dynamic=True)``, and torch 2.11 traces the frame
     again when ``clamp_min`` uses it (docs/design.md §3.5)."""
-    keys = F.layer_norm(sk, (sk.shape[-1],), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
+    keys = state_keys(sk, ln_weight, ln_bias, ln_eps, tau_state)
     svf = widened(sv)
     if rho is not None:
         # one product with a per-row scale: the backward keeps svf (the norm's input too) and the [..., 1]
@@ -79,25 +97,25 @@ def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_d
 
 def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *,
                         schedule: KVMSchedule, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5,
-                        use_vlens: bool = True) -> Snapshots:
+                        tau_state: Tensor | None = None, use_vlens: bool = True) -> Snapshots:
     """kbar ``[B, H, T, D]`` memory keys, v ``[B, H, T, Dv]``, gate ``[B, H, T]``, routes/founder
     ``[B, H, T]`` from :func:`~recurrences.kvm.routing.route_kvm`; ``schedule``: the chunk size, the block
     window and the rows chunk ``c`` reads (:class:`~recurrences.kvm.budget.KVMSchedule`). Rows ``R``:
-    ``schedule.rows``. Keys are ``LN_s`` of the key sums (before ``tau_state``), values the readout
-    values; counts the tokens per row."""
+    ``schedule.rows``. Keys are ``LN_s`` of the key sums times ``tau_state [H]`` (None: 1), values the
+    readout values; counts the tokens per row."""
     n_chunks = -(-kbar.shape[2] // schedule.chunk_size)
     rows = schedule.rows(n_chunks)
     wk, wv = _weighted(kbar, v, gate, founder)
     (sk, sv), counts = segment_snapshot_sums((wk, wv), routes, schedule.chunk_size, n_chunks, rows,
                                              lag=schedule.n_bswa_chunks)
     rho = _founder_radius(v, routes, founder, rows)[:, :, None, :rows] if use_vlens else None  # [B, H, 1, R]
-    keys, values = readout_rows(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps)
+    keys, values = readout_rows(sk, sv, counts, rho, v.dtype, ln_weight, ln_bias, ln_eps, tau_state)
     return Snapshots(keys, values, counts, schedule.live(n_chunks, kbar.device))
 
 
 def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, plan: VersionPlan, *,
                         ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5,
-                        use_vlens: bool = True) -> Versioned:
+                        tau_state: Tensor | None = None, use_vlens: bool = True) -> Versioned:
     """The versioned layout (docs/design.md §5, ``plan.lag = Nb``) of the same states: the same gated
     sums and per-row readout as :func:`build_kvm_snapshots`; a version row has its slot's founder radius."""
     rows = plan.rows
@@ -107,5 +125,5 @@ def build_kvm_versioned(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, f
     if use_vlens:
         rho = _founder_radius(v, routes, founder, rows)  # [B, H, rows + 1], spare last
         row_rho = rho.gather(2, vs.slot)  # each row's slot's (a version row of no slot: the spare's)
-    keys, values = readout_rows(sk, sv, counts, row_rho, v.dtype, ln_weight, ln_bias, ln_eps)
+    keys, values = readout_rows(sk, sv, counts, row_rho, v.dtype, ln_weight, ln_bias, ln_eps, tau_state)
     return Versioned(keys, values, counts, vs.born, vs.dies, plan)

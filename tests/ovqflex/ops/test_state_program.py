@@ -26,7 +26,7 @@ class Layout:
     block_size: int = 16
 
 
-def toy_program(q, k, v, state_layout, *, key_scale=None, bias_shift=None):
+def toy_program(q, k, v, state_layout, *, bias_shift=None):
     """Slot means: token ``t`` routes to slot ``t % SLOTS`` and enters the state of the next chunk
     (``lag = 1``); chunk ``c >= 1`` reads all ``SLOTS`` rows, chunk 0 none."""
     T = q.shape[2]
@@ -42,7 +42,7 @@ def toy_program(q, k, v, state_layout, *, key_scale=None, bias_shift=None):
     return build_state_program(q, k, v, OwnChunk(C), scale=q.shape[-1] ** -0.5, sizes=sizes,
                                rows=max(sizes), lag=1, options=Layout(state_layout=state_layout),
                                snapshots=snapshots, versioned=lambda plan: versioned_means(k, v, routes, plan),
-                               count_bias=True, key_scale=key_scale, bias_shift=bias_shift)
+                               count_bias=True, bias_shift=bias_shift)
 
 
 def inputs(T, seed=0):
@@ -83,12 +83,11 @@ def test_each_layout_builds_only_its_state(layout, regions):
 @pytest.mark.parametrize("T", [2 * C, 5 * C + 7, 12 * C])
 def test_snapshot_and_versioned_give_equal_outputs_and_gradients(T):
     q, k, v = inputs(T, seed=T)
-    key_scale = torch.tensor([0.5, 2.0]).requires_grad_(True)
     bias_shift = torch.tensor([0.3, -1.0]).requires_grad_(True)
-    leaves = (q, k, v, key_scale, bias_shift)
+    leaves = (q, k, v, bias_shift)
     outs = {}
     for layout in ("snapshot", "versioned", "auto"):
-        program = toy_program(q, k, v, layout, key_scale=key_scale, bias_shift=bias_shift)
+        program = toy_program(q, k, v, layout, bias_shift=bias_shift)
         out = ovqflex.attend(program, "blocked")
         outs[layout] = (program.geom.n_state, out, torch.autograd.grad(out.square().sum(), leaves))
     (n_snap, ref, ref_grads), (n_ver, out, grads) = outs["snapshot"], outs["versioned"]
@@ -102,15 +101,14 @@ def test_snapshot_and_versioned_give_equal_outputs_and_gradients(T):
 
 
 def test_state_scores():
-    """State keys are multiplied by ``key_scale``; the state bias is ``log(count) - bias_shift``
-    (``-inf`` on empty rows); token rows get no bias."""
+    """The state bias is ``log(count) - bias_shift`` (``-inf`` on empty rows); token rows get no bias; keys are
+    the builder's."""
     q, k, v = inputs(3 * C)
     plain = toy_program(q, k, v, "snapshot")
-    scaled = toy_program(q, k, v, "snapshot", key_scale=torch.tensor([2.0, 3.0]), bias_shift=torch.tensor([1.0, -1.0]))
+    shifted = toy_program(q, k, v, "snapshot", bias_shift=torch.tensor([1.0, -1.0]))
     S = 3 * SLOTS
-    assert torch.equal(scaled.k[:, :, :S], plain.k[:, :, :S] * torch.tensor([2.0, 3.0]).view(1, 2, 1, 1))
-    assert torch.equal(scaled.k[:, :, plain.geom.n_state:], plain.k[:, :, plain.geom.n_state:])
-    assert torch.equal(scaled.bias[:, :, :S], plain.bias[:, :, :S] - torch.tensor([1.0, -1.0]).view(1, 2, 1))
+    assert torch.equal(shifted.k, plain.k)
+    assert torch.equal(shifted.bias[:, :, :S], plain.bias[:, :, :S] - torch.tensor([1.0, -1.0]).view(1, 2, 1))
     assert plain.bias[:, :, :SLOTS].isinf().all()  # chunk 0's (empty) state
     for c in (1, 2):  # chunk c reads the tokens of chunks < c
         counts = torch.bincount(torch.arange(c * C) % SLOTS).float()
