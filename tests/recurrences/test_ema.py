@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from recurrences.ema import damped_ema, damped_ema_reference, ema_chunk
+from recurrences.ema import _decayed_prefix_sums, damped_ema, damped_ema_reference, ema_chunk
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 
 
@@ -119,3 +119,24 @@ def test_compiles_with_a_symbolic_length():
         assert_close(f(x), damped_ema_reference(x, *params, omega), 10 * FWD_TOL[torch.float32], f"T={T}")
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [1, 1, 1, 2]
+
+
+@given(st.integers(1, 300), st.sampled_from([1, 16, 256]), st.integers(0, 2**16))
+def test_chunk_states_are_the_decayed_prefix_sums(C, chunk, seed):
+    """The states carried across chunks, ``s_c = a s_(c-1) + x_c``, one step at a time in fp64, against the
+    blocked form (blocks of ``ceil(sqrt(C))`` steps, the last one padded) on its fp64 inputs; values and the
+    gradients of x and of the log decay."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, C, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    loga = (-torch.rand(3, 4, generator=g, dtype=torch.float64) * 0.5 - 1e-3).requires_grad_()
+    s, states = torch.zeros(2, 3, 4, dtype=torch.float64), []
+    for c in range(C):
+        s = torch.exp(loga) * s + x[:, c]
+        states.append(s)
+    ref = torch.stack(states, dim=1)
+    got = _decayed_prefix_sums(x, loga, chunk)
+    assert_close(got, ref, 1e-13, "states")
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    for name, a, b in zip(["x", "loga"], torch.autograd.grad((got * w).sum(), [x, loga]),
+                          torch.autograd.grad((ref * w).sum(), [x, loga])):
+        assert_close(a, b, 1e-12, f"d{name}")

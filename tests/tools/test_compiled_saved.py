@@ -60,9 +60,10 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys):
 #: radius scale read them back). No longer kept: the versioned sums' finiteness masks (4 MB here), in the OVQ layer
 #: with a q/k convolution v's rows beside q and k (8 MB), in the window layer q's and k's rows beside v (16 MB) and
 #: the attention output's [B, T, H d] copy for the output projection (8 MB: queries written token-major), in the
-#: KVM layer under bf16 autocast its state keys for tau_state's gradient (7.8 MB: tau_state joined LN_s's affine)
+#: KVM layer under bf16 autocast its state keys for tau_state's gradient (7.8 MB: tau_state joined LN_s's affine),
+#: in the LongVQ layer its EMA's [D, n, C, C] matrix carrying the states across C chunks (128 MB: two levels now)
 KEPT_BUDGET_MB = {("ovq",): 12.0, ("kvm",): 37.5, ("vq",): 12.0, ("ovq", "--layer", "--qk-conv", "4"): 52.0,
-                  ("swa", "--layer"): 17.0, ("kvm", "--layer", "--dtype", "bf16"): 51.0}
+                  ("swa", "--layer"): 17.0, ("kvm", "--layer", "--dtype", "bf16"): 51.0, ("longvq", "--layer"): 185.0}
 
 
 @pytest.mark.parametrize("argv", list(KEPT_BUDGET_MB), ids=" ".join)
