@@ -61,18 +61,18 @@ def _founder_radius(v: Tensor, routes: Tensor, founder: Tensor, rows: int) -> Te
 def state_keys(sk: Tensor, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float, tau_state: Tensor | None) -> Tensor:
     """The state's key rows ``LN_s(sk) * tau_state[h]``: sk ``[B, H, ..., D]`` -> the same shape, sk's dtype.
 
-    The temperature is folded into ``LN_s``'s affine (``x̂ (w tau_h) + b tau_h`` in sk's :func:`work_dtype`,
-    rounded once), so
-    its gradient is read from the normalized rows, which the backward recomputes from the sums ``LN_s``
-    keeps anyway; a product of the keys with ``tau_state`` would keep the keys for it besides (a compiled
-    KVM layer at 64k, bf16: 124 MB, ``tools/compiled_saved.py kvm --layer``)."""
+    The temperature is folded into ``LN_s``'s affine map: ``x̂ (w tau_h) + b tau_h``, one ``addcmul`` in sk's
+    :func:`work_dtype` (no row-sized intermediate beside x̂), rounded once. Its gradient then reads the
+    normalized rows, which the backward recomputes from the sums ``LN_s`` keeps anyway; a product of the keys
+    with ``tau_state`` kept the keys for it besides (a compiled KVM layer at 64k under bf16 autocast: 124 MB,
+    ``tools/compiled_saved.py kvm --layer``)."""
     D = sk.shape[-1]
     if tau_state is None:
         return F.layer_norm(sk, (D,), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
     dt = work_dtype(sk)
     tau = tau_state.to(dt).view(1, -1, *(1,) * (sk.dim() - 2))  # [1, H, 1.., 1]
     normalized = F.layer_norm(sk, (D,), eps=ln_eps).to(dt)
-    return (normalized * (ln_weight.to(dt) * tau) + ln_bias.to(dt) * tau).to(sk.dtype)
+    return torch.addcmul(ln_bias.to(dt) * tau, normalized, ln_weight.to(dt) * tau).to(sk.dtype)
 
 
 def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,
