@@ -68,8 +68,9 @@ def damped_ema(x: Tensor, delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor
     chunks (:func:`_decayed_prefix_sums`). Masked entries are exact zeros (built with ``where`` before
     ``exp``), so an output has an exactly zero gradient with respect to later inputs. Work
     ``O(T·L·D + (T/L)^1.5·D·n)`` (``L`` the chunk), memory ``O(D·L² + D·n·T/L)``; ``chunk_size=None`` takes
-    :func:`ema_chunk` (about ``sqrt(T)``), which keeps the memory linear in ``T``. Autocast is switched off inside: it would run the einsums in
-    bf16 (3.7e-3 relative error against the fp64 recurrence where fp32 gives 1.1e-7).
+    :func:`ema_chunk` (about ``sqrt(T)``), which keeps the memory linear in ``T``. Autocast is switched off
+    inside: it would run the einsums in bf16 (3.7e-3 relative error against the fp64 recurrence where fp32
+    gives 1.1e-7).
     """
     with no_autocast(x):
         return _damped_ema(x, delta_logit, alpha_logit, beta, gamma, omega, chunk_size, h0, output_final_state)
