@@ -21,10 +21,15 @@ from .budget import KVMSchedule
 
 
 def memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float = 1e-5) -> Tensor:
-    """``kbar = LN_s(k with its first rope_dims channels zeroed)``: k ``[B, H, T, D]`` -> ``[B, H, T, D]``."""
+    """``kbar = LN_s(k with its first rope_dims channels zeroed)``: k ``[B, H, T, D]`` -> ``[B, H, T, D]`` in k's dtype.
+
+    Autocast off: CUDA's autocast runs ``layer_norm`` in fp32 (the CPU's keeps its input's dtype), which made
+    the memory keys, the key sums and ``LN_s``'s kept input fp32 in a bf16 CUDA layer only (the state sums stay
+    in the compute dtype: docs/precision.md)."""
     D = k.shape[-1]
     keep = (torch.arange(D, device=k.device) >= rope_dims).to(k.dtype)
-    return F.layer_norm(k * keep, (D,), ln_weight.to(k.dtype), ln_bias.to(k.dtype), ln_eps)
+    with no_autocast(k):
+        return F.layer_norm(k * keep, (D,), ln_weight.to(k.dtype), ln_bias.to(k.dtype), ln_eps)
 
 
 def routing_memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor,
@@ -67,12 +72,13 @@ def state_keys(sk: Tensor, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float, ta
     with ``tau_state`` kept the keys for it besides (a compiled KVM layer at 64k under bf16 autocast: 124 MB,
     ``tools/compiled_saved.py kvm --layer``)."""
     D = sk.shape[-1]
-    if tau_state is None:
-        return F.layer_norm(sk, (D,), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
-    dt = work_dtype(sk)
-    tau = tau_state.to(dt).view(1, -1, *(1,) * (sk.dim() - 2))  # [1, H, 1.., 1]
-    normalized = F.layer_norm(sk, (D,), eps=ln_eps).to(dt)
-    return torch.addcmul(ln_bias.to(dt) * tau, normalized, ln_weight.to(dt) * tau).to(sk.dtype)
+    with no_autocast(sk):  # as memory_keys: CUDA's autocast would upcast sk for LN_s and keep that copy
+        if tau_state is None:
+            return F.layer_norm(sk, (D,), ln_weight.to(sk.dtype), ln_bias.to(sk.dtype), ln_eps)
+        dt = work_dtype(sk)
+        tau = tau_state.to(dt).view(1, -1, *(1,) * (sk.dim() - 2))  # [1, H, 1.., 1]
+        normalized = F.layer_norm(sk, (D,), eps=ln_eps).to(dt)
+        return torch.addcmul(ln_bias.to(dt) * tau, normalized, ln_weight.to(dt) * tau).to(sk.dtype)
 
 
 def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,

@@ -181,6 +181,23 @@ def test_bf16_fused_routes_like_the_reference(method):
     _bf16_close(out, ref.out, leaves, seed=6)
 
 
+def test_kvm_bf16_op_under_autocast_computes_as_without_it():
+    """On bf16 inputs the KVM op gives the same bits under bf16 autocast as without it. CUDA's autocast runs
+    ``layer_norm`` in fp32 (the CPU's keeps its input's dtype): ``LN_s`` had made the memory keys and the key
+    sums fp32 in a bf16 CUDA layer, and kept the fp32 sums for the backward (docs/precision.md, "State sums
+    in bf16"); it now runs with autocast off."""
+    t = _inputs(7)
+    x = {n: v.to(DEVICE) for n, v in t.items()}
+    q, k = (F.layer_norm(x[n], (D,)).bfloat16() for n in ("q", "k"))
+    params = {n: x[n] for n in KVM_NAMES[4:]} | {"gate": x["gate"].bfloat16()}
+    kw = dict(chunk_size=32, budget="power_law", growth_factor=4.0, max_state_chunks=None)
+    plain = ovqflex.kvm_attention(q, k, x["v"].bfloat16(), backend=TRAIN_BACKEND, **params, **kw)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        under = ovqflex.kvm_attention(q, k, x["v"].bfloat16(), backend=TRAIN_BACKEND, **params, **kw)
+    assert under.dtype == plain.dtype == torch.bfloat16
+    assert torch.equal(under, plain)
+
+
 ROUTING_T = 4096
 
 
