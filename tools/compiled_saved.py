@@ -3,6 +3,7 @@
     python tools/compiled_saved.py {ovq,kvm,vq} [--seq-len T] [--layout {auto,snapshot,versioned}]
                                    [--dtype {bf16,fp32}] [--heads H] [--dim D] [--top N]
     python tools/compiled_saved.py METHOD --layer [--qk-conv K] [same options]
+    (both: [--rules {cuda,cpu}])
 
 Training on CUDA runs an op compiled with ``torch.compile(fullgraph=True)`` through flex, and what its
 forward graph hands the backward (AOTAutograd's min-cut partition, as inductor asks for it) lies in memory
@@ -19,7 +20,11 @@ bf16``) or in fp32: its projections, q/k convolution (``--qk-conv``), rotations 
 
 The partition does not depend on the device, and with gradients the ops choose their state layout by rows,
 not by the device (docs/design.md §5), so a CPU traces the CUDA program: the CPU's block size and routing
-implementation differ, which changes a few small integer tensors. torch has no CPU backward for flex; for
+implementation differ, which changes a few small integer tensors. Where CUDA's rules and the CPU's differ
+otherwise, the trace follows CUDA's (``--rules cuda``, the default; ``cpu``: the CPU's): bf16 state sums
+accumulate in fp32 (CUDA's adds round in bf16), and a layer's bf16 autocast runs in fp32 the ops CUDA's
+autocast runs so, ``layer_norm``, ``sum``, ``exp`` and more (:data:`CUDA_FP32_OPS`), where the CPU's keeps
+their input's dtype. torch has no CPU backward for flex; for
 this trace alone the tool lets the op and torch's ``flex_attention`` take the CPU program with gradients,
 in its own process (importing it patches nothing: :func:`main` does). What it cannot tell: the forward's
 and backward's transient memory (a device's peak: ``op-ovq`` of ``profiles/gpu.toml``).
@@ -57,6 +62,56 @@ def _let_cpu_flex_trace_a_backward() -> None:
 
     ovqflex.attention.flex_trains_on = lambda device: True
     flex._validate_device = lambda *tensors: None
+
+
+#: ATen ops CUDA's autocast runs in fp32 (torch's AMP reference, "CUDA Ops that can autocast to float32", as ATen
+#: names; the losses left out) where the CPU's keeps their input's dtype: :func:`_follow_cuda`
+CUDA_FP32_OPS = ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "exp", "expm1", "log",
+                 "log1p", "log2", "log10", "reciprocal", "rsqrt", "pow", "softplus", "sum", "cumsum", "cumprod",
+                 "prod", "softmax", "_softmax", "log_softmax", "_log_softmax", "logsumexp", "norm",
+                 "linalg_vector_norm", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "cdist", "renorm")
+
+_cuda_autocast_lib = None  # the registrations of _follow_cuda, kept alive: dropping the library unregisters them
+
+
+def _follow_cuda() -> None:
+    """Trace with CUDA's rules where the CPU's differ, in this process: the state sums' branches for bf16 and
+    fp16 (``segments.NARROW_ADDS``, ``scan.NARROW_SCANS``: CUDA's adds round in the narrow dtype, so its sums
+    accumulate in fp32 and round once), and CUDA's autocast rule for :data:`CUDA_FP32_OPS`: a bf16 or fp16
+    input runs in fp32, the result fp32 (an op given an explicit ``dtype`` is left alone, as autocast leaves
+    it). The CPU's autocast keeps e.g. ``layer_norm``'s input dtype, so a layer that left such an op to
+    autocast kept on CUDA what its CPU trace did not show (KVM's ``LN_s``: docs/precision.md, "State sums in
+    bf16")."""
+    from torch._C import DispatchKey, DispatchKeySet, _ExcludeDispatchKeyGuard
+
+    import recurrences.scan
+    import recurrences.segments
+
+    recurrences.scan.NARROW_SCANS["cpu"] = recurrences.segments.NARROW_ADDS["cpu"] = True
+    low = (torch.bfloat16, torch.float16)
+
+    def widen(x):
+        if isinstance(x, torch.Tensor) and x.dtype in low:
+            return x.float()
+        return type(x)(widen(a) for a in x) if isinstance(x, (list, tuple)) else x
+
+    def kernel_of(op):
+        def kernel(*args, **kwargs):
+            if kwargs.get("dtype") is None:
+                args, kwargs = widen(args), {k: widen(v) for k, v in kwargs.items()}
+            with _ExcludeDispatchKeyGuard(DispatchKeySet(DispatchKey.AutocastCPU)):
+                return op(*args, **kwargs)
+        return kernel
+
+    global _cuda_autocast_lib
+    _cuda_autocast_lib = torch.library.Library("aten", "IMPL")
+    for name in CUDA_FP32_OPS:
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            if overload.endswith("out") or overload.endswith("_"):
+                continue  # in-place and out= variants are not autocast's (torch's AMP reference)
+            _cuda_autocast_lib.impl(name if overload == "default" else f"{name}.{overload}",
+                                    kernel_of(getattr(packet, overload)), "AutocastCPU")
 
 
 def _partition_backend(gm, example_inputs):
@@ -197,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=_positive, default=None, help="head dim; default: the scenario's (64)")
     p.add_argument("--qk-conv", type=_at_least(0), default=0, help="a layer's q/k convolution width (0: none)")
     p.add_argument("--top", type=_positive, default=12, help="source lines listed, largest first")
+    p.add_argument("--rules", choices=["cuda", "cpu"], default="cuda",
+                   help="whose device rules the trace follows where CUDA's and the CPU's differ (bf16 state sums, "
+                        "autocast): default cuda, what trains on a GPU")
     args = p.parse_args(argv)
 
     from ovqflex.bench.runner import load_profile
@@ -210,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"the op of {args.method!r} has no stages scenario in profiles/gpu.toml: ovq, kvm or vq "
                 f"(or --layer)")
     _let_cpu_flex_trace_a_backward()
+    if args.rules == "cuda":
+        _follow_cuda()
     fn, inputs, H, D = (_layer_case if args.layer else _op_case)(args, scenario)
     part = partitioned_forward(fn, inputs)
     rows = kept(part)
@@ -222,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             entry[1] += 1
             entry[2].add(f"{list(r['shape'])} {r['dtype']}")
     what = "layer" if args.layer else "op"
-    print(f"{args.method} {what} T={args.seq_len} H={H} d={D} {args.dtype} layout={args.layout}: the compiled "
+    print(f"{args.method} {what} T={args.seq_len} H={H} d={D} {args.dtype} {args.rules} rules layout={args.layout}: "
+          f"the compiled "
           f"{what}'s forward keeps {len(rows)} tensors for its backward")
     print(f"{'MB':>9}  {'n':>3}  source line: shapes")
     for line, (mb, n, shapes) in sorted(by_line.items(), key=lambda kv: -kv[1][0])[:args.top]:

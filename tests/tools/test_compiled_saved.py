@@ -60,10 +60,37 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys):
 #: radius scale read them back). No longer kept: the versioned sums' finiteness masks (4 MB here), in the OVQ layer
 #: with a q/k convolution v's rows beside q and k (8 MB), in the window layer q's and k's rows beside v (16 MB) and
 #: the attention output's [B, T, H d] copy for the output projection (8 MB: queries written token-major), in the
-#: KVM layer under bf16 autocast its state keys for tau_state's gradient (7.8 MB: tau_state joined LN_s's affine),
+#: KVM layer under bf16 autocast (CUDA's rules, the tool's default) its fp32 key sums (LN_s under CUDA's autocast)
+#: and its state keys for tau_state's gradient (8 MB: LN_s with autocast off, tau_state in LN_s's affine map),
 #: in the LongVQ layer its EMA's [D, n, C, C] matrix carrying the states across C chunks (128 MB: two levels now)
 KEPT_BUDGET_MB = {("ovq",): 12.0, ("kvm",): 37.5, ("vq",): 12.0, ("ovq", "--layer", "--qk-conv", "4"): 52.0,
-                  ("swa", "--layer"): 17.0, ("kvm", "--layer", "--dtype", "bf16"): 51.0, ("longvq", "--layer"): 185.0}
+                  ("swa", "--layer"): 17.0, ("kvm", "--layer", "--dtype", "bf16"): 51.5, ("longvq", "--layer"): 185.0}
+
+
+def test_cuda_rules_widen_what_cudas_autocast_widens():
+    """``_follow_cuda`` (run in a process of its own: it registers kernels for ATen ops): under the CPU's bf16
+    autocast, ``layer_norm``, ``sum`` and ``exp`` give fp32 as on CUDA (the CPU's rule keeps bf16), an explicit
+    ``dtype`` is kept, a matmul stays bf16, and the state sums take CUDA's fp32-accumulating branches."""
+    code = f"""
+import importlib.util, torch, torch.nn.functional as F
+spec = importlib.util.spec_from_file_location("cs", {str(SCRIPT)!r})
+cs = importlib.util.module_from_spec(spec); spec.loader.exec_module(cs)
+x = torch.randn(4, 8).bfloat16()
+def dtypes():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return [str(t.dtype) for t in (F.layer_norm(x, (8,)), x.sum(-1), x.exp(), x.sum(-1, dtype=torch.float64),
+                                       x @ x.T.float())]
+before = dtypes()
+cs._follow_cuda()
+import recurrences.scan, recurrences.segments
+print(before, dtypes(), recurrences.scan.NARROW_SCANS["cpu"], recurrences.segments.NARROW_ADDS["cpu"])
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=SCRIPT.parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    bf16, f32, f64 = "torch.bfloat16", "torch.float32", "torch.float64"
+    assert done.stdout.split("] ")[0] + "]" == str([bf16, bf16, bf16, f64, bf16])
+    assert done.stdout.strip().endswith(f"{[f32, f32, f32, f64, bf16]} True True")
 
 
 @pytest.mark.parametrize("argv", list(KEPT_BUDGET_MB), ids=" ".join)
