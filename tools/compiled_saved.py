@@ -24,10 +24,10 @@ implementation differ, which changes a few small integer tensors. Where CUDA's r
 otherwise, the trace follows CUDA's (``--rules cuda``, the default; ``cpu``: the CPU's): bf16 state sums
 accumulate in fp32 (CUDA's adds round in bf16), and a layer's bf16 autocast runs in fp32 the ops CUDA's
 autocast runs so, ``layer_norm``, ``sum``, ``exp`` and more (:data:`CUDA_FP32_OPS`), where the CPU's keeps
-their input's dtype. torch has no CPU backward for flex; for
-this trace alone the tool lets the op and torch's ``flex_attention`` take the CPU program with gradients,
-in its own process (importing it patches nothing: :func:`main` does). What it cannot tell: the forward's
-and backward's transient memory (a device's peak: ``op-ovq`` of ``profiles/gpu.toml``).
+their input's dtype. torch has no CPU backward for flex; for this trace alone the tool lets the op and
+torch's ``flex_attention`` take the CPU program with gradients, in its own process (importing it patches
+nothing: :func:`main` does). What it cannot tell: the forward's and backward's transient memory (a device's
+peak: ``op-ovq`` of ``profiles/gpu.toml``).
 """
 from __future__ import annotations
 
@@ -283,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             entry[2].add(f"{list(r['shape'])} {r['dtype']}")
     what = "layer" if args.layer else "op"
     print(f"{args.method} {what} T={args.seq_len} H={H} d={D} {args.dtype} {args.rules} rules layout={args.layout}: "
-          f"the compiled "
-          f"{what}'s forward keeps {len(rows)} tensors for its backward")
+          f"the compiled {what}'s forward keeps {len(rows)} tensors for its backward")
     print(f"{'MB':>9}  {'n':>3}  source line: shapes")
     for line, (mb, n, shapes) in sorted(by_line.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{mb:9.1f}  {n:3d}  {line}: {', '.join(sorted(shapes))}")
