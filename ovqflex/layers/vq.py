@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import AttentionProgram
+from masks.program import AttentionProgram, scaled_unit_queries
 from recurrences.checks import check_choice, check_int, check_number, options_of
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
@@ -149,7 +149,7 @@ class VQMemory:
         ``[B, H, T]`` and the fp32 unit codebook ``[H, N, D]``: what a decode step reads."""
         cb, cb_v = self._unit_codebook(inputs.v.dtype)
         codes = assign_codes(inputs.k, cb, self.quantizer.code_bias())
-        q_scaled = F.normalize(inputs.q, dim=-1) * self.beta.to(inputs.q.dtype).view(1, -1, 1, 1)
+        q_scaled = scaled_unit_queries(inputs.q, self.beta)
         return q_scaled, gather_codes(cb_v, codes), codes, cb
 
     def _decode_step(self, inputs: VQInputs, cache: VQCache) -> tuple[Tensor, VQCache]:

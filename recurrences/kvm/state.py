@@ -42,8 +42,7 @@ def routing_memory_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: T
 
 @eager_kernels("ovqflex::ln_s_keys", torch.float32)
 def _ln_s_keys(k: Tensor, rope_dims: int, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float) -> Tensor:
-    with no_autocast(k):
-        return memory_keys(k.float(), rope_dims, ln_weight.float(), ln_bias.float(), ln_eps)
+    return memory_keys(k.float(), rope_dims, ln_weight.float(), ln_bias.float(), ln_eps)  # autocast off inside
 
 
 def _weighted(kbar: Tensor, v: Tensor, gate: Tensor, founder: Tensor) -> tuple[Tensor, Tensor]:
