@@ -92,13 +92,17 @@ def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "
                 only: str | None = None, fresh_compile_cache: bool = False,
                 seq_lens: list[int] | None = None) -> list[dict]:
     """Run the profile at ``path`` on ``device`` (:func:`ovqflex.devices.resolve_device`), the scenarios
-    whose name contains ``only`` (all by default); print the table and slopes, write JSON and plot
+    whose name contains ``only`` (all by default; ``ValueError`` if none does); print the table and slopes, write JSON and plot
     to ``out_dir``; returns the rows. ``fresh_compile_cache``: compile with empty caches
     (:func:`fresh_compile_caches`), so compiled cases' ``first_call_s`` is a cold compile.
     ``seq_lens``: these lengths, in this order, in place of each chosen scenario's ``seq_lens``
     (:func:`with_seq_lens`)."""
     prof = load_profile(path)
     chosen = [sc for sc in prof["scenario"] if not only or only in (sc.name or sc.kind)]
+    if not chosen:  # before anything runs: an empty run would overwrite the profile's JSON with no rows
+        names = ", ".join(sc.name or sc.kind for sc in prof["scenario"])
+        raise ValueError(f"only (--only) {only!r} is in no scenario name of profile {prof['name']!r}; "
+                         f"its scenarios: {names}")
     if seq_lens is not None:
         chosen = with_seq_lens(chosen, seq_lens)
     with fresh_compile_caches() if fresh_compile_cache else contextlib.nullcontext():

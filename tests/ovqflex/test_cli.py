@@ -32,6 +32,20 @@ def test_bench_runs_a_profile_and_writes_json(tmp_path, capsys):
     assert rows[0]["T"] == 1024 and rows[0]["visible_blocks"] > 8
 
 
+def test_bench_only_matching_no_scenario_is_refused_and_keeps_the_last_json(tmp_path, capsys):
+    prof = tmp_path / "tiny.toml"
+    prof.write_text('name = "tiny"\n[[scenario]]\nname = "mask"\nkind = "blockmask"\nseq_len = 256\n'
+                    'chunk_size = 128\nstate_rows = 128\n')
+    out = tmp_path / "out"
+    assert main(["bench", str(prof), "--out", str(out), "--only", "mask"]) == 0
+    written = (out / "tiny.json").read_text()
+    capsys.readouterr()
+    assert main(["bench", str(prof), "--out", str(out), "--only", "mkas"]) == 2
+    err = capsys.readouterr().err
+    assert "only (--only) 'mkas' is in no scenario name of profile 'tiny'; its scenarios: mask" in err
+    assert (out / "tiny.json").read_text() == written  # the earlier run's rows, not an empty table
+
+
 def test_bench_shows_progress_and_keeps_the_scenarios_before_a_failure(tmp_path, capsys, monkeypatch):
     """A line per scenario on stderr; the rows of the scenarios that finished are in the JSON
     (``meta.partial``) when a later one stops the run."""
