@@ -92,9 +92,9 @@ def run_profile(path: str | Path, *, device: str = AUTO, out_dir: str | Path = "
                 only: str | None = None, fresh_compile_cache: bool = False,
                 seq_lens: list[int] | None = None) -> list[dict]:
     """Run the profile at ``path`` on ``device`` (:func:`ovqflex.devices.resolve_device`), the scenarios
-    whose name contains ``only`` (all by default; ``ValueError`` if none does); print the table and slopes, write JSON and plot
-    to ``out_dir``; returns the rows. ``fresh_compile_cache``: compile with empty caches
-    (:func:`fresh_compile_caches`), so compiled cases' ``first_call_s`` is a cold compile.
+    whose name contains ``only`` (all by default; ``ValueError`` if none does); print the table and
+    slopes, write JSON and plot to ``out_dir``; returns the rows. ``fresh_compile_cache``: compile with
+    empty caches (:func:`fresh_compile_caches`), so compiled cases' ``first_call_s`` is a cold compile.
     ``seq_lens``: these lengths, in this order, in place of each chosen scenario's ``seq_lens``
     (:func:`with_seq_lens`)."""
     prof = load_profile(path)
