@@ -31,7 +31,7 @@ from torch import Tensor
 
 from recurrences.checks import check_block_size, check_qkv
 from recurrences.compiling import is_symbolic, pad_to, plain_int
-from recurrences.precision import compute_dtype, to_dtype, work_dtype
+from recurrences.precision import compute_dtype, no_autocast, to_dtype, work_dtype
 
 from .blocks import BlockLayout, build_block_layout
 from .regions import Geometry, Region, union_tests
@@ -112,10 +112,20 @@ class AttentionProgram:
                                 layout=build_block_layout(self.regions, params, geom), scale=self.scale, bias=bias)
 
 
+def unit_rows(x: Tensor) -> Tensor:
+    """``x / |x|`` over the last dim, in x's dtype with autocast off: OVQ's, VQ's and the ``qk_norm`` layers'
+    unit keys (and, through :func:`scaled_unit_queries`, queries). CUDA's autocast computes the norm in fp32
+    and so hands back fp32 rows for bf16 ``x`` (the CPU's keeps bf16): an op's bits would depend on whether
+    autocast is on (docs/precision.md)."""
+    with no_autocast(x):
+        return F.normalize(x, dim=-1)
+
+
 def scaled_unit_queries(q: Tensor, beta: Tensor) -> Tensor:
     """``beta_h q / |q|``, the unit queries with a per-head temperature of OVQ, VQ and the ``qk_norm`` layers:
-    q ``[B, H, T, D]``, beta ``[H]`` -> ``[B, H, T, D]``, written token-major (module docstring)."""
-    qn = F.normalize(q.transpose(1, 2), dim=-1)  # [B, T, H, D]
+    q ``[B, H, T, D]``, beta ``[H]`` -> ``[B, H, T, D]`` in q's dtype (:func:`unit_rows`), written token-major
+    (module docstring)."""
+    qn = unit_rows(q.transpose(1, 2))  # [B, T, H, D]
     return (qn * beta.to(qn.dtype).view(1, 1, -1, 1)).transpose(1, 2)
 
 

@@ -23,7 +23,7 @@ not by the device (docs/design.md §5), so a CPU traces the CUDA program: the CP
 implementation differ, which changes a few small integer tensors. Where CUDA's rules and the CPU's differ
 otherwise, the trace follows CUDA's (``--rules cuda``, the default; ``cpu``: the CPU's): bf16 state sums
 accumulate in fp32 (CUDA's adds round in bf16), and a layer's bf16 autocast runs in fp32 the ops CUDA's
-autocast runs so, ``layer_norm``, ``sum``, ``exp`` and more (:data:`CUDA_FP32_OPS`), where the CPU's keeps
+autocast runs so, ``layer_norm``, ``sum``, ``exp`` and more (``tools/cuda_rules.py``), where the CPU's keeps
 their input's dtype. torch has no CPU backward for flex; for this trace alone the tool lets the op and
 torch's ``flex_attention`` take the CPU program with gradients, in its own process (importing it patches
 nothing: :func:`main` does). What it cannot tell: the forward's and backward's transient memory (a device's
@@ -41,6 +41,8 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tools.cuda_rules import follow_cuda_rules  # noqa: E402
 
 MB = 2**20
 
@@ -62,56 +64,6 @@ def _let_cpu_flex_trace_a_backward() -> None:
 
     ovqflex.attention.flex_trains_on = lambda device: True
     flex._validate_device = lambda *tensors: None
-
-
-#: ATen ops CUDA's autocast runs in fp32 (torch's AMP reference, "CUDA Ops that can autocast to float32", as ATen
-#: names; the losses left out) where the CPU's keeps their input's dtype: :func:`_follow_cuda`
-CUDA_FP32_OPS = ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "exp", "expm1", "log",
-                 "log1p", "log2", "log10", "reciprocal", "rsqrt", "pow", "softplus", "sum", "cumsum", "cumprod",
-                 "prod", "softmax", "_softmax", "log_softmax", "_log_softmax", "logsumexp", "norm",
-                 "linalg_vector_norm", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "cdist", "renorm")
-
-_cuda_autocast_lib = None  # the registrations of _follow_cuda, kept alive: dropping the library unregisters them
-
-
-def _follow_cuda() -> None:
-    """Trace with CUDA's rules where the CPU's differ, in this process: the state sums' branches for bf16 and
-    fp16 (``segments.NARROW_ADDS``, ``scan.NARROW_SCANS``: CUDA's adds round in the narrow dtype, so its sums
-    accumulate in fp32 and round once), and CUDA's autocast rule for :data:`CUDA_FP32_OPS`: a bf16 or fp16
-    input runs in fp32, the result fp32 (an op given an explicit ``dtype`` is left alone, as autocast leaves
-    it). The CPU's autocast keeps e.g. ``layer_norm``'s input dtype, so a layer that left such an op to
-    autocast kept on CUDA what its CPU trace did not show (KVM's ``LN_s``: docs/precision.md, "State sums in
-    bf16")."""
-    from torch._C import DispatchKey, DispatchKeySet, _ExcludeDispatchKeyGuard
-
-    import recurrences.scan
-    import recurrences.segments
-
-    recurrences.scan.NARROW_SCANS["cpu"] = recurrences.segments.NARROW_ADDS["cpu"] = True
-    low = (torch.bfloat16, torch.float16)
-
-    def widen(x):
-        if isinstance(x, torch.Tensor) and x.dtype in low:
-            return x.float()
-        return type(x)(widen(a) for a in x) if isinstance(x, (list, tuple)) else x
-
-    def kernel_of(op):
-        def kernel(*args, **kwargs):
-            if kwargs.get("dtype") is None:
-                args, kwargs = widen(args), {k: widen(v) for k, v in kwargs.items()}
-            with _ExcludeDispatchKeyGuard(DispatchKeySet(DispatchKey.AutocastCPU)):
-                return op(*args, **kwargs)
-        return kernel
-
-    global _cuda_autocast_lib
-    _cuda_autocast_lib = torch.library.Library("aten", "IMPL")
-    for name in CUDA_FP32_OPS:
-        packet = getattr(torch.ops.aten, name)
-        for overload in packet.overloads():
-            if overload.endswith("out") or overload.endswith("_"):
-                continue  # in-place and out= variants are not autocast's (torch's AMP reference)
-            _cuda_autocast_lib.impl(name if overload == "default" else f"{name}.{overload}",
-                                    kernel_of(getattr(packet, overload)), "AutocastCPU")
 
 
 def _partition_backend(gm, example_inputs):
@@ -269,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(or --layer)")
     _let_cpu_flex_trace_a_backward()
     if args.rules == "cuda":
-        _follow_cuda()
+        follow_cuda_rules()
     fn, inputs, H, D = (_layer_case if args.layer else _op_case)(args, scenario)
     part = partitioned_forward(fn, inputs)
     rows = kept(part)

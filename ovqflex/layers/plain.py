@@ -4,10 +4,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program, scaled_unit_queries
+from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program, scaled_unit_queries, unit_rows
 from recurrences.checks import check_block_size
 
 from ..attention import attend
@@ -51,7 +50,7 @@ class _PlainAttention(MultiHeadProjection):
             q, k, v, tail = self.split_heads_cached(x, conv_tail)
             if self.qk_norm:
                 q = scaled_unit_queries(q, self.beta)
-                k = F.normalize(k, dim=-1)
+                k = unit_rows(k)
             if self.rope:
                 pos = positions(start, x.shape[1], x.device)
                 q = apply_rope(q, pos, base=self.rope_base)

@@ -8,10 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram, scaled_unit_queries
+from masks.program import DEFAULT_BLOCK, AttentionProgram, scaled_unit_queries, unit_rows
 from masks.regions import OwnChunk
 from recurrences.checks import (check_choice, check_chunk, check_finite_args, check_int, check_qkv, check_tensor,
                                 options_of)
@@ -120,7 +119,7 @@ def ovq_program(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, options: OVQOp
     n_chunks = size_max(1, -(-T // o.chunk_size))
     sizes = schedule.live(n_chunks + 1, q.device)  # chunks 0..n_chunks: the last is the dictionary after T
     with stage("proj"):
-        kn = F.normalize(k, dim=-1)
+        kn = unit_rows(k)
         q_scaled = scaled_unit_queries(q, beta)
     with stage("routing"):
         routes = route_ovq(routing_keys(k), schedule=schedule, seeding=o.seeding, seed=o.seed,

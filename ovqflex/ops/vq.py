@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor
 
-from masks.program import DEFAULT_BLOCK, AttentionProgram, scaled_unit_queries
+from masks.program import DEFAULT_BLOCK, AttentionProgram, scaled_unit_queries, unit_rows
 from masks.regions import BlockWindow
 from recurrences.checks import check_choice, check_chunk, check_finite_args, check_qkv, check_tensor, options_of
 from recurrences.compiling import size_max
@@ -100,7 +100,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     T = q.shape[2]
     N = codebook.shape[1]
     with stage("proj"):
-        kn = F.normalize(k, dim=-1)
+        kn = unit_rows(k)
         cb = F.normalize(codebook, dim=-1)
         q_scaled = scaled_unit_queries(q, beta)
     with stage("routing"):

@@ -181,21 +181,39 @@ def test_bf16_fused_routes_like_the_reference(method):
     _bf16_close(out, ref.out, leaves, seed=6)
 
 
-def test_kvm_bf16_op_under_autocast_computes_as_without_it():
-    """On bf16 inputs the KVM op gives the same bits under bf16 autocast as without it. CUDA's autocast runs
-    ``layer_norm`` in fp32 (the CPU's keeps its input's dtype): ``LN_s`` had made the memory keys and the key
-    sums fp32 in a bf16 CUDA layer, and kept the fp32 sums for the backward (docs/precision.md, "State sums
-    in bf16"); it now runs with autocast off."""
-    t = _inputs(7)
-    x = {n: v.to(DEVICE) for n, v in t.items()}
+# method -> the op on bf16 q, k, v and the fp32 parameters of _inputs
+AUTOCAST_OPS = {
+    "ovq": lambda q, k, v, x: ovqflex.ovq_attention(q, k, v, x["beta"], chunk_size=64, max_centroids=96,
+                                                    backend=TRAIN_BACKEND),
+    "kvm": lambda q, k, v, x: ovqflex.kvm_attention(q, k, v, x["gate"].bfloat16(), **{n: x[n] for n in KVM_NAMES[4:]},
+                                                    chunk_size=32, budget="power_law", growth_factor=4.0,
+                                                    max_state_chunks=None, backend=TRAIN_BACKEND),
+    "vq": lambda q, k, v, x: ovqflex.vq_attention(q, k, v, x["codebook"], x["beta"], chunk_size=32,
+                                                  backend=TRAIN_BACKEND)[0],
+}
+
+
+@pytest.mark.parametrize("method", list(AUTOCAST_OPS))
+def test_bf16_op_under_autocast_computes_as_without_it(method):
+    """On bf16 inputs the OVQ, KVM and VQ ops give the same bits, output and gradients, under bf16 autocast as
+    without it. CUDA's autocast runs ``layer_norm`` and the norms in fp32 (the CPU's keeps their input's dtype):
+    KVM's ``LN_s`` had made the memory keys and the key sums fp32 in a bf16 CUDA layer, and OVQ's and VQ's unit
+    queries and keys were fp32 before their rounding; both run with autocast off now (docs/precision.md). On
+    the CPU the same check runs with CUDA's autocast rule followed (``tests/ovqflex/ops/test_dtypes.py``)."""
+    x = {n: t.to(DEVICE) for n, t in _inputs(7).items()}
     q, k = (F.layer_norm(x[n], (D,)).bfloat16() for n in ("q", "k"))
-    params = {n: x[n] for n in KVM_NAMES[4:]} | {"gate": x["gate"].bfloat16()}
-    kw = dict(chunk_size=32, budget="power_law", growth_factor=4.0, max_state_chunks=None)
-    plain = ovqflex.kvm_attention(q, k, x["v"].bfloat16(), backend=TRAIN_BACKEND, **params, **kw)
-    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        under = ovqflex.kvm_attention(q, k, x["v"].bfloat16(), backend=TRAIN_BACKEND, **params, **kw)
+    runs = []
+    for autocast in (False, True):
+        leaves = [t.detach().requires_grad_() for t in (q, k, x["v"].bfloat16())]
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+            out = AUTOCAST_OPS[method](*leaves, x)
+        w = torch.randn(out.shape, generator=seeded(8)).to(DEVICE)
+        runs.append((out, torch.autograd.grad((out.float() * w).sum(), leaves)))
+    (plain, grads), (under, grads_under) = runs
     assert under.dtype == plain.dtype == torch.bfloat16
     assert torch.equal(under, plain)
+    for n, a, b in zip("qkv", grads, grads_under):
+        assert torch.equal(a, b), f"d{n}"
 
 
 ROUTING_T = 4096

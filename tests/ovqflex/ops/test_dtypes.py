@@ -2,6 +2,11 @@
 cast to one compute dtype (== the explicitly cast call), and in bf16 the fused ops route like their
 sequential references on the same inputs (identical routes, up to near-ties: docs/design.md §9). The
 layers under CPU autocast: ``tests/ovqflex/layers/test_dtypes.py``."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +17,7 @@ from recurrences.reference import (delta_rule_reference, kvm_attention_reference
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, reference_on_routes
 
 f32, bf16 = torch.float32, torch.bfloat16
+ROOT = Path(__file__).resolve().parents[3]
 B, H, T, D = 2, 2, 150, 16
 
 
@@ -68,6 +74,44 @@ def test_under_autocast_the_op_runs_in_the_autocast_dtype(name):
         cast = op(_cast(t, {n: bf16 for n in ("q", "k", "k_unit", "v", *companions)}))
     assert mixed.dtype == bf16
     assert torch.equal(mixed, cast)
+
+
+def _bits_with_and_without_autocast(name: str) -> dict:
+    """Whether ``OPS[name]`` on bf16 inputs gives the same output and q, k, v gradients under bf16 autocast as
+    without it: ``{"out": bool, "grads": [bool or None (unused), ...]}``."""
+    op, companions = OPS[name]
+    runs = []
+    for autocast in (False, True):
+        t = _cast(_inputs(), {n: bf16 for n in ("q", "k", "k_unit", "v", *companions)})
+        leaves = _leaves(t, ("q", "k_unit" if name == "delta" else "k", "v"))
+        with torch.autocast("cpu", dtype=bf16, enabled=autocast):
+            out = op(t)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        runs.append((out, torch.autograd.grad((out.float() * w).sum(), leaves)))
+    (out, grads), (out_ac, grads_ac) = runs
+    return {"out": torch.equal(out, out_ac), "grads": [torch.equal(a, b) for a, b in zip(grads, grads_ac)]}
+
+
+def test_under_cudas_autocast_rule_every_op_computes_as_without_autocast():
+    """On bf16 inputs each op gives the same bits, output and gradients, under bf16 autocast as without it, with
+    CUDA's autocast rule followed on the CPU (``tools/cuda_rules.py``, in a process of its own): CUDA's autocast
+    runs ``layer_norm``, the norms, ``exp``, ``sum`` and more in fp32, so an op that leaves one to autocast
+    computes otherwise under it there (KVM's ``LN_s`` made a bf16 layer's key sums fp32; OVQ's and VQ's unit
+    queries and keys were fp32 before their rounding). The ops run with autocast off inside where it matters
+    (docs/precision.md); the CPU's own autocast is checked in-process above."""
+    code = """
+import json, torch
+from tools.cuda_rules import follow_cuda_rules
+follow_cuda_rules()
+from tests.ovqflex.ops.test_dtypes import OPS, _bits_with_and_without_autocast
+print(json.dumps({name: _bits_with_and_without_autocast(name) for name in OPS}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    same = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(same) == set(OPS)
+    differ = {name: r for name, r in same.items() if not (r["out"] and all(r["grads"]))}
+    assert not differ, f"ops whose bits change under CUDA's autocast rule: {differ}"
 
 
 def _leaves(t: dict, names) -> list:
