@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram, scaled_unit_queries, unit_rows
@@ -89,7 +88,8 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     """The VQ attention program, without running it -> ``(program, aux)``. Arguments as
     :func:`vq_attention`.
 
-    ``aux``: ``codes [B, H, T]``, ``k_hat`` (quantized unit keys), ``k_unit`` (normalized keys).
+    ``aux``: ``codes [B, H, T]``, ``k_hat`` (quantized unit keys), ``k_unit`` (normalized keys), ``codebook_unit``
+    (normalized codebook rows ``[H, N, D]``).
     q, k, v are cast to one compute dtype; codes are assigned on fp32 unit keys and codebook
     rows (:mod:`recurrences.precision`).
     """
@@ -101,7 +101,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
     N = codebook.shape[1]
     with stage("proj"):
         kn = unit_rows(k)
-        cb = F.normalize(codebook, dim=-1)
+        cb = unit_rows(codebook)
         q_scaled = scaled_unit_queries(q, beta)
     with stage("routing"):
         codes = assign_codes(k, codebook, code_bias)  # fp32 unit keys and codes (recurrences.precision)
@@ -114,7 +114,7 @@ def vq_program(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, 
         q_scaled, k_hat, v, BlockWindow(2, chunk_size), scale=1.0, sizes=vq_state_sizes(n_chunks, N, q.device), rows=N,
         lag=LAG, options=o, snapshots=lambda: build_vq_snapshots(k_hat, v, codes, chunk_size=chunk_size, n_codes=N),
         versioned=lambda plan: build_vq_versioned(k_hat, v, codes, plan), count_bias=True, bias_shift=local_bias)
-    return program, {"codes": codes, "k_unit": kn, "k_hat": k_hat}
+    return program, {"codes": codes, "k_unit": kn, "k_hat": k_hat, "codebook_unit": cb}
 
 
 def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor, *, local_bias: Tensor | None = None,
@@ -142,9 +142,8 @@ def vq_attention(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, beta: Tensor
                               check_finite=check_finite, **option_kwargs)
     with stage("attention"):
         out = attend(program, backend)
-    kn, codes = aux.pop("k_unit"), aux["codes"]
+    kn, cb, codes = aux.pop("k_unit"), aux.pop("codebook_unit"), aux["codes"]
     aux.pop("k_hat")
-    cb = F.normalize(codebook, dim=-1)
     aux["commitment"] = commitment_loss(kn, cb, codes)
     aux.update(codebook_metrics(kn, cb, codes))
     return out, aux

@@ -77,12 +77,12 @@ def test_under_autocast_the_op_runs_in_the_autocast_dtype(name):
 
 
 def _bits_with_and_without_autocast(name: str) -> dict:
-    """Whether ``OPS[name]`` on bf16 inputs gives the same output and q, k, v gradients under bf16 autocast as
-    without it: ``{"out": bool, "grads": [bool or None (unused), ...]}``."""
+    """Whether ``OPS[name]`` on bf16 inputs (VQ's codebook too) gives the same output and q, k, v gradients under
+    bf16 autocast as without it: ``{"out": bool, "grads": [bool, bool, bool]}``."""
     op, companions = OPS[name]
     runs = []
     for autocast in (False, True):
-        t = _cast(_inputs(), {n: bf16 for n in ("q", "k", "k_unit", "v", *companions)})
+        t = _cast(_inputs(), {n: bf16 for n in ("q", "k", "k_unit", "v", "codebook", *companions)})
         leaves = _leaves(t, ("q", "k_unit" if name == "delta" else "k", "v"))
         with torch.autocast("cpu", dtype=bf16, enabled=autocast):
             out = op(t)
