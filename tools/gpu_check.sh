@@ -11,9 +11,11 @@
 #                   at the end, JUnit XML (tier.xml)
 #   main            the README's GPU main job: ovqflex train --device cuda + eval at 64..1024 (main.log)
 #   routing|stages|op-ovq|op-kvm|op-vq|dynamic|train
-#                   that part of profiles/gpu.toml (bench.log, OUT/bench/)
+#                   that part of profiles/gpu.toml (bench.log; its JSON and plot in OUT/bench/PART/, so
+#                   that the parts of one call keep theirs), at the lengths $BENCH_SEQ_LENS if set
+#                   (comma-separated: ovqflex bench --seq-lens; not for train, which has none)
 #   decode-single|decode-batched|generate
-#                   that part of profiles/decode.toml (bench.log, OUT/bench/)
+#                   that part of profiles/decode.toml (the same)
 #   experiment      one slice of ovqflex experiment $EXP (default icr) --scale $EXP_SCALE (default gpu)
 #                   in $EXP_DIR (default runs/experiments/$EXP-$EXP_SCALE), resumed if it holds one, with
 #                   --drop-checkpoints; only $EXP_MODELS / $EXP_SEEDS if set (comma-separated; a resume may
@@ -81,7 +83,7 @@ for part in "${list[@]}"; do
     { echo "unknown part '$part' in PARTS: expected one of $OWN_PARTS $GPU_PARTS $DECODE_PARTS" >&2; exit 2; }
 done
 if [ -n "${EXP_FROM:-}" ] && in_list experiment "${list[*]}"; then check_experiment_from || exit 2; fi
-mkdir -p "$OUT/bench"
+mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 start=$(date +%s)
 since() { echo $(( $(date +%s) - start )); }
@@ -196,9 +198,9 @@ profile_layers() {  # both layers within PART_S together
 }
 
 bench() {  # bench PROFILE PART
-  echo "== $1 --only $2" >> "$OUT/bench.log"
-  timeout "$PART_S" python3 -m ovqflex bench "profiles/$1.toml" --device "$DEVICE" --only "$2" --out "$OUT/bench" \
-    >> "$OUT/bench.log" 2>&1
+  echo "== $1 --only $2${BENCH_SEQ_LENS:+ --seq-lens $BENCH_SEQ_LENS}" >> "$OUT/bench.log"
+  timeout "$PART_S" python3 -m ovqflex bench "profiles/$1.toml" --device "$DEVICE" --only "$2" --out "$OUT/bench/$2" \
+    ${BENCH_SEQ_LENS:+--seq-lens "$BENCH_SEQ_LENS"} >> "$OUT/bench.log" 2>&1
   echo "$1 --only $2: exit $? at $(since) s" | tee -a "$OUT/bench.log"
 }
 

@@ -108,3 +108,21 @@ def test_the_pilot_part_trains_the_first_steps_at_each_lr_and_copies_its_table(t
     rows = json.loads((tmp_path / "out" / "pilot.json").read_text())["rows"]
     assert [(r["model"], r["lr"], r["steps"]) for r in rows] == [("sw-linear", 1e-3, 2), ("sw-linear", 4e-3, 2)]
     assert (tmp_path / "out" / "pilot.md").read_text().count("| sw-linear ") == 2
+
+
+@pytest.mark.slow
+def test_bench_parts_of_one_call_each_keep_their_json(tmp_path):
+    """Two parts of profiles/gpu.toml in one call on the CPU (``DEVICE=cpu``, one short length through
+    ``BENCH_SEQ_LENS``): each part's JSON lands in its own folder, with that part's scenarios at that
+    length; one shared folder kept only the last part's (both write ``gpu.json``)."""
+    env = {**os.environ, "DEVICE": "cpu", "BENCH_SEQ_LENS": "256", "PART_S": "600"}
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SCRIPT), "routing,op-vq", str(out)], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "gpu --only routing: exit 0" in done.stdout and "gpu --only op-vq: exit 0" in done.stdout, done.stdout
+    for part, scenarios in [("routing", {"routing-ovq", "routing-kvm-sqrt16"}), ("op-vq", {"op-vq"})]:
+        result = json.loads((out / "bench" / part / "gpu.json").read_text())
+        assert {r["scenario"] for r in result["rows"]} == scenarios
+        assert {r["T"] for r in result["rows"]} == {256} and result["meta"]["seq_lens"] == [256]
+    assert "== gpu --only op-vq --seq-lens 256" in (out / "bench.log").read_text()
