@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from masks.program import AttentionProgram, scaled_unit_queries
+from masks.program import AttentionProgram, scaled_unit_queries, unit_rows
 from recurrences.checks import check_choice, check_int, check_number, options_of
+from recurrences.precision import routing_keys
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
 
@@ -76,12 +77,15 @@ class VQCodebook(nn.Module):
                 return (self.ema_counts < self.dead_threshold).float().sum()
             return (self.idle_steps >= self.dead_after).float().sum()
 
-    def update_(self, kn: Tensor, codes: Tensor) -> None:
-        """One training step's codebook update from unit keys ``kn`` and their ``codes``."""
+    def update_(self, k: Tensor, codes: Tensor) -> None:
+        """One training step's codebook update from the keys ``k`` ``[B, H, T, D]`` (the op's compute dtype) and
+        their ``codes`` ``[B, H, T]``: EMA k-means (``ste``) on the fp32 unit keys the codes were assigned on
+        (:func:`~recurrences.precision.routing_keys`: the same bits with autocast on or off, on any device),
+        or the idle-step counts of the no-use penalty (``diveq``)."""
         with torch.no_grad():
             if self.estimator == "ste":
-                ema_update_(self.codebook, self.ema_counts, self.ema_sums, kn, codes, decay=self.ema_decay,
-                            dead_threshold=self.dead_threshold)
+                ema_update_(self.codebook, self.ema_counts, self.ema_sums, routing_keys(k), codes,
+                            decay=self.ema_decay, dead_threshold=self.dead_threshold)
             else:
                 used = torch.zeros_like(self.idle_steps).scatter_add(
                     1, codes.permute(1, 0, 2).reshape(codes.shape[1], -1),
@@ -129,12 +133,13 @@ class VQMemory:
         o, op_aux = self._vq_attention(inputs)
         if self.training:
             with stage("routing"):
-                self.quantizer.update_(F.normalize(inputs.k.detach(), dim=-1), op_aux["codes"])
+                self.quantizer.update_(inputs.k, op_aux["codes"])
         return o, vq_aux(op_aux, self.quantizer, self.commitment_weight)
 
     def _unit_codebook(self, dtype) -> tuple[Tensor, Tensor]:
-        """The unit codebook ``[H, N, D]`` (fp32 for code assignment, and in ``dtype``)."""
-        cb = F.normalize(self.quantizer.codebook.detach(), dim=-1)
+        """The unit codebook ``[H, N, D]`` as the op makes it (:func:`~masks.program.unit_rows`, the codebook's
+        dtype), and in ``dtype``."""
+        cb = unit_rows(self.quantizer.codebook.detach())
         return cb, cb.to(dtype)
 
     def _prefill(self, inputs: VQInputs) -> tuple[Tensor, VQCache]:
@@ -146,9 +151,10 @@ class VQMemory:
 
     def _decode_inputs(self, inputs: VQInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """New tokens' ``q_scaled = beta * q̂``, quantized unit keys ``[B, H, T, D]``, codes
-        ``[B, H, T]`` and the fp32 unit codebook ``[H, N, D]``: what a decode step reads."""
+        ``[B, H, T]`` (assigned as the op assigns them) and the unit codebook ``[H, N, D]``: what a decode step
+        reads."""
         cb, cb_v = self._unit_codebook(inputs.v.dtype)
-        codes = assign_codes(inputs.k, cb, self.quantizer.code_bias())
+        codes = assign_codes(inputs.k, self.quantizer.codebook, self.quantizer.code_bias())
         q_scaled = scaled_unit_queries(inputs.q, self.beta)
         return q_scaled, gather_codes(cb_v, codes), codes, cb
 

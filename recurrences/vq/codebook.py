@@ -114,9 +114,10 @@ def ema_update_(codebook: Tensor, ema_counts: Tensor, ema_sums: Tensor, kn: Tens
     ``counts ← decay·counts + (1-decay)·n``, ``sums ← decay·sums + (1-decay)·Σ k``,
     ``C ← normalize(sums / counts)`` (the direction of the EMA mean of the assigned keys).
     Codes with ``counts < dead_threshold`` are revived: ``C ← k`` for a uniformly drawn key
-    ``k`` of this batch (global RNG), ``counts ← 1``, ``sums ← k``.
+    ``k`` of this batch (global RNG), ``counts ← 1``, ``sums ← k``. Autocast is off: CUDA's would normalize the
+    rows of a bf16 codebook in fp32, the same update with autocast on or off giving other bits.
     """
-    with torch.no_grad():
+    with torch.no_grad(), no_autocast(kn):
         B, H, T, D = kn.shape
         N = codebook.shape[1]
         k32 = kn.detach().float()

@@ -1,5 +1,10 @@
 """VQAttention layer: codebook training (EMA, DiVeQ), compilation, the aux loss in HybridLM
 (the op: tests/ovqflex/ops/test_vq.py)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -75,3 +80,43 @@ def test_hybrid_model_adds_vq_aux_loss():
     g = torch.autograd.grad(aux, k_weight)[0]
     assert g[32:64].abs().sum() > 0 and g[:32].abs().sum() == 0  # commitment reaches k only
     assert torch.equal(model.eval()(tokens), model(tokens, return_aux=True)[0])
+
+
+_EMA_UNDER_AUTOCAST = """
+import copy, json, torch
+from tools.cuda_rules import follow_cuda_rules
+follow_cuda_rules()
+import ovqflex
+torch.manual_seed(0)
+layers = {"vq": ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, backend="blocked"),
+          "longvq": ovqflex.LongVQBlock(32, 2, chunk_size=16, codebook_size=8, backend="blocked")}
+x = torch.randn(2, 64, 32).bfloat16()
+same = {}
+for name, layer in layers.items():
+    runs = []
+    for autocast in (False, True):
+        torch.manual_seed(1)  # the revival draws of dead codes
+        trained = copy.deepcopy(layer).bfloat16().train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            trained(x)
+        runs.append(dict(trained.quantizer.named_buffers()))
+    moved = not torch.equal(runs[0]["codebook"], layer.quantizer.codebook.bfloat16())
+    same[name] = {"moved": moved, **{b: torch.equal(runs[0][b], runs[1][b]) for b in runs[0]}}
+print(json.dumps(same))
+"""
+
+
+def test_ema_codebook_update_is_the_same_with_cudas_autocast_or_without():
+    """A bf16 layer's training forward moves its EMA codebook the same way with bf16 autocast on or off, with
+    CUDA's autocast rule followed on the CPU (``tools/cuda_rules.py``, in a process of its own): the update
+    averages the fp32 unit keys the codes were assigned on. It normalized the keys with autocast on, which
+    CUDA runs in fp32 (the CPU in bf16), so the codebook's bits depended on autocast there."""
+    done = subprocess.run([sys.executable, "-c", _EMA_UNDER_AUTOCAST], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-3000:]
+    same = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(same) == {"vq", "longvq"}
+    for name, buffers in same.items():
+        assert buffers.pop("moved"), f"{name}: the training forward left the codebook as it was"
+        assert set(buffers) == {"codebook", "ema_counts", "ema_sums"}
+        assert all(buffers.values()), f"{name}: buffers that differ with and without autocast: {buffers}"
