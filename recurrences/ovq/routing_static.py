@@ -30,7 +30,7 @@ never 0/0), dead scores are ``-inf`` (they never win a max; the max and its firs
 index over the live scores are the loop's), the founders are the loop's
 ``sort(stable)[:n_new]`` in the same order, the absorb is the loop's own
 :func:`~recurrences.ovq.routing.ovq_absorb` write (its sums bit for bit), and with
-``normalize_centroids`` the row norm is the eager kernel (:func:`_unit_rows`; a row's
+``normalize_centroids`` the row norm is the eager kernel (:func:`_eager_unit_rows`; a row's
 result does not depend on the others). What remains is the product ``kc @ d^T``: the
 padded ``[L, R]`` one may round a score differently from the loop's ``[L, N_c]`` one when
 the library picks another kernel by shape. On the CPU (MKL) the padded product gives the
@@ -246,11 +246,11 @@ def dictionary_means(sums: Tensor, counts: Tensor, normalize_centroids: bool) ->
     R+1, D]``, ``counts [B, H, R+1]``): ``sums / counts`` (unit with ``normalize_centroids``), 0 for
     an empty row."""
     d = sums / counts.clamp_min(1.0)[..., None]  # counts are whole numbers: a live row's own count, 1 for an empty one
-    return _unit_rows(d) if normalize_centroids else d
+    return _eager_unit_rows(d) if normalize_centroids else d
 
 
 @eager_kernels("ovqflex::ovq_unit_rows")
-def _unit_rows(d: Tensor) -> Tensor:
+def _eager_unit_rows(d: Tensor) -> Tensor:
     """``F.normalize(d, dim=-1)`` by the eager kernel: inductor's own sum of squares rounds
     differently, and routing must read the loop's normalised means bit for bit."""
     return F.normalize(d, dim=-1)

@@ -89,14 +89,14 @@ def row_kernels_on_stacks(device="cpu") -> list[str]:
     each chunk's own, bit for bit (the static routers normalize all chunks' keys, or all state rows, in
     one launch and rely on a row's result not depending on the others)."""
     from recurrences.kvm.routing_static import _ln_rows
-    from recurrences.ovq.routing_static import _unit_rows
+    from recurrences.ovq.routing_static import _eager_unit_rows
 
     g = torch.Generator().manual_seed(11)
     differ = []
     for D in (64, 20):  # a vectorized width and one that is not
         x = (3 * torch.randn(9, 1, 4, 128, D, generator=g) + 0.5).to(device)
         w, b = (1 + 0.2 * torch.randn(D, generator=g)).to(device), (0.2 * torch.randn(D, generator=g)).to(device)
-        for name, fn in (("ln_rows", lambda t: _ln_rows(t, w, b, 1e-5)), ("unit_rows", _unit_rows)):
+        for name, fn in (("ln_rows", lambda t: _ln_rows(t, w, b, 1e-5)), ("unit_rows", _eager_unit_rows)):
             stacked = fn(x)
             if not all(torch.equal(stacked[u], fn(x[u])) for u in range(x.shape[0])):
                 differ.append(f"{name}, D={D}")
