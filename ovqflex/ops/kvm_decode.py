@@ -26,6 +26,7 @@ from masks.regions import BlockWindow, token_visibility
 from recurrences.kvm import kvm_absorb, kvm_route_chunk
 from recurrences.kvm.routing_static import compiled_static_step, kvm_static_step
 from recurrences.kvm.state import readout_rows
+from recurrences.precision import no_autocast
 
 from ..attention import attend_rows
 from ..cache.base import current_view, kept, tensor_key
@@ -241,6 +242,7 @@ def kvm_static_boundary(cache: StaticKVMCache, opts: KVMOptions, readout: KVMRea
     ok, og = cache.win_kbar.index_select(2, slots), cache.win_gate.index_select(2, slots)
     bounds = cache.rows.index_select(0, chunk - 1 + offsets[:2])                         # (rows[c-1], rows[c])
     step = compiled_static_step if compile else kvm_static_step
-    target, appended = step(ok, og, st["state"], bounds, readout.ln_s_weight.detach().float(),
-                            readout.ln_s_bias.detach().float(), sink_len=opts.sink_len, ln_eps=opts.ln_eps)
+    with no_autocast(ok):  # as routing: the caller's autocast would multiply the fp32 keys and rows in bf16
+        target, appended = step(ok, og, st["state"], bounds, readout.ln_s_weight.detach().float(),
+                                readout.ln_s_bias.detach().float(), sink_len=opts.sink_len, ln_eps=opts.ln_eps)
     _absorb_values(st, og, cache.win_v.index_select(2, slots).float(), target, appended)

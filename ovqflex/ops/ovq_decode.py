@@ -22,6 +22,7 @@ from masks.regions import OwnChunk, token_visibility
 from recurrences.compiling import chunk_bounds
 from recurrences.ovq import ovq_absorb, ovq_route_chunk, seeding_draw
 from recurrences.ovq.routing_static import compiled_static_step, ovq_static_step
+from recurrences.precision import no_autocast
 
 from ..attention import attend_rows, split_nonfinite
 from ..cache.base import current_view
@@ -224,6 +225,7 @@ def ovq_static_boundary(cache: StaticOVQCache, opts: OVQOptions, position: int, 
     else:
         step = compiled_static_step if compile else ovq_static_step
         bounds = cache.bounds.index_select(0, (cache.position // C - 1).view(1))[0]
-        step(cache.chunk_keys, cache.key_sums, cache.counts, bounds, None,
-             normalize_centroids=opts.normalize_centroids, value_sums=cache.value_sums, vc=cache.buf_v)
+        with no_autocast(cache.chunk_keys):  # as routing: the caller's autocast would score in bf16
+            step(cache.chunk_keys, cache.key_sums, cache.counts, bounds, None,
+                 normalize_centroids=opts.normalize_centroids, value_sums=cache.value_sums, vc=cache.buf_v)
     _derive_static_dictionary(cache, opts)

@@ -69,12 +69,15 @@ def _local_bias(layer):
     return layer
 
 
-def _decode_both(layer, x: torch.Tensor, split: int, step=None, compile_boundary: bool = False):
+def _decode_both(layer, x: torch.Tensor, split: int, step=None, compile_boundary: bool = False,
+                 boundary_autocast: bool = False):
     """Prefill ``x[:, :split]``, then decode the rest one token per call functionally and through a
     static cache (``step``: the callable that runs the layer on it) -> (functional ys, static ys,
     functional cache, static cache). Every step and boundary writes the static cache's buffers in
-    place (the same storage, shape and dtype throughout: what a CUDA graph of the step relies on)."""
+    place (the same storage, shape and dtype throughout: what a CUDA graph of the step relies on).
+    ``boundary_autocast``: the boundaries run inside bf16 autocast (as under a caller's autocast region)."""
     step = layer if step is None else step
+    boundary_context = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=boundary_autocast)  # noqa: E731
     with torch.no_grad():
         _, cache = layer(x[:, :split], use_cache=True)
         static = layer.static_cache(cache, x.shape[1])
@@ -86,7 +89,8 @@ def _decode_both(layer, x: torch.Tensor, split: int, step=None, compile_boundary
             y, same = step(x[:, t:t + 1], cache=static)
             assert same is static
             ys.append(y)
-            layer.static_boundary(static, t + 1, compile=compile_boundary)
+            with boundary_context():
+                layer.static_boundary(static, t + 1, compile=compile_boundary)
             assert _buffers(static) == buffers, f"step {t}: a static cache buffer was replaced"
     return torch.cat(yf, 1), torch.cat(ys, 1), cache, static
 
@@ -118,8 +122,27 @@ def test_static_decode_equals_functional_decode(name, split):
     layer = LAYERS[name]()
     x = torch.randn(3, 120, HIDDEN)
     yf, ys, cache, static = _decode_both(layer, x, split)
+    _static_agrees(name, yf, ys, cache, static, x.shape[1])
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(LAYERS) if n.startswith(("ovq", "kvm", "vq", "longvq"))])
+def test_a_static_boundary_routes_the_same_under_autocast(name):
+    """A boundary run inside bf16 autocast (``generate`` under the caller's autocast region) routes and
+    absorbs as without it: the functional decode's routes (autocast off inside its routing), its states
+    bit for bit. KVM's static step had multiplied its fp32 keys and rows in bf16 there."""
+    torch.manual_seed(0)
+    layer = LAYERS[name]()
+    x = torch.randn(3, 120, HIDDEN)
+    yf, ys, cache, static = _decode_both(layer, x, 37, boundary_autocast=True)
+    _static_agrees(name, yf, ys, cache, static, x.shape[1])
+
+
+def _static_agrees(name, yf, ys, cache, static, T: int) -> None:
+    """After ``T`` tokens, the static decode's outputs ``ys`` are the functional ``yf`` (``STATIC_TOL``) and
+    its cache holds the functional cache's state: what both compute with the same kernels bit for bit
+    (module docstring)."""
     assert_close(ys, yf, STATIC_TOL, name)
-    assert int(static.position) == cache.position == x.shape[1]
+    assert int(static.position) == cache.position == T
     if isinstance(static, StaticOVQCache):
         _dictionaries_agree(cache, static, exact=True)
     elif isinstance(static, StaticKVMCache):
