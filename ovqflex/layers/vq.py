@@ -7,7 +7,10 @@ it in place (after the attention has used the old codebook), and codes whose EMA
 below ``dead_threshold`` are revived with random keys of the batch. ``eval()`` freezes it.
 The update is part of the forward, so it runs under ``torch.compile(fullgraph=True)`` too
 (dynamo functionalizes the buffer mutation). Under data parallelism each rank updates its
-own copy from its own batch (no all-reduce of the EMA statistics).
+own copy from its own batch (no all-reduce of the EMA statistics). The training state (the EMA counts
+and sums, the idle-step counts) stays fp32 when the model is cast to bf16 or fp16 (``model.to(torch.bfloat16)``),
+as BatchNorm's statistics would not: a 0.99 decay in bf16 rounds most updates away (after 400 updates a bf16
+layer's codebook had drifted 5% from the same updates in fp32), and a bf16 count stops at 256 steps.
 With ``estimator="diveq"`` the codebook is an ``nn.Parameter`` trained by the optimizer
 through DiVeQ's gradient, and dead codes get the OVQ paper's "no-use penalty": a bonus of
 ``penalty_rate`` per training step without a token, added to the code's assignment score.
@@ -28,7 +31,7 @@ from torch import Tensor, nn
 
 from masks.program import AttentionProgram, scaled_unit_queries, unit_rows
 from recurrences.checks import check_choice, check_int, check_number, options_of
-from recurrences.precision import routing_keys
+from recurrences.precision import routing_keys, work_dtype
 from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
 from recurrences.vq.codebook import gather_codes
 
@@ -42,6 +45,9 @@ from .options import OptionAttributes
 
 class VQCodebook(nn.Module):
     """Per-head unit-norm codebook ``[H, N, D]`` and its training state (see module doc)."""
+
+    #: buffers that accumulate over training steps: never narrower than fp32 (:meth:`_apply`)
+    accumulators = ("ema_counts", "ema_sums", "idle_steps")
 
     def __init__(self, num_heads: int, codebook_size: int, head_dim: int, *, estimator: str = "ste",
                  ema_decay: float = 0.99, dead_threshold: float = 0.01, penalty_rate: float = 0.0025,
@@ -66,6 +72,18 @@ class VQCodebook(nn.Module):
             self.codebook = nn.Parameter(init)
             self.register_buffer("idle_steps", torch.zeros(num_heads, codebook_size))
 
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (what ``.to``, ``.cuda``, ``.bfloat16`` ... run), then each of
+        :attr:`accumulators` that ``fn`` made narrower than fp32 is its value before, moved to the new
+        device in fp32: a cast of the model casts the codebook, not the sums it is derived from."""
+        before = {name: self._buffers.get(name) for name in self.accumulators}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers.get(name)
+            if old is not None and new is not None and new.dtype != work_dtype(new):
+                self._buffers[name] = old.to(device=new.device, dtype=work_dtype(new))
+        return self
+
     def code_bias(self) -> Tensor | None:
         """``[H, N]`` assignment bonus (DiVeQ's no-use penalty), or None."""
         return None if self.estimator == "ste" else self.penalty_rate * self.idle_steps
@@ -87,9 +105,8 @@ class VQCodebook(nn.Module):
                 ema_update_(self.codebook, self.ema_counts, self.ema_sums, routing_keys(k), codes,
                             decay=self.ema_decay, dead_threshold=self.dead_threshold)
             else:
-                used = torch.zeros_like(self.idle_steps).scatter_add(
-                    1, codes.permute(1, 0, 2).reshape(codes.shape[1], -1),
-                    torch.ones(codes.shape[1], codes.numel() // codes.shape[1], device=codes.device)) > 0
+                used = torch.zeros_like(self.idle_steps, dtype=torch.bool).scatter_(
+                    1, codes.permute(1, 0, 2).reshape(codes.shape[1], -1), True)
                 self.idle_steps.copy_(torch.where(used, torch.zeros_like(self.idle_steps), self.idle_steps + 1))
 
     def extra_repr(self) -> str:

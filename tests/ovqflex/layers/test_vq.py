@@ -46,6 +46,51 @@ def test_layer_diveq_trains_codebook_by_gradient():
     assert layer.quantizer.idle_steps.max() <= 1  # one step: idle codes count 1, used ones 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("estimator", ["ste", "diveq"])
+def test_a_cast_layer_keeps_its_codebooks_training_state_in_fp32(estimator, dtype):
+    """``layer.to(bf16 | fp16)`` casts the codebook, not its training state: 300 updates from the same
+    keys and codes give the fp32 layer's EMA counts and sums (or idle-step counts, past bf16's 256) bit
+    for bit, and the EMA codebook is the fp32 one rounded once. In bf16 the state had drifted (the codebook
+    5% after 400 updates) and DiVeQ's update failed on its dtypes."""
+    H, N, D = 2, 16, 8
+    wide = ovqflex.VQAttention(32, H, head_dim=D, codebook_size=N, chunk_size=16, estimator=estimator)
+    cast = ovqflex.VQAttention(32, H, head_dim=D, codebook_size=N, chunk_size=16, estimator=estimator)
+    cast.load_state_dict(wide.state_dict())
+    cast = cast.to(dtype)
+    assert cast.quantizer.codebook.dtype == dtype
+    g = torch.Generator().manual_seed(1)
+    for step in range(300):
+        k = torch.randn(2, H, 64, D, generator=g).to(dtype)
+        codes = torch.randint(0, N // 2, (2, H, 64), generator=g)  # half the codes never used
+        for layer in (wide, cast):
+            torch.manual_seed(step)  # (the same revival draws for both)
+            layer.quantizer.update_(k, codes)
+    state = [name for name in ovqflex.layers.vq.VQCodebook.accumulators if hasattr(wide.quantizer, name)]
+    assert state
+    for name in state:
+        a, b = getattr(wide.quantizer, name), getattr(cast.quantizer, name)
+        assert b.dtype == torch.float32 and torch.equal(a, b), name
+    if estimator == "diveq":
+        assert cast.quantizer.idle_steps.max() == 300
+    else:
+        assert torch.equal(cast.quantizer.codebook, wide.quantizer.codebook.to(dtype))
+    assert cast.double().quantizer.codebook.dtype == torch.float64
+    assert all(getattr(cast.quantizer, name).dtype == torch.float64 for name in state)  # wider stays wider
+
+
+def test_a_bf16_diveq_layer_trains():
+    """A DiVeQ layer cast to bf16 runs a training forward and backward (its idle-step update once mixed
+    dtypes and failed)."""
+    torch.manual_seed(0)
+    layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq", backend="blocked")
+    layer = layer.to(torch.bfloat16)
+    layer(torch.randn(2, 64, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+    grad = layer.quantizer.codebook.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert layer.quantizer.idle_steps.dtype == torch.float32 and layer.quantizer.idle_steps.max() <= 1
+
+
 @pytest.mark.parametrize("estimator", ["ste", "diveq"])
 def test_layer_compiles_fullgraph_without_recompile(estimator):
     """The EMA/no-use-penalty buffer updates run inside the compiled graph."""
