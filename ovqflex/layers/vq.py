@@ -10,7 +10,9 @@ The update is part of the forward, so it runs under ``torch.compile(fullgraph=Tr
 own copy from its own batch (no all-reduce of the EMA statistics). The training state (the EMA counts
 and sums, the idle-step counts) stays fp32 when the model is cast to bf16 or fp16 (``model.to(torch.bfloat16)``),
 as BatchNorm's statistics would not: a 0.99 decay in bf16 rounds most updates away (after 400 updates a bf16
-layer's codebook had drifted 5% from the same updates in fp32), and a bf16 count stops at 256 steps.
+layer's codebook had drifted 5% from the same updates in fp32), and a bf16 count stops at 256 steps. Since the
+forward updates that state, activation checkpointing, which re-runs a training forward in the backward, is
+refused by name there (the re-run would read the updated codebook).
 With ``estimator="diveq"`` the codebook is an ``nn.Parameter`` trained by the optimizer
 through DiVeQ's gradient, and dead codes get the OVQ paper's "no-use penalty": a bonus of
 ``penalty_rate`` per training step without a token, added to the code's assignment score.
@@ -147,6 +149,11 @@ class VQMemory:
                             options=self.options)
 
     def _full(self, inputs: VQInputs) -> tuple[Tensor, dict]:
+        if self.training and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"{type(self).__name__}: its training forward ran inside a backward, as activation checkpointing "
+                "(torch.utils.checkpoint) re-runs it. The forward updates the codebook's training state in place, "
+                "so the re-run would read the updated codebook (other gradients) and update it twice. Checkpoint the layers around it, not this one, or run it in eval mode (frozen codebook).")
         o, op_aux = self._vq_attention(inputs)
         if self.training:
             with stage("routing"):

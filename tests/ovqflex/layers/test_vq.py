@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ovqflex
-from tests.helpers import assert_trains_compiled_once
+from tests.helpers import assert_close, assert_trains_compiled_once
 
 
 def test_layer_ema_mode_updates_codebook_in_train_only_and_returns_aux():
@@ -89,6 +89,38 @@ def test_a_bf16_diveq_layer_trains():
     grad = layer.quantizer.codebook.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
     assert layer.quantizer.idle_steps.dtype == torch.float32 and layer.quantizer.idle_steps.max() <= 1
+
+
+CHECKPOINTED = {
+    "vq-ste": lambda: ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, backend="blocked"),
+    "vq-diveq": lambda: ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq",
+                                            backend="blocked"),
+    "longvq": lambda: ovqflex.LongVQBlock(32, 2, chunk_size=16, codebook_size=8, backend="blocked"),
+}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("name", sorted(CHECKPOINTED))
+def test_activation_checkpointing_a_training_vq_layer_is_refused_and_an_eval_one_works(name, reentrant):
+    """``torch.utils.checkpoint`` re-runs a training forward in the backward, where the codebook state was
+    already updated: refused by name there (it had updated the state twice and given gradients 10% off the
+    plain backward's). In eval mode the codebook is frozen and the re-run is the forward: gradients equal."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    plain, checked = CHECKPOINTED[name](), CHECKPOINTED[name]()
+    checked.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 64, 32, requires_grad=True)  # (a reentrant checkpoint's output needs an input with grad)
+    y = checkpoint(checked, x, use_reentrant=reentrant)
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        y.square().mean().backward()
+    checked.load_state_dict(plain.state_dict())  # (the refused run's first forward updated the codebook state)
+    plain.eval(), checked.eval()
+    checked.zero_grad()
+    plain(x).square().mean().backward()
+    checkpoint(checked, x, use_reentrant=reentrant).square().mean().backward()
+    for (n, a), b in zip(plain.named_parameters(), checked.parameters()):
+        assert_close(b.grad, a.grad, 1e-5, n)  # (the re-run's gradients add up in another order)
 
 
 @pytest.mark.parametrize("estimator", ["ste", "diveq"])
