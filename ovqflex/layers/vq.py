@@ -153,7 +153,8 @@ class VQMemory:
             raise RuntimeError(
                 f"{type(self).__name__}: its training forward ran inside a backward, as activation checkpointing "
                 "(torch.utils.checkpoint) re-runs it. The forward updates the codebook's training state in place, "
-                "so the re-run would read the updated codebook (other gradients) and update it twice. Checkpoint the layers around it, not this one, or run it in eval mode (frozen codebook).")
+                "so the re-run would read the updated codebook (other gradients) and update it twice. Checkpoint "
+                "the layers around it, not this one, or run it in eval mode (frozen codebook).")
         o, op_aux = self._vq_attention(inputs)
         if self.training:
             with stage("routing"):
