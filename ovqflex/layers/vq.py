@@ -12,7 +12,7 @@ and sums, the idle-step counts) stays fp32 when the model is cast to bf16 or fp1
 as BatchNorm's statistics would not: a 0.99 decay in bf16 rounds most updates away (after 400 updates a bf16
 layer's codebook had drifted 5% from the same updates in fp32), and a bf16 count stops at 256 steps. Since the
 forward updates that state, activation checkpointing, which re-runs a training forward in the backward, is
-refused by name there (the re-run would read the updated codebook).
+refused by name there, eager or compiled (:func:`training_snapshot`: the re-run would read the updated codebook).
 With ``estimator="diveq"`` the codebook is an ``nn.Parameter`` trained by the optimizer
 through DiVeQ's gradient, and dead codes get the OVQ paper's "no-use penalty": a bonus of
 ``penalty_rate`` per training step without a token, added to the code's assignment score.
@@ -116,6 +116,41 @@ class VQCodebook(nn.Module):
         return f"heads={H}, codebook_size={N}, head_dim={D}, estimator={self.estimator!r}"
 
 
+def training_snapshot(codebook: Tensor, code_bias: Tensor | None, layer: str) -> tuple[Tensor, Tensor | None]:
+    """Copies of the codebook ``[H, N, D]`` (gradients pass through) and the code bias ``[H, N]`` (or None) that a
+    training forward attends with, before it updates them in place; refused by name inside a backward.
+
+    Activation checkpointing (``torch.utils.checkpoint``) re-runs a forward inside the backward, eagerly, or
+    compiled as recomputed ops: the re-run would read the updated state and give other gradients (10% off the
+    plain backward's in a test). An opaque op checks at run time, so it raises there in both; compiled code that
+    keeps this op's output for the backward instead of recomputing it reads the snapshot, and is right."""
+    cb, bias = _training_snapshot(codebook, code_bias, layer)
+    return cb, None if code_bias is None else bias
+
+
+@torch.library.custom_op("ovqflex::vq_training_snapshot", mutates_args=())
+def _training_snapshot(codebook: Tensor, code_bias: Tensor | None, layer: str) -> tuple[Tensor, Tensor]:
+    if torch._C._current_graph_task_id() != -1:  # run by the autograd engine: inside a backward
+        raise RuntimeError(
+            f"{layer}: its training forward ran inside a backward, as activation checkpointing "
+            "(torch.utils.checkpoint) re-runs it. The forward updates the codebook's training state in place, so "
+            "the re-run would read the updated codebook (other gradients) and update it twice. Checkpoint the "
+            "layers around it, not this one, or run it in eval mode (frozen codebook).")
+    return codebook.clone(), codebook.new_empty(0) if code_bias is None else code_bias.clone()
+
+
+@_training_snapshot.register_fake
+def _(codebook, code_bias, layer):
+    return torch.empty_like(codebook), codebook.new_empty(0) if code_bias is None else torch.empty_like(code_bias)
+
+
+def _snapshot_backward(ctx, grad_codebook, grad_bias):
+    return grad_codebook, None, None
+
+
+_training_snapshot.register_autograd(_snapshot_backward)
+
+
 def vq_aux(op_aux: dict, codebook: VQCodebook, commitment_weight: float) -> dict:
     """The layer aux dict from the op's: loss, metrics (detached), dead codes."""
     aux = {"loss": commitment_weight * op_aux["commitment"], "commitment": op_aux["commitment"].detach()}
@@ -144,17 +179,13 @@ class VQMemory:
     fused op and builds the cache from its codes; a decode step assigns codes to the new keys."""
 
     def _vq_attention(self, inputs: VQInputs) -> tuple[Tensor, dict]:
-        return vq_attention(inputs.q, inputs.k, inputs.v, self.quantizer.codebook, self.beta,
-                            local_bias=self.local_bias, code_bias=self.quantizer.code_bias(), backend=self.backend,
-                            options=self.options)
+        codebook, code_bias = self.quantizer.codebook, self.quantizer.code_bias()
+        if self.training:  # the forward updates them after the attention: it reads a snapshot
+            codebook, code_bias = training_snapshot(codebook, code_bias, type(self).__name__)
+        return vq_attention(inputs.q, inputs.k, inputs.v, codebook, self.beta, local_bias=self.local_bias,
+                            code_bias=code_bias, backend=self.backend, options=self.options)
 
     def _full(self, inputs: VQInputs) -> tuple[Tensor, dict]:
-        if self.training and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            raise RuntimeError(
-                f"{type(self).__name__}: its training forward ran inside a backward, as activation checkpointing "
-                "(torch.utils.checkpoint) re-runs it. The forward updates the codebook's training state in place, "
-                "so the re-run would read the updated codebook (other gradients) and update it twice. Checkpoint "
-                "the layers around it, not this one, or run it in eval mode (frozen codebook).")
         o, op_aux = self._vq_attention(inputs)
         if self.training:
             with stage("routing"):

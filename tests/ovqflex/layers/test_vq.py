@@ -123,6 +123,19 @@ def test_activation_checkpointing_a_training_vq_layer_is_refused_and_an_eval_one
         assert_close(b.grad, a.grad, 1e-5, n)  # (the re-run's gradients add up in another order)
 
 
+def test_a_compiled_checkpointed_training_vq_layer_is_refused():
+    """Compiled, the checkpointed region's ops are recomputed in the backward graph, where the codebook
+    buffer was already updated: the snapshot op refuses there too (it had given gradients 10% off)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = CHECKPOINTED["vq-ste"]()
+    step = torch.compile(lambda x: checkpoint(layer, x, use_reentrant=False), fullgraph=True)
+    y = step(torch.randn(2, 64, 32))
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        y.square().mean().backward()
+
+
 @pytest.mark.parametrize("estimator", ["ste", "diveq"])
 def test_layer_compiles_fullgraph_without_recompile(estimator):
     """The EMA/no-use-penalty buffer updates run inside the compiled graph."""
