@@ -134,8 +134,8 @@ def _training_snapshot(codebook: Tensor, code_bias: Tensor | None, layer: str) -
         raise RuntimeError(
             f"{layer}: its training forward ran inside a backward, as activation checkpointing "
             "(torch.utils.checkpoint) re-runs it. The forward updates the codebook's training state in place, so "
-            "the re-run would read the updated codebook (other gradients) and update it twice. Checkpoint the "
-            "layers around it, not this one, or run it in eval mode (frozen codebook).")
+            "the re-run would read the updated codebook (other gradients; eagerly, it would update it twice). "
+            "Checkpoint the layers around it, not this one, or run it in eval mode (frozen codebook).")
     return codebook.clone(), codebook.new_empty(0) if code_bias is None else code_bias.clone()
 
 
