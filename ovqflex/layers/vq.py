@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from masks.program import AttentionProgram, scaled_unit_queries, unit_rows
 from recurrences.checks import check_choice, check_int, check_number, options_of
 from recurrences.precision import routing_keys, work_dtype
-from recurrences.vq import ESTIMATORS, assign_codes, ema_update_
+from recurrences.vq import ESTIMATORS, assign_codes, code_histogram, ema_update_
 from recurrences.vq.codebook import gather_codes
 
 from ..cache.vq import StaticVQCache, VQCache
@@ -107,8 +107,7 @@ class VQCodebook(nn.Module):
                 ema_update_(self.codebook, self.ema_counts, self.ema_sums, routing_keys(k), codes,
                             decay=self.ema_decay, dead_threshold=self.dead_threshold)
             else:
-                used = torch.zeros_like(self.idle_steps, dtype=torch.bool).scatter_(
-                    1, codes.permute(1, 0, 2).reshape(codes.shape[1], -1), True)
+                used = code_histogram(codes, self.idle_steps.shape[1]) > 0  # [H, N]
                 self.idle_steps.copy_(torch.where(used, torch.zeros_like(self.idle_steps), self.idle_steps + 1))
 
     def extra_repr(self) -> str:
