@@ -11,9 +11,10 @@ import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
-from recurrences.checks import (ConfigError, ConfigTypeError, check_block_size, check_chunk, check_int, check_keys,
-                                from_dict)
+from recurrences.checks import (ConfigError, ConfigTypeError, check_block_size, check_choice, check_chunk, check_int,
+                                check_keys, check_number, from_dict)
 
+from ..attention import BACKENDS
 from ..ops.ovq import OVQOptions
 
 
@@ -51,13 +52,24 @@ class HybridConfig:
             check_int(name, getattr(self, name))
         check_chunk("chunk_size", self.chunk_size)
         check_block_size("block_size", self.block_size)
-        if self.head_dim is None and self.d_model % self.n_heads:
+        if self.head_dim is not None:
+            check_int("head_dim", self.head_dim)
+        elif self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
                              f"(or give head_dim)")
+        if not isinstance(self.pattern, str):
+            raise ConfigTypeError(f"pattern must be a comma-separated str of mixer names (e.g. 'swa,ovq'), "
+                                  f"got {type(self.pattern).__name__} {self.pattern!r}")
         if not self.mixers:
             raise ValueError(f"pattern must name at least one mixer, got {self.pattern!r}")
-        if not self.mlp_ratio > 0:
-            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        check_int("qk_conv", self.qk_conv, minimum=0)
+        for name in ("mlp_ratio", "norm_eps", "rope_base"):
+            check_number(name, getattr(self, name))
+        check_number("init_std", self.init_std, strict=False)
+        if not isinstance(self.qk_norm, bool):
+            raise ConfigTypeError(f"qk_norm must be True or False, got {type(self.qk_norm).__name__} "
+                                  f"{self.qk_norm!r}")
+        check_choice("backend", self.backend, BACKENDS)
         self._check_mixer_options()
 
     def _check_mixer_options(self) -> None:

@@ -21,6 +21,28 @@ def test_bad_config_values():
         HybridConfig.from_dict({"colour": "red"})
 
 
+BAD_FIELDS = [
+    ("pattern", ["swa", "ovq"], TypeError, r"pattern must be a comma-separated str of mixer names \(e.g. 'swa,ovq'\), "
+                                           r"got list \['swa', 'ovq'\]"),
+    ("head_dim", 0, ValueError, "head_dim must be >= 1, got 0"),
+    ("qk_conv", -1, ValueError, "qk_conv must be >= 0, got -1"),
+    ("mlp_ratio", "4", TypeError, "mlp_ratio must be a number, got str '4'"),
+    ("norm_eps", -1e-5, ValueError, "norm_eps must be > 0, got -1e-05"),
+    ("rope_base", 0, ValueError, "rope_base must be > 0, got 0"),
+    ("init_std", -0.02, ValueError, "init_std must be >= 0, got -0.02"),
+    ("qk_norm", "no", TypeError, "qk_norm must be True or False, got str 'no'"),
+    ("backend", "cuda", ValueError, r"backend must be one of \['auto', 'blocked', 'dense', 'flex'\], got 'cuda'"),
+]
+
+
+@pytest.mark.parametrize("field, value, error, match", BAD_FIELDS, ids=[case[0] for case in BAD_FIELDS])
+def test_every_field_is_checked_at_construction(field, value, error, match):
+    """A config built in Python (not from a dict) is checked once, by name: these had been accepted, to fail
+    later far from the cause (``'list' object has no attribute 'split'``, a NaN norm) or never."""
+    with pytest.raises(error, match=match):
+        HybridConfig(**{field: value})
+
+
 @pytest.mark.parametrize("block", [48, 8, 100], ids=["48", "8", "100"])
 def test_a_block_size_flex_cannot_tile_is_refused_by_name(block):
     """Flex tiles a block with powers of two that must divide it: 48 or 100 cannot be served."""
