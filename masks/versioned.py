@@ -74,11 +74,13 @@ def block_liveness(born: Tensor, dies: Tensor, geom: Geometry) -> Tensor:
     Rows past the state (a block shared with token rows) are dead."""
     bk, S = geom.block_kv, born.shape[-1] - 1
     n = -(-S // bk)
+    unseen = torch.tensor([NEVER, 0, 0, 0], dtype=torch.int32, device=born.device)[:, None]
+    if not born.shape[0] * born.shape[1]:  # an empty batch: no rows to reduce, every block as one of no state row
+        return unseen.expand(4, n + 1)
     born, dies = (F.pad(x[..., :S], (0, n * bk - S)).unflatten(-1, (n, bk)).transpose(0, 2).flatten(1)
                   for x in (born, dies))  # [n, B * H * bk]: dead rows (0, 0) pad the last block
     stats = torch.stack([torch.where(dies > born, born, NEVER).amin(-1), dies.amax(-1), born.amax(-1),
                          dies.amin(-1)])
-    unseen = torch.tensor([NEVER, 0, 0, 0], dtype=stats.dtype, device=stats.device)[:, None]
     return torch.cat([stats, unseen], dim=1)
 
 

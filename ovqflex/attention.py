@@ -150,6 +150,10 @@ def attend(program: AttentionProgram, backend: str = "auto") -> Tensor:
     upcast, with autocast off, which would run their matmuls in bf16), a float64 program in float64
     (``blocked`` and ``dense``; ``auto`` takes ``blocked`` for it, :func:`flex_takes`)."""
     backend = resolve_backend(backend, program)
+    if backend == "flex" and not program.q.shape[0]:
+        # an empty batch: flex's lowering indexes the score_mod's captured [0, ...] tensors and fails
+        # (IndexError); blocked returns the empty output, differentiable as any other
+        backend = "blocked"
     if backend == "flex":
         out = _flex(program)
     else:

@@ -92,8 +92,9 @@ class MultiHeadProjection(AttentionLayer):
 
     def _heads(self, x: Tensor) -> tuple[Tensor, ...]:
         """x ``[B, T, n*H*D]`` -> n views ``[B, H, T, D]``."""
-        B, T, _ = x.shape
-        return x.view(B, T, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        B, T, width = x.shape
+        n = width // (self.num_heads * self.head_dim)  # not -1: an empty batch leaves it ambiguous
+        return x.view(B, T, n, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
     def merge(self, o: Tensor) -> Tensor:
         """o ``[B, H, T, head_dim]`` -> ``[B, T, hidden]``."""

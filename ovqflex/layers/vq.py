@@ -102,6 +102,8 @@ class VQCodebook(nn.Module):
         their ``codes`` ``[B, H, T]``: EMA k-means (``ste``) on the fp32 unit keys the codes were assigned on
         (:func:`~recurrences.precision.routing_keys`: the same bits with autocast on or off, on any device),
         or the idle-step counts of the no-use penalty (``diveq``)."""
+        if not codes.numel():  # no keys (an empty batch): nothing observed, the state stays as it is
+            return
         with torch.no_grad():
             if self.estimator == "ste":
                 ema_update_(self.codebook, self.ema_counts, self.ema_sums, routing_keys(k), codes,

@@ -31,6 +31,21 @@ def test_layer_ema_mode_updates_codebook_in_train_only_and_returns_aux():
     assert torch.equal(layer.quantizer.codebook, frozen), "eval forward must not touch the codebook"
 
 
+@pytest.mark.parametrize("estimator", ["ste", "diveq"])
+def test_an_empty_batch_leaves_the_codebook_state_as_it_was(estimator):
+    """No keys, nothing observed: neither the EMA decay nor a revival (which had drawn a key from none:
+    ``random_ expects 'from' to be less than 'to'``) nor an idle step."""
+    torch.manual_seed(0)
+    layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator=estimator, backend="blocked")
+    layer(torch.randn(2, 64, 32))  # some state to keep
+    before = {name: b.clone() for name, b in layer.quantizer.named_buffers()}
+    before["codebook"] = layer.quantizer.codebook.detach().clone()
+    y, aux = layer(torch.randn(0, 64, 32), return_aux=True)
+    assert y.shape == (0, 64, 32)
+    for name, was in before.items():
+        assert torch.equal(getattr(layer.quantizer, name), was), name
+
+
 def test_layer_bad_codebook_size():
     with pytest.raises(ValueError, match="codebook_size"):
         ovqflex.VQAttention(32, 2, codebook_size=0)
