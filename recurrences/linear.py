@@ -32,9 +32,10 @@ def feature_map(x: Tensor) -> Tensor:
 
 def to_chunks(x: Tensor, chunk_size: int, lead: int = 0) -> Tensor:
     """``[B, H, T, *rest]`` -> ``[B, H, n, chunk_size, *rest]``: ``lead`` zero rows in front (so a
-    continuation's chunks fall on absolute chunk boundaries), zero-padded at the end to ``n * chunk_size``."""
+    continuation's chunks fall on absolute chunk boundaries), zero-padded at the end to ``n * chunk_size``. At
+    least one chunk: an empty sequence is one chunk of padding, which the recurrences read as no tokens."""
     T = x.shape[2]
-    n = -(-(lead + T) // chunk_size)
+    n = max(1, -(-(lead + T) // chunk_size))
     if lead:
         x = torch.cat([x.new_zeros(*x.shape[:2], lead, *x.shape[3:]), x], dim=2)
     x = pad_to(x, 2, n * chunk_size)

@@ -159,5 +159,9 @@ def vla_chunked(q: Tensor, k: Tensor, v: Tensor, u: Tensor, opts: VLAOptions = V
         den = (feature_map(q.to(dt)) * ksum).sum(-1, keepdim=True)
         out = (from_chunks(num, T, lead) / torch.clamp(den, min=opts.eps)).to(q.dtype)
     if output_final_state:
-        return out, VLAState(last.transpose(-1, -2), A, ksum[:, :, -1], start + T)
+        if T:
+            z = ksum[:, :, -1]
+        else:  # no tokens: the normaliser as it was
+            z = k.new_zeros(*k.shape[:2], k.shape[-1], dtype=dt) if initial_state is None else initial_state.z.to(dt)
+        return out, VLAState(last.transpose(-1, -2), A, z, start + T)
     return out

@@ -112,3 +112,24 @@ def test_continuation_equals_one_pass(name):
     first, state = OPS[name](*[a[:, :, :20] for a in args], output_final_state=True, **kw)
     rest = OPS[name](*[a[:, :, 20:] for a in args], initial_state=state, **kw)
     assert torch.allclose(torch.cat([first, rest], 2), full, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_no_tokens_leave_the_state_as_it_was(name):
+    """A call with no tokens (an empty prefill or chunk of a stream) returns an empty output and the state it
+    was given; from a sequence start, the start state (zeros; VLA's ``A = I / lambda0``). Had failed in all
+    three: zero chunks left nothing to stack or cumsum."""
+    args, kw = _args(name)
+    none = [a[:, :, :0] for a in args]
+    _, state = OPS[name](*[a[:, :, :20] for a in args], output_final_state=True, **kw)
+    out, after = OPS[name](*none, initial_state=state, output_final_state=True, **kw)
+    assert out.shape == (2, 2, 0, 6)
+    for was, now in zip(state if isinstance(state, tuple) else (state,), after if isinstance(after, tuple) else (after,)):
+        assert torch.equal(torch.as_tensor(now), torch.as_tensor(was))
+    _, start = OPS[name](*none, output_final_state=True, **kw)
+    start = start if isinstance(start, tuple) else (start,)
+    assert all(not x.any() for x in start if isinstance(x, torch.Tensor) and x is not getattr(start, "A", None))
+    if name == "vla":
+        assert torch.equal(start.A, torch.eye(6).expand(2, 2, 6, 6) / 0.1) and start.position == 0
+    rest = OPS[name](*[a[:, :, 20:] for a in args], initial_state=after, **kw)
+    assert torch.equal(rest, OPS[name](*[a[:, :, 20:] for a in args], initial_state=state, **kw))
