@@ -212,6 +212,9 @@ class HybridLM(nn.Module):
         rounding (docs/design.md §6, "Static decode").
         """
         check_choice("decode", decode, DECODES)
+        if check_tensor("prompt", prompt, 2).shape[1] == 0:
+            raise ValueError(f"prompt must hold at least one token per row (the first new token is sampled from "
+                             f"the last prompt token's logits), got shape {tuple(prompt.shape)}")
         if decode == "graph" and prompt.device.type != "cuda":
             raise ValueError(f"decode='graph' replays the decode step from a CUDA graph: it needs the model and "
                              f"prompt on a CUDA device, got {prompt.device}; use decode='compiled'")

@@ -45,6 +45,12 @@ def test_static_generate_refuses_what_it_cannot_do():
         model.generate(prompt, 2, decode="static")
 
 
+def test_an_empty_prompt_is_refused_by_name():
+    """The first new token is sampled from the last prompt token's logits: there must be one."""
+    with pytest.raises(ValueError, match=r"prompt must hold at least one token per row .* got shape \(2, 0\)"):
+        _model("swa").generate(torch.zeros(2, 0, dtype=torch.long), 3)
+
+
 def test_graph_generate_needs_cuda():
     prompt = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="decode='graph' .* CUDA device, got cpu; use decode='compiled'"):
