@@ -6,8 +6,9 @@ EMA k-means, like BatchNorm's running statistics: every ``forward`` in training 
 it in place (after the attention has used the old codebook), and codes whose EMA count falls
 below ``dead_threshold`` are revived with random keys of the batch. ``eval()`` freezes it.
 The update is part of the forward, so it runs under ``torch.compile(fullgraph=True)`` too
-(dynamo functionalizes the buffer mutation). Under data parallelism each rank updates its
-own copy from its own batch (no all-reduce of the EMA statistics). The training state (the EMA counts
+(dynamo functionalizes the buffer mutation). Under data parallelism (``torchrun``, DDP) the update
+sums its statistics over the ranks first (:attr:`VQCodebook.sync_ranks`): the ranks keep one codebook,
+the global batch's, where each had drifted to its own. The training state (the EMA counts
 and sums, the idle-step counts) stays fp32 when the model is cast to bf16 or fp16 (``model.to(torch.bfloat16)``),
 as BatchNorm's statistics would not: a 0.99 decay in bf16 rounds most updates away (after 400 updates a bf16
 layer's codebook had drifted 5% from the same updates in fp32), and a bf16 count stops at 256 steps. Since the
@@ -28,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -50,6 +52,10 @@ class VQCodebook(nn.Module):
 
     #: buffers that accumulate over training steps: never narrower than fp32 (:meth:`_apply`)
     accumulators = ("ema_counts", "ema_sums", "idle_steps")
+    #: in a data-parallel run (a ``torch.distributed`` group of several ranks) each training step's update reads
+    #: the statistics of every rank's keys, summed with one all-reduce, so the ranks keep one codebook, the one
+    #: a single process would learn from the global batch; False: each rank updates its own from its own batch
+    sync_ranks: bool = True
 
     def __init__(self, num_heads: int, codebook_size: int, head_dim: int, *, estimator: str = "ste",
                  ema_decay: float = 0.99, dead_threshold: float = 0.01, penalty_rate: float = 0.0025,
@@ -101,20 +107,47 @@ class VQCodebook(nn.Module):
         """One training step's codebook update from the keys ``k`` ``[B, H, T, D]`` (the op's compute dtype) and
         their ``codes`` ``[B, H, T]``: EMA k-means (``ste``) on the fp32 unit keys the codes were assigned on
         (:func:`~recurrences.precision.routing_keys`: the same bits with autocast on or off, on any device),
-        or the idle-step counts of the no-use penalty (``diveq``)."""
-        if not codes.numel():  # no keys (an empty batch): nothing observed, the state stays as it is
-            return
+        or the idle-step counts of the no-use penalty (``diveq``). A step without keys changes nothing.
+        Data parallel (:attr:`sync_ranks`), from the statistics of every rank's keys: every rank calls it."""
+        reduce = sum_over_ranks if self.sync_ranks and data_parallel() else None
         with torch.no_grad():
             if self.estimator == "ste":
                 ema_update_(self.codebook, self.ema_counts, self.ema_sums, routing_keys(k), codes,
-                            decay=self.ema_decay, dead_threshold=self.dead_threshold)
+                            decay=self.ema_decay, dead_threshold=self.dead_threshold, reduce=reduce)
             else:
-                used = code_histogram(codes, self.idle_steps.shape[1]) > 0  # [H, N]
-                self.idle_steps.copy_(torch.where(used, torch.zeros_like(self.idle_steps), self.idle_steps + 1))
+                hist = code_histogram(codes, self.idle_steps.shape[1])  # [H, N]
+                if reduce is not None:
+                    hist = reduce(hist)
+                seen = hist.sum(-1, keepdim=True) > 0  # a step without keys is no idle step
+                self.idle_steps.copy_(torch.where(hist > 0, torch.zeros_like(self.idle_steps),
+                                                  self.idle_steps + seen.to(self.idle_steps.dtype)))
 
     def extra_repr(self) -> str:
         H, N, D = self.codebook.shape
         return f"heads={H}, codebook_size={N}, head_dim={D}, estimator={self.estimator!r}"
+
+
+def data_parallel() -> bool:
+    """Whether this process is one rank of several (an initialized default ``torch.distributed`` group)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def sum_over_ranks(x: Tensor) -> Tensor:
+    """``x`` summed over the ranks of the default process group (one all-reduce). An opaque op, so a
+    compiled training step runs it as the eager one does."""
+    return _sum_over_ranks(x)
+
+
+@torch.library.custom_op("ovqflex::vq_sum_over_ranks", mutates_args=())
+def _sum_over_ranks(x: Tensor) -> Tensor:
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+@_sum_over_ranks.register_fake
+def _(x):
+    return torch.empty_like(x)
 
 
 def training_snapshot(codebook: Tensor, code_bias: Tensor | None, layer: str) -> tuple[Tensor, Tensor | None]:

@@ -15,12 +15,15 @@ smallest Euclidean distance), computed in fp32 without grad. Then:
 - ``commitment_loss``: ``mean ||k - sg(C[z])||²`` (VQ-VAE / Transformer-VQ).
 - ``ema_update_``: in-place EMA k-means step on the buffers (``decay``), then every code whose
   EMA count fell below ``dead_threshold`` is revived: replaced by a randomly drawn key of the
-  current batch (the usual dead-code remedy), its EMA count reset to 1.
+  current batch (the usual dead-code remedy), its EMA count reset to 1. Under data parallelism
+  its statistics are summed over the ranks first (``reduce``): one step, the global batch's.
 
 No host syncs and no data-dependent Python control flow: everything traces under
 ``torch.compile(fullgraph=True)``.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +108,7 @@ def codebook_metrics(kn: Tensor, codebook: Tensor, codes: Tensor) -> dict[str, T
 
 
 def ema_update_(codebook: Tensor, ema_counts: Tensor, ema_sums: Tensor, kn: Tensor, codes: Tensor, *,
-                decay: float, dead_threshold: float) -> Tensor:
+                decay: float, dead_threshold: float, reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """One EMA k-means step, in place on the buffers; returns the revived mask ``[H, N]``.
 
     codebook ``[H, N, D]`` unit rows, ema_counts ``[H, N]``, ema_sums ``[H, N, D]`` (fp32),
@@ -114,23 +117,36 @@ def ema_update_(codebook: Tensor, ema_counts: Tensor, ema_sums: Tensor, kn: Tens
     ``counts ← decay·counts + (1-decay)·n``, ``sums ← decay·sums + (1-decay)·Σ k``,
     ``C ← normalize(sums / counts)`` (the direction of the EMA mean of the assigned keys).
     Codes with ``counts < dead_threshold`` are revived: ``C ← k`` for a uniformly drawn key
-    ``k`` of this batch (global RNG), ``counts ← 1``, ``sums ← k``. Autocast is off: CUDA's would normalize the
-    rows of a bf16 codebook in fp32, the same update with autocast on or off giving other bits.
-    """
+    ``k`` of this batch (global RNG), ``counts ← 1``, ``sums ← k``. A step without keys (``B·T = 0``)
+    leaves the state as it was. Autocast is off: CUDA's would normalize the rows of a bf16 codebook in
+    fp32, the same update with autocast on or off giving other bits.
+
+    ``reduce`` (data parallelism): sums a tensor over the ranks. The counts and key sums are then the
+    global batch's, every rank takes the same step, and a revived code takes the mean of the keys the
+    ranks drew (one rank's key alone; ranks without keys draw none)."""
     with torch.no_grad(), no_autocast(kn):
         B, H, T, D = kn.shape
         N = codebook.shape[1]
-        k32 = kn.detach().float()
+        flat_k = kn.detach().float().permute(1, 0, 2, 3).reshape(H, B * T, D)
         n = code_histogram(codes, N)  # [H, N]
         flat_codes = codes.permute(1, 0, 2).reshape(H, B * T)
-        flat_k = k32.permute(1, 0, 2, 3).reshape(H, B * T, D)
         s = torch.zeros(H, N, D, device=kn.device).scatter_add(1, flat_codes[..., None].expand(H, B * T, D), flat_k)
-        ema_counts.mul_(decay).add_(n, alpha=1 - decay)
-        ema_sums.mul_(decay).add_(s, alpha=1 - decay)
-        dead = ema_counts < dead_threshold  # [H, N]
-        pick = torch.randint(0, B * T, (H, N), device=kn.device)
-        sample = flat_k.gather(1, pick[..., None].expand(H, N, D))  # [H, N, D]
+        if B * T:
+            pick = torch.randint(0, B * T, (H, N), device=kn.device)
+            sample = flat_k.gather(1, pick[..., None].expand(H, N, D))  # [H, N, D]
+        else:
+            sample = flat_k.new_zeros(H, N, D)
+        drew = torch.full((H, N, 1), float(B * T > 0), device=kn.device)  # whether a key was drawn
+        if reduce is not None:
+            n, s, sample, drew = reduce(torch.cat([n[..., None], s, sample, drew], -1)).split([1, D, D, 1], -1)
+            n, sample = n[..., 0], sample / drew.clamp_min(1.0)
+        seen = drew[..., 0] > 0  # [H, N]: keys this step (the same everywhere)
+        keep = torch.full_like(ema_counts, decay).masked_fill_(~seen, 1.0)  # no keys: 1 (and n = 0, s = 0)
+        ema_counts.mul_(keep).add_(n, alpha=1 - decay)
+        ema_sums.mul_(keep[..., None]).add_(s, alpha=1 - decay)
+        dead = (ema_counts < dead_threshold) & seen  # [H, N]
         ema_sums.copy_(torch.where(dead[..., None], sample, ema_sums))
         ema_counts.copy_(torch.where(dead, torch.ones_like(ema_counts), ema_counts))
-        codebook.copy_(F.normalize(ema_sums / ema_counts[..., None].clamp_min(1e-12), dim=-1).to(codebook.dtype))
+        means = F.normalize(ema_sums / ema_counts[..., None].clamp_min(1e-12), dim=-1).to(codebook.dtype)
+        codebook.copy_(torch.where(seen[..., None], means, codebook))
         return dead

@@ -1,6 +1,7 @@
 """VQAttention layer: codebook training (EMA, DiVeQ), compilation, the aux loss in HybridLM
 (the op: tests/ovqflex/ops/test_vq.py)."""
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,32 @@ def test_ema_codebook_update_is_the_same_with_cudas_autocast_or_without():
         assert buffers.pop("moved"), f"{name}: the training forward left the codebook as it was"
         assert set(buffers) == {"codebook", "ema_counts", "ema_sums"}
         assert all(buffers.values()), f"{name}: buffers that differ with and without autocast: {buffers}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_data_parallel_ranks_keep_the_codebook_one_process_learns_from_the_whole_batch(tmp_path, compiled):
+    """Two gloo ranks train VQ layers on halves of each batch (``vq_data_parallel.py``): after 3 steps both
+    ranks hold the same codebook state bit for bit, the one a single process reaches on the whole batch (up
+    to the order of the fp32 sums): EMA counts and sums, DiVeQ's idle-step counts. With every code revived at
+    every step the ranks still agree (the mean of the keys they drew; one process draws from the whole batch,
+    so it differs there). Each rank had updated its own copy from its own half: the ranks' codebooks had
+    drifted apart (0.07 from the single process's after 3 steps) and a torchrun training of a ``swa,vq`` model
+    lost the single process's loss from its second step."""
+    done = subprocess.run([sys.executable, "-m", "tests.ovqflex.layers.vq_data_parallel", str(_free_port()),
+                           str(tmp_path), *(["--compile"] if compiled else [])],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(report) == {"ste", "diveq", "ste-revive"}
+    for case, tensors in report.items():
+        assert set(tensors) == ({"codebook", "idle_steps"} if case == "diveq" else {"codebook", "ema_counts", "ema_sums"})
+        for name, r in tensors.items():
+            assert r["ranks_equal"], f"{case}: the ranks' {name} differ"
+            if case != "ste-revive":
+                assert r["from_one"] <= 1e-6, f"{case}: {name} is {r['from_one']:.2e} from the single process's"
