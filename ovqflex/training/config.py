@@ -6,6 +6,7 @@ new flag."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from recurrences.checks import check_choice, check_int, check_number, from_dict
@@ -70,8 +71,8 @@ class TrainConfig:
             check_int(name, getattr(self, name), minimum=0)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         for name in ("beta1", "beta2"):

@@ -85,10 +85,17 @@ def build_task(cfg: TrainConfig) -> Task:
 
 
 def model_config(cfg: TrainConfig, task: Task) -> HybridConfig:
+    """The preset with ``model_options``, the ``pattern`` and the task's vocabulary on top. A model option that
+    contradicts the other two is refused by name (the other had silently won)."""
     overrides = dict(cfg.model_options)
-    if cfg.pattern is not None:
-        overrides["pattern"] = cfg.pattern
-    overrides["vocab_size"] = task.vocab_size
+    for key, value, source in (("pattern", cfg.pattern, "--pattern"),
+                               ("vocab_size", task.vocab_size, f"task {cfg.task!r} (--task-opt vocab_size=N)")):
+        if value is None:
+            continue
+        if key in overrides and overrides[key] != value:
+            raise ValueError(f"model_options sets {key}={overrides[key]!r}, but {source} makes it {value!r}: "
+                             f"set it in one place")
+        overrides[key] = value
     return preset(cfg.preset, **overrides)
 
 

@@ -45,7 +45,7 @@ def test_model_spec_validation(kwargs, match):
     (dict(train_options={"steps": 5}), r"must not set \['steps'\]"),
     (dict(train_options={"seed": 5}), r"must not set \['seed'\]"),
     (dict(train_options={"stepz": 5}), r"TrainConfig fields\): unknown key 'stepz' \(did you mean 'steps'\?\)"),
-    (dict(train_options={"grad_clip": -1.0}), "grad_clip must be a number >= 0"),
+    (dict(train_options={"grad_clip": -1.0}), "grad_clip must be a finite number >= 0"),
     (dict(eval_examples=0), "eval_examples must be an int >= 1"),
     (dict(steps=0), "steps must be >= 1"),
 ], ids=["preset", "order", "empty", "steps", "seed", "unknown", "grad-clip", "examples", "zero-steps"])

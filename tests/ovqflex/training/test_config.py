@@ -48,3 +48,13 @@ def test_from_dict_refuses_what_it_would_have_dropped(change, error, match):
     """from_dict used to drop unknown keys silently: a misspelt key in a saved config is now named."""
     with pytest.raises(error, match=match):
         TrainConfig.from_dict({**TrainConfig().to_dict(), **change})
+
+
+@pytest.mark.parametrize("field, value", [("lr", float("inf")), ("lr", float("nan")), ("min_lr", -1e-5),
+                                          ("grad_clip", float("inf")), ("weight_decay", float("nan"))],
+                         ids=["lr-inf", "lr-nan", "min_lr-negative", "grad_clip-inf", "weight_decay-nan"])
+def test_optimizer_numbers_must_be_finite(field, value):
+    """``--lr inf`` had been accepted (the run diverged at its first logged step), ``--lr nan`` refused by
+    torch's optimizer only, in its own words."""
+    with pytest.raises(ValueError, match=f"{field} must be a finite number >= 0, got {value!r}"):
+        TrainConfig(**{field: value})

@@ -5,7 +5,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 from ovqflex.models import HybridLM, preset
-from ovqflex.training.setup import BF16_CPU_SIMD_BITS, bf16_cpu_codegen
+from ovqflex.training import TrainConfig
+from ovqflex.training.setup import BF16_CPU_SIMD_BITS, bf16_cpu_codegen, build_task, model_config
 from tests.helpers import assert_finite_grads_close
 
 CPU = torch.device("cpu")
@@ -48,3 +49,19 @@ def test_a_compiled_bf16_deltanet_layer_has_the_eager_gradients_inside_the_conte
     want = grads(layer)
     names = ["x", *(n for n, p in layer.named_parameters() if p.requires_grad)]
     assert_finite_grads_close(got, want, names, torch.bfloat16)
+
+
+@pytest.mark.parametrize("change, agreeing, match", [
+    (dict(pattern="swa,ovq", model_options={"pattern": "vq"}), dict(pattern="swa,ovq", model_options={"pattern": "swa,ovq"}),
+     "model_options sets pattern='vq', but --pattern makes it 'swa,ovq': set it in one place"),
+    (dict(model_options={"vocab_size": 100}), dict(model_options={"vocab_size": 256}),
+     r"model_options sets vocab_size=100, but task 'icr' \(--task-opt vocab_size=N\) makes it 256"),
+], ids=["pattern", "vocab_size"])
+def test_a_model_option_that_contradicts_the_pattern_or_the_task_is_refused(change, agreeing, match):
+    """The pattern flag and the task's vocabulary had silently won over a contradicting model option; the
+    same value given twice is no contradiction."""
+    cfg = TrainConfig(**change)
+    with pytest.raises(ValueError, match=match):
+        model_config(cfg, build_task(cfg))
+    cfg = TrainConfig(**agreeing)
+    assert model_config(cfg, build_task(cfg)) == model_config(TrainConfig(pattern=cfg.pattern), build_task(cfg))
