@@ -250,7 +250,8 @@ def test_data_parallel_ranks_keep_the_codebook_one_process_learns_from_the_whole
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(report) == {"ste", "diveq", "ste-revive"}
     for case, tensors in report.items():
-        assert set(tensors) == ({"codebook", "idle_steps"} if case == "diveq" else {"codebook", "ema_counts", "ema_sums"})
+        state = {"codebook", "idle_steps"} if case == "diveq" else {"codebook", "ema_counts", "ema_sums"}
+        assert set(tensors) == state
         for name, r in tensors.items():
             assert r["ranks_equal"], f"{case}: the ranks' {name} differ"
             if case != "ste-revive":

@@ -124,10 +124,11 @@ def test_no_tokens_leave_the_state_as_it_was(name):
     _, state = OPS[name](*[a[:, :, :20] for a in args], output_final_state=True, **kw)
     out, after = OPS[name](*none, initial_state=state, output_final_state=True, **kw)
     assert out.shape == (2, 2, 0, 6)
-    for was, now in zip(state if isinstance(state, tuple) else (state,), after if isinstance(after, tuple) else (after,)):
+    as_tuple = (lambda s: s if isinstance(s, tuple) else (s,))
+    for was, now in zip(as_tuple(state), as_tuple(after)):
         assert torch.equal(torch.as_tensor(now), torch.as_tensor(was))
     _, start = OPS[name](*none, output_final_state=True, **kw)
-    start = start if isinstance(start, tuple) else (start,)
+    start = as_tuple(start)
     assert all(not x.any() for x in start if isinstance(x, torch.Tensor) and x is not getattr(start, "A", None))
     if name == "vla":
         assert torch.equal(start.A, torch.eye(6).expand(2, 2, 6, 6) / 0.1) and start.position == 0

@@ -52,7 +52,8 @@ def test_a_compiled_bf16_deltanet_layer_has_the_eager_gradients_inside_the_conte
 
 
 @pytest.mark.parametrize("change, agreeing, match", [
-    (dict(pattern="swa,ovq", model_options={"pattern": "vq"}), dict(pattern="swa,ovq", model_options={"pattern": "swa,ovq"}),
+    (dict(pattern="swa,ovq", model_options={"pattern": "vq"}),
+     dict(pattern="swa,ovq", model_options={"pattern": "swa,ovq"}),
      "model_options sets pattern='vq', but --pattern makes it 'swa,ovq': set it in one place"),
     (dict(model_options={"vocab_size": 100}), dict(model_options={"vocab_size": 256}),
      r"model_options sets vocab_size=100, but task 'icr' \(--task-opt vocab_size=N\) makes it 256"),
