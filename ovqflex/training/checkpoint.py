@@ -101,18 +101,34 @@ def _fault_point(step: int) -> None:
         raise ValueError(f"{FAULT_ENV} must be pause=SECONDS or kill=STEP, got {spec!r}")
 
 
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def rng_state() -> dict:
-    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-            "python": repr(random.getstate())}
+    """The random generators a resume must continue: torch's CPU generator, Python's, and, once CUDA is in
+    use, each CUDA device's (a VQ codebook's revival draws run on the device: a resume that reseeded it
+    would repeat the first steps' draws)."""
+    state = {"torch": _encode(torch.get_rng_state()), "python": repr(random.getstate())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_encode(s) for s in torch.cuda.get_rng_state_all()]
+    return state
 
 
 def set_rng_state(state: dict) -> None:
-    raw = base64.b64decode(state["torch"])
-    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    """Restore :func:`rng_state`'s generators (the CUDA devices that both machines have)."""
+    torch.set_rng_state(_decode(state["torch"]))
     import ast
 
     version, internal, gauss = ast.literal_eval(state["python"])
     random.setstate((version, tuple(internal), gauss))
+    if state.get("cuda") and torch.cuda.is_available():
+        for device, text in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_decode(text), device)
 
 
 def _optimizer_split(opt_state: dict) -> tuple[dict[str, torch.Tensor], dict]:

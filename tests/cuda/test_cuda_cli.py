@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ovqflex.devices import to_device
+from ovqflex.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from tests.cuda.cuda_cases import CUDA_TIER, DEVICE
 from tests.ovqflex.training.test_trainer import _cli, metrics
 
@@ -58,3 +59,34 @@ def test_batches_go_to_the_device_without_a_stream_sync():
             torch.cuda.set_sync_debug_mode("default")
     assert gx.device.type == gy.device.type == DEVICE.type
     assert torch.equal(gx.cpu(), x) and torch.equal(gy.cpu(), y)
+
+
+def test_a_resumed_vq_run_continues_the_devices_random_draws(tmp_path):
+    """A ``swa,vq`` run whose codebook revives codes at every step (``dead_threshold`` above the counts of
+    unused codes) draws their new keys with the device's generator: 4 steps, a checkpoint, a resume of 4 more
+    give the uninterrupted run's losses and codebook. The checkpoints kept torch's CPU generator only, so a
+    resume on CUDA drew the first steps' keys again. (Eager: a compiled step's random numbers come from the
+    same generator, through the seeds inductor draws from it.)"""
+    common = ["train", "--device", DEVICE.type, "--dtype", "fp32", "--task", "icr", "--task-opt", "key_len=1",
+              "--task-opt", "value_len=1", "--pattern", "swa,vq", "--seq-len", "64", "--batch-size", "8",
+              "--steps", "8", "--warmup", "2", "--log-every", "1", "--no-progress", "--no-compile",
+              "--model-opt=d_model=32", "--model-opt=window=16", "--model-opt=chunk_size=16",
+              "--model-opt=block_size=16", "--model-opt=vq.dead_threshold=0.999", "--model-opt=vq.codebook_size=64"]
+    _cli([*common, "--out", str(tmp_path / "one")])
+    _cli([*common, "--out", str(tmp_path / "two"), "--stop-after", "4"])
+    _cli([*common, "--out", str(tmp_path / "two"), "--resume"])
+    assert [r["loss"] for r in metrics(tmp_path / "two")] == [r["loss"] for r in metrics(tmp_path / "one")]
+    one, two = (load_checkpoint(latest_checkpoint(tmp_path / run)).model for run in ("one", "two"))
+    codebooks = [name for name in one if name.endswith("quantizer.codebook")]
+    assert codebooks and all(torch.equal(one[name], two[name]) for name in codebooks)
+
+
+def test_a_checkpoint_restores_the_devices_generator(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    torch.manual_seed(5)
+    torch.rand(3, device=DEVICE)  # the device's generator in use, past its seed
+    path = save_checkpoint(tmp_path, 1, model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    want = torch.rand(4, device=DEVICE)
+    torch.manual_seed(0)
+    set_rng_state(load_checkpoint(path).state["rng"])
+    assert torch.equal(torch.rand(4, device=DEVICE), want)
