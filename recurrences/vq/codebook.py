@@ -131,12 +131,12 @@ def ema_update_(codebook: Tensor, ema_counts: Tensor, ema_sums: Tensor, kn: Tens
         n = code_histogram(codes, N)  # [H, N]
         flat_codes = codes.permute(1, 0, 2).reshape(H, B * T)
         s = torch.zeros(H, N, D, device=kn.device).scatter_add(1, flat_codes[..., None].expand(H, B * T, D), flat_k)
-        if B * T:
+        if B * T:  # (the flag a constant in each branch: a compiled step keeps T symbolic)
             pick = torch.randint(0, B * T, (H, N), device=kn.device)
-            sample = flat_k.gather(1, pick[..., None].expand(H, N, D))  # [H, N, D]
+            sample, drew = flat_k.gather(1, pick[..., None].expand(H, N, D)), 1.0  # [H, N, D]
         else:
-            sample = flat_k.new_zeros(H, N, D)
-        drew = torch.full((H, N, 1), float(B * T > 0), device=kn.device)  # whether a key was drawn
+            sample, drew = flat_k.new_zeros(H, N, D), 0.0
+        drew = torch.full((H, N, 1), drew, device=kn.device)  # whether a key was drawn
         if reduce is not None:
             n, s, sample, drew = reduce(torch.cat([n[..., None], s, sample, drew], -1)).split([1, D, D, 1], -1)
             n, sample = n[..., 0], sample / drew.clamp_min(1.0)
