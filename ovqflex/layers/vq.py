@@ -55,6 +55,7 @@ class VQCodebook(nn.Module):
     #: in a data-parallel run (a ``torch.distributed`` group of several ranks) each training step's update reads
     #: the statistics of every rank's keys, summed with one all-reduce, so the ranks keep one codebook, the one
     #: a single process would learn from the global batch; False: each rank updates its own from its own batch
+    #: (for groups whose ranks see the same data, e.g. tensor parallelism, where the sums would count it twice)
     sync_ranks: bool = True
 
     def __init__(self, num_heads: int, codebook_size: int, head_dim: int, *, estimator: str = "ste",
