@@ -92,7 +92,7 @@ class VizConfig(VizShape):
                 "drawn batch, head": f"{self.batch_index}, {self.head}", "options": self.options or "defaults"}
         return VizOptions(views=self.views, formats=self.formats, batch=self.batch_index, head=self.head,
                           queries=self.queries, max_token_cells=self.max_token_cells,
-                          chunk=self.chunk or getattr(layer, "chunk_size", None),
+                          chunk=getattr(layer, "chunk_size", None) if self.chunk is None else self.chunk,
                           title=f"{self.method}, T={self.seq_len}", meta=meta, temperatures=temperatures,
                           term_width=self.term_width, term_height=self.term_height, color=self.color)
 

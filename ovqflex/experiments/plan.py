@@ -23,9 +23,8 @@ from ..models import HybridConfig, HybridLM
 from ..models.config import merge_config
 from ..tasks import Task, make_task
 from ..training.config import TrainConfig
-from ..training.evaluate import check_lengths
 from ..training.schedule import length_warmup_text
-from ..training.setup import model_config
+from ..training.setup import check_lengths, model_config
 from .spec import EvalSetting, Experiment, ModelSpec, Scale
 
 BASE_VARIANT = "base"

@@ -48,7 +48,8 @@ class Text(Task):
         if self.vocab_size is not None:
             check_fields(self, {"vocab_size": 1})
         if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"text task: no such file: {self.path!r} (expected a text/byte file, "
+            what = "a directory, not a file" if os.path.isdir(self.path) else "no such file"
+            raise FileNotFoundError(f"text task: {self.path!r} is {what} (expected a text/byte file, "
                                     f"or a .bin/.u16 file of little-endian uint16 tokens)")
         size = os.path.getsize(self.path)
         if size == 0:
@@ -96,7 +97,8 @@ class Text(Task):
     def _example(self, seq_len: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
         n = self.n_tokens()
         if n < seq_len + 1:
-            raise ValueError(f"text task: file {self.path!r} holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+            raise ValueError(f"text task: file {self.path!r} holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}: "
+                             f"use a longer file or a shorter length")
         import numpy as np
 
         s = int(torch.randint(0, n - seq_len, (1,), generator=gen))

@@ -21,7 +21,7 @@ from ..devices import resolve_device, to_device
 from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from .setup import build_task, model_from_checkpoint, train_config_of
+from .setup import build_task, check_lengths, model_from_checkpoint, train_config_of
 from .trainer import forward_loss
 
 EVAL_SEED_OFFSET = 1_000_003  # eval examples: seed + offset, so never a training example
@@ -53,19 +53,6 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
     model = model_from_checkpoint(ckpt, cfg, task).to(dev)
     model.eval()
     return cfg, task, model, ckpt.step
-
-
-def check_lengths(task, lengths: list[int], what: str = "eval length") -> None:
-    """Refuse, before any model work, a length the task cannot generate: below its
-    ``min_len()``, or too long for its vocabulary (e.g. more distinct keys than exist)."""
-    for length in lengths:
-        if length < task.min_len():
-            raise ValueError(f"{what} {length} is too short for task {task.name!r} (needs >= {task.min_len()})")
-        try:
-            task.example(length, torch.Generator().manual_seed(0))
-        except ValueError as e:
-            raise ValueError(f"{what} {length} is too long for task {task.name!r} ({task.describe()}): {e}; "
-                             f"use shorter lengths or a larger vocab_size") from None
 
 
 def check_counts(n_examples: object, batch_size: object) -> None:

@@ -34,7 +34,8 @@ from ..layers.plain import _PlainAttention
 from ..ops.plain import plain_regions
 from ..tasks import IGNORE
 from ..tasks.recall import ASSIGN, ICR
-from .evaluate import check_counts, check_lengths, eval_batches, load_run
+from .evaluate import check_counts, eval_batches, load_run
+from .setup import check_lengths
 from .trainer import forward_loss
 
 

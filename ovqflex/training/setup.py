@@ -74,13 +74,26 @@ def task_options(cfg: TrainConfig) -> dict:
     return options
 
 
+def check_lengths(task, lengths: list[int], what: str = "eval length") -> None:
+    """Refuse, before any model work, a length the task cannot generate: below its
+    ``min_len()``, or too long for its vocabulary or data (e.g. more distinct keys than exist). The
+    example drawn is the evaluated task's (:meth:`Task.evaluation`): a training mix's options only
+    ever make an example smaller, so a length it makes is one every draw can make."""
+    full = task.evaluation()
+    for length in lengths:
+        if length < task.min_len():
+            raise ValueError(f"{what} {length} is too short for task {task.name!r} (needs >= {task.min_len()})")
+        try:
+            full.example(length, torch.Generator().manual_seed(0))
+        except ValueError as e:
+            raise ValueError(f"{what} {length} is too long for task {task.name!r} ({task.describe()}): {e}") from None
+
+
 def build_task(cfg: TrainConfig) -> Task:
+    """The task of ``cfg``, refused (before anything is written) when it cannot make an example at each
+    training length: the length warm-up's and ``seq_len``."""
     task = make_task(cfg.task, **task_options(cfg))
-    if cfg.seq_len < task.min_len():
-        raise ValueError(f"seq_len={cfg.seq_len} is too short for task {cfg.task!r}: it needs >= {task.min_len()}")
-    if cfg.length_warmup and cfg.length_warmup[0] < task.min_len():
-        raise ValueError(f"length_warmup={cfg.length_warmup} starts too short for task {cfg.task!r}: its lengths "
-                         f"must be >= {task.min_len()}")
+    check_lengths(task, [*cfg.length_warmup, cfg.seq_len], "training length")
     return task
 
 

@@ -56,8 +56,9 @@ def test_cli_viz_writes_every_format(tmp_path, capsys):
 @pytest.mark.parametrize("argv, match", [(["viz", "kvm2"], "method must be one of"),
                                          (["viz", "swa", "--opt", "windw=3"], "bad option for method 'swa'"),
                                          (["viz", "swa", "--seq-len", "0"], "seq_len must be >= 1"),
-                                         (["viz", "swa", "--seq-len", "64", "--query", "64"], "queries must be < q_len=64")],
-                         ids=["method", "option", "seq-len", "query"])
+                                         (["viz", "swa", "--seq-len", "64", "--query", "64"], "queries must be < q_len=64"),
+                                         (["viz", "ovq", "--seq-len", "64", "--chunk", "0"], "chunk must be >= 1, got 0")],
+                         ids=["method", "option", "seq-len", "query", "chunk-zero"])
 def test_cli_viz_bad_arguments(tmp_path, capsys, argv, match):
     assert main([*argv, "--out", str(tmp_path), "--format", "term"]) == 2
     assert match in capsys.readouterr().err

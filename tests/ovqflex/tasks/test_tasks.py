@@ -607,8 +607,10 @@ def test_text_u16_tokens(tmp_path, suffix):
 
 
 def test_text_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
+    with pytest.raises(FileNotFoundError, match="missing.txt' is no such file"):
         make_task("text", path=str(tmp_path / "missing.txt"))
+    with pytest.raises(FileNotFoundError, match="is a directory, not a file"):
+        make_task("text", path=str(tmp_path))
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match="empty.txt.*empty"):
         make_task("text", path=str(tmp_path / "empty.txt"))
@@ -627,6 +629,8 @@ def test_text_errors(tmp_path):
         make_task("text", path=str(tmp_path / "a.txt"), format="utf8")
     with pytest.raises(ValueError, match="seq_len"):
         one(make_task("text", path=str(tmp_path / "a.txt")), 0)
+    with pytest.raises(ValueError, match="a.txt' holds 4 tokens, fewer than seq_len . 1 = 5: use a longer file"):
+        one(make_task("text", path=str(tmp_path / "a.txt")), 4)
 
 
 # ----------------------------------------------------------------------------- distinct rows helper

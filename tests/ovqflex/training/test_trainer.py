@@ -195,9 +195,21 @@ def test_compiled_training_warns_of_graph_breaks_and_recompiles_as_they_happen(t
     assert result.compiled == summary
 
 
-def test_a_warmup_length_too_short_for_the_task_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"length_warmup=\(32,\) starts too short for task 'icr': .* >= 47"):
-        train(cfg(tmp_path, seq_len=128, length_warmup=(32,), length_warmup_steps=3))
+@pytest.mark.parametrize("options, message", [
+    pytest.param(dict(seq_len=128, length_warmup=(32,), length_warmup_steps=3),
+                 "training length 32 is too short for task 'icr' (needs >= 47)", id="warmup-too-short"),
+    pytest.param(dict(seq_len=32), "training length 32 is too short for task 'icr' (needs >= 47)", id="too-short"),
+    pytest.param(dict(seq_len=512), "training length 512 is too long for task 'icr' (", id="more-keys-than-vocab"),
+    pytest.param(dict(task="text", task_options={}, data="SHORT", seq_len=64),
+                 "training length 64 is too long for task 'text' (", id="text-file-too-short"),
+])
+def test_a_training_length_the_task_cannot_make_is_refused_before_the_run_is_written(tmp_path, options, message):
+    if options.get("data") == "SHORT":
+        (tmp_path / "short.txt").write_text("too short for one example")
+        options = {**options, "data": str(tmp_path / "short.txt")}
+    with pytest.raises(ValueError) as refused:
+        train(cfg(tmp_path, **options))
+    assert str(refused.value).startswith(message), refused.value
     assert not (tmp_path / "run").exists()
 
 
