@@ -155,6 +155,16 @@ def _check_resumable(cfg: TrainConfig, saved: dict, path: Path) -> None:
                               f"--steps {cfg.steps} (raise --steps to train further)")
 
 
+def _schedule_change(saved: TrainConfig, cfg: TrainConfig, start: int) -> str:
+    """What resuming a run of ``saved.steps`` steps as one of ``cfg.steps`` does to its learning rate:
+    the remaining steps follow the new run's cosine decay, not the old one's."""
+    def at(steps: int) -> float:
+        return lr_at(start, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=steps)
+    return (f"the run was one of {saved.steps:,} steps and now is one of {cfg.steps:,} (--steps): its learning "
+            f"rate from step {start:,} on follows the {cfg.steps:,}-step schedule, {at(cfg.steps):.3g} at step "
+            f"{start + 1:,} where the {saved.steps:,}-step one gave {at(saved.steps):.3g}")
+
+
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """Drop metric lines past the checkpoint the run starts from (``0``: a fresh start), written
     by a run that died."""
@@ -261,7 +271,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
                          f"or choose another --out")
     ckpt = None if ckpt_path is None else load_checkpoint(ckpt_path, map_location=device)
     if ckpt is not None:
-        _check_resumable(cfg, {**train_config_of(ckpt).to_dict(), "_step": ckpt.step}, ckpt_path)
+        saved = train_config_of(ckpt)
+        _check_resumable(cfg, {**saved.to_dict(), "_step": ckpt.step}, ckpt_path)
     model = (build_model(cfg, task) if ckpt is None else model_from_checkpoint(ckpt, cfg, task)).to(device)
     optimizer = build_optimizer(model, cfg)
     start = 0
@@ -280,6 +291,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
         write_atomic(out / CONFIG_FILE, json.dumps(doc, indent=1))
         print(f"training {out} from step {start}" + (f", resumed from {ckpt_path}" if ckpt else ""),
               file=sys.stderr, flush=True)
+        if ckpt is not None and saved.steps != cfg.steps:
+            print(f"warning: {_schedule_change(saved, cfg, start)}", file=sys.stderr, flush=True)
     barrier(info)
 
     # one graph per batch shape (a length warm-up's few, then seq_len's), none symbolic in the length

@@ -109,6 +109,25 @@ def test_resume_inside_a_length_warmup_is_exact(tmp_path):
         train(TrainConfig(**{**straight.to_dict(), "steps": 8, "length_warmup_steps": 4}), resume=True)
 
 
+def test_resuming_with_more_steps_says_the_learning_rate_follows_the_longer_schedule(tmp_path, capsys):
+    """Raising --steps on a resume is how a finished run trains further; its cosine decay is then the
+    longer run's, so the learning rate rises from the old run's end: the resume says so, with the rate
+    the next step uses (as its metrics line logs it) and the one the old schedule gave."""
+    c = cfg(tmp_path, steps=4, warmup=1, min_lr=1e-5)
+    train(c)
+    capsys.readouterr()
+    train(TrainConfig(**{**c.to_dict(), "steps": 8}), resume=True)
+    err = capsys.readouterr().err
+    used = metrics(Path(c.out))[4]
+    assert used["step"] == 5 and used["lr"] > 1e-3
+    assert (f"warning: the run was one of 4 steps and now is one of 8 (--steps): its learning rate from step 4 on "
+            f"follows the 8-step schedule, {used['lr']:.3g} at step 5 where the 4-step one gave 1e-05") in err, err
+    train(TrainConfig(**{**c.to_dict(), "steps": 8, "out": str(tmp_path / "b")}), stop_after=4)
+    capsys.readouterr()
+    train(TrainConfig(**{**c.to_dict(), "steps": 8, "out": str(tmp_path / "b")}), resume=True)
+    assert "warning" not in capsys.readouterr().err  # the same run's schedule: nothing to say
+
+
 def test_stop_after_trains_the_whole_runs_first_steps_and_resume_finishes_it_exactly(tmp_path):
     """``stop_after=4`` of a 6-step run with a 3-step length warm-up: the steps done are the whole
     run's first four (its cosine learning rate, its lengths: not those of a 4-step run), with a
