@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import types
 import typing
 
@@ -162,13 +163,14 @@ def check_finite_args(check_finite: bool | None, **tensors: Tensor | None) -> No
 
 
 def check_number(name: str, value: object, *, minimum: float = 0, strict: bool = True) -> float:
-    """A real number ``> minimum`` (``>= minimum`` with ``strict=False``); bools refused. (``minimum``'s
-    default is the int 0: see :func:`recurrences.compiling.pad_to` on float defaults under
-    ``torch.compile(dynamic=True)``.)"""
+    """A finite real number ``> minimum`` (``>= minimum`` with ``strict=False``); bools, NaN and
+    infinities refused. (``minimum``'s default is the int 0: see :func:`recurrences.compiling.pad_to`
+    on float defaults under ``torch.compile(dynamic=True)``; finiteness is compared, not
+    ``math.isfinite``, for the same reason.)"""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not (value > minimum if strict else value >= minimum) or value != value:
-        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
+    if not (value > minimum if strict else value >= minimum) or not value < math.inf:  # NaN fails both
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {minimum:g}, got {value!r}")
     return float(value)
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import AttentionProgram
-from recurrences.checks import options_of
+from recurrences.checks import check_number, options_of
 from recurrences.kvm import routing_memory_keys
 from recurrences.precision import rounded, to_compute_dtype, widened
 
@@ -64,7 +64,7 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         options = options_of(KVMOptions, options, option_kwargs, "KVM options")
         self.options = replace(options, rope_dims=options.head_rope_dims(self.head_dim))
-        self.rope_base = rope_base
+        self.rope_base = check_number("rope_base", rope_base)
         D = self.head_dim
         self.q_norm, self.k_norm, self.ln_s = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D, eps=options.ln_eps)
         self.gate_proj = nn.Linear(hidden_size, num_heads, bias=False) if use_gate else None

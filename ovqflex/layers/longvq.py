@@ -75,6 +75,7 @@ class LongVQBlock(VQMemory, OptionAttributes, AttentionLayer):
         self.options = options_of(VQOptions, options, option_kwargs, "VQ options")
         check_choice("backend", backend, BACKENDS)
         check_number("ffn_ratio", ffn_ratio)
+        check_number("norm_eps", norm_eps)
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")

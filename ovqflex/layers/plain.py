@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program, scaled_unit_queries, unit_rows
-from recurrences.checks import check_block_size
+from recurrences.checks import check_block_size, check_number
 
 from ..attention import attend
 from ..cache.plain import PlainCache, StaticPlainCache
@@ -35,7 +35,7 @@ class _PlainAttention(MultiHeadProjection):
         super().__init__(hidden_size, num_heads, head_dim, backend, qk_conv)
         if self.head_dim % 2 and rope:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        self.rope, self.rope_base, self.regions = rope, rope_base, regions
+        self.rope, self.rope_base, self.regions = rope, check_number("rope_base", rope_base), regions
         self.block_size = check_block_size("block_size", block_size)
         self.qk_norm = qk_norm
         if qk_norm:

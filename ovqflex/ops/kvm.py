@@ -13,8 +13,8 @@ from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram
 from masks.regions import BlockWindow
-from recurrences.checks import (check_choice, check_chunk, check_companion, check_finite_args, check_int, check_qkv,
-                                check_tensor, options_of)
+from recurrences.checks import (check_choice, check_chunk, check_companion, check_finite_args, check_int, check_number,
+                                check_qkv, check_tensor, options_of)
 from recurrences.kvm import (ROUTING_IMPLS, KVMBudget, KVMSchedule, build_kvm_snapshots, build_kvm_versioned,
                              kvm_state_sizes, memory_keys, route_kvm, routing_memory_keys)
 from recurrences.precision import to_compute_dtype
@@ -88,6 +88,7 @@ class KVMOptions(KVMBudget):
         check_chunk("chunk_size", self.chunk_size)
         check_int("n_bswa_chunks", self.n_bswa_chunks)
         check_int("sink_len", self.sink_len, minimum=0)
+        check_number("ln_eps", self.ln_eps)
         if self.sink_len >= self.chunk_size:
             raise ValueError(f"sink_len must be < chunk_size={self.chunk_size} (the initial state), "
                              f"got {self.sink_len}")

@@ -6,7 +6,6 @@ new flag."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from recurrences.checks import check_choice, check_int, check_number, from_dict
@@ -70,9 +69,7 @@ class TrainConfig:
         for name in ("warmup", "ckpt_every", "keep_checkpoints", "seed", "length_warmup_steps"):
             check_int(name, getattr(self, name), minimum=0)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_number(name, getattr(self, name), strict=False)
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         for name in ("beta1", "beta2"):

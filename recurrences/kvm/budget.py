@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ..checks import check_chunk, check_choice, check_int
+from ..checks import check_chunk, check_choice, check_int, check_number
 from ..compiling import device_constant, is_symbolic, plain_float, plain_int
 
 BUDGETS = ("fixed", "power_law", "saturation")
@@ -48,10 +48,7 @@ class KVMBudget:
         if self.state_min_len is not None:
             check_int("state_min_len", self.state_min_len, minimum=0)
         for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            # compared, not math.isfinite: under torch.compile(dynamic=True) a float option may be symbolic
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_number(name, getattr(self, name), strict=False)
         check_int("round_down", self.round_down)
         check_int("saturation_n", self.saturation_n)
         if self.max_state_chunks is not None:

@@ -160,6 +160,27 @@ def check_finite_input(method: Method) -> None:
     assert_close(step, full, TOL, f"{method.name} decode after a refused step")
 
 
+def float_options(method: Method) -> list[str]:
+    """The method's options whose default is a float (a layer keyword or a field of its options dataclass)."""
+    import dataclasses
+    import inspect
+
+    names = [p.name for p in inspect.signature(method.layer).parameters.values()
+             if p.kind == p.KEYWORD_ONLY and isinstance(p.default, float)]
+    if method.options is not None:
+        names += [f.name for f in dataclasses.fields(method.options) if isinstance(f.default, float)]
+    return sorted(set(names) - set(method.fixed))
+
+
+def check_finite_options(method: Method) -> None:
+    """Each float option refuses NaN and infinities by name when the layer is built (``rope_base=inf``
+    had turned RoPE off, ``norm_eps=inf`` zeroed a norm's output, ``nan`` made NaN outputs)."""
+    for name in float_options(method):
+        for value in (float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=f"^{name} must be a finite number"):
+                method.build(HIDDEN, HEADS, **{**method.test_options, name: value})
+
+
 CHECKS = {"causal": check_causal, "prefix": check_prefix, "batch": check_batch, "deterministic": check_deterministic,
           "decode": check_decode, "static_decode": check_static_decode, "contract": check_contract,
-          "finite_input": check_finite_input}
+          "finite_input": check_finite_input, "finite_options": check_finite_options}

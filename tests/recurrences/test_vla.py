@@ -146,9 +146,9 @@ def test_recurrence_jacobian_spectrum():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(chunk_size=8), "chunk_size must divide refresh_every=20"),
-    (dict(lambda0=0.0), "lambda0 must be > 0"),
+    (dict(lambda0=0.0), "lambda0 must be a finite number > 0"),
     (dict(refresh_every=-1), "refresh_every must be >= 0"),
-    (dict(eps=-1e-4), "eps must be > 0"),
+    (dict(eps=-1e-4), "eps must be a finite number > 0"),
 ], ids=["chunk-not-dividing-refresh", "lambda0-zero", "refresh-negative", "eps-negative"])
 def test_options_refused(kw, match):
     with pytest.raises(ValueError, match=match):

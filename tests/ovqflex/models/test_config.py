@@ -1,5 +1,6 @@
 """HybridConfig and presets: checked by name, saved configs keep loading, method options in
 ``mixer_options`` (validated against the method, merged option by option, dotted override keys)."""
+import math
 import warnings
 
 import pytest
@@ -27,15 +28,21 @@ BAD_FIELDS = [
     ("head_dim", 0, ValueError, "head_dim must be >= 1, got 0"),
     ("qk_conv", -1, ValueError, "qk_conv must be >= 0, got -1"),
     ("mlp_ratio", "4", TypeError, "mlp_ratio must be a number, got str '4'"),
-    ("norm_eps", -1e-5, ValueError, "norm_eps must be > 0, got -1e-05"),
-    ("rope_base", 0, ValueError, "rope_base must be > 0, got 0"),
-    ("init_std", -0.02, ValueError, "init_std must be >= 0, got -0.02"),
+    ("norm_eps", -1e-5, ValueError, "norm_eps must be a finite number > 0, got -1e-05"),
+    ("rope_base", 0, ValueError, "rope_base must be a finite number > 0, got 0"),
+    ("init_std", -0.02, ValueError, "init_std must be a finite number >= 0, got -0.02"),
+    # infinities had been taken: init_std=inf made every weight inf, mlp_ratio=inf an OverflowError in
+    # HybridLM, rope_base=inf turned RoPE off, norm_eps=inf zeroed every norm's output
+    ("init_std", math.inf, ValueError, "init_std must be a finite number >= 0, got inf"),
+    ("mlp_ratio", math.inf, ValueError, "mlp_ratio must be a finite number > 0, got inf"),
+    ("rope_base", math.inf, ValueError, "rope_base must be a finite number > 0, got inf"),
+    ("norm_eps", math.nan, ValueError, "norm_eps must be a finite number > 0, got nan"),
     ("qk_norm", "no", TypeError, "qk_norm must be True or False, got str 'no'"),
     ("backend", "cuda", ValueError, r"backend must be one of \['auto', 'blocked', 'dense', 'flex'\], got 'cuda'"),
 ]
 
 
-@pytest.mark.parametrize("field, value, error, match", BAD_FIELDS, ids=[case[0] for case in BAD_FIELDS])
+@pytest.mark.parametrize("field, value, error, match", BAD_FIELDS, ids=[f"{case[0]}={case[1]}" for case in BAD_FIELDS])
 def test_every_field_is_checked_at_construction(field, value, error, match):
     """A config built in Python (not from a dict) is checked once, by name: these had been accepted, to fail
     later far from the cause (``'list' object has no attribute 'split'``, a NaN norm) or never."""

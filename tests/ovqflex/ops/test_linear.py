@@ -53,7 +53,7 @@ BAD = [
     ("linear", lambda a, kw: ([a[0][0], *a[1:]], kw), ValueError, r"q must have 4 dims, got shape \(2, 37, 6\)"),
     ("linear", lambda a, kw: ([a[0], a[1][..., :5], a[2]], kw), ValueError, "q and k must share the head dim D"),
     ("linear", lambda a, kw: (a, {"chunk_size": 0}), ValueError, "chunk_size must be >= 1, got 0"),
-    ("linear", lambda a, kw: (a, {"eps": 0.0}), ValueError, "eps must be > 0, got 0.0"),
+    ("linear", lambda a, kw: (a, {"eps": 0.0}), ValueError, "eps must be a finite number > 0, got 0.0"),
     ("delta", lambda a, kw: ([*a[:3], a[3][..., :-1]], kw), ValueError,
      r"beta must have shape \(2, 2, 37\), got \(2, 2, 36\)"),
     ("delta", lambda a, kw: ([*a[:3], a[3].long()], kw), TypeError, "beta must be a floating tensor"),
@@ -61,7 +61,7 @@ BAD = [
     ("vla", lambda a, kw: ([*a[:3], a[3][..., :4]], kw), ValueError,
      r"u must have shape \(2, 2, 37, 6\), got \(2, 2, 37, 4\)"),
     ("vla", lambda a, kw: (a, {"chunk_size": 7}), ValueError, "chunk_size must divide refresh_every=20"),
-    ("vla", lambda a, kw: (a, {"lambda0": -1.0}), ValueError, "lambda0 must be > 0, got -1.0"),
+    ("vla", lambda a, kw: (a, {"lambda0": -1.0}), ValueError, "lambda0 must be a finite number > 0, got -1.0"),
     ("vla", lambda a, kw: (a, {"refresh_every": 2.5}), TypeError, "refresh_every must be an int, got float 2.5"),
 ]
 
