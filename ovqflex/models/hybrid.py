@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_choice, check_int, check_tensor
+from recurrences.checks import check_choice, check_int, check_number, check_tensor
 from recurrences.compiling import graphed
 from recurrences.precision import widened
 
@@ -57,7 +57,8 @@ def sample_next(logits: Tensor, temperature: float, top_k: int | None,
     sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` best."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # <= 0: a tiny temperature cannot overflow
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -219,8 +220,7 @@ class HybridLM(nn.Module):
             raise ValueError(f"decode='graph' replays the decode step from a CUDA graph: it needs the model and "
                              f"prompt on a CUDA device, got {prompt.device}; use decode='compiled'")
         check_int("max_new_tokens", max_new_tokens, minimum=0)
-        if not (isinstance(temperature, (int, float)) and temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        check_number("temperature", temperature, strict=False)
         if top_k is not None:
             check_int("top_k", top_k)
         was_training = self.training

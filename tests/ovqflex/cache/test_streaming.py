@@ -180,6 +180,20 @@ def test_generate_samples_reproducibly_within_top_k():
     assert (top3 == a[:, 5:, None]).any(-1).all(), "a sampled token outside the top 3"
 
 
+def test_sampling_at_a_tiny_temperature_is_greedy_and_an_infinite_one_is_refused():
+    """logits / temperature overflowed for a temperature near 0 (softmax of inf: NaN, and torch.multinomial
+    refused the probabilities); an infinite temperature made every logit 0, so top_k kept every token."""
+    from ovqflex.models.hybrid import sample_next
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    for top_k in (None, 3):
+        assert torch.equal(sample_next(logits, 1e-40, top_k), logits.argmax(-1, keepdim=True))
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="swa", backend="dense")
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match=f"temperature must be a finite number >= 0, got {bad!r}"):
+            HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=bad)
+
+
 def test_generate_restores_training_mode():
     cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="swa", backend="dense")
     model = HybridLM(cfg).train()
