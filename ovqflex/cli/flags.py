@@ -22,13 +22,22 @@ import typing
 from .. import devices
 
 
+def _items(text: str) -> list[str]:
+    """The stripped items of a comma-separated flag value; ValueError for an empty one (``"1,,2"``,
+    ``"1,"``, ``""``): it is more often a value left out than a stray comma, so it is refused, not skipped."""
+    items = [v.strip() for v in text.split(",")]
+    if "" in items:
+        raise ValueError(f"empty item in {text!r}")
+    return items
+
+
 def int_list(text: str) -> list[int]:
     """``"512,1024"`` -> ``[512, 1024]``: positive integers."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in _items(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 512,1024, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
+    if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers like 512,1024, got {text!r}")
     return values
 
@@ -36,7 +45,7 @@ def int_list(text: str) -> list[int]:
 def id_list(text: str) -> list[int]:
     """``"3,0,17"`` -> ``[3, 0, 17]``: token ids (checked against the vocabulary later)."""
     try:
-        return [int(v) for v in text.split(",") if v.strip()]
+        return [int(v) for v in _items(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 3,0,17, got {text!r}") from None
 
@@ -44,7 +53,7 @@ def id_list(text: str) -> list[int]:
 def seed_list(text: str) -> list[int]:
     """``"0,1"`` -> ``[0, 1]``: distinct integers >= 0."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in _items(text)]
     except ValueError:
         values = []
     if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
@@ -54,10 +63,11 @@ def seed_list(text: str) -> list[int]:
 
 def label_list(text: str) -> list[str]:
     """``"sw-ovq,sw-nope"`` -> ``["sw-ovq", "sw-nope"]``: a non-empty list of names."""
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated model labels like sw-ovq,sw-nope, got {text!r}")
-    return values
+    try:
+        return _items(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated model labels like sw-ovq,sw-nope, got {text!r}") \
+            from None
 
 
 def comma_list(item: type = str, allowed=None):
@@ -68,7 +78,7 @@ def comma_list(item: type = str, allowed=None):
 
     def parse(text: str) -> tuple:
         try:
-            values = tuple(item(v.strip()) for v in text.split(",") if v.strip())
+            values = tuple(item(v) for v in _items(text))
         except ValueError:
             values = ()
         if not values or (allowed and any(v not in allowed for v in values)):

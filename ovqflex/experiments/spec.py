@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from recurrences.checks import check_keys
 
-from ..models.config import PRESETS
+from ..models.config import PRESETS, pattern_names
 from ..models.mixers import available_mixers
 from ..tasks import TASKS
 from ..training.config import TrainConfig
@@ -89,9 +89,9 @@ class ModelSpec:
         _check_name("ModelSpec.label", self.label)
         if not isinstance(self.pattern, str):
             raise TypeError(f"ModelSpec {self.label!r}: pattern must be a str like 'swa,ovq', got {self.pattern!r}")
-        names = [m.strip() for m in self.pattern.split(",") if m.strip()]
+        names = pattern_names(self.pattern, f"ModelSpec {self.label!r}: pattern")
         unknown = [m for m in names if m not in available_mixers()]
-        if not names or unknown:
+        if unknown:
             raise ValueError(f"ModelSpec {self.label!r}: pattern {self.pattern!r} names unknown mixer(s) {unknown}; "
                              f"available: {available_mixers()}")
         _check_options(f"ModelSpec {self.label!r}: model_options", self.model_options)

@@ -18,6 +18,17 @@ from ..attention import BACKENDS
 from ..ops.ovq import OVQOptions
 
 
+def pattern_names(pattern: str, what: str = "pattern") -> list[str]:
+    """The mixer names of a pattern string (``"swa, ovq"`` -> ``["swa", "ovq"]``); an empty name
+    (``"swa,,ovq"``, ``"swa,"``, ``""``) is refused, not skipped: it is more often a mixer left out
+    than a stray comma. Whether each name is a mixer is the model's check."""
+    names = [m.strip() for m in pattern.split(",")]
+    if "" in names:
+        raise ValueError(f"{what} must be mixer names separated by single commas (e.g. 'swa,ovq'), "
+                         f"got {pattern!r}")
+    return names
+
+
 @dataclass
 class HybridConfig:
     """A hybrid LM: ``n_layers`` blocks whose mixers follow ``pattern`` cyclically.
@@ -60,8 +71,7 @@ class HybridConfig:
         if not isinstance(self.pattern, str):
             raise ConfigTypeError(f"pattern must be a comma-separated str of mixer names (e.g. 'swa,ovq'), "
                                   f"got {type(self.pattern).__name__} {self.pattern!r}")
-        if not self.mixers:
-            raise ValueError(f"pattern must name at least one mixer, got {self.pattern!r}")
+        pattern_names(self.pattern, "pattern")
         check_int("qk_conv", self.qk_conv, minimum=0)
         for name in ("mlp_ratio", "norm_eps", "rope_base"):
             check_number(name, getattr(self, name))
@@ -99,8 +109,8 @@ class HybridConfig:
     @property
     def mixers(self) -> list[str]:
         """The mixer name of every layer: ``pattern`` repeated to ``n_layers``."""
-        names = [m.strip() for m in self.pattern.split(",") if m.strip()]
-        return [names[i % len(names)] for i in range(self.n_layers)] if names else []
+        names = pattern_names(self.pattern)
+        return [names[i % len(names)] for i in range(self.n_layers)]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

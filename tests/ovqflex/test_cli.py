@@ -200,6 +200,21 @@ def test_bad_lengths_are_an_argparse_error(capsys):
     assert "comma-separated integers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag, expected", [
+    (["eval", "d", "--lengths", "64,,256"], "--lengths", "comma-separated integers like 512,1024"),
+    (["generate", "d", "--tokens", "3,,17"], "--tokens", "comma-separated token ids like 3,0,17"),
+    (["experiment", "icr", "--seeds", "0,"], "--seeds", "distinct comma-separated integers >= 0"),
+    (["experiment", "icr", "--models", "sw-ovq,,sw-nope"], "--models", "comma-separated model labels"),
+    (["viz", "ovq", "--format", "png,,svg"], "--format", "a comma-separated subset of"),
+], ids=["lengths", "tokens", "seeds", "models", "formats"])
+def test_an_empty_item_of_a_comma_list_is_refused(capsys, argv, flag, expected):
+    """``3,,17`` had been read as ``3,17``: a value left out was skipped (a prompt lost a token)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}: expected {expected}" in capsys.readouterr().err
+
+
 def test_readme_viz_and_profile_flags_exist():
     parser = build_parser()
     args = parser.parse_args(["viz", "ovq", "--seq-len", "64", "--heads", "2", "--head-dim", "8", "--opt",

@@ -32,7 +32,9 @@ def test_unknown_model_and_scale_are_refused_by_name(tmp_path):
     (dict(label="a/b", pattern="swa"), "ModelSpec.label must be a name"),
     (dict(label="m", pattern="swa,ovqq"), r"unknown mixer\(s\) \['ovqq'\]"),
     (dict(label="m", pattern="swa", model_options={"pattern": "ovq"}), "must not set pattern"),
-], ids=["label", "mixer", "pattern-option"])
+    (dict(label="m", pattern="swa,,ovq"), r"ModelSpec 'm': pattern must be mixer names separated by single commas "
+                                          r"\(e.g. 'swa,ovq'\), got 'swa,,ovq'"),
+], ids=["label", "mixer", "pattern-option", "empty-mixer"])
 def test_model_spec_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ModelSpec(**kwargs)

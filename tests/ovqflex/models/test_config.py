@@ -25,6 +25,10 @@ def test_bad_config_values():
 BAD_FIELDS = [
     ("pattern", ["swa", "ovq"], TypeError, r"pattern must be a comma-separated str of mixer names \(e.g. 'swa,ovq'\), "
                                            r"got list \['swa', 'ovq'\]"),
+    # an empty name had been skipped: "swa,,ovq" built a swa,ovq model where a mixer was left out
+    ("pattern", "swa,,ovq", ValueError, r"pattern must be mixer names separated by single commas \(e.g. 'swa,ovq'\), "
+                                        r"got 'swa,,ovq'"),
+    ("pattern", "", ValueError, "pattern must be mixer names separated by single commas"),
     ("head_dim", 0, ValueError, "head_dim must be >= 1, got 0"),
     ("qk_conv", -1, ValueError, "qk_conv must be >= 0, got -1"),
     ("mlp_ratio", "4", TypeError, "mlp_ratio must be a number, got str '4'"),
