@@ -72,9 +72,11 @@ def quantize(kn: Tensor, codebook: Tensor, codes: Tensor, estimator: str = "ste"
 
 
 def commitment_loss(kn: Tensor, codebook: Tensor, codes: Tensor) -> Tensor:
-    """``mean_{b,h,t} ||k - sg(C[z])||²`` (0-d, fp32): pulls keys toward their codes."""
+    """``mean_{b,h,t} ||k - sg(C[z])||²`` (0-d, fp32): pulls keys toward their codes; 0 for no keys
+    (an empty batch), where the mean of none would be NaN."""
     c = gather_codes(codebook.detach().to(kn.dtype), codes)
-    return (kn - c).float().square().sum(-1).mean()
+    sq = (kn - c).float().square().sum(-1)
+    return sq.sum() / torch.sym_max(sq.numel(), 1)
 
 
 def code_histogram(codes: Tensor, n_codes: int, weight: Tensor | None = None) -> Tensor:

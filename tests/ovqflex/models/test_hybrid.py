@@ -97,13 +97,14 @@ def test_an_empty_batch_gives_empty_logits(patterns):
     """Zero sequences (the last shard of a split batch, a filter that kept none) train, infer and generate
     as any batch, with the auto backend (flex for inference); the chunk size puts routed state in view.
     They had failed in every mixer: the head split's ``view(B, T, -1, ...)`` is ambiguous for zero
-    elements, and flex's lowering indexed the empty captured tensors."""
+    elements, and flex's lowering indexed the empty captured tensors. The auxiliary loss of no tokens is 0
+    (VQ's and LongVQ's commitment loss had been the mean of none: NaN)."""
     for mixer in patterns:
         model = small(f"{mixer},swa", backend="auto")
         tokens = torch.zeros(0, 40, dtype=torch.long)
-        logits = model(tokens)
-        assert logits.shape == (0, 40, 64), mixer
-        logits.sum().backward()
+        logits, aux_loss = model(tokens, return_aux=True)
+        assert logits.shape == (0, 40, 64) and aux_loss.item() == 0, mixer
+        (logits.sum() + aux_loss).backward()
         with torch.no_grad():
             assert model.eval()(tokens).shape == (0, 40, 64), mixer
         for decode in ("functional", "static"):
