@@ -78,6 +78,20 @@ class VizConfig(VizShape):
     color: bool = field(default=False, metadata={"help": "ANSI colours in the terminal view"})
     out: str = field(default="viz-out", metadata={"help": "directory for PNG/SVG/HTML/JSON"})
 
+    def __post_init__(self):
+        """Checks what the command line gives, by its flags' names, before the layer is built."""
+        super().__post_init__()
+        ranges = [("--head", self.head, "--heads", self.heads), ("--batch-index", self.batch_index, "--batch", self.batch),
+                  *(("--query", q, "--seq-len", self.seq_len) for q in self.queries)]
+        for flag, value, bound_flag, bound in ranges:
+            check_int(flag, value, minimum=0)
+            if value >= bound:
+                raise ValueError(f"{flag} must be < {bound_flag} ({bound}), got {value}")
+        for flag, value in (("--max-cells", self.max_token_cells), ("--width", self.term_width),
+                            ("--height", self.term_height), ("--chunk", self.chunk)):
+            if value is not None:
+                check_int(flag, value)
+
     @property
     def stem(self) -> str:
         """The stem of the files written: ``<method>-T<seq_len>``."""

@@ -51,7 +51,8 @@ class VizOptions:
             bad = [v for v in values if v not in allowed]
             if bad or not values:
                 raise ValueError(f"{name} must be a non-empty subset of {allowed}, got {tuple(values)!r}")
-        check_int("max_token_cells", self.max_token_cells)
+        for name in ("max_token_cells", "term_width", "term_height"):
+            check_int(name, getattr(self, name))
         for q in self.queries:
             check_int("queries", q, minimum=0)
 

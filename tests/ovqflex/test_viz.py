@@ -56,9 +56,18 @@ def test_cli_viz_writes_every_format(tmp_path, capsys):
 @pytest.mark.parametrize("argv, match", [(["viz", "kvm2"], "method must be one of"),
                                          (["viz", "swa", "--opt", "windw=3"], "bad option for method 'swa'"),
                                          (["viz", "swa", "--seq-len", "0"], "seq_len must be >= 1"),
-                                         (["viz", "swa", "--seq-len", "64", "--query", "64"], "queries must be < q_len=64"),
-                                         (["viz", "ovq", "--seq-len", "64", "--chunk", "0"], "chunk must be >= 1, got 0")],
-                         ids=["method", "option", "seq-len", "query", "chunk-zero"])
+                                         (["viz", "swa", "--seq-len", "64", "--query", "64"],
+                                          "--query must be < --seq-len (64), got 64"),
+                                         (["viz", "swa", "--heads", "2", "--head", "2"], "--head must be < --heads (2), got 2"),
+                                         (["viz", "swa", "--batch-index", "1"], "--batch-index must be < --batch (1), got 1"),
+                                         (["viz", "swa", "--max-cells", "0"], "--max-cells must be >= 1, got 0"),
+                                         (["viz", "swa", "--height", "0"], "--height must be >= 1, got 0"),
+                                         (["viz", "ovq", "--seq-len", "64", "--chunk", "0"], "--chunk must be >= 1, got 0")],
+                         ids=["method", "option", "seq-len", "query", "head", "batch-index", "max-cells", "height-zero",
+                              "chunk-zero"])
 def test_cli_viz_bad_arguments(tmp_path, capsys, argv, match):
+    """Errors name the flag to change (they had named the renderer's fields: ``batch must be < B=1`` for
+    ``--batch-index``, ``max_token_cells`` for ``--max-cells``; ``--height 0`` was a ZeroDivisionError),
+    before the layer is built."""
     assert main([*argv, "--out", str(tmp_path), "--format", "term"]) == 2
     assert match in capsys.readouterr().err

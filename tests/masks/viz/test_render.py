@@ -42,8 +42,10 @@ def test_token_view_skipped_when_too_large(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [(dict(views=("pixels",)), "views must be"),
                                            (dict(formats=()), "formats must be"),
-                                           (dict(queries=(-1,)), "queries must be >= 0")],
-                         ids=["view", "no-format", "query"])
+                                           (dict(queries=(-1,)), "queries must be >= 0"),
+                                           (dict(term_height=0), "term_height must be >= 1, got 0"),
+                                           (dict(term_width=0), "term_width must be >= 1, got 0")],
+                         ids=["view", "no-format", "query", "term-height", "term-width"])
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         VizOptions(**kwargs)
