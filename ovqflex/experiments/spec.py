@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from recurrences.checks import check_keys
 
 from ..models.config import PRESETS, pattern_names
-from ..models.mixers import available_mixers
 from ..tasks import TASKS
 from ..training.config import TrainConfig
 from ..training.evaluate import report_name
@@ -89,11 +88,7 @@ class ModelSpec:
         _check_name("ModelSpec.label", self.label)
         if not isinstance(self.pattern, str):
             raise TypeError(f"ModelSpec {self.label!r}: pattern must be a str like 'swa,ovq', got {self.pattern!r}")
-        names = pattern_names(self.pattern, f"ModelSpec {self.label!r}: pattern")
-        unknown = [m for m in names if m not in available_mixers()]
-        if unknown:
-            raise ValueError(f"ModelSpec {self.label!r}: pattern {self.pattern!r} names unknown mixer(s) {unknown}; "
-                             f"available: {available_mixers()}")
+        pattern_names(self.pattern, f"ModelSpec {self.label!r}: pattern")
         _check_options(f"ModelSpec {self.label!r}: model_options", self.model_options)
         if "pattern" in self.model_options or "vocab_size" in self.model_options:
             raise ValueError(f"ModelSpec {self.label!r}: model_options must not set pattern or vocab_size "

@@ -19,13 +19,18 @@ from ..ops.ovq import OVQOptions
 
 
 def pattern_names(pattern: str, what: str = "pattern") -> list[str]:
-    """The mixer names of a pattern string (``"swa, ovq"`` -> ``["swa", "ovq"]``); an empty name
+    """The mixer names of a pattern string (``"swa, ovq"`` -> ``["swa", "ovq"]``). An empty name
     (``"swa,,ovq"``, ``"swa,"``, ``""``) is refused, not skipped: it is more often a mixer left out
-    than a stray comma. Whether each name is a mixer is the model's check."""
+    than a stray comma; so is a name that is not a mixer (the error lists the mixers)."""
+    from .mixers import available_mixers  # (mixers imports this module for HybridConfig)
+
     names = [m.strip() for m in pattern.split(",")]
     if "" in names:
         raise ValueError(f"{what} must be mixer names separated by single commas (e.g. 'swa,ovq'), "
                          f"got {pattern!r}")
+    unknown = [name for name in names if name not in available_mixers()]
+    if unknown:
+        raise ValueError(f"{what} names unknown mixer {unknown[0]!r}; available: {available_mixers()}")
     return names
 
 
@@ -71,7 +76,7 @@ class HybridConfig:
         if not isinstance(self.pattern, str):
             raise ConfigTypeError(f"pattern must be a comma-separated str of mixer names (e.g. 'swa,ovq'), "
                                   f"got {type(self.pattern).__name__} {self.pattern!r}")
-        pattern_names(self.pattern, "pattern")
+        pattern_names(self.pattern)
         check_int("qk_conv", self.qk_conv, minimum=0)
         for name in ("mlp_ratio", "norm_eps", "rope_base"):
             check_number(name, getattr(self, name))

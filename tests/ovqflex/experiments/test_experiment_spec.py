@@ -30,7 +30,7 @@ def test_unknown_model_and_scale_are_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(label="a/b", pattern="swa"), "ModelSpec.label must be a name"),
-    (dict(label="m", pattern="swa,ovqq"), r"unknown mixer\(s\) \['ovqq'\]"),
+    (dict(label="m", pattern="swa,ovqq"), r"pattern names unknown mixer 'ovqq'"),
     (dict(label="m", pattern="swa", model_options={"pattern": "ovq"}), "must not set pattern"),
     (dict(label="m", pattern="swa,,ovq"), r"ModelSpec 'm': pattern must be mixer names separated by single commas "
                                           r"\(e.g. 'swa,ovq'\), got 'swa,,ovq'"),

@@ -29,6 +29,8 @@ BAD_FIELDS = [
     ("pattern", "swa,,ovq", ValueError, r"pattern must be mixer names separated by single commas \(e.g. 'swa,ovq'\), "
                                         r"got 'swa,,ovq'"),
     ("pattern", "", ValueError, "pattern must be mixer names separated by single commas"),
+    # an unknown mixer had been found only when HybridLM built its layers
+    ("pattern", "swa,wat", ValueError, r"pattern names unknown mixer 'wat'; available: \[.*'ovq'"),
     ("head_dim", 0, ValueError, "head_dim must be >= 1, got 0"),
     ("qk_conv", -1, ValueError, "qk_conv must be >= 0, got -1"),
     ("mlp_ratio", "4", TypeError, "mlp_ratio must be a number, got str '4'"),

@@ -27,11 +27,12 @@ def test_available_mixers_cover_the_plain_ovq_and_kvm_layers():
 
 
 @pytest.mark.parametrize("pattern, match", [("swa,wat", "unknown mixer 'wat'.*available"),
-                                            (",", "at least one mixer")],
+                                            (",", "mixer names separated by single commas")],
                          ids=["unknown", "empty"])
 def test_bad_pattern(pattern, match):
+    """Refused by the config, before a model is built (an unknown mixer had been found by ``HybridLM``)."""
     with pytest.raises(ValueError, match=match):
-        HybridLM(HybridConfig(**{**SMALL, "pattern": pattern}))
+        HybridConfig(**{**SMALL, "pattern": pattern})
 
 
 def test_head_is_tied_to_embedding():
