@@ -14,8 +14,9 @@ JSON) and plots them (``<name>.png``). A profile::
     ...
 
 Each scenario table is checked against its kind's schema (``ovqflex.bench.scenarios``) when the
-profile loads: unknown keys (with the nearest valid one), missing keys and wrong types are
-refused by name before anything runs.
+profile loads: unknown keys (with the nearest valid one), missing keys, wrong types and bad values
+(a size of 0, a chunk size the method refuses, an unknown mixer or backend: each kind builds the
+options, layers and configs its run will build) are refused by name before anything runs.
 
 Progress goes to stderr, a line per scenario and per measured case (a GPU profile compiles and
 runs for minutes); after each scenario but the last the rows so far are written to the JSON with

@@ -5,19 +5,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recurrences.checks import check_choice, check_keys
+from recurrences.checks import ConfigError, check_choice, check_keys
 
 from ...devices import sync
 from ...methods import METHODS, Method, method_names
 from ...models.hybrid import DECODES, static_step
 from ..measure import measure, progress
-from .base import Scenario, check_sizes, register, runs_on
+from .base import Scenario, register, runs_on
 
 
 def _decode_method(case: dict, where: str) -> tuple[Method, dict, str]:
     """The method of a decode ``case`` table (``name``, ``kind``: a method that decodes, ``decode``:
     one of ``DECODES``, default ``"functional"``, and the options of its layer, checked by name);
-    returns (method, layer options, decode)."""
+    returns (method, layer options, decode); the options set the flex backend where the layer has one."""
     if not isinstance(case, dict) or not isinstance(case.get("name"), str):
         raise ValueError(f"{where}: must be a table with a string name, got {case!r}")
     decoding = method_names(_decodes)
@@ -29,7 +29,10 @@ def _decode_method(case: dict, where: str) -> tuple[Method, dict, str]:
     decode = check_choice(f"{where}: decode", case.get("decode", "functional"), DECODES)
     if decode != "functional" and method.layer.static_cache_type is None:
         raise ValueError(f"{where}: decode={decode!r} needs a static cache, which {method.layer.__name__} has not")
-    return method, {k: v for k, v in case.items() if k not in ("kind", "name", "decode")}, decode
+    options = {k: v for k, v in case.items() if k not in ("kind", "name", "decode")}
+    if "backend" in method.option_names():
+        options["backend"] = "flex"
+    return method, options, decode
 
 
 def _decodes(m: Method) -> bool:
@@ -47,11 +50,12 @@ class DecodeScenario(Scenario):
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # sequences decoded together
 
     def __post_init__(self):
-        check_sizes(f"scenario {self.name!r}: batch_sizes", self.batch_sizes)
-        if not self.cases:
-            raise ValueError(f"scenario {self.name!r}: cases must list at least one [[scenario.cases]] table")
         for i, case in enumerate(self.cases):
-            _decode_method(case, f"scenario {self.name!r}, case {i}")
+            method, options, _ = _decode_method(case, f"case {i}")
+            try:  # the layer the case times: its option values, by name
+                method.build(self.hidden, self.heads, **options)
+            except (ValueError, ConfigError) as e:
+                raise type(e)(f"case {i} ({case['name']!r}): {e}") from None
 
 
 @register("decode", DecodeScenario)
@@ -80,8 +84,6 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
         method, options, mode = _decode_method(case, f"scenario {sc.name!r}, case {i}")
         if not runs_on(mode, dev, f"scenario {sc.name!r}, case {case['name']!r}"):
             continue
-        if "backend" in method.option_names():
-            options["backend"] = "flex"
         layer = method.build(hidden, heads, **options).to(dev).eval()
         for batch in sc.batch_sizes:
             for T in sc.seq_lens:

@@ -12,7 +12,7 @@ from ...devices import sync
 from ...methods import METHODS
 from ...models.hybrid import DECODES
 from ..measure import measure, progress
-from .base import Scenario, check_sizes, register, runs_on
+from .base import Scenario, register, runs_on
 
 
 @dataclass(kw_only=True)
@@ -24,6 +24,9 @@ class ModelScenario(Scenario):
     vocab_size: int = 256
     model_options: dict = field(default_factory=dict)
     repeats: int = 2
+
+    def __post_init__(self):
+        self.config()  # the preset, pattern and model options, by name
 
     def config(self):
         """The model's ``HybridConfig``: flex attention unless ``model_options`` names another ``backend``."""
@@ -41,25 +44,17 @@ class GenerateScenario(ModelScenario):
     decodes: list[str] = field(default_factory=lambda: ["functional"])  # the first is the baseline of x_vs_
 
     def __post_init__(self):
-        where = f"scenario {self.name!r}"
-        check_sizes(f"{where}: prompt_lens", self.prompt_lens)
-        check_sizes(f"{where}: batch_sizes", self.batch_sizes)
-        check_int(f"{where}: new_tokens", self.new_tokens, minimum=2)
-        check_int(f"{where}: repeats", self.repeats)
-        if not self.decodes or len(set(self.decodes)) != len(self.decodes):
-            raise ValueError(f"{where}: decodes must list distinct decodes of {list(DECODES)}, got {self.decodes!r}")
+        check_int("new_tokens", self.new_tokens, minimum=2)
+        if len(set(self.decodes)) != len(self.decodes):
+            raise ValueError(f"decodes must list distinct decodes of {list(DECODES)}, got {self.decodes!r}")
         for d in self.decodes:
-            check_choice(f"{where}: decodes", d, DECODES)
-        try:  # the preset, pattern and model options, by name
-            mixers = self.config().mixers
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{where}: {e}") from e
-        for name in dict.fromkeys(mixers):
+            check_choice("decodes", d, DECODES)
+        for name in dict.fromkeys(self.config().mixers):
             layer = METHODS[name].layer
             if not METHODS[name].decodes:
-                raise ValueError(f"{where}: mixer {name!r} ({layer.__name__}) has no decode cache")
+                raise ValueError(f"mixer {name!r} ({layer.__name__}) has no decode cache")
             if set(self.decodes) - {"functional"} and layer.static_cache_type is None:
-                raise ValueError(f"{where}: decodes {self.decodes!r} need a static cache, which mixer {name!r} "
+                raise ValueError(f"decodes {self.decodes!r} need a static cache, which mixer {name!r} "
                                  f"({layer.__name__}) has not")
 
 

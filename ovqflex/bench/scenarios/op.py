@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recurrences.checks import check_choice, check_int
+from recurrences.checks import check_choice
 from recurrences.versioned import STATE_LAYOUTS
 
 from ...attention import training_backend
 from ...methods import Method, get_method
 from ..measure import compare_cases
-from .base import Scenario, check_sizes, register
+from .base import ZERO_MEANS_DEFAULT, Scenario, register
 
 #: an op scenario's ``dtype`` key -> the dtype of every floating input of its cases
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -37,18 +37,17 @@ class OpScenario(Scenario):
     head_dim: int = 64
     chunk_size: int = 128
     dtype: str = "fp32"
-    max_backward_len: int = 1 << 30
-    max_reference_len: int = 1 << 30
+    max_backward_len: int = field(default=1 << 30, metadata=ZERO_MEANS_DEFAULT)
+    max_reference_len: int = field(default=1 << 30, metadata=ZERO_MEANS_DEFAULT)
     repeats: int = 3
     compile_shapes: str = "static"
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(default=0, metadata=ZERO_MEANS_DEFAULT)
 
     def __post_init__(self):
-        check_sizes("seq_lens", self.seq_lens)
-        if self.checkpoint_every:
-            check_int("checkpoint_every", self.checkpoint_every)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("compile_shapes", self.compile_shapes, COMPILE_SHAPES)
+        check_method_options(self.kind, {**method_options(self.kind, self),
+                                         "checkpoint_every": self.checkpoint_every or None})
 
 
 def _baseline_of(name: str) -> str:
@@ -160,7 +159,7 @@ def ovq(sc: OVQScenario, device: str) -> list[dict]:
     """OVQ op (docs/design.md §4.2) through :func:`_op_scenario`."""
     from ...ops.ovq import OVQOptions, ovq_attention
 
-    options = dict(chunk_size=sc.chunk_size, max_centroids=sc.max_centroids)
+    options = method_options("ovq", sc)
     method = get_method("ovq")
     return _op_scenario(
         sc, device, method, op=ovq_attention, extra=ovq_extra, options=options,
@@ -174,14 +173,14 @@ class KVMStateKeys:
     ``max_state_chunks = 0`` uncapped)."""
 
     n_bswa_chunks: int = 2
-    sink_len: int = 1
+    sink_len: int = field(default=1, metadata=ZERO_MEANS_DEFAULT)
     budget: str = "fixed"
-    state_min_len: int = 0
+    state_min_len: int = field(default=0, metadata=ZERO_MEANS_DEFAULT)
     growth_factor: float = 16.0
     growth_exponent: float = 0.5
     round_down: int = 1
     saturation_n: int = 1024
-    max_state_chunks: int = 1
+    max_state_chunks: int = field(default=1, metadata=ZERO_MEANS_DEFAULT)
 
     def kvm_options(self, chunk_size: int) -> dict:
         """The :class:`~ovqflex.ops.kvm.KVMOptions` keywords of these keys and ``chunk_size``."""
@@ -192,6 +191,23 @@ class KVMStateKeys:
 
 
 STATE_METHODS = ("ovq", "kvm", "vq")
+
+
+def method_options(method: str, keys) -> dict:
+    """The op keyword options of ``method`` (one of :data:`STATE_METHODS`) from a scenario's keys: its
+    ``chunk_size``, OVQ's ``max_centroids``, KVM's keys (:class:`KVMStateKeys`)."""
+    if method == "ovq":
+        return dict(chunk_size=keys.chunk_size, max_centroids=keys.max_centroids)
+    if method == "kvm":
+        return keys.kvm_options(keys.chunk_size)
+    return dict(chunk_size=keys.chunk_size)
+
+
+def check_method_options(method: str, options: dict) -> None:
+    """``options`` through ``method``'s options dataclass, which refuses a bad one by name: a scenario's
+    ``__post_init__`` calls this with the options its function will run, so the profile is refused when it
+    loads (a ``chunk_size`` of 100 had been found when its scenario started, after the ones before it ran)."""
+    get_method(method).options(**options)
 
 
 @dataclass(kw_only=True)
@@ -207,9 +223,10 @@ class StateMethodKeys(KVMStateKeys):
     layouts: list[str] = field(default_factory=lambda: ["snapshot", "versioned"])
 
     def __post_init__(self):
-        check_choice(f"scenario {self.name!r}: method", self.method, STATE_METHODS)
+        check_choice("method", self.method, STATE_METHODS)
         for i, layout in enumerate(self.layouts):
             check_choice(f"layouts[{i}]", layout, STATE_LAYOUTS[:2])
+        check_method_options(self.method, self.method_parts()[3])
 
     def method_parts(self) -> tuple:
         """``(program, op, extra, options)``: ``program(**inputs, **options)[0]`` is the op's attention program,
@@ -217,13 +234,12 @@ class StateMethodKeys(KVMStateKeys):
         (:func:`op_inputs`)."""
         from ...ops import kvm_attention, kvm_program, ovq_attention, ovq_program, vq_attention, vq_program
 
+        options = method_options(self.method, self)
         if self.method == "ovq":
-            return ovq_program, ovq_attention, ovq_extra, dict(chunk_size=self.chunk_size,
-                                                               max_centroids=self.max_centroids)
+            return ovq_program, ovq_attention, ovq_extra, options
         if self.method == "kvm":
-            return kvm_program, kvm_attention, kvm_extra, self.kvm_options(self.chunk_size)
-        return (vq_program, lambda **a: vq_attention(**a)[0], vq_extra(self.codebook_size),
-                dict(chunk_size=self.chunk_size))
+            return kvm_program, kvm_attention, kvm_extra, options
+        return vq_program, lambda **a: vq_attention(**a)[0], vq_extra(self.codebook_size), options
 
 
 @dataclass(kw_only=True)
@@ -238,7 +254,7 @@ def kvm(sc: KVMScenario, device: str) -> list[dict]:
 
     from ...ops.kvm import KVMOptions, kvm_attention
 
-    options = sc.kvm_options(sc.chunk_size)
+    options = method_options("kvm", sc)
     opts, method = KVMOptions(**options), get_method("kvm")
     sizes = functools.cache(opts.state_sizes)  # state rows of each chunk at length T
     rows = _op_scenario(sc, device, method, op=kvm_attention, extra=kvm_extra, options=options,
@@ -260,6 +276,6 @@ def vq(sc: VQScenario, device: str) -> list[dict]:
     from ...ops.vq import VQOptions, vq_attention
 
     N, method = sc.codebook_size, get_method("vq")
-    options = dict(chunk_size=sc.chunk_size)
+    options = method_options("vq", sc)
     return _op_scenario(sc, device, method, op=lambda **a: vq_attention(**a)[0], extra=vq_extra(N), options=options,
                         flops=lambda T, H, D: method.flops(T, H, D, VQOptions(**options), codebook_size=N))

@@ -7,7 +7,9 @@ import torch
 
 from masks.blocks import build_block_layout
 from masks.regions import Geometry, OwnChunk, StateBank
+from recurrences.checks import check_choice, check_chunk
 
+from ...methods import METHODS
 from ..measure import measure
 from .base import Scenario, register
 
@@ -20,6 +22,9 @@ class BlockmaskScenario(Scenario):
     block_size: int = 128
     with_q_side: bool = False  # also the backward's transposed lists
     repeats: int = 3
+
+    def __post_init__(self):
+        check_chunk("chunk_size", self.chunk_size)  # (as the state bank's region checks it)
 
 
 @register("blockmask", BlockmaskScenario)
@@ -64,6 +69,15 @@ class VizScenario(Scenario):
     options: dict = field(default_factory=dict)  # layer options
     views: list[str] = field(default_factory=lambda: ["block"])
     repeats: int = 1
+
+    def __post_init__(self):
+        from masks.viz import VizOptions
+
+        from ...viz import drawable_methods
+
+        check_choice("method", self.method, drawable_methods())
+        VizOptions(views=tuple(self.views), formats=("png",))
+        METHODS[self.method].example(self.heads, self.head_dim, dict(self.options))  # its options, by name
 
 
 @register("viz", VizScenario)

@@ -2,7 +2,7 @@
 (``state_layout``) and OVQ's and KVM's routing implementations (``routing``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from masks.program import DEFAULT_BLOCK
 from recurrences.checks import check_choice
 
+from ...attention import BACKENDS
 from ..measure import compare_cases, measure, saved_for_backward_mb
-from .base import Scenario, register
-from .op import KVMStateKeys, StateMethodKeys, op_inputs
+from .base import ZERO_MEANS_DEFAULT, Scenario, register
+from .op import KVMStateKeys, StateMethodKeys, check_method_options, method_options, op_inputs
 
 
 @dataclass(kw_only=True)
@@ -27,9 +28,17 @@ class RecurrentScenario(Scenario):
     ovq_chunk: int = 128
     ovq_backend: str = "blocked"
     ovq: bool = True              # the OVQ baseline (slow on a CPU at long T)
-    max_reference_len: int = 1024
+    max_reference_len: int = field(default=1024, metadata=ZERO_MEANS_DEFAULT)
     other_chunk_form: bool = False
     repeats: int = 3
+
+    def __post_init__(self):
+        from recurrences.vla import VLAOptions
+
+        VLAOptions(chunk_size=self.vla_chunk)
+        if self.ovq:
+            check_choice("ovq_backend", self.ovq_backend, BACKENDS)
+            check_method_options("ovq", dict(chunk_size=self.ovq_chunk, max_centroids=self.max_centroids))
 
 
 @register("recurrent", RecurrentScenario)
@@ -126,10 +135,24 @@ class StateLayoutScenario(Scenario, StateMethodKeys):
     head_dim: int = 64
     block_size: int = DEFAULT_BLOCK
     growth: str = "plateau"
-    checkpoint_every: int = 0     # 0: the default
+    checkpoint_every: int = field(default=0, metadata=ZERO_MEANS_DEFAULT)
     backend: str = "blocked"
     backward: bool = True
     repeats: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("backend", self.backend, BACKENDS)
+        check_method_options(self.method, self.layout_options())
+
+    def layout_options(self) -> dict:
+        """The op's options: the method's (:meth:`method_parts`), ``block_size``, ``checkpoint_every`` and
+        OVQ's ``growth``."""
+        options = dict(self.method_parts()[3], block_size=self.block_size,
+                       checkpoint_every=self.checkpoint_every or None)
+        if self.method == "ovq":
+            options["growth"] = self.growth
+        return options
 
 
 @register("state_layout", StateLayoutScenario)
@@ -142,10 +165,8 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
     peak); the runner fits the log-log slope of each case. ``x_time_vs_snapshot`` and ``x_saved_vs_snapshot``
     are ratios to the snapshot layout's same case (> 1: slower, more kept).
     """
-    program_of, op, extra, options = sc.method_parts()
-    options.update(block_size=sc.block_size, checkpoint_every=sc.checkpoint_every or None)
-    if sc.method == "ovq":
-        options["growth"] = sc.growth
+    program_of, op, extra, _ = sc.method_parts()
+    options = sc.layout_options()
     dev, backend, repeats = torch.device(device), sc.backend, sc.repeats
     rows: list[dict] = []
     for T in sc.seq_lens:
@@ -203,7 +224,8 @@ class RoutingScenario(Scenario, KVMStateKeys):
     repeats: int = 3
 
     def __post_init__(self):
-        check_choice(f"scenario {self.name!r}: method", self.method, ROUTING_METHODS)
+        check_choice("method", self.method, ROUTING_METHODS)
+        check_method_options(self.method, method_options(self.method, self))
 
 
 @register("routing", RoutingScenario)

@@ -7,7 +7,7 @@ import torch
 
 from ...compile_watch import CompileWatch
 from ..measure import measure, progress
-from .base import Scenario, register
+from .base import ZERO_MEANS_DEFAULT, Scenario, register
 
 
 @dataclass(kw_only=True)
@@ -20,8 +20,23 @@ class TrainScenario(Scenario):
     task_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)
     steps: int = 10              # timed steps
-    warmup_steps: int = 3        # untimed, include compile
+    warmup_steps: int = field(default=3, metadata=ZERO_MEANS_DEFAULT)  # untimed, include compile (the first step always is)
     compile: bool = True
+
+    def __post_init__(self):
+        from ...training.setup import build_task, model_config
+
+        for pattern in self.patterns:  # its task, at its length, and its model's config, by name
+            cfg = self.train_config(pattern)
+            model_config(cfg, build_task(cfg))
+
+    def train_config(self, pattern: str):
+        """The :class:`~ovqflex.training.TrainConfig` of the row of ``pattern``."""
+        from ...training import TrainConfig
+
+        return TrainConfig(task=self.task, preset=self.preset, pattern=pattern, seq_len=self.seq_len,
+                           batch_size=self.batch_size, compile=self.compile, model_options=dict(self.model_options),
+                           task_options=dict(self.task_options))
 
 
 @register("train", TrainScenario)
@@ -34,7 +49,6 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
 
     from ...devices import to_device
     from ...tasks import make_batch
-    from ...training import TrainConfig
     from ...training.setup import autocast_dtype, build_model, build_optimizer, build_task
     from ...training.trainer import forward_loss
 
@@ -42,9 +56,7 @@ def train(sc: TrainScenario, device: str) -> list[dict]:
     steps, warm = sc.steps, sc.warmup_steps
     rows = []
     for pattern in sc.patterns:
-        cfg = TrainConfig(task=sc.task, preset=sc.preset, pattern=pattern, seq_len=sc.seq_len,
-                          batch_size=sc.batch_size, compile=sc.compile, model_options=dict(sc.model_options),
-                          task_options=dict(sc.task_options))
+        cfg = sc.train_config(pattern)
         torch.manual_seed(0)
         task = build_task(cfg)
         model = build_model(cfg, task).to(dev)

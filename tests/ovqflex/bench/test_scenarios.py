@@ -33,6 +33,14 @@ ROUTING = '[[scenario]]\nname = "r"\nkind = "routing"\nseq_lens = [64]\n'
 STAGES = '[[scenario]]\nname = "st"\nkind = "stages"\nseq_lens = [64]\n'
 
 
+def _in(name: str, kind: str) -> str:
+    """The start of an error about scenario ``name`` of a profile, after its index and file."""
+    return rf"\('{name}'\) of .* \(kind '{kind}'\): "
+
+
+IN_D, IN_G, IN_R, IN_ST = _in("d", "decode"), _in("g", "generate"), _in("r", "routing"), _in("st", "stages")
+
+
 @pytest.mark.parametrize("text, match", [
     (OVQ + "seq_len = [64]\nmax_centroids = 8\n",
      r"scenario 0 \('s'\) of '.*' \(kind 'ovq'\): unknown key 'seq_len' \(did you mean 'seq_lens'\?\)"),
@@ -50,27 +58,27 @@ STAGES = '[[scenario]]\nname = "st"\nkind = "stages"\nseq_lens = [64]\n'
     ('[[scenario]]\nkind = "kvm"\nseq_lens = [64]\nbudget = "power_law"\ngrowth_factr = 4.0\n',
      r"unknown key 'growth_factr' \(did you mean 'growth_factor'\?\)"),
     (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_sizes = [0]\n"),
-     r"scenario 'd': batch_sizes\[0\] must be >= 1, got 0"),
+     IN_D + r"batch_sizes\[0\] must be >= 1, got 0"),
     (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_sizes = []\n"),
-     r"scenario 'd': batch_sizes must list at least one size"),
+     IN_D + r"batch_sizes must list at least one size"),
     (DECODE.replace("seq_lens = [64]\n", "seq_lens = [64]\nbatch_size = [2]\n"),
      r"unknown key 'batch_size' \(did you mean 'batch_sizes'\?\)"),
-    (GENERATE + "batch_sizes = [0]\n", r"scenario 'g': batch_sizes\[0\] must be >= 1, got 0"),
-    (GENERATE + "prompt_lens = [64, -1]\n", r"scenario 'g': prompt_lens\[1\] must be >= 1, got -1"),
+    (GENERATE + "batch_sizes = [0]\n", IN_G + r"batch_sizes\[0\] must be >= 1, got 0"),
+    (GENERATE + "prompt_lens = [64, -1]\n", IN_G + r"prompt_lens\[1\] must be >= 1, got -1"),
     (GENERATE + 'decodes = ["functional", "fast"]\n',
-     r"scenario 'g': decodes must be one of \['compiled', 'functional', 'graph', 'static'\], got 'fast'"),
-    (GENERATE + 'decodes = ["static", "static"]\n', r"scenario 'g': decodes must list distinct decodes"),
-    (GENERATE + "new_tokens = 1\n", r"scenario 'g': new_tokens must be >= 2, got 1"),
+     IN_G + r"decodes must be one of \['compiled', 'functional', 'graph', 'static'\], got 'fast'"),
+    (GENERATE + 'decodes = ["static", "static"]\n', IN_G + r"decodes must list distinct decodes"),
+    (GENERATE + "new_tokens = 1\n", IN_G + r"new_tokens must be >= 2, got 1"),
     (GENERATE + "new_tokns = 8\n", r"unknown key 'new_tokns' \(did you mean 'new_tokens'\?\)"),
-    (GENERATE + 'preset = "huge"\n', r"scenario 'g': preset must be one of \["),
-    (ROUTING + 'method = "vq"\n', r"scenario 'r': method must be one of \['kvm', 'ovq'\], got 'vq'"),
+    (GENERATE + 'preset = "huge"\n', IN_G + r"preset must be one of \["),
+    (ROUTING + 'method = "vq"\n', IN_R + r"method must be one of \['kvm', 'ovq'\], got 'vq'"),
     (ROUTING + 'method = "kvm"\nbudgt = "power_law"\n', r"unknown key 'budgt' \(did you mean 'budget'\?\)"),
     (OVQ + 'seq_lens = [64]\nmax_centroids = 8\ndtype = "fp16"\n', r"dtype must be one of \['bf16', 'fp32'\], got 'fp16'"),
     (OVQ + 'seq_lens = [64]\nmax_centroids = 8\ncompile_shapes = "symbolic"\n',
      r"compile_shapes must be one of \['dynamic', 'static'\], got 'symbolic'"),
     (OVQ + "seq_lens = []\nmax_centroids = 8\n", r"seq_lens must list at least one size"),
     (STAGES + 'method = "linear"\n',
-     r"scenario 'st': method must be one of \['kvm', 'ovq', 'vq'\], got 'linear'"),
+     IN_ST + r"method must be one of \['kvm', 'ovq', 'vq'\], got 'linear'"),
     (STAGES + 'layouts = ["auto"]\n', r"layouts\[0\] must be one of \['snapshot', 'versioned'\], got 'auto'"),
 ], ids=["seq_len", "max_centriods", "unknown", "missing", "type-list", "type-int", "profile-key", "decode-case",
         "decode-kind", "decode-mode", "kvm-budget", "decode-batch-0", "decode-batch-empty",
@@ -88,11 +96,56 @@ def test_bad_scenario_keys_are_named(tmp_path, capsys, text, match):
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
+KINDS_TABLE = '[[scenario]]\nname = "s"\nkind = "{}"\n'.format
+BAD_VALUES = [  # kind, keys, the error: each had been accepted until its scenario ran
+    ("ovq", "seq_lens = [64]\nmax_centroids = 8\nchunk_size = 100\n",
+     "chunk_size must be a positive multiple of 16, got 100"),
+    ("ovq", "seq_lens = [64]\nmax_centroids = 8\nheads = 0\n", "heads must be >= 1, got 0"),
+    ("ovq", "seq_lens = [64]\nmax_centroids = 8\nrepeats = -1\n", "repeats must be >= 1, got -1"),
+    ("kvm", 'seq_lens = [64]\nbudget = "sqrt"\n', r"budget must be one of \[.*'power_law'.*\], got 'sqrt'"),
+    ("vq", "seq_lens = [64]\ncodebook_size = 0\n", "codebook_size must be >= 1, got 0"),
+    ("routing", 'seq_lens = [64]\nmethod = "kvm"\nbudget = "power_law"\ngrowth_factor = -1.0\n',
+     "growth_factor must be a finite number >= 0, got -1.0"),
+    ("stages", 'seq_lens = [64]\nlayouts = []\n', r"layouts must list at least one item, got \[\]"),
+    ("state_layout", 'seq_lens = [64]\nbackend = "cuda"\n', r"backend must be one of \[.*'flex'\], got 'cuda'"),
+    ("state_layout", 'seq_lens = [64]\nblock_size = 100\n', r"block_size must be a power of two >= 16"),
+    ("recurrent", 'seq_lens = [64]\nvla_chunk = 0\n', "vla_chunk must be >= 1, got 0"),
+    ("recurrent", 'seq_lens = [64]\novq_backend = "fast"\n', r"ovq_backend must be one of"),
+    ("blockmask", "seq_len = 512\nchunk_size = 100\nstate_rows = 64\n", "chunk_size must be a positive multiple of 16"),
+    ("viz", 'seq_lens = [64]\nmethod = "ovqq"\n', r"method must be one of \[.*'ovq'"),
+    ("viz", 'seq_lens = [64]\nmethod = "swa"\noptions = {windw = 3}\n', r"bad option for method 'swa'.*'windw'"),
+    ("decode", "seq_lens = [64]\nheads = 0\n[[scenario.cases]]\nname = \"o\"\nkind = \"ovq\"\n",
+     "heads must be >= 1, got 0"),
+    ("decode", "seq_lens = [64]\n[[scenario.cases]]\nname = \"o\"\nkind = \"ovq\"\nchunk_size = 100\n",
+     r"case 0 \('o'\): chunk_size must be a positive multiple of 16, got 100"),
+    ("generate", 'pattern = "swa,ovqq"\n', r"pattern names unknown mixer 'ovqq'"),
+    ("quantized", 'preset = "huge"\n', r"preset must be one of \["),
+    ("train", 'patterns = []\nseq_len = 64\n', r"patterns must list at least one item"),
+    ("train", 'patterns = ["swa,ovq"]\nseq_len = 64\nmodel_options = {chunk_size = 100}\n',
+     "chunk_size must be a positive multiple of 16, got 100"),
+    ("train", 'patterns = ["swa,ovq"]\nseq_len = 64\ntask_options = {n_querys = 2}\n',
+     r"unknown key 'n_querys' \(did you mean 'n_queries'\?\)"),
+    ("train", 'patterns = ["swa,ovq"]\nseq_len = 100000\n', "training length 100000 is too long for task 'icr'"),
+]
+
+
+@pytest.mark.parametrize("kind, keys, match", BAD_VALUES, ids=[
+    "ovq-chunk_size", "ovq-heads", "ovq-repeats", "kvm-budget", "vq-codebook_size", "routing-growth_factor",
+    "stages-layouts", "state_layout-backend", "state_layout-block_size", "recurrent-vla_chunk", "recurrent-ovq_backend",
+    "blockmask-chunk_size", "viz-method", "viz-options", "decode-heads", "decode-case-chunk_size", "generate-pattern",
+    "quantized-preset", "train-patterns", "train-model_options", "train-task_options", "train-seq_len"])
+def test_a_bad_value_is_refused_when_the_profile_loads(tmp_path, capsys, kind, keys, match):
+    """Every scenario builds, when the profile loads, the options, layers and configs its run will
+    build, and its ints must be >= 1 unless 0 has a meaning: a bad value in a profile's last scenario
+    had been found after the scenarios before it ran (minutes of a lent GPU's time)."""
+    test_bad_scenario_keys_are_named(tmp_path, capsys, KINDS_TABLE(kind) + keys, _in("s", kind) + ".*" + match)
+
+
 @pytest.mark.parametrize("text, match", [
     (DECODE.replace('kind = "ovq"\nchunk', 'kind = "vq"\nchunk') + 'decode = "static"\n',
      r"case 0: decode='static' needs a static cache, which VQAttention has not"),
     (GENERATE + 'pattern = "swa,vq"\ndecodes = ["functional", "static"]\n',
-     r"scenario 'g': decodes \['functional', 'static'\] need a static cache, which mixer 'vq' \(VQAttention\) has not"),
+     IN_G + r"decodes \['functional', 'static'\] need a static cache, which mixer 'vq' \(VQAttention\) has not"),
 ], ids=["decode", "generate"])
 def test_a_static_decode_of_a_layer_without_a_static_cache_is_refused(tmp_path, capsys, monkeypatch, text, match):
     """As for a plugged-in method with a functional cache only (every built-in layer has a static one:
