@@ -2,6 +2,7 @@
 forward+backward, in fp32 or bf16, with FLOP efficiency."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -193,9 +194,22 @@ class KVMStateKeys:
 STATE_METHODS = ("ovq", "kvm", "vq")
 
 
+#: the keys of a scenario that one method alone reads (:func:`method_options`)
+METHOD_KEYS = {"ovq": ("max_centroids",), "kvm": tuple(f.name for f in dataclasses.fields(KVMStateKeys)),
+               "vq": ("codebook_size",)}
+
+
 def method_options(method: str, keys) -> dict:
     """The op keyword options of ``method`` (one of :data:`STATE_METHODS`) from a scenario's keys: its
-    ``chunk_size``, OVQ's ``max_centroids``, KVM's keys (:class:`KVMStateKeys`)."""
+    ``chunk_size``, OVQ's ``max_centroids``, KVM's keys (:class:`KVMStateKeys`). A key another method
+    alone reads (:data:`METHOD_KEYS`), given a value other than its default, is refused: it would be
+    ignored (``budget = "power_law"`` in a scenario of method ``"ovq"`` had timed the plain OVQ op)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(keys)}
+    for other, names in METHOD_KEYS.items():
+        for name in names:
+            if other != method and name in defaults and getattr(keys, name) != defaults[name]:
+                raise ValueError(f"{name} = {getattr(keys, name)!r} is read by method {other!r} alone; "
+                                 f"this scenario's method is {method!r}")
     if method == "ovq":
         return dict(chunk_size=keys.chunk_size, max_centroids=keys.max_centroids)
     if method == "kvm":

@@ -107,6 +107,12 @@ BAD_VALUES = [  # kind, keys, the error: each had been accepted until its scenar
     ("routing", 'seq_lens = [64]\nmethod = "kvm"\nbudget = "power_law"\ngrowth_factor = -1.0\n',
      "growth_factor must be a finite number >= 0, got -1.0"),
     ("stages", 'seq_lens = [64]\nlayouts = []\n', r"layouts must list at least one item, got \[\]"),
+    ("stages", 'seq_lens = [64]\nbudget = "power_law"\n',
+     r"budget = 'power_law' is read by method 'kvm' alone; this scenario's method is 'ovq'"),
+    ("state_layout", 'seq_lens = [64]\nmethod = "kvm"\ncodebook_size = 64\n',
+     r"codebook_size = 64 is read by method 'vq' alone; this scenario's method is 'kvm'"),
+    ("routing", 'seq_lens = [64]\nmethod = "kvm"\nmax_centroids = 64\n',
+     r"max_centroids = 64 is read by method 'ovq' alone; this scenario's method is 'kvm'"),
     ("state_layout", 'seq_lens = [64]\nbackend = "cuda"\n', r"backend must be one of \[.*'flex'\], got 'cuda'"),
     ("state_layout", 'seq_lens = [64]\nblock_size = 100\n', r"block_size must be a power of two >= 16"),
     ("recurrent", 'seq_lens = [64]\nvla_chunk = 0\n', "vla_chunk must be >= 1, got 0"),
@@ -131,7 +137,8 @@ BAD_VALUES = [  # kind, keys, the error: each had been accepted until its scenar
 
 @pytest.mark.parametrize("kind, keys, match", BAD_VALUES, ids=[
     "ovq-chunk_size", "ovq-heads", "ovq-repeats", "kvm-budget", "vq-codebook_size", "routing-growth_factor",
-    "stages-layouts", "state_layout-backend", "state_layout-block_size", "recurrent-vla_chunk", "recurrent-ovq_backend",
+    "stages-layouts", "stages-kvm-key-of-ovq", "state_layout-vq-key-of-kvm", "routing-ovq-key-of-kvm",
+    "state_layout-backend", "state_layout-block_size", "recurrent-vla_chunk", "recurrent-ovq_backend",
     "blockmask-chunk_size", "viz-method", "viz-options", "decode-heads", "decode-case-chunk_size", "generate-pattern",
     "quantized-preset", "train-patterns", "train-model_options", "train-task_options", "train-seq_len"])
 def test_a_bad_value_is_refused_when_the_profile_loads(tmp_path, capsys, kind, keys, match):
@@ -286,9 +293,10 @@ def test_state_layout_reports_each_layouts_rows_width_and_what_its_backward_keep
     from ovqflex.bench.scenarios.op import kvm_extra, op_inputs, ovq_extra, vq_extra
     from ovqflex.ops import kvm_program, ovq_program, vq_program
 
+    method_keys = {"ovq": dict(max_centroids=8), "kvm": dict(budget="power_law", growth_factor=4.0, max_state_chunks=0),
+                   "vq": dict(codebook_size=8)}[method]
     table = {"kind": "state_layout", "name": "sl", "method": method, "seq_lens": [96], "heads": 2, "head_dim": 16,
-             "chunk_size": 16, "block_size": 32, "max_centroids": 8, "codebook_size": 8, "budget": "power_law",
-             "growth_factor": 4.0, "max_state_chunks": 0, "repeats": 1}
+             "chunk_size": 16, "block_size": 32, "repeats": 1, **method_keys}
     rows = _run(table)
     assert [r["case"] for r in rows] == [f"{lay} blocked {what}" for lay in ("snapshot", "versioned")
                                          for what in ("fwd", "fwd+bwd")]
