@@ -138,7 +138,9 @@ class HybridLM(nn.Module):
 
     def forward(self, tokens: Tensor, cache: ModelCache | None = None, use_cache: bool = False, *,
                 return_aux: bool = False):
-        """tokens ``[B, T]`` int64 -> logits ``[B, T, vocab]``; with ``return_aux=True``
+        """tokens ``[B, T]`` int64 ids in ``[0, vocab_size)`` (not checked here: a check would stop the
+        compiled graph at every call; an id out of range is an IndexError on a CPU and a device-side
+        assert on CUDA; :meth:`generate` checks its prompt) -> logits ``[B, T, vocab]``; with ``return_aux=True``
         ``(logits, aux_loss)`` (0-d fp32, the sum of the mixers' auxiliary losses; 0 when no
         mixer has one); with ``use_cache=True`` or a ``cache`` (:class:`ModelCache`, inference)
         ``(logits, cache)``."""
@@ -216,6 +218,11 @@ class HybridLM(nn.Module):
         if check_tensor("prompt", prompt, 2).shape[1] == 0:
             raise ValueError(f"prompt must hold at least one token per row (the first new token is sampled from "
                              f"the last prompt token's logits), got shape {tuple(prompt.shape)}")
+        if prompt.dtype != torch.int64:
+            raise TypeError(f"prompt must be int64 token ids, got {prompt.dtype}")
+        if prompt.numel() and not (0 <= int(prompt.min()) and int(prompt.max()) < self.config.vocab_size):
+            raise ValueError(f"prompt ids must lie in [0, {self.config.vocab_size}) (the model's vocab_size), got "
+                             f"ids from {int(prompt.min())} to {int(prompt.max())}")
         if decode == "graph" and prompt.device.type != "cuda":
             raise ValueError(f"decode='graph' replays the decode step from a CUDA graph: it needs the model and "
                              f"prompt on a CUDA device, got {prompt.device}; use decode='compiled'")

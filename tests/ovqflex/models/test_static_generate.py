@@ -51,6 +51,18 @@ def test_an_empty_prompt_is_refused_by_name():
         _model("swa").generate(torch.zeros(2, 0, dtype=torch.long), 3)
 
 
+@pytest.mark.parametrize("prompt, error, match", [
+    (torch.tensor([[3, 64]]), ValueError, r"prompt ids must lie in \[0, 64\) \(the model's vocab_size\), got ids from 3 to 64"),
+    (torch.tensor([[-1, 5]]), ValueError, r"prompt ids must lie in \[0, 64\) .* got ids from -1 to 5"),
+    (torch.tensor([[3.0, 5.0]]), TypeError, "prompt must be int64 token ids, got torch.float32"),
+], ids=["vocab", "negative", "float"])
+def test_a_prompt_the_embedding_cannot_read_is_refused_by_name(prompt, error, match):
+    """An id out of the vocab had reached ``nn.Embedding``: an IndexError on a CPU, on CUDA a device-side
+    assert that ends the process's use of the GPU."""
+    with pytest.raises(error, match=match):
+        _model("swa").generate(prompt, 2)
+
+
 def test_graph_generate_needs_cuda():
     prompt = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="decode='graph' .* CUDA device, got cpu; use decode='compiled'"):
