@@ -11,6 +11,9 @@ from ..models.hybrid import DECODES
 from .flags import (add_config_flags, add_device, comma_list, config_from_args, id_list, int_list, label_list,
                     parse_options, seed_list)
 
+#: the help of eval's, probe's and generate's --checkpoint (:func:`ovqflex.training.checkpoint.run_checkpoint`)
+CHECKPOINT_HELP = "one of the run's checkpoints, by directory or name (step_00004000); default: its latest"
+
 
 def _cmd_train(args) -> int:
     """Train a model on the config the flags make (or resume one)."""
@@ -171,7 +174,7 @@ def add_eval(sub) -> None:
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--override", action="append", metavar="NAME=VALUE",
                    help="test-time mixer override, e.g. max_centroids=4096 or backend=blocked (repeatable)")
-    s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    s.add_argument("--checkpoint", default=None, help=CHECKPOINT_HELP)
     s.add_argument("--name", default=None, help="report file stem in the run directory (default: eval, or with "
                    "overrides e.g. eval-max_centroids-4096, so evaluations with other overrides keep their reports)")
     add_device(s)
@@ -186,7 +189,7 @@ def add_probe(sub) -> None:
     s.add_argument("--length", type=int, default=None, help="context length (default: the training length)")
     s.add_argument("--examples", type=int, default=64, help="examples (those ovqflex eval measures at this length)")
     s.add_argument("--batch-size", type=int, default=16)
-    s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    s.add_argument("--checkpoint", default=None, help=CHECKPOINT_HELP)
     add_device(s)
     s.set_defaults(fn=_cmd_probe)
 
@@ -275,6 +278,6 @@ def add_generate(sub) -> None:
     s.add_argument("--decode", default="functional", choices=list(DECODES),
                    help="the decode path (HybridLM.generate): functional caches, or the in-place static caches "
                         "eager, compiled, or compiled and replayed from a CUDA graph (CUDA only)")
-    s.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
+    s.add_argument("--checkpoint", default=None, help=CHECKPOINT_HELP)
     add_device(s)
     s.set_defaults(fn=_cmd_generate)

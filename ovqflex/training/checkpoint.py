@@ -222,6 +222,25 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def run_checkpoint(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None) -> Path:
+    """The checkpoint of run ``run_dir`` that ``checkpoint`` names: ``None`` its latest; else one of its
+    checkpoint directories, by path or by name (``step_00004000``). A checkpoint of another run is refused:
+    what eval and probe measure with it is written into ``run_dir``, under that run's name."""
+    found = list_checkpoints(run_dir)
+    if checkpoint is None:
+        if not found:
+            raise CheckpointError(f"{run_dir} has no checkpoint (train it first: ovqflex train --out {run_dir})")
+        return found[-1]
+    for path in (Path(checkpoint), checkpoint_dir(run_dir) / checkpoint):
+        if path.is_dir() and any(path.resolve() == p.resolve() for p in found):
+            return path
+    names = ", ".join(p.name for p in found) or "none"
+    if Path(checkpoint).is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint} is not one of run {run_dir}'s checkpoints ({names}): its "
+                              f"report would be written into {run_dir}; evaluate the run it belongs to")
+    raise CheckpointError(f"run {run_dir} has no checkpoint {str(checkpoint)!r}; its checkpoints: {names}")
+
+
 def _read_json(path: Path, what: str) -> dict:
     try:
         doc = json.loads(path.read_text())

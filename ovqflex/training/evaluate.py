@@ -20,7 +20,7 @@ import torch
 from ..devices import resolve_device, to_device
 from ..files import write_atomic
 from ..tasks import IGNORE, make_batch
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from .checkpoint import load_checkpoint, run_checkpoint
 from .setup import build_task, check_lengths, model_from_checkpoint, train_config_of
 from .trainer import forward_loss
 
@@ -43,9 +43,7 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
-    if path is None:
-        raise CheckpointError(f"{run_dir} has no checkpoint (train it first: ovqflex train --out {run_dir})")
+    path = run_checkpoint(run_dir, checkpoint)
     dev = resolve_device(device)
     ckpt = load_checkpoint(path, map_location=dev)
     cfg = train_config_of(ckpt)

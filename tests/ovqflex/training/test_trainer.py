@@ -556,6 +556,33 @@ def test_eval_and_resume_refuse_a_checkpoint_that_does_not_fit_its_configs(tmp_p
         train(TrainConfig(**{**c.to_dict(), "steps": 4}), resume=True)
 
 
+def test_eval_reads_a_checkpoint_of_its_run_by_path_or_name_and_refuses_another_runs(tmp_path):
+    """A report is written into the run evaluated: a checkpoint of another run had been measured and
+    written there under the wrong run's name."""
+    c = cfg(tmp_path, steps=4, ckpt_every=2)
+    train(c)
+    run, older = Path(c.out), Path(c.out) / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    by_path = evaluate(run, [64], n_examples=2, checkpoint=str(older), name="by-path")
+    by_name = evaluate(run, [64], n_examples=2, checkpoint="step_00000002", name="by-name")
+    assert by_path["step"] == by_name["step"] == 2
+    assert [r["accuracy"] for r in by_path["rows"]] == [r["accuracy"] for r in by_name["rows"]]
+    assert evaluate(run, [64], n_examples=2, name="latest")["step"] == 4
+    other = cfg(tmp_path, out=str(tmp_path / "other"), steps=2)
+    train(other)
+    with pytest.raises(CheckpointError, match=rf"checkpoint .*other.*step_00000002 is not one of run {run}'s "
+                                              r"checkpoints \(step_00000002, step_00000004\): its report would be "
+                                              rf"written into {run}; evaluate the run it belongs to"):
+        evaluate(run, [64], n_examples=2, checkpoint=str(Path(other.out) / "checkpoints" / "step_00000002"))
+    with pytest.raises(CheckpointError, match=rf"run {run} has no checkpoint 'step_00000003'; its checkpoints: "
+                                              r"step_00000002, step_00000004"):
+        evaluate(run, [64], n_examples=2, checkpoint="step_00000003")
+    assert not (run / "eval.json").exists()
+    (tmp_path / "untrained").mkdir()
+    with pytest.raises(CheckpointError, match=r"untrained has no checkpoint \(train it first: ovqflex train --out "):
+        evaluate(tmp_path / "untrained", [64], n_examples=2)
+
+
 def test_a_run_saved_before_a_preset_changed_loads_its_saved_model(tmp_path, monkeypatch):
     """The saved model_config wins over what the preset builds today (named in a warning): runs
     saved before a preset change still evaluate and resume, as the model they trained."""
