@@ -28,9 +28,10 @@ def pattern_names(pattern: str, what: str = "pattern") -> list[str]:
     if "" in names:
         raise ValueError(f"{what} must be mixer names separated by single commas (e.g. 'swa,ovq'), "
                          f"got {pattern!r}")
-    unknown = [name for name in names if name not in available_mixers()]
+    mixers = available_mixers()
+    unknown = [name for name in names if name not in mixers]
     if unknown:
-        raise ValueError(f"{what} names unknown mixer {unknown[0]!r}; available: {available_mixers()}")
+        raise ValueError(f"{what} names unknown mixer {unknown[0]!r}; available: {mixers}")
     return names
 
 
