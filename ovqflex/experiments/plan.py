@@ -176,11 +176,10 @@ def _variants(exp: Experiment, model: ModelSpec, net: HybridLM, seq_len: int) ->
             try:
                 net.set_overrides(**net.set_overrides(**overrides))  # set (the layers check it), then restored
             except (ValueError, TypeError) as e:
-                raise ValueError(f"experiment {exp.name!r}: test-time {sweep.option}={overrides[sweep.option]!r} "
-                                 f"for model {model.label!r}: {e}") from None
+                raise ValueError(f"experiment {exp.name!r}, model {model.label!r}: test-time {e}") from None
             out.append(Variant(sweep.variant_name(seq_len), sweep.variant_label(model.label, seq_len), overrides))
             continue
-        values = {getattr(b.mixer, sweep.option) for b in net.blocks if hasattr(b.mixer, sweep.option)}
+        values = {getattr(b.mixer, sweep.option) for b in net.blocks if sweep.option in b.mixer.overrides}
         if len(values) != 1:
             raise ValueError(f"experiment {exp.name!r}: sweep of {sweep.option!r} over model {model.label!r}, but "
                              + (f"no mixer of pattern {model.pattern!r} has a test-time {sweep.option!r}" if not values

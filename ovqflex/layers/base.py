@@ -29,7 +29,8 @@ the q/k conv tail, gates …) and is passed on unchanged:
   ``static_boundary(static, position)`` (host-side work at some positions, e.g. OVQ's chunk end).
 
 ``cache_type`` (None: no decode cache) sets ``supports_cache``; ``call_options`` names the keyword
-options a call may give (OVQ's ``max_centroids``), passed to the op hooks.
+options a call may give (OVQ's ``max_centroids``), passed to the op hooks; ``overrides`` the attributes
+a test-time override may set (``ovqflex eval --override``, :meth:`ovqflex.models.HybridLM.set_overrides`).
 """
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ from typing import ClassVar
 
 from torch import Tensor, nn
 
-from recurrences.checks import check_int
+from recurrences.checks import check_choice, check_int
 from recurrences.compiling import prepare_compile
 
+from ..attention import BACKENDS
 from ..cache.base import LayerCache, StaticLayerCache, check_cache
 
 
@@ -52,6 +54,9 @@ class AttentionLayer(nn.Module):
     static_cache_type: ClassVar[type[StaticLayerCache] | None] = None  # None: no in-place decode path
     supports_cache: ClassVar[bool] = False  # set from cache_type by __init_subclass__
     call_options: ClassVar[tuple[str, ...]] = ()
+    #: the attributes a test-time override may set: each is read at every call and checked when set, and
+    #: no parameter depends on it (an attribute read only when the layer is built would change nothing)
+    overrides: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -66,6 +71,16 @@ class AttentionLayer(nn.Module):
         # dynamo's default 8 a process that builds many (an experiment, a sweep, the cuda tier)
         # would fall back to eager silently; inductor's CPU scatter-add is mended at the first compile.
         prepare_compile()
+
+    @property
+    def backend(self) -> str | None:
+        """The attention backend, one of :data:`ovqflex.attention.BACKENDS` (None: a layer that runs no
+        attention program, the linear recurrences); checked when set."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str | None) -> None:
+        self._backend = value if value is None else check_choice("backend", value, BACKENDS)
 
     def forward(self, x: Tensor, cache: LayerCache | None = None, use_cache: bool = False, *,
                 return_aux: bool = False, **call):

@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_choice, check_int, check_layer_input
+from recurrences.checks import check_int, check_layer_input
 from recurrences.precision import rounded, to_compute_dtype, widened
 
-from ..attention import BACKENDS
 from ..profiling import stage
 from .base import AttentionLayer
 
@@ -41,8 +40,6 @@ class MultiHeadProjection(AttentionLayer):
                                  f"(or give head_dim)")
             head_dim = hidden_size // num_heads
         check_int("head_dim", head_dim)
-        if backend is not None:  # None: a layer that runs no attention program (linear recurrences)
-            check_choice("backend", backend, BACKENDS)
         self.hidden_size, self.num_heads, self.head_dim, self.backend = hidden_size, num_heads, head_dim, backend
         self.qkv_proj = nn.Linear(hidden_size, 3 * num_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)

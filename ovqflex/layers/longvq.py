@@ -31,10 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from masks.program import AttentionProgram
-from recurrences.checks import check_choice, check_int, check_layer_input, check_number, options_of
+from recurrences.checks import check_int, check_layer_input, check_number, options_of
 from recurrences.ema import damped_ema
 
-from ..attention import BACKENDS
 from ..cache.vq import LongVQCache, StaticLongVQCache
 from ..ops.vq import VQOptions, vq_program
 from ..profiling import stage
@@ -61,6 +60,7 @@ class LongVQBlock(VQMemory, OptionAttributes, AttentionLayer):
     standalone_block = True
     cache_type = LongVQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     static_cache_type = StaticLongVQCache
+    overrides = ("backend",)  # and the options (OptionAttributes)
     options_type = VQOptions
     fixed_options = ("estimator",)
 
@@ -73,7 +73,7 @@ class LongVQBlock(VQMemory, OptionAttributes, AttentionLayer):
         check_int("num_heads", num_heads)
         check_int("ema_dim", ema_dim)
         self.options = options_of(VQOptions, options, option_kwargs, "VQ options")
-        check_choice("backend", backend, BACKENDS)
+        self.backend = backend  # (checked when set)
         check_number("ffn_ratio", ffn_ratio)
         check_number("norm_eps", norm_eps)
         check_number("commitment_weight", commitment_weight, minimum=0.0, strict=False)
@@ -82,7 +82,7 @@ class LongVQBlock(VQMemory, OptionAttributes, AttentionLayer):
         H, Dv = num_heads, hidden_size // num_heads
         Dk = Dv if head_dim is None else check_int("head_dim", head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.head_dim_v = hidden_size, H, Dk, Dv
-        self.commitment_weight, self.backend = commitment_weight, backend
+        self.commitment_weight = commitment_weight
         # damped EMA parameters (MEGA's initialisation)
         self.ema_delta = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.2)
         self.ema_alpha = nn.Parameter(torch.randn(hidden_size, ema_dim) * 0.2)

@@ -10,8 +10,9 @@ class OptionAttributes:
     """Mixin of a layer whose options are ``self.options``, an instance of the frozen dataclass
     ``options_type``. Each field reads as an attribute (``layer.max_centroids``); setting one
     replaces ``self.options`` with a copy validated like a constructor argument, so test-time
-    overrides (:meth:`ovqflex.models.HybridLM.set_overrides`) are checked by name. The fields in
-    ``fixed_options`` cannot change once the layer is built (its parameters depend on them)."""
+    overrides (:meth:`ovqflex.models.HybridLM.set_overrides`) are checked by name: they join the
+    layer's ``overrides``. The fields in ``fixed_options`` cannot change once the layer is built (its
+    parameters depend on them)."""
 
     options_type: ClassVar[type]
     fixed_options: ClassVar[tuple[str, ...]] = ()
@@ -19,8 +20,10 @@ class OptionAttributes:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "options_type" in cls.__dict__:
-            for f in dataclasses.fields(cls.options_type):
-                setattr(cls, f.name, _option_attribute(f.name, f.name in cls.fixed_options))
+            names = [f.name for f in dataclasses.fields(cls.options_type)]
+            for name in names:
+                setattr(cls, name, _option_attribute(name, name in cls.fixed_options))
+            cls.overrides = (*cls.overrides, *(n for n in names if n not in cls.fixed_options))
 
 
 def _option_attribute(name: str, fixed: bool) -> property:

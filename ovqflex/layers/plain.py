@@ -29,6 +29,7 @@ class _PlainAttention(MultiHeadProjection):
 
     cache_type = PlainCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     static_cache_type = StaticPlainCache
+    overrides = ("backend",)
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
                  qk_norm: bool, backend: str, block_size: int, regions, qk_conv: int = 0):
@@ -108,6 +109,8 @@ class CausalAttention(_PlainAttention):
     on it, and it leaves contexts up to ``logn_len`` unchanged.
     """
 
+    overrides = (*_PlainAttention.overrides, "logn_len")
+
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, rope: bool = False,
                  rope_base: float = 10000.0, qk_norm: bool = False, qk_conv: int = 0, backend: str = "auto",
                  block_size: int = DEFAULT_BLOCK, logn_len: int = 0):
@@ -138,7 +141,13 @@ class CausalAttention(_PlainAttention):
 class SlidingWindowAttention(_PlainAttention):
     """Sliding-window attention with RoPE: a token window of ``window`` tokens, or a
     block window of ``block_window`` chunks of ``chunk_size``; ``n_sinks`` first
-    tokens always visible (StreamingLLM)."""
+    tokens always visible (StreamingLLM).
+
+    ``window``, ``block_window`` and ``n_sinks`` may be set on a built layer (no parameter depends on
+    them; ``ovqflex eval --override window=1024``): setting one rebuilds the layer's regions, checked as
+    the constructor checks them; a token window replaces a block window and the other way round."""
+
+    overrides = (*_PlainAttention.overrides, "window", "block_window", "n_sinks")
 
     def __init__(self, hidden_size: int, num_heads: int, *, window: int | None = 512,
                  block_window: int | None = None, chunk_size: int = 128, n_sinks: int = 0,
@@ -146,9 +155,24 @@ class SlidingWindowAttention(_PlainAttention):
                  qk_norm: bool = False, qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
         if block_window is not None:
             window = None
-        regions = window_regions("SlidingWindowAttention", "CausalAttention", window=window, block_window=block_window,
-                                 chunk_size=chunk_size, n_sinks=n_sinks)
+        shape = dict(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
-                         qk_norm=qk_norm, backend=backend, block_size=block_size, regions=regions,
+                         qk_norm=qk_norm, backend=backend, block_size=block_size, regions=self._regions(shape),
                          qk_conv=qk_conv)
-        self.window, self.block_window, self.chunk_size, self.n_sinks = window, block_window, chunk_size, n_sinks
+        self._shape = shape
+
+    @staticmethod
+    def _regions(shape: dict) -> tuple:
+        return window_regions("SlidingWindowAttention", "CausalAttention", **shape)
+
+    def _reshape(self, **change) -> None:
+        """The window's ``shape`` changed by ``change``, and the regions of it."""
+        shape = {**self._shape, **change}
+        self.regions, self._shape = self._regions(shape), shape
+
+    window = property(lambda self: self._shape["window"],
+                      lambda self, value: self._reshape(window=value, block_window=None))
+    block_window = property(lambda self: self._shape["block_window"],
+                            lambda self, value: self._reshape(block_window=value, window=None))
+    n_sinks = property(lambda self: self._shape["n_sinks"], lambda self, value: self._reshape(n_sinks=value))
+    chunk_size = property(lambda self: self._shape["chunk_size"])

@@ -257,18 +257,31 @@ class HybridLM(nn.Module):
 
     def set_overrides(self, **overrides) -> dict:
         """Test-time overrides of mixer attributes, e.g. ``max_centroids=8192`` for every OVQ
-        layer. Returns the previous values (pass them back to restore). An override that no
-        mixer has is refused."""
-        previous = {}
-        for key, value in overrides.items():
-            mixers = [b.mixer for b in self.blocks if hasattr(b.mixer, key)]
-            if not mixers:
-                raise ValueError(f"override {key}={value!r}: no mixer of pattern "
-                                 f"{self.config.pattern!r} has an attribute {key!r}")
-            previous[key] = getattr(mixers[0], key)
-            for m in mixers:
-                setattr(m, key, value)
-        return previous
+        layer. Returns the previous values (pass them back to restore). Each key must be one of a
+        mixer's ``overrides`` (:class:`~ovqflex.layers.AttentionLayer`: read at every call, no
+        parameter depends on it) and is set on every mixer that has it; a bad value is refused by
+        the layer, and then no override is left set. (Any attribute had been set: ``window`` on a
+        window layer, read only when it was built, changed nothing.)"""
+        allowed = sorted({name for b in self.blocks for name in b.mixer.overrides})
+        done: list[tuple[nn.Module, str, object]] = []  # (mixer, key, its value before): undone on an error
+        try:
+            for key, value in overrides.items():
+                mixers = [b.mixer for b in self.blocks if key in b.mixer.overrides]
+                if not mixers:
+                    raise ValueError(f"override {key}={value!r}: no mixer of pattern {self.config.pattern!r} "
+                                     f"takes {key!r} at test time; they take {allowed or 'none'}")
+                for m in mixers:
+                    before = getattr(m, key)
+                    try:
+                        setattr(m, key, value)
+                    except (ValueError, TypeError) as e:  # (the layer's check, by the option's name)
+                        raise type(e)(f"override {key}={value!r}: {e}") from None
+                    done.append((m, key, before))
+        except BaseException:
+            for m, key, before in reversed(done):
+                setattr(m, key, before)
+            raise
+        return {key: next(before for _, k, before in done if k == key) for key in overrides}
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

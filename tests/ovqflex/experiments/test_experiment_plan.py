@@ -102,9 +102,12 @@ def test_bad_mixer_options_and_overrides_fail_at_plan_time(tmp_path):
     nope = ModelSpec("n", "swa,nope")
     with pytest.raises(ValueError, match="no mixer of pattern 'swa,nope' has a test-time 'max_centroids'"):
         plan(_exp(scale, nope, sweeps=(EvalSweep("max_centroids", (1, 2), ("n",)),)), "s", tmp_path)
-    mixed = ModelSpec("b", "swa,bswa")  # both have a chunk_size: the swa layer's is unused (128), bswa's is 16
-    with pytest.raises(ValueError, match=r"its mixers have different values \[16, 128\]"):
+    mixed = ModelSpec("b", "ovq,kvm", {"mixer_options": {"ovq": {"chunk_size": 32}}})  # kvm's: the config's 16
+    with pytest.raises(ValueError, match=r"its mixers have different values \[16, 32\]"):
         plan(_exp(scale, mixed, sweeps=(EvalSweep("chunk_size", (1, 2), ("b",)),)), "s", tmp_path)
+    built = ModelSpec("w", "swa,bswa")  # a window layer's chunk_size is read when it is built only
+    with pytest.raises(ValueError, match="no mixer of pattern 'swa,bswa' has a test-time 'chunk_size'"):
+        plan(_exp(scale, built, sweeps=(EvalSweep("chunk_size", (1, 2), ("w",)),)), "s", tmp_path)
 
 
 def test_eval_setting_takes_the_scales_training_length_and_is_checked_at_plan_time(tmp_path):
@@ -118,11 +121,11 @@ def test_eval_setting_takes_the_scales_training_length_and_is_checked_at_plan_ti
                                                               "overrides": {"logn_len": 2048}}
     scale = Scale(**BASE, task_options=dict(vocab_size=256, key_len=2, value_len=1))
     ovq = ModelSpec("m", "swa,ovq")
-    with pytest.raises(ValueError, match="test-time logn_len=64 for model 'm': override logn_len=64: no mixer of "
-                                         "pattern 'swa,ovq' has an attribute 'logn_len'"):
+    with pytest.raises(ValueError, match="experiment 't', model 'm': test-time override logn_len=64: no mixer "
+                                         "of pattern 'swa,ovq' takes 'logn_len' at test time"):
         plan(_exp(scale, ovq, sweeps=(EvalSetting("logn_len", TRAIN_LENGTH, ("m",)),)), "s", tmp_path)
     nope = ModelSpec("n", "swa,nope")
-    with pytest.raises(ValueError, match="test-time logn_len=1 for model 'n': logn_len must be 0 .off. or an int >= 2"):
+    with pytest.raises(ValueError, match="model 'n': test-time override logn_len=1: logn_len must be 0 .off. or an int >= 2"):
         plan(_exp(scale, nope, sweeps=(EvalSetting("logn_len", 1, ("n",)),)), "s", tmp_path)
     ok = plan(_exp(scale, nope, sweeps=(EvalSetting("logn_len", 256, ("n",)),)), "s", tmp_path)
     assert [v.overrides for v in ok.runs[0].variants] == [{}, {"logn_len": 256}]

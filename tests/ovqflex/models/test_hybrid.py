@@ -132,6 +132,40 @@ def test_overrides_set_and_restore():
         model.set_overrides(window_size=3)
 
 
+@pytest.mark.parametrize("override, built", [
+    (dict(window=4), dict(window=4)),
+    (dict(n_sinks=2), dict(mixer_options={**SMALL["mixer_options"], "swa": {"n_sinks": 2}})),
+    (dict(block_window=2), dict(mixer_options={**SMALL["mixer_options"], "swa": {"block_window": 2}})),
+], ids=["window", "n_sinks", "block_window"])
+def test_a_window_override_computes_as_the_model_built_with_it(override, built):
+    """A window layer's window is its regions: an override rebuilds them (it had set an attribute
+    nothing read, and the eval it named measured the trained window)."""
+    x = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))
+    model, want = small("swa,ovq"), small("swa,ovq", **built)  # the same weights: no parameter reads the window
+    with torch.no_grad():
+        trained = model(x)
+        model.set_overrides(**override)
+        assert torch.equal(model(x), want(x))
+    assert not torch.equal(model(x), trained)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(training=False), r"override training=False: no mixer of pattern 'swa,ovq' takes 'training' at test "
+                           r"time; they take \['backend', 'block_size', 'block_window', .*'window'\]"),
+    (dict(rope_base=100.0), "no mixer of pattern 'swa,ovq' takes 'rope_base' at test time"),
+    (dict(max_centroids=64, window=-1), "override window=-1: window must be >= 1, got -1"),
+    (dict(max_centroids=64, backend="cuda"), r"override backend='cuda': backend must be one of \["),
+], ids=["not-an-option", "built-in", "bad-window", "bad-backend"])
+def test_an_override_is_a_test_time_option_with_a_good_value_or_none_is_set(overrides, match):
+    """Only what a layer reads at every call can be overridden, each value checked by the layer; on
+    an error no override stays set (a bad backend had been found at the first forward)."""
+    model = small("swa,ovq")
+    with pytest.raises((ValueError, TypeError), match=match):
+        model.set_overrides(**overrides)
+    ovq, swa = model.blocks[1].mixer, model.blocks[0].mixer
+    assert (ovq.max_centroids, swa.window, swa.backend, ovq.backend, swa.training) == (16, 16, "blocked", "blocked", True)
+
+
 def test_kvm_state_cap_override_changes_long_context_outputs():
     model = small("kvm", mixer_options={"kvm": {"budget": "power_law", "growth_factor": 8.0}})
     x = torch.randint(0, 64, (1, 128))
