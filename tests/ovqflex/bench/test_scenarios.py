@@ -276,12 +276,16 @@ def test_stages_time_each_stage_per_layout_next_to_the_kernel_and_sdpa():
     assert op["x_vs_sdpa"] == pytest.approx(by["sdpa causal fwd"]["time_s"] / op["time_s"])
 
 
+#: a small state of each method: the keys only it reads (a scenario refuses another method's)
+STATE_KEYS = {"ovq": dict(max_centroids=8), "kvm": dict(budget="power_law", growth_factor=4.0, max_state_chunks=0),
+              "vq": dict(codebook_size=8)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["kvm", "vq"])
 def test_stages_of_kvm_and_vq(method):
     table = {"kind": "stages", "name": "st", "method": method, "seq_lens": [64], "heads": 2, "head_dim": 16,
-             "chunk_size": 16, "codebook_size": 8, "budget": "power_law", "growth_factor": 4.0,
-             "max_state_chunks": 0, "layouts": ["versioned"], "dtype": "bf16", "repeats": 1}
+             "chunk_size": 16, "layouts": ["versioned"], "dtype": "bf16", "repeats": 1, **STATE_KEYS[method]}
     _check_stages(_run(table), 64, ["versioned"])
 
 
@@ -293,10 +297,8 @@ def test_state_layout_reports_each_layouts_rows_width_and_what_its_backward_keep
     from ovqflex.bench.scenarios.op import kvm_extra, op_inputs, ovq_extra, vq_extra
     from ovqflex.ops import kvm_program, ovq_program, vq_program
 
-    method_keys = {"ovq": dict(max_centroids=8), "kvm": dict(budget="power_law", growth_factor=4.0, max_state_chunks=0),
-                   "vq": dict(codebook_size=8)}[method]
     table = {"kind": "state_layout", "name": "sl", "method": method, "seq_lens": [96], "heads": 2, "head_dim": 16,
-             "chunk_size": 16, "block_size": 32, "repeats": 1, **method_keys}
+             "chunk_size": 16, "block_size": 32, "repeats": 1, **STATE_KEYS[method]}
     rows = _run(table)
     assert [r["case"] for r in rows] == [f"{lay} blocked {what}" for lay in ("snapshot", "versioned")
                                          for what in ("fwd", "fwd+bwd")]
