@@ -174,7 +174,8 @@ def _variants(exp: Experiment, model: ModelSpec, net: HybridLM, seq_len: int) ->
         if isinstance(sweep, EvalSetting):
             overrides = {sweep.option: sweep.resolved(seq_len)}
             try:
-                net.set_overrides(**net.set_overrides(**overrides))  # set (the layers check it), then restored
+                with net.overridden(**overrides):  # set (the layers check it), then restored
+                    pass
             except (ValueError, TypeError) as e:
                 raise ValueError(f"experiment {exp.name!r}, model {model.label!r}: test-time {e}") from None
             out.append(Variant(sweep.variant_name(seq_len), sweep.variant_label(model.label, seq_len), overrides))

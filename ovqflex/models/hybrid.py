@@ -11,6 +11,7 @@ their sum, which the trainer adds to the task loss. A mixer with ``standalone_bl
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -282,6 +283,20 @@ class HybridLM(nn.Module):
                 setattr(m, key, before)
             raise
         return {key: next(before for _, k, before in done if k == key) for key in overrides}
+
+    @contextlib.contextmanager
+    def overridden(self, **overrides):
+        """:meth:`set_overrides` for a ``with`` block, after which every mixer has its own value back
+        (the dict :meth:`set_overrides` returns holds one value per key: passed back, it gives mixers whose
+        values differed, an OVQ and a KVM layer's ``chunk_size``, the first one's)."""
+        before = [(b.mixer, key, getattr(b.mixer, key)) for key in overrides for b in self.blocks
+                  if key in b.mixer.overrides]
+        self.set_overrides(**overrides)
+        try:
+            yield self
+        finally:
+            for m, key, value in reversed(before):
+                setattr(m, key, value)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -166,6 +166,19 @@ def test_an_override_is_a_test_time_option_with_a_good_value_or_none_is_set(over
     assert (ovq.max_centroids, swa.window, swa.backend, ovq.backend, swa.training) == (16, 16, "blocked", "blocked", True)
 
 
+def test_overridden_gives_each_mixer_its_own_value_back():
+    """Mixers whose values differ (OVQ's chunk 32, KVM's the config's 16) get each its own back, where the
+    dict set_overrides returns holds one value per key."""
+    model = small("ovq,kvm", mixer_options={**SMALL["mixer_options"], "ovq": {"max_centroids": 16, "chunk_size": 32}})
+    ovq, kvm = model.blocks[0].mixer, model.blocks[1].mixer
+    with model.overridden(chunk_size=64, max_centroids=8) as same:
+        assert same is model and (ovq.chunk_size, kvm.chunk_size, ovq.max_centroids) == (64, 64, 8)
+    assert (ovq.chunk_size, kvm.chunk_size, ovq.max_centroids) == (32, 16, 16)
+    with pytest.raises(ValueError, match="override chunk_size=100"), model.overridden(chunk_size=100):
+        pass
+    assert (ovq.chunk_size, kvm.chunk_size) == (32, 16)
+
+
 def test_kvm_state_cap_override_changes_long_context_outputs():
     model = small("kvm", mixer_options={"kvm": {"budget": "power_law", "growth_factor": 8.0}})
     x = torch.randint(0, 64, (1, 128))
