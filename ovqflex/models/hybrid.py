@@ -109,6 +109,12 @@ class Block(nn.Module):
             out = h + self.mlp(self.norm2(h))
         return out, extra
 
+
+def _undo(done: list[tuple[nn.Module, str, object]]) -> None:
+    """Give each ``(mixer, key, value before)`` of ``HybridLM._override`` its value back, last first."""
+    for m, key, before in reversed(done):
+        setattr(m, key, before)
+
 class HybridLM(nn.Module):
     """A decoder-only LM whose layers mix sequence with the mixers of ``config.pattern``.
 
@@ -141,8 +147,8 @@ class HybridLM(nn.Module):
                 return_aux: bool = False):
         """tokens ``[B, T]`` int64 ids in ``[0, vocab_size)`` (not checked here: a check would stop the
         compiled graph at every call; an id out of range is an IndexError on a CPU and a device-side
-        assert on CUDA; :meth:`generate` checks its prompt) -> logits ``[B, T, vocab]``; with ``return_aux=True``
-        ``(logits, aux_loss)`` (0-d fp32, the sum of the mixers' auxiliary losses; 0 when no
+        assert on CUDA; :meth:`generate` checks its prompt) -> logits ``[B, T, vocab]``; with
+        ``return_aux=True`` ``(logits, aux_loss)`` (0-d fp32, the sum of the mixers' auxiliary losses; 0 when no
         mixer has one); with ``use_cache=True`` or a ``cache`` (:class:`ModelCache`, inference)
         ``(logits, cache)``."""
         check_tensor("tokens", tokens, 2)
@@ -221,9 +227,11 @@ class HybridLM(nn.Module):
                              f"the last prompt token's logits), got shape {tuple(prompt.shape)}")
         if prompt.dtype != torch.int64:
             raise TypeError(f"prompt must be int64 token ids, got {prompt.dtype}")
-        if prompt.numel() and not (0 <= int(prompt.min()) and int(prompt.max()) < self.config.vocab_size):
-            raise ValueError(f"prompt ids must lie in [0, {self.config.vocab_size}) (the model's vocab_size), got "
-                             f"ids from {int(prompt.min())} to {int(prompt.max())}")
+        if prompt.numel():
+            lo, hi = int(prompt.min()), int(prompt.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"prompt ids must lie in [0, {self.config.vocab_size}) (the model's vocab_size), "
+                                 f"got ids from {lo} to {hi}")
         if decode == "graph" and prompt.device.type != "cuda":
             raise ValueError(f"decode='graph' replays the decode step from a CUDA graph: it needs the model and "
                              f"prompt on a CUDA device, got {prompt.device}; use decode='compiled'")
@@ -263,8 +271,25 @@ class HybridLM(nn.Module):
         parameter depends on it) and is set on every mixer that has it; a bad value is refused by
         the layer, and then no override is left set. (Any attribute had been set: ``window`` on a
         window layer, read only when it was built, changed nothing.)"""
+        done = self._override(overrides)
+        return {key: next(before for _, k, before in done if k == key) for key in overrides}
+
+    @contextlib.contextmanager
+    def overridden(self, **overrides):
+        """:meth:`set_overrides` for a ``with`` block, after which every mixer has its own value back
+        (the dict :meth:`set_overrides` returns holds one value per key: passed back, it gives mixers whose
+        values differed, an OVQ and a KVM layer's ``chunk_size``, the first one's)."""
+        done = self._override(overrides)
+        try:
+            yield self
+        finally:
+            _undo(done)
+
+    def _override(self, overrides: dict) -> list[tuple[nn.Module, str, object]]:
+        """Set ``overrides`` (see :meth:`set_overrides`) -> ``(mixer, key, its value before)`` of each
+        value set; on an error those are undone before it is raised."""
         allowed = sorted({name for b in self.blocks for name in b.mixer.overrides})
-        done: list[tuple[nn.Module, str, object]] = []  # (mixer, key, its value before): undone on an error
+        done: list[tuple[nn.Module, str, object]] = []
         try:
             for key, value in overrides.items():
                 mixers = [b.mixer for b in self.blocks if key in b.mixer.overrides]
@@ -279,24 +304,9 @@ class HybridLM(nn.Module):
                         raise type(e)(f"override {key}={value!r}: {e}") from None
                     done.append((m, key, before))
         except BaseException:
-            for m, key, before in reversed(done):
-                setattr(m, key, before)
+            _undo(done)
             raise
-        return {key: next(before for _, k, before in done if k == key) for key in overrides}
-
-    @contextlib.contextmanager
-    def overridden(self, **overrides):
-        """:meth:`set_overrides` for a ``with`` block, after which every mixer has its own value back
-        (the dict :meth:`set_overrides` returns holds one value per key: passed back, it gives mixers whose
-        values differed, an OVQ and a KVM layer's ``chunk_size``, the first one's)."""
-        before = [(b.mixer, key, getattr(b.mixer, key)) for key in overrides for b in self.blocks
-                  if key in b.mixer.overrides]
-        self.set_overrides(**overrides)
-        try:
-            yield self
-        finally:
-            for m, key, value in reversed(before):
-                setattr(m, key, value)
+        return done
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -240,7 +240,12 @@ class StateMethodKeys(KVMStateKeys):
         check_choice("method", self.method, STATE_METHODS)
         for i, layout in enumerate(self.layouts):
             check_choice(f"layouts[{i}]", layout, STATE_LAYOUTS[:2])
-        check_method_options(self.method, self.method_parts()[3])
+        check_method_options(self.method, self.op_options())
+
+    def op_options(self) -> dict:
+        """The options the scenario's function runs its op with (checked when the profile loads): the
+        method's (:func:`method_options`); a kind with more keys adds them."""
+        return method_options(self.method, self)
 
     def method_parts(self) -> tuple:
         """``(program, op, extra, options)``: ``program(**inputs, **options)[0]`` is the op's attention program,

@@ -143,13 +143,10 @@ class StateLayoutScenario(Scenario, StateMethodKeys):
     def __post_init__(self):
         super().__post_init__()
         check_choice("backend", self.backend, BACKENDS)
-        check_method_options(self.method, self.layout_options())
 
-    def layout_options(self) -> dict:
-        """The op's options: the method's (:meth:`method_parts`), ``block_size``, ``checkpoint_every`` and
-        OVQ's ``growth``."""
-        options = dict(self.method_parts()[3], block_size=self.block_size,
-                       checkpoint_every=self.checkpoint_every or None)
+    def op_options(self) -> dict:
+        """The op's options: the method's, ``block_size``, ``checkpoint_every`` and OVQ's ``growth``."""
+        options = dict(super().op_options(), block_size=self.block_size, checkpoint_every=self.checkpoint_every or None)
         if self.method == "ovq":
             options["growth"] = self.growth
         return options
@@ -166,7 +163,7 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
     are ratios to the snapshot layout's same case (> 1: slower, more kept).
     """
     program_of, op, extra, _ = sc.method_parts()
-    options = sc.layout_options()
+    options = sc.op_options()
     dev, backend, repeats = torch.device(device), sc.backend, sc.repeats
     rows: list[dict] = []
     for T in sc.seq_lens:
