@@ -31,6 +31,16 @@ def assert_close(a, b, tol, what="", floor: float = 1e-2):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def float64_leaves(tensors):
+    """Float64 copies of ``tensors`` (a None stays None), each a new leaf recording gradients where its
+    original does: the same values as fp32 inputs, for the float64 result an fp32 op is measured against.
+    (An fp32 result compared with another fp32 result, a reference loop's or another layout's, carries both
+    runs' rounding: a gradient that sums many terms to a small value, such as a temperature's, then exceeds
+    the fp32 tolerance on rounding alone. The ops route on fp32 copies of the keys, so a float64 run of
+    fp32 inputs takes the fp32 run's decisions: docs/precision.md.)"""
+    return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+
+
 # the near-tie rule (docs/design.md §4.2 "Near ties", §9): two routings may differ where a token's two
 # best choices are within this similarity gap; outputs are then compared under identical routes
 NEAR_TIE = 1e-6

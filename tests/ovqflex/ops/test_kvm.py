@@ -11,7 +11,7 @@ import ovqflex
 from ovqflex.ops import kvm_program
 from recurrences.reference import kvm_attention_reference
 from tests.helpers import (FWD_TOL, GRAD_TOL, OLD_TORCH, assert_close, default_floats, dynamo_restarts,
-                           reference_on_routes)
+                           float64_leaves, reference_on_routes)
 
 BUDGETS = {
     "fixed": dict(budget="fixed"),
@@ -62,17 +62,21 @@ def test_fused_equals_reference(case):
     event("T a chunk multiple" if T % C == 0 else "T not a chunk multiple")
     q, k, v, params, leaves = inputs(B, H, D, T, seed, gated)
     out, state = ovqflex.kvm_attention(q, k, v, backend="blocked", return_state=True, **params, **kw)
+    # the loop in float64 on the same inputs (float64_leaves)
+    wide = float64_leaves(leaves)
+    names = ["q", "k", "v"] + [n for n, p in params.items() if p is not None]
+    wq, wk, wv, *wide_params = wide
+    wide_kw = {**params, **dict(zip(names[3:], wide_params))}
     # discrete decisions first (docs/design.md §9): the same state sizes, rows and founders as the loop,
     # up to near-ties
-    ref = reference_on_routes(lambda **forced: kvm_attention_reference(q, k, v, **params, **kw, **forced),
+    ref = reference_on_routes(lambda **forced: kvm_attention_reference(wq, wk, wv, **wide_kw, **kw, **forced),
                               routes=state.routes, founder=state.founder)
     assert state.sizes == ref.sizes
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
     # the state parameters are unused while T <= Nb*C: compare zeros then
     grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
-    ref_grads = torch.autograd.grad((ref.out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad((ref.out * w.double()).sum(), wide, allow_unused=True, materialize_grads=True)
     assert_close(out, ref.out, FWD_TOL[torch.float32], "forward")
-    names = ["q", "k", "v"] + [n for n, p in params.items() if p is not None]
     for name, a, b in zip(names, grads, ref_grads):
         assert_close(a, b, GRAD_TOL[torch.float32], f"d{name}", floor=0.1)
 

@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 import ovqflex
 from recurrences.reference import ovq_attention_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, default_floats, dynamo_restarts, reference_on_routes
+from tests.helpers import (FWD_TOL, GRAD_TOL, assert_close, default_floats, dynamo_restarts, float64_leaves,
+                           reference_on_routes)
 
 
 @st.composite
@@ -32,18 +33,19 @@ def inputs(B, H, D, T, seed, requires_grad=True):
 
 
 def _assert_fused_equals_reference(q, k, v, beta, kw: dict, seed: int):
-    """The blocked op against the loop: routes first (docs/design.md §9: the same discrete decisions, up
-    to near-ties), then the forward and the gradients of q, k, v, beta under those routes. Returns the
-    number of tokens routed differently (at near-ties)."""
+    """The blocked op against the loop run in float64 on the same inputs (``float64_leaves``): routes first
+    (docs/design.md §9: the same discrete decisions, up to near-ties), then the forward and the gradients of
+    q, k, v, beta under those routes. Returns the number of tokens routed differently (at near-ties)."""
     out, state = ovqflex.ovq_attention(q, k, v, beta, backend="blocked", return_state=True, **kw)
-    own = ovq_attention_reference(q, k, v, beta, **kw)
-    ref = reference_on_routes(lambda **forced: ovq_attention_reference(q, k, v, beta, **kw, **forced), own,
+    wide = float64_leaves([q, k, v, beta])
+    own = ovq_attention_reference(*wide, **kw)
+    ref = reference_on_routes(lambda **forced: ovq_attention_reference(*wide, **kw, **forced), own,
                               routes=state.routes)
     assert state.sizes[: len(ref.sizes) - 1] == ref.sizes[:-1]
-    assert torch.equal(state.counts, ref.counts[..., : state.counts.shape[-1]])
+    assert torch.equal(state.counts, ref.counts[..., : state.counts.shape[-1]].to(state.counts.dtype))
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
     grads = torch.autograd.grad((out * w).sum(), (q, k, v, beta))
-    ref_grads = torch.autograd.grad((ref.out * w).sum(), (q, k, v, beta))
+    ref_grads = torch.autograd.grad((ref.out * w.double()).sum(), wide)
     assert_close(out, ref.out, FWD_TOL[torch.float32], "forward")
     for name, a, b in zip(["q", "k", "v", "beta"], grads, ref_grads):
         # floor 0.1: a gradient that is analytically ~0 (one-token chunks) is held to 1e-5 absolute

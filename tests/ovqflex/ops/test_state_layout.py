@@ -11,7 +11,7 @@ import recurrences.versioned
 from masks.blocks import build_block_layout
 from ovqflex.ops.ovq import ovq_program
 from recurrences.versioned import plan_versioned
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, float64_leaves
 from tests.masks.test_blocks import listed
 from tests.ovqflex.ops.test_kvm import BUDGETS
 from tests.ovqflex.ops.test_kvm import inputs as kvm_inputs
@@ -24,16 +24,36 @@ def state_rows(program):
 
 
 def compare_layouts(run, leaves, seed, backends=("blocked",)):
-    """run(state_layout, backend) -> output; versioned == snapshot in forward and every leaf's gradient."""
-    ref = run("snapshot", "blocked")
+    """``run(state_layout, backend, *leaves)`` -> output: versioned == snapshot in the forward and every leaf's
+    gradient. The snapshot layout's result in float64 (on ``blocked``) is the reference: the versioned layout
+    equals it in float64 on each of ``backends`` to float64 precision, and in fp32 (on ``blocked``) to fp32's
+    tolerances (both layouts and dtypes route alike: ``float64_leaves``)."""
+    wide = float64_leaves(leaves)
+    ref = run("snapshot", "blocked", *wide)
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1))
-    ref_grads = torch.autograd.grad((ref * w).sum(), leaves, allow_unused=True, materialize_grads=True)
-    for backend in backends:
-        out = run("versioned", backend)
-        grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
-        assert_close(out, ref, FWD_TOL[torch.float32], f"{backend} forward")
-        for i, (a, b) in enumerate(zip(grads, ref_grads)):
-            assert_close(a, b, GRAD_TOL[torch.float32], f"{backend} grad of leaf {i}", floor=0.1)
+
+    def grads_of(out, xs):
+        return torch.autograd.grad((out * w.to(out.dtype)).sum(), xs, allow_unused=True, materialize_grads=True)
+
+    ref_grads = grads_of(ref, wide)
+    for xs, dtype, on in ((wide, torch.float64, backends), (leaves, torch.float32, ("blocked",))):
+        for backend in on:
+            out = run("versioned", backend, *xs)
+            assert out.dtype == dtype
+            assert_close(out, ref, FWD_TOL[dtype], f"{dtype} {backend} forward")
+            for i, (a, b) in enumerate(zip(grads_of(out, xs), ref_grads)):
+                assert_close(a, b, GRAD_TOL[dtype], f"{dtype} {backend} grad of leaf {i}", floor=0.1)
+
+
+def kvm_run(params, kw):
+    """``run`` for :func:`compare_layouts` of the KVM op: the leaves are q, k, v and ``params``' tensors, in order."""
+    names = [name for name, p in params.items() if p is not None]
+
+    def run(layout, backend, q, k, v, *tensors):
+        given = {**params, **dict(zip(names, tensors))}
+        return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **given, **kw)
+
+    return run
 
 
 @st.composite
@@ -57,7 +77,7 @@ def test_ovq_versioned_equals_snapshot(case):
     event(f"growth {kw['growth']}")
     q, k, v, beta = ovq_inputs(B, H, D, T, seed)
 
-    def run(layout, backend):
+    def run(layout, backend, q, k, v, beta):
         return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **kw)
 
     compare_layouts(run, (q, k, v, beta), seed, backends=("blocked", "dense"))
@@ -72,7 +92,7 @@ def test_ovq_every_growth_long_enough_to_checkpoint(growth, seeding, normalize):
     kw = dict(chunk_size=32, max_centroids=90, growth=growth, growth_horizon=512 if growth == "linear" else None,
               seeding=seeding, normalize_centroids=normalize, checkpoint_every=3, block_size=64)
 
-    def run(layout, backend):
+    def run(layout, backend, q, k, v, beta):
         return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **kw)
 
     compare_layouts(run, (q, k, v, beta), seed=9)
@@ -94,12 +114,8 @@ def kvm_cases(draw):
 @given(kvm_cases())
 def test_kvm_versioned_equals_snapshot(case):
     B, H, D, T, kw, gated, seed = case
-    q, k, v, params, leaves = kvm_inputs(B, H, D, T, seed, gated)
-
-    def run(layout, backend):
-        return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **params, **kw)
-
-    compare_layouts(run, leaves, seed, backends=("blocked", "dense"))
+    _, _, _, params, leaves = kvm_inputs(B, H, D, T, seed, gated)
+    compare_layouts(kvm_run(params, kw), leaves, seed, backends=("blocked", "dense"))
 
 
 @st.composite
@@ -118,7 +134,7 @@ def test_vq_versioned_equals_snapshot(case):
     q, k, v, cb, beta, lb = vq_inputs(B, H, D, T, N, seed)
     lb = lb if local else None
 
-    def run(layout, backend):
+    def run(layout, backend, q, k, v, beta, cb, lb=None):
         return ovqflex.vq_attention(q, k, v, cb, beta, local_bias=lb, backend=backend, state_layout=layout, **kw)[0]
 
     leaves = (q, k, v, beta, cb) + ((lb,) if local else ())
@@ -128,13 +144,9 @@ def test_vq_versioned_equals_snapshot(case):
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
 def test_kvm_every_budget_long_enough_to_checkpoint(budget):
     """Each budget once with several checkpoints and re-versioned rows (a fixed, readable case)."""
-    q, k, v, params, leaves = kvm_inputs(1, 2, 16, 16 * 20 + 9, seed=5)
+    _, _, _, params, leaves = kvm_inputs(1, 2, 16, 16 * 20 + 9, seed=5)
     kw = dict(chunk_size=16, n_bswa_chunks=2, checkpoint_every=3, block_size=32, **BUDGETS[budget])
-
-    def run(layout, backend):
-        return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **params, **kw)
-
-    compare_layouts(run, leaves, seed=5)
+    compare_layouts(kvm_run(params, kw), leaves, seed=5)
 
 
 def test_versioned_layout_is_memory_linear_and_auto_picks_it():
@@ -255,7 +267,7 @@ def test_memory_spacing_versioned_equals_snapshot(monkeypatch):
     plans = {p: plan_versioned(19, 32, 64, 1, align=16, per_token=p) for p in (1, 2)}
     assert n_state == plans[1].state_rows < plans[2].state_rows
 
-    def run(layout, backend):
+    def run(layout, backend, q, k, v, beta):
         return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, **kw)
 
     compare_layouts(run, (q, k, v, beta), seed=3)

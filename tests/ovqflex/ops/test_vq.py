@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 import ovqflex
 from recurrences.reference import vq_attention_reference
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, default_floats, dynamo_restarts, reference_on_routes
+from tests.helpers import (FWD_TOL, GRAD_TOL, assert_close, default_floats, dynamo_restarts, float64_leaves,
+                           reference_on_routes)
 
 
 @st.composite
@@ -42,24 +43,26 @@ def _case_id(case):
 @given(vq_cases())
 def test_linear_form_equals_quadratic_form(case):
     """Forward (<= 1e-5) and the gradients of q, v, beta, local bias and (DiVeQ) codebook
-    (<= 1e-4) equal the quadratic form; keys that no query reads through the state (the last
-    two chunks) get their exact key gradient."""
+    (<= 1e-4) equal the quadratic form's, run in float64 on the same inputs (``float64_leaves``); keys that
+    no query reads through the state (the last two chunks) get their exact key gradient."""
     B, H, D, T, N, kw, local, seed = case
     q, k, v, cb, beta, lb = inputs(B, H, D, T, N, seed)
     lb = lb if local else None
     out, aux = ovqflex.vq_attention(q, k, v, cb, beta, local_bias=lb, backend="blocked", **kw)
+    wide = float64_leaves([q, k, v, cb, beta, lb])
     # codes first (docs/design.md §9): the reference's, up to near-ties
-    ref = reference_on_routes(lambda **forced: vq_attention_reference(q, k, v, cb, beta, local_bias=lb, **kw, **forced),
+    ref = reference_on_routes(lambda **forced: vq_attention_reference(*wide[:5], local_bias=wide[5], **kw, **forced),
                               codes=aux["codes"])
     assert_close(out, ref.out, FWD_TOL[torch.float32], f"{_case_id(case)} forward")
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
-    names, wrt = ["q", "k", "v", "beta"], [q, k, v, beta]
+    names, which = ["q", "k", "v", "beta"], [0, 1, 2, 4]
     if local:
-        names, wrt = names + ["local_bias"], wrt + [lb]
+        names, which = names + ["local_bias"], which + [5]
     if kw["estimator"] == "diveq":
-        names, wrt = names + ["codebook"], wrt + [cb]
-    grads = dict(zip(names, torch.autograd.grad((out * w).sum(), wrt)))
-    ref_grads = dict(zip(names, torch.autograd.grad((ref.out * w).sum(), wrt)))
+        names, which = names + ["codebook"], which + [3]
+    mine = [q, k, v, cb, beta, lb]
+    grads = dict(zip(names, torch.autograd.grad((out * w).sum(), [mine[i] for i in which])))
+    ref_grads = dict(zip(names, torch.autograd.grad((ref.out * w.double()).sum(), [wide[i] for i in which])))
     for name in names:
         if name in ("k", "codebook"):
             continue
