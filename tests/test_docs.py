@@ -84,3 +84,57 @@ def test_every_flag_a_page_shows_exists(page):
     for command, flags in shown.items():
         missing = flags - set(commands[command]._option_string_actions)
         assert not missing, f"{page} shows ovqflex {command} {sorted(missing)}"
+
+
+# the repository's code: where a page's FILE.py::NAME citations point
+SOURCES = sorted(p.relative_to(ROOT).as_posix() for d in ("ovqflex", "recurrences", "masks", "tests", "tools")
+                 for p in (ROOT / d).rglob("*.py"))
+NAMED_FILE = re.compile(r"(?<![\w/.])((?:ovqflex|recurrences|masks|tests|tools|profiles|docs)/[\w/.\-]+"
+                        r"\.(?:py|toml|sh|md))")
+CITED = re.compile(r"(?<![\w/.])([\w/.\-]*\.py)::(\w+)")
+
+
+def unwrapped(text: str) -> str:
+    """A page's text with names wrapped after an underscore (``test_a_long_\\nname``) joined."""
+    return re.sub(r"_\n\s*", "_", text)
+
+
+def cited_files(cited: str) -> list[str]:
+    """The files of the repository a citation's path may mean: the path from the root, else every source file
+    whose path ends with it (``ops/test_ovq.py``; ``rec/`` is the short form of ``recurrences/`` in
+    docs/design.md's tables)."""
+    path = re.sub(r"^rec/", "recurrences/", cited)
+    return [path] if (ROOT / path).is_file() else [s for s in SOURCES if s.endswith("/" + path)]
+
+
+def defines(path: pathlib.Path, name: str) -> bool:
+    """Whether the module at ``path`` defines ``name``: a function, class or method, or a module-level name."""
+    return re.search(rf"^\s*(?:async def|def|class) {name}\b|^{name}\b\s*(?::|=)", path.read_text(), re.M) is not None
+
+
+def test_citations_are_unwrapped_and_resolved():
+    text = "kept by `tests/ovqflex/ops/test_vq.py::test_a_\n  b` and `ops/test_ovq.py::test_bad_arguments`."
+    assert CITED.findall(unwrapped(text)) == [("tests/ovqflex/ops/test_vq.py", "test_a_b"),
+                                              ("ops/test_ovq.py", "test_bad_arguments")]
+    assert cited_files("ops/test_ovq.py") == ["tests/ovqflex/ops/test_ovq.py"]
+    assert cited_files("rec/vla.py") == ["recurrences/vla.py"]
+    assert set(cited_files("test_kvm.py")) == {"tests/ovqflex/ops/test_kvm.py", "tests/ovqflex/layers/test_kvm.py"}
+    assert defines(ROOT / "tests/test_docs.py", "defines") and defines(ROOT / "tests/test_docs.py", "SOURCES")
+    assert not defines(ROOT / "tests/test_docs.py", "fines")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_file_and_name_a_page_cites_exists(page):
+    """Each repository file a page names exists, and each ``FILE.py::NAME`` it cites (a test that keeps a claim,
+    the code that does a thing) is defined in that file: a moved or renamed test cannot leave a page citing it.
+    docs/adding-a-method.md names the files of its example method ``mym``, which a reader writes."""
+    text = unwrapped((ROOT / page).read_text())
+    wrong = [f"names {path}: no such file" for path in NAMED_FILE.findall(text)
+             if not (ROOT / path).exists() and "mym" not in path]
+    for path, name in CITED.findall(text):
+        files = cited_files(path)
+        if not files:
+            wrong.append(f"cites {path}::{name}: no file of the repository is {path} or ends with it")
+        elif not any(defines(ROOT / f, name) for f in files):
+            wrong.append(f"cites {path}::{name}: not defined in {files}")
+    assert not wrong, f"{page}:\n" + "\n".join(wrong)
