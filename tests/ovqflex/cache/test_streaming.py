@@ -119,14 +119,18 @@ def test_a_float64_layer_decodes_like_its_float64_forward(name):
 @pytest.mark.parametrize("name", ["ovq-plateau", "kvm-fixed", "swa-20-sinks", "vq", "longvq", "linear-outnorm-conv",
                                   "deltanet-outnorm-conv", "vla-outnorm-conv-r12c4"])
 def test_a_cache_can_be_continued_twice(name):
-    """Decoding does not mutate the cache it was given: one prefix, two continuations."""
+    """Decoding does not mutate the cache it was given: one prefix, two continuations, each across two chunk
+    ends (chunks of 16). The prefix is a prefill and a decode across a chunk end, so the cache has room to
+    spare: OVQ's dictionary, allocated at its size by the prefill, grows into new tensors at the first chunk
+    end, and the continuations' chunk ends then write rows the given cache holds."""
     layer = _perturbed(LAYERS[name]())
-    x = torch.randn(1, 70, HIDDEN)
+    x = torch.randn(1, 90, HIDDEN)
     with torch.no_grad():
-        _, cache = layer(x[:, :48], use_cache=True)
+        _, cache = layer(x[:, :40], use_cache=True)
+        _, cache = layer(x[:, 40:52], cache=cache)
         before = [t.clone() for t in cache.tensors()]
-        a, _ = layer(x[:, 48:], cache=cache)
-        b, _ = layer(x[:, 48:], cache=cache)
+        a, _ = layer(x[:, 52:], cache=cache)
+        b, _ = layer(x[:, 52:], cache=cache)
     assert torch.equal(a, b)
     assert all(torch.equal(t, u) for t, u in zip(before, cache.tensors()))
 
