@@ -268,5 +268,5 @@ def options_of(cls: type, options: object, kwargs: dict, what: str):
     if kwargs:
         raise TypeError(f"{what}: give options or keyword options, not both (got options and {sorted(kwargs)})")
     if not isinstance(options, cls):
-        raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
+        raise TypeError(f"options must be of type {cls.__name__}, got {type(options).__name__}")
     return plain_options(options)

@@ -105,11 +105,15 @@ def test_flex_forward_equals_reference(T, kw):
     (dict(beta=torch.ones(3)), "beta"), (dict(chunk_size=20), "chunk_size"), (dict(max_centroids=0), "max_centroids"),
     (dict(growth="exp"), "growth"), (dict(seeding="kmeans++"), "seeding"), (dict(growth_horizon=0), "growth_horizon"),
     (dict(block_size=0), "block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got 0"),
-], ids=["beta", "chunk", "N0", "growth", "seeding", "horizon", "block-0"])
+    (dict(q=torch.randn(1, 2, 39, 16)), "q and k must have the same length T; got q T=39, k T=40"),
+    (dict(options=ovqflex.OVQOptions(chunk_size=16)), "OVQ options: give options or keyword options, not both"),
+    (dict(options="chunk_size=16", max_centroids=None), "options must be of type OVQOptions, got str"),
+], ids=["beta", "chunk", "N0", "growth", "seeding", "horizon", "block-0", "q-length", "options-and-keywords",
+        "options-type"])
 def test_bad_arguments(kw, match):
     q, k, v, beta = inputs(1, 2, 16, 40, seed=0, requires_grad=False)
-    args = dict(max_centroids=8) | kw
-    beta = args.pop("beta", beta)
+    args = {name: value for name, value in (dict(max_centroids=8) | kw).items() if value is not None}
+    q, beta = args.pop("q", q), args.pop("beta", beta)
     with pytest.raises((ValueError, TypeError), match=match):
         ovqflex.ovq_attention(q, k, v, beta, **args)
 
