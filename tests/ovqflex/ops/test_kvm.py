@@ -53,6 +53,13 @@ def inputs(B, H, D, T, seed, gated=True, requires_grad=True):
     return q, k, v, params, leaves
 
 
+def params_of(params: dict, tensors) -> dict:
+    """``params`` (as :func:`inputs` gives them) with its tensors replaced by ``tensors``, in the order of the
+    leaves after q, k, v (e.g. their float64 copies)."""
+    names = [name for name, p in params.items() if p is not None]
+    return {**params, **dict(zip(names, tensors, strict=True))}
+
+
 @settings(max_examples=100)
 @given(kvm_cases())
 def test_fused_equals_reference(case):
@@ -64,9 +71,8 @@ def test_fused_equals_reference(case):
     out, state = ovqflex.kvm_attention(q, k, v, backend="blocked", return_state=True, **params, **kw)
     # the loop in float64 on the same inputs (float64_leaves)
     wide = float64_leaves(leaves)
-    names = ["q", "k", "v"] + [n for n, p in params.items() if p is not None]
     wq, wk, wv, *wide_params = wide
-    wide_kw = {**params, **dict(zip(names[3:], wide_params))}
+    wide_kw = params_of(params, wide_params)
     # discrete decisions first (docs/design.md §9): the same state sizes, rows and founders as the loop,
     # up to near-ties
     ref = reference_on_routes(lambda **forced: kvm_attention_reference(wq, wk, wv, **wide_kw, **kw, **forced),
@@ -77,6 +83,7 @@ def test_fused_equals_reference(case):
     grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
     ref_grads = torch.autograd.grad((ref.out * w.double()).sum(), wide, allow_unused=True, materialize_grads=True)
     assert_close(out, ref.out, FWD_TOL[torch.float32], "forward")
+    names = ["q", "k", "v"] + [n for n, p in params.items() if p is not None]
     for name, a, b in zip(names, grads, ref_grads):
         assert_close(a, b, GRAD_TOL[torch.float32], f"d{name}", floor=0.1)
 

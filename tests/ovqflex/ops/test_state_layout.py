@@ -13,7 +13,7 @@ from ovqflex.ops.ovq import ovq_program
 from recurrences.versioned import plan_versioned
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, float64_leaves
 from tests.masks.test_blocks import listed
-from tests.ovqflex.ops.test_kvm import BUDGETS
+from tests.ovqflex.ops.test_kvm import BUDGETS, params_of
 from tests.ovqflex.ops.test_kvm import inputs as kvm_inputs
 from tests.ovqflex.ops.test_ovq import inputs as ovq_inputs
 from tests.ovqflex.ops.test_vq import inputs as vq_inputs
@@ -47,11 +47,8 @@ def compare_layouts(run, leaves, seed, backends=("blocked",)):
 
 def kvm_run(params, kw):
     """``run`` for :func:`compare_layouts` of the KVM op: the leaves are q, k, v and ``params``' tensors, in order."""
-    names = [name for name, p in params.items() if p is not None]
-
     def run(layout, backend, q, k, v, *tensors):
-        given = {**params, **dict(zip(names, tensors))}
-        return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **given, **kw)
+        return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, **params_of(params, tensors), **kw)
 
     return run
 
