@@ -665,6 +665,23 @@ def test_eval_measures_full_contexts_when_training_mixes_sizes():
     assert sorted(set(seen)) == [task.n_pairs(64) + 6, task.n_pairs(128) + 6]
 
 
+def test_eval_examples_are_none_of_the_training_examples():
+    """What ``evaluate_model`` measures at a length is none of the examples a run of that seed trains on at
+    that length, in any of its first 300 steps (the training stream is a pure function of seed, step and
+    index; evaluation draws from another seed): a model is never scored on the sequences it was fit to."""
+    from ovqflex.tasks import make_batch, make_task
+    from ovqflex.training.evaluate import eval_batches
+
+    task = make_task("icr", vocab_size=64, key_len=1, value_len=1, n_queries=6)
+    for length in (64, 128):
+        measured = torch.cat([x for x, _ in eval_batches(task, length, n_examples=16, batch_size=8, seed=0)])
+        trained = torch.cat([make_batch(task, seed=0, step=s, start=0, count=4, seq_len=length)[0]
+                             for s in range(300)])
+        assert measured.shape == (16, length) and trained.shape == (1200, length)
+        shared = (measured[:, None] == trained[None]).all(-1).any(-1)
+        assert not shared.any(), f"at {length}: eval examples {shared.nonzero().flatten().tolist()} are trained on"
+
+
 @pytest.mark.parametrize("log_every, caught_at, what", [(1, 4, "the training loss is nan"),
                                                          (5, 4, "the weights are not finite")],
                          ids=["loss-logged", "weights-before-checkpoint"])
