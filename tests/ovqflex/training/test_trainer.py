@@ -19,6 +19,7 @@ from ovqflex.training.evaluate import load_run, report_name
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
 from ovqflex.training.interrupt import StopRequest, TrainingInterrupted
 from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_NAN_ENV, FAULT_SIGNAL_ENV
+from tests.helpers import assert_close
 
 # a model small enough that a step takes milliseconds: the loop is under test, not learning
 MODEL = dict(d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, **{"ovq.max_centroids": 32})
@@ -48,6 +49,47 @@ def test_train_writes_metrics_config_and_a_checkpoint(tmp_path):
     doc = json.loads((run / "config.json").read_text())
     assert doc["train_config"]["steps"] == 6 and doc["model_config"]["pattern"] == "ovq,swa"  # the tiny preset's
     assert load_checkpoint(latest_checkpoint(run)).step == 6
+
+
+@pytest.mark.parametrize("pattern", ["ovq,swa", "swa,vq"])
+def test_a_step_is_adamw_on_the_mean_target_loss_clipped_with_decay_on_the_matrices(tmp_path, pattern):
+    """Three steps of ``train`` equal three written out here: the cross-entropy averaged over the target
+    positions (plus the model's aux loss: VQ's commitment term), its gradient clipped to ``grad_clip`` (below the gradient's norm in
+    every step, so the clip acts; the metrics log the norm before it), AdamW at the schedule's rate with
+    weight decay on the matrices (linears, embedding) and none on the norms and per-head scalars."""
+    import torch.nn.functional as F
+
+    from ovqflex.tasks import IGNORE, make_batch
+    from ovqflex.training.schedule import lr_at
+    from ovqflex.training.setup import build_model, build_task
+
+    c = cfg(tmp_path, steps=3, grad_clip=0.05, weight_decay=0.1, model_options={**MODEL, "pattern": pattern})
+    train(c)
+    torch.manual_seed(c.seed)  # as train() does before it builds the model
+    task = build_task(c)
+    model = build_model(c, task)
+    params = dict(model.named_parameters())
+    matrices = [name for name, p in params.items() if p.ndim >= 2]
+    assert "embed.weight" in matrices and len(matrices) < len(params)  # norms and per-head scalars are not
+    opt = torch.optim.AdamW([{"params": [params[n] for n in matrices], "weight_decay": c.weight_decay},
+                             {"params": [p for n, p in params.items() if n not in matrices], "weight_decay": 0.0}],
+                            lr=c.lr, betas=(c.beta1, c.beta2))
+    norms = []
+    for step in range(c.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, lr=c.lr, min_lr=c.min_lr, warmup=c.warmup, total=c.steps)
+        x, y = make_batch(task, seed=c.seed, step=step, start=0, count=c.batch_size, seq_len=c.seq_len)
+        logits, aux = model(x, return_aux=True)
+        target = y != IGNORE
+        (F.cross_entropy(logits[target], y[target]) + aux).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)))
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > c.grad_clip
+    assert [r["grad_norm"] for r in metrics(Path(c.out))] == pytest.approx(norms, rel=1e-5)
+    trained = load_checkpoint(latest_checkpoint(c.out)).model
+    for name, p in params.items():
+        assert_close(trained[name], p.detach(), 1e-6, name)
 
 
 def test_loss_falls_when_memorising_one_batch(tmp_path, monkeypatch):
