@@ -54,9 +54,10 @@ def test_train_writes_metrics_config_and_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("pattern", ["ovq,swa", "swa,vq"])
 def test_a_step_is_adamw_on_the_mean_target_loss_clipped_with_decay_on_the_matrices(tmp_path, pattern):
     """Three steps of ``train`` equal three written out here: the cross-entropy averaged over the target
-    positions (plus the model's aux loss: VQ's commitment term), its gradient clipped to ``grad_clip`` (below the gradient's norm in
-    every step, so the clip acts; the metrics log the norm before it), AdamW at the schedule's rate with
-    weight decay on the matrices (linears, embedding) and none on the norms and per-head scalars."""
+    positions (plus the model's aux loss: VQ's commitment term), its gradient clipped to ``grad_clip``
+    (below the gradient's norm in every step, so the clip acts; the metrics log the norm before it), AdamW
+    at the schedule's rate with weight decay on the matrices (linears, embedding) and none on the norms and
+    per-head scalars."""
     import torch.nn.functional as F
 
     from ovqflex.tasks import IGNORE, make_batch
