@@ -454,7 +454,7 @@ def test_generate_reports_different_tokens(monkeypatch):
 @pytest.mark.parametrize("broken", [False, True], ids=["whole", "graph-break"])
 def test_train_reports_what_compiling_did_per_model(monkeypatch, broken, eager_backend_compile):
     """Each pattern's row carries the graphs its first step compiled, its graph breaks and its recompiles
-    over all steps."""
+    over all steps, and its tokens/s over the first pattern's (the baseline's)."""
     from ovqflex.models.hybrid import HybridLM
 
     if broken:
@@ -474,3 +474,5 @@ def test_train_reports_what_compiling_did_per_model(monkeypatch, broken, eager_b
     for r in rows:
         assert r["graphs_first_step"] >= 1 and r["recompiles"] == 0 and r["tokens_per_s"] > 0
         assert r["graph_breaks"] == (1 if broken else 0)
+        assert r["x_vs_baseline"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert rows[0]["x_vs_baseline"] == 1.0
