@@ -1,4 +1,6 @@
 """Schedules: the learning rate and the length warm-up, pure functions of the step."""
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,9 +9,13 @@ from ovqflex.training.schedule import length_at, lr_at
 
 
 def test_lr_warms_up_linearly_then_decays_to_min_lr():
+    """Steps 0-3 warm up to the peak; the 10 steps after them follow half a cosine from the peak (step 4)
+    towards min_lr, which step ``total`` (one past the last) reaches: step 9, half way, is the mean."""
     lrs = [lr_at(s, lr=1.0, min_lr=0.1, warmup=4, total=14) for s in range(14)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert lrs[4:] == pytest.approx([0.1 + 0.9 * (1 + math.cos(math.pi * j / 10)) / 2 for j in range(10)])
+    assert lrs[4] == 1.0 and lrs[9] == pytest.approx(0.55)
     assert lr_at(14, lr=1.0, min_lr=0.1, warmup=4, total=14) == pytest.approx(0.1)
 
 

@@ -105,12 +105,18 @@ def test_loss_falls_when_memorising_one_batch(tmp_path, monkeypatch):
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
 
 
-def test_resume_from_a_checkpoint_is_exact(tmp_path):
-    straight = cfg(tmp_path / "a")
+# swa,vq whose codebook revives codes at every step (dead_threshold above an unused code's count): the new
+# codes are keys drawn with torch's generator, which a resume must continue where the checkpoint left it
+REVIVING_VQ = {**MODEL, "pattern": "swa,vq", "vq.dead_threshold": 0.999, "vq.codebook_size": 64}
+
+
+@pytest.mark.parametrize("model_options", [MODEL, REVIVING_VQ], ids=["tiny", "swa-vq-reviving"])
+def test_resume_from_a_checkpoint_is_exact(tmp_path, model_options):
+    straight = cfg(tmp_path / "a", model_options=model_options)
     train(straight)
-    with_ckpts = cfg(tmp_path / "b", ckpt_every=3, keep_checkpoints=3)
+    with_ckpts = cfg(tmp_path / "b", ckpt_every=3, keep_checkpoints=3, model_options=model_options)
     train(with_ckpts)
-    resumed = cfg(tmp_path / "c", ckpt_every=3)
+    resumed = cfg(tmp_path / "c", ckpt_every=3, model_options=model_options)
     train(resumed, resume_from=Path(with_ckpts.out) / "checkpoints" / "step_00000003")
     a = load_checkpoint(latest_checkpoint(straight.out)).model
     c = load_checkpoint(latest_checkpoint(resumed.out)).model
