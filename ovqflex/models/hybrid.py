@@ -130,8 +130,10 @@ class HybridLM(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) linears and embedding; residual-branch outputs scaled by
-        ``1/sqrt(2 n_layers)``; norms to one; per-layer parameters (``beta``) keep their own init."""
+        """Normal(0, init_std) linears and embedding, biases zero; the residual-branch outputs of the pre-norm
+        blocks (the mixer's ``o_proj``, the MLP's ``down``) scaled by ``1/sqrt(2 n_layers)``, a standalone
+        post-norm block's (LongVQ, which normalises after each of its sums) not; norms to one; per-layer
+        parameters (``beta``) keep their own init."""
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
         nn.init.normal_(self.embed.weight, std=std)

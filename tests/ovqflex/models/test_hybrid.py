@@ -266,3 +266,31 @@ def test_compiled_longvq_training_on_two_threads_equals_eager():
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         if p.grad is not None:
             assert_close(q.grad, p.grad, 1e-4, name)
+
+
+def test_initialisation_scales_the_pre_norm_residual_branches():
+    """Normal(0, init_std) embedding and linears, biases zero, norms one; the two linears of each pre-norm block
+    that write into the residual stream (the mixer's ``o_proj``, the MLP's ``down``) at ``init_std /
+    sqrt(2 n_layers)``, so the stream's variance does not grow with depth. LongVQ's block is post-norm (it
+    normalises after each of its sums), so its linears keep ``init_std``. Weight stds within 30% (the
+    smallest linear, [2, 64], has 128 weights: a sample std off by 30% is ~5 of its standard errors)."""
+    pattern = "swa,ovq,kvm,vq,linear,deltanet,vla,longvq"
+    cfg = HybridConfig(vocab_size=64, d_model=64, n_layers=8, n_heads=2, pattern=pattern, chunk_size=16,
+                       init_std=0.05)
+    torch.manual_seed(0)
+    model = HybridLM(cfg)
+    out_std = 0.05 / 4  # sqrt(2 * 8)
+    stds = {"embed.weight": (model.embed.weight, 0.05)}
+    for i, block in enumerate(model.blocks):
+        residual = set() if block.standalone else {block.mixer.o_proj, block.mlp.down}
+        assert block.standalone == (cfg.mixers[i] == "longvq")
+        for name, mod in block.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                stds[f"blocks.{i}.{name}"] = (mod.weight, out_std if mod in residual else 0.05)
+                assert mod.bias is None or not mod.bias.any(), f"blocks.{i}.{name}: bias not zero"
+            if isinstance(mod, (torch.nn.RMSNorm, torch.nn.LayerNorm)) and mod.weight is not None:
+                assert torch.equal(mod.weight, torch.ones_like(mod.weight)), f"blocks.{i}.{name}: norm not one"
+    assert len([name for name, (_, s) in stds.items() if s == out_std]) == 2 * 7
+    for name, (weight, want) in stds.items():
+        assert weight.std().item() == pytest.approx(want, rel=0.3), name
+        assert abs(weight.mean().item()) < 0.3 * want, name
