@@ -89,6 +89,12 @@ def test_pair_statistics_locate_the_weight():
     (med0, q10_0, off0), (med1, q10_1, off1) = pair_statistics(rows, key_start, pair_len=4)
     assert (med0, q10_0, off0) == (0.75, 0.75, [(2, 1.0)])
     assert med1 == 0.0 and off1 == [(7, 0.75), (3, 0.25)]
+    # the pair is its pair_len tokens from the key's first: the last of them is on it, the one after is not
+    edges = torch.zeros(Q, 2, T)
+    edges[torch.arange(Q), 0, key_start + 3] = 1.0
+    edges[torch.arange(Q), 1, key_start + 4] = 1.0
+    (last, _, at_last), (after, _, at_after) = pair_statistics(edges, key_start, pair_len=4)
+    assert (last, at_last, after, at_after) == (1.0, [(3, 1.0)], 0.0, [(4, 1.0)])
 
 
 def test_probe_command_on_a_trained_run(tmp_path, capsys):
