@@ -1,5 +1,7 @@
 """Statistics from interval bounds equal dense counts."""
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from masks.viz import program_stats, token_view, visible_per_query
 
@@ -43,3 +45,17 @@ def test_token_view_visible_cells_match_stats_when_no_row_is_empty():
     program = make_program("sinks")
     names, truth = dense_truth(program)
     assert int((token_view(program).labels > 0).sum()) == program_stats(program).visible_pairs == int((truth > 0).sum())
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=5), min_size=1,
+                max_size=6))
+def test_union_length_counts_each_covered_row_once(queries):
+    """Per query, the length of the union of its intervals ``[lo, hi)`` (any order, overlapping, nested or
+    empty) is the number of rows some interval covers (a program may list its regions in any order)."""
+    from masks.viz.stats import _union_length
+
+    n = max(len(q) for q in queries)
+    padded = [q + [(0, 0)] * (n - len(q)) for q in queries]  # empty intervals: cover nothing
+    intervals = [(torch.tensor([q[j][0] for q in padded]), torch.tensor([q[j][1] for q in padded])) for j in range(n)]
+    want = [len({r for lo, hi in q for r in range(lo, hi)}) for q in queries]
+    assert _union_length(intervals).tolist() == want
