@@ -55,8 +55,9 @@ class AttentionLayer(nn.Module):
     supports_cache: ClassVar[bool] = False  # set from cache_type by __init_subclass__
     call_options: ClassVar[tuple[str, ...]] = ()
     #: the attributes a test-time override may set: each is read at every call and checked when set, and
-    #: no parameter depends on it (an attribute read only when the layer is built would change nothing)
-    overrides: ClassVar[tuple[str, ...]] = ()
+    #: no parameter depends on it (an attribute read only when the layer is built would change nothing);
+    #: every layer that runs an attention program takes its ``backend`` (:attr:`backend`)
+    overrides: ClassVar[tuple[str, ...]] = ("backend",)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -56,7 +56,6 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
 
     cache_type = KVMCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     static_cache_type = StaticKVMCache
-    overrides = ("backend",)  # and the options (OptionAttributes)
     options_type = KVMOptions
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None = None, rope_base: float = 10000.0,

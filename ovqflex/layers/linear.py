@@ -38,6 +38,8 @@ class _Recurrent(MultiHeadProjection):
     ``output_final_state=True`` from the cache's state, a static step the same on one token, writing
     the state back in place; subclasses give ``cache_type``, ``static_cache_type`` and ``recur``."""
 
+    overrides = ()  # no attention program, so no backend (None)
+
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None, qk_conv: int, out_norm: bool):
         super().__init__(hidden_size, num_heads, head_dim, None, qk_conv)
         self.out_norm = nn.RMSNorm(self.head_dim) if out_norm else None

@@ -60,7 +60,6 @@ class LongVQBlock(VQMemory, OptionAttributes, AttentionLayer):
     standalone_block = True
     cache_type = LongVQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     static_cache_type = StaticLongVQCache
-    overrides = ("backend",)  # and the options (OptionAttributes)
     options_type = VQOptions
     fixed_options = ("estimator",)
 

@@ -32,7 +32,6 @@ class OVQAttention(OptionAttributes, MultiHeadProjection):
 
     cache_type = OVQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     static_cache_type = StaticOVQCache
-    overrides = ("backend",)  # and the options (OptionAttributes)
     options_type = OVQOptions
     call_options = ("max_centroids",)
 

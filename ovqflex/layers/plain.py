@@ -29,7 +29,6 @@ class _PlainAttention(MultiHeadProjection):
 
     cache_type = PlainCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     static_cache_type = StaticPlainCache
-    overrides = ("backend",)
 
     def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int | None, rope: bool, rope_base: float,
                  qk_norm: bool, backend: str, block_size: int, regions, qk_conv: int = 0):

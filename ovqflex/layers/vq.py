@@ -281,7 +281,6 @@ class VQAttention(VQMemory, OptionAttributes, MultiHeadProjection):
 
     cache_type = VQCache  # forward(x, cache=None, use_cache=False): docs/design.md §6
     static_cache_type = StaticVQCache
-    overrides = ("backend",)  # and the options (OptionAttributes)
     options_type = VQOptions
     fixed_options = ("estimator",)
 
