@@ -115,6 +115,7 @@ def _undo(done: list[tuple[nn.Module, str, object]]) -> None:
     for m, key, before in reversed(done):
         setattr(m, key, before)
 
+
 class HybridLM(nn.Module):
     """A decoder-only LM whose layers mix sequence with the mixers of ``config.pattern``.
 

@@ -125,7 +125,8 @@ def test_eval_setting_takes_the_scales_training_length_and_is_checked_at_plan_ti
                                          "of pattern 'swa,ovq' takes 'logn_len' at test time"):
         plan(_exp(scale, ovq, sweeps=(EvalSetting("logn_len", TRAIN_LENGTH, ("m",)),)), "s", tmp_path)
     nope = ModelSpec("n", "swa,nope")
-    with pytest.raises(ValueError, match="model 'n': test-time override logn_len=1: logn_len must be 0 .off. or an int >= 2"):
+    with pytest.raises(ValueError,
+                       match="model 'n': test-time override logn_len=1: logn_len must be 0 .off. or an int >= 2"):
         plan(_exp(scale, nope, sweeps=(EvalSetting("logn_len", 1, ("n",)),)), "s", tmp_path)
     ok = plan(_exp(scale, nope, sweeps=(EvalSetting("logn_len", 256, ("n",)),)), "s", tmp_path)
     assert [v.overrides for v in ok.runs[0].variants] == [{}, {"logn_len": 256}]

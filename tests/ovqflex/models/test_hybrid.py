@@ -163,7 +163,8 @@ def test_an_override_is_a_test_time_option_with_a_good_value_or_none_is_set(over
     with pytest.raises((ValueError, TypeError), match=match):
         model.set_overrides(**overrides)
     ovq, swa = model.blocks[1].mixer, model.blocks[0].mixer
-    assert (ovq.max_centroids, swa.window, swa.backend, ovq.backend, swa.training) == (16, 16, "blocked", "blocked", True)
+    assert (ovq.max_centroids, swa.window, swa.backend, ovq.backend, swa.training) == (16, 16, "blocked", "blocked",
+                                                                                      True)
 
 
 def test_overridden_gives_each_mixer_its_own_value_back():

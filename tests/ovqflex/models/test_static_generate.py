@@ -52,7 +52,8 @@ def test_an_empty_prompt_is_refused_by_name():
 
 
 @pytest.mark.parametrize("prompt, error, match", [
-    (torch.tensor([[3, 64]]), ValueError, r"prompt ids must lie in \[0, 64\) \(the model's vocab_size\), got ids from 3 to 64"),
+    (torch.tensor([[3, 64]]), ValueError,
+     r"prompt ids must lie in \[0, 64\) \(the model's vocab_size\), got ids from 3 to 64"),
     (torch.tensor([[-1, 5]]), ValueError, r"prompt ids must lie in \[0, 64\) .* got ids from -1 to 5"),
     (torch.tensor([[3.0, 5.0]]), TypeError, "prompt must be int64 token ids, got torch.float32"),
 ], ids=["vocab", "negative", "float"])
