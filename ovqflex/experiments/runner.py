@@ -543,8 +543,8 @@ def _run_unit(plan: Plan, i: int, status: str | None, log, alone: bool = True) -
 def _train_unit(unit: Unit, head: str, status: str | None, log, progress: bool = True) -> None:
     cfg = unit.run.train if progress else dataclasses.replace(unit.run.train, progress=False)
     step = trained_step(unit)
-    if step is None and unit.run.dir.exists():
-        shutil.rmtree(unit.run.dir)  # died before its first checkpoint: nothing worth keeping
+    # None: from scratch, a run that died before its first checkpoint too (a fresh ``train`` into its
+    # directory drops what it left: metric lines, checkpoint leftovers, diverged.json; rewrites config.json)
     how = "from scratch" if step is None else f"resuming from step {step:,}"
     log(f"{head}: {cfg.steps:,} steps x {cfg.batch_size} x {cfg.seq_len} tokens"
         f"{length_warmup_text(cfg.length_warmup, cfg.length_warmup_steps)}, {how} -> {unit.run.dir}"

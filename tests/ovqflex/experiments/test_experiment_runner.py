@@ -419,3 +419,73 @@ def test_sigterm_or_death_of_the_parent_stops_its_workers_with_checkpoints(tmp_p
         assert f"{head} seed 0: {steps} steps x 4 x 64 tokens, resuming from step {k} -> {r}" in text
         assert _logged_steps(r) == list(range(1, steps + 1))
     assert [line["label"] for line in res["lines"]] == ["sw-ovq", "sw-ovq N×2", "sw-ovq N×4", "sw-linear"]
+
+
+def test_a_run_that_died_before_its_first_checkpoint_trains_again_from_scratch(tmp_path):
+    """Killed after step 1 (checkpoints every 2): the run directory holds its config and step 1's
+    metrics but no checkpoint; the resume trains it from scratch, and its metrics hold each step once."""
+    out = tmp_path / "exp"
+    root = Path(ovqflex.__file__).resolve().parents[1]
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t; "
+            f"t.run_tiny({str(out)!r})")
+    env = {**os.environ, FAULT_KILL_ENV: "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == -9, proc.stderr
+    run = out / "sw-ovq-s0"
+    assert _logged_steps(run) == [1] and latest_checkpoint(run) is None
+    lines = []
+    run_tiny(out, resume=True, log=lines.append)
+    assert "[1/6] train sw-ovq seed 0: 4 steps x 4 x 64 tokens, from scratch" in "\n".join(lines)
+    assert _logged_steps(run) == [1, 2, 3, 4] and _latest_step(run) == 4
+
+
+def test_eta_shares_the_work_left_among_the_runs_at_a_time(tmp_path):
+    """The ETA is the mean time of each kind of unit times the units left, divided by the runs in
+    progress at once: ``jobs``, or fewer when fewer runs are left."""
+    p = plan(tiny(), "s", tmp_path, progress=False)  # sw-ovq: train + 3 evaluations; sw-linear: train + 1
+    every = [True] * len(p.units)
+    last_run = [u.run.model.label == "sw-linear" for u in p.units]
+    for jobs, todo, eta in ((1, every, "28s"), (2, every, "14s"), (2, last_run, "12s")):
+        clock = runner_mod._Clock(p.units, jobs)
+        clock.add("train", 8.0)
+        clock.add("train", 12.0)
+        clock.add("eval", 2.0)
+        assert clock.status(todo) == f"elapsed 0s, ETA {eta}", (jobs, eta)
+    clock = runner_mod._Clock(p.units, 2)
+    assert clock.status(every) == "elapsed 0s"
+    clock.add("eval", 3.0)
+    assert clock.status(every) == "elapsed 0s, ETA 6s + the train units"
+
+
+class _Exited:
+    """A worker process that has exited with ``exitcode`` (what :meth:`_Worker.close` reads)."""
+
+    def __init__(self, exitcode: int):
+        self.exitcode = exitcode
+
+    def join(self):
+        pass
+
+
+class _Pipe:
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("exitcode, asked, current, end, outcome", [
+    (0, False, None, None, None),
+    (-9, False, 4, None, ("failed", "its process ended (signal SIGKILL) during [5/6] train sw-linear seed 0", 0)),
+    (-15, True, 1, None, ("stopped", "its process ended (signal SIGTERM) during [2/6] eval sw-ovq seed 0",
+                          signal.SIGTERM)),
+    (3, True, None, None, ("stopped", "its process ended (exit code 3)", signal.SIGTERM)),
+    (143, True, 0, ("stopped", "stopped after step 3", signal.SIGTERM), ("stopped", "stopped after step 3",
+                                                                         signal.SIGTERM)),
+    (1, False, 0, ("failed", "Traceback ..."), ("failed", "Traceback ...", 0)),
+], ids=["ran-all", "died", "died-when-asked", "exited-when-asked", "said-stopped", "said-failed"])
+def test_how_a_worker_ended(tmp_path, exitcode, asked, current, end, outcome):
+    """A worker that dies is a failure, unless it was asked to stop (an evaluation has no handler of
+    the signal it is passed: it dies of it); what a worker said before it ended is how it ended."""
+    p = plan(tiny(), "s", tmp_path, progress=False)
+    w = runner_mod._Worker(_Exited(exitcode), _Pipe(), _Pipe(), [0], "sw-ovq seed 0", current=current, end=end,
+                           asked=asked)
+    assert w.close(p) == outcome
