@@ -43,10 +43,12 @@ def test_resume_with_nothing_to_resume(tmp_path, capsys):
     assert "holds no experiment to resume" in capsys.readouterr().err
 
 
-def test_bad_seed_list_is_refused(capsys):
+@pytest.mark.parametrize("seeds", ["0,-1", "0,1,0"], ids=["negative", "repeated"])
+def test_bad_seed_list_is_refused(capsys, seeds):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["experiment", "icr", "--seeds", "0,-1"])
-    assert "expected distinct comma-separated integers >= 0" in capsys.readouterr().err
+        build_parser().parse_args(["experiment", "icr", "--seeds", seeds])
+    assert f"argument --seeds: expected distinct comma-separated integers >= 0 like 0,1, got '{seeds}'" \
+        in capsys.readouterr().err
 
 
 def test_jobs_below_one_is_refused_before_anything_is_written(tmp_path, capsys):

@@ -90,6 +90,10 @@ def test_a_length_without_enough_distinct_keys_fails_at_plan_time(tmp_path):
     short = _exp(Scale(**{**BASE, "eval_lengths": (16, 64)}, task_options=dict(vocab_size=256, key_len=2, value_len=1)))
     with pytest.raises(ValueError, match="eval length 16 is too short for task 'icr'"):
         plan(short, "s", tmp_path)
+    warmup = _exp(Scale(**BASE, task_options=dict(vocab_size=256, key_len=2, value_len=1),
+                        train_options=dict(length_warmup=(16,), length_warmup_steps=1)))
+    with pytest.raises(ValueError, match="training length 16 is too short for task 'icr'"):  # a warm-up length too
+        plan(warmup, "s", tmp_path)
 
 
 def test_bad_mixer_options_and_overrides_fail_at_plan_time(tmp_path):

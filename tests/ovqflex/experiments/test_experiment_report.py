@@ -13,13 +13,14 @@ EXP = Experiment("t", "test", "icr", (ModelSpec("a", "swa,ovq"), ModelSpec("b", 
                  sweeps=(EvalSweep("max_centroids", (1, 2), ("a",), symbol="N"),))
 
 
-def fake_eval(p, label, seed, variant, accs, *, lengths=None, step=None):
+def fake_eval(p, label, seed, variant, accs, *, lengths=None, step=None, examples=4, overrides=None):
     run = next(r for r in p.runs if r.model.label == label and r.seed == seed)
     v = next(v for v in run.variants if v.name == variant)
     run.dir.mkdir(parents=True, exist_ok=True)
-    rows = [{"length": n, "accuracy": a, "loss": 1.0, "targets": 24, "examples": 4, "seconds": 0.1}
+    rows = [{"length": n, "accuracy": a, "loss": 1.0, "targets": 24, "examples": examples, "seconds": 0.1}
             for n, a in zip(lengths or p.lengths, accs)]
-    doc = {"task": "icr", "step": step or run.train.steps, "overrides": p.eval_overrides(v), "rows": rows}
+    doc = {"task": "icr", "step": step or run.train.steps, "overrides": p.eval_overrides(v) if overrides is None
+           else overrides, "rows": rows}
     (run.dir / f"eval-{variant}.json").write_text(json.dumps(doc))
 
 
@@ -43,7 +44,19 @@ def test_mean_min_max_over_seeds(tmp_path):
     assert lines["b"]["seeds"] == 1 and lines["b"]["points"][0]["seeds"] == {"1": 0.4}
     text = table(res)
     assert "0.750 (0.50–1.00)" in text and "2/2" in text and "1/2" in text
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", row) for row in text.splitlines()[2:])}
+    assert rows["a"] == ["2/2", "0.750 (0.50–1.00)", "0.500", "0.500 (0.25–0.75)"]  # seeds that agree: no range
     assert text.splitlines()[0].split() == ["model", "seeds", "64", "128", "256"]
+
+
+def test_reports_not_evaluated_as_planned_are_ignored(tmp_path):
+    """A report counts only with the planned examples per length and the planned overrides."""
+    p = plan(EXP, "s", tmp_path, seeds=[0, 1, 2])
+    fake_eval(p, "a", 0, "base", [1.0, 1.0, 1.0])
+    fake_eval(p, "a", 1, "base", [0.0, 0.0, 0.0], examples=2)
+    fake_eval(p, "a", 2, "base", [0.0, 0.0, 0.0], overrides={"max_centroids": 512})
+    line = collect(p)["lines"][0]
+    assert line["label"] == "a" and line["seeds"] == 1 and line["points"][0]["seeds"] == {"0": 1.0}
 
 
 def test_missing_reports_leave_empty_cells(tmp_path):

@@ -26,6 +26,8 @@ def test_unknown_model_and_scale_are_refused_by_name(tmp_path):
         plan(exp, "tpu", tmp_path)
     with pytest.raises(ValueError, match="seeds must be distinct ints >= 0"):
         plan(exp, "cpu", tmp_path, seeds=[0, 0])
+    with pytest.raises(ValueError, match=r"models must be distinct labels of sw-ovq, .*; got \['sw-ovq', 'sw-ovq'\]"):
+        plan(exp, "cpu", tmp_path, models=["sw-ovq", "sw-ovq"])
 
 
 @pytest.mark.parametrize("kwargs, match", [
