@@ -194,10 +194,12 @@ def test_train_out_must_not_be_a_file(tmp_path, capsys):
     assert f"out='{tmp_path / 'file'}' is a file, not a run directory" in capsys.readouterr().err
 
 
-def test_bad_lengths_are_an_argparse_error(capsys):
+@pytest.mark.parametrize("lengths, expected", [("64,abc", "comma-separated integers like 512,1024"),
+                                               ("0,64", "positive integers like 512,1024")], ids=["text", "zero"])
+def test_bad_lengths_are_an_argparse_error(capsys, lengths, expected):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["eval", "d", "--lengths", "64,abc"])
-    assert "comma-separated integers" in capsys.readouterr().err
+        build_parser().parse_args(["eval", "d", "--lengths", lengths])
+    assert f"argument --lengths: expected {expected}, got '{lengths}'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, flag, expected", [

@@ -53,8 +53,9 @@ def test_generate_int8_runs_and_refuses_bad_prompts(run_dir, capsys):
     assert "quantize int8" in out and len(_generated(out)) == 5
     assert main(["generate", str(run_dir), "--prompt", "hello"]) == 2  # ICR vocab is below 256
     assert "--prompt encodes UTF-8 bytes" in capsys.readouterr().err
-    assert main(["generate", str(run_dir), "--tokens", "1,99999"]) == 2
-    assert "--tokens must be non-empty ids" in capsys.readouterr().err
+    for ids, bad in (("1,99999", "[99999]"), ("64,1,-1", "[64, -1]")):  # the vocabulary is 0..63
+        assert main(["generate", str(run_dir), "--tokens", ids]) == 2
+        assert f"--tokens must be non-empty ids in [0, 64), got {bad}" in capsys.readouterr().err
     assert main(["generate", str(run_dir)]) == 2
     assert "exactly one of --prompt" in capsys.readouterr().err
 

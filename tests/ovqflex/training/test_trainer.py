@@ -15,7 +15,7 @@ import torch
 from ovqflex.training import (CheckpointError, TrainConfig, TrainingDiverged, diverged_step, evaluate,
                               latest_checkpoint, load_checkpoint, save_checkpoint, train)
 from ovqflex.cli import main
-from ovqflex.training.evaluate import load_run, report_name
+from ovqflex.training.evaluate import load_run, parse_overrides, report_name
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
 from ovqflex.training.interrupt import StopRequest, TrainingInterrupted
 from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_NAN_ENV, FAULT_SIGNAL_ENV
@@ -430,8 +430,8 @@ def test_corrupted_latest_checkpoint_gives_a_clear_error(tmp_path):
 def test_eval_reports_lengths_and_overrides(tmp_path):
     c = cfg(tmp_path, steps=2, task_options=dict(vocab_size=64, key_len=1, value_len=1, min_pairs=1))
     train(c)
-    doc = evaluate(c.out, [64, 128], n_examples=3, batch_size=2, overrides={"max_centroids": 64})
-    assert [r["length"] for r in doc["rows"]] == [64, 128]
+    doc = evaluate(c.out, [128, 64, 128], n_examples=3, batch_size=2, overrides={"max_centroids": 64})
+    assert [r["length"] for r in doc["rows"]] == [64, 128]  # each length once, in order
     # the report describes the task it measured: full contexts, without the training mix
     assert "min_pairs" not in json.dumps(doc) and "training mix" not in doc["task_description"]
     assert all(0 <= r["accuracy"] <= 1 and r["targets"] == 3 * 6 for r in doc["rows"])
@@ -449,6 +449,14 @@ def test_eval_reports_lengths_and_overrides(tmp_path):
     assert json.loads((Path(c.out) / "eval.json").read_text())["overrides"] == {"max_centroids": 64}
     with pytest.raises(ValueError, match="name must be a non-empty file stem"):
         evaluate(c.out, [64], n_examples=1, name="../x")
+
+
+def test_overrides_are_parsed_as_json_values_or_strings():
+    assert parse_overrides(["max_centroids=4096", "backend=blocked", "logn_len=null", "x=a=b"]) == \
+        {"max_centroids": 4096, "backend": "blocked", "logn_len": None, "x": "a=b"}
+    for bad in ("max_centroids", "=4096"):
+        with pytest.raises(ValueError, match=f"override must look like NAME=VALUE, got '{bad}'"):
+            parse_overrides(["backend=blocked", bad])
 
 
 def test_cli_eval_names_reports_by_their_overrides(tmp_path, capsys):
