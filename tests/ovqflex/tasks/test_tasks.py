@@ -213,6 +213,21 @@ def test_icr_structure(extra, seed):
         assert table[key] == val
 
 
+def test_icr_queries_are_drawn_from_the_whole_context_in_random_order():
+    """The queried pairs are a sample without replacement of all context pairs, in random order."""
+    k, v, m = 2, 3, 3
+    t = make_task("icr", **SMALL["icr"])
+    n = t.n_pairs(400)
+    where, shuffled = [], 0
+    for i in range(20):
+        _, ctx, qs = parse_icr(*one(t, 400, index=i), k, v)
+        keys = [a for a, _ in ctx]
+        found = [keys.index(a) for a, _ in qs]
+        where += found
+        shuffled += found != sorted(found)
+    assert len(where) == 20 * m and max(where) >= n // 2 and len(set(where)) > 20 and shuffled > 0
+
+
 def test_icr_paper_defaults_and_longer_context():
     t = make_task("icr")
     counts = []
@@ -553,6 +568,13 @@ def test_niah_depth_and_repeat_filler():
         (pos, key, val), = parse_niah(x, y, k, v)[0]
         hay = 1000 - t.min_len()
         assert pos == round(depth * hay)
+    for depth in (0.0, 0.5, 1.0):  # among distractors, the queried needle is the one pinned
+        t = make_task("niah", vocab_size=100, key_len=k, value_len=v, n_needles=3, depth=depth)
+        hay = 1000 - t.min_len()
+        for index in range(5):
+            needles, _, ((key, _),), _ = parse_niah(*one(t, 1000, index=index), k, v)
+            j = [a for _, a, _ in needles].index(key)
+            assert needles[j][0] - j * (k + v + 3) == round(depth * hay)  # the filler tokens before it
     t = make_task("niah", vocab_size=100, key_len=k, value_len=v, filler="repeat", period=5)
     x, y = one(t, 500, seed=3)
     _, filler, _, _ = parse_niah(x, y, k, v)
