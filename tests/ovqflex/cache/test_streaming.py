@@ -218,6 +218,18 @@ def test_sampling_at_a_tiny_temperature_is_greedy_and_an_infinite_one_is_refused
             HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=bad)
 
 
+@pytest.mark.parametrize("decode", ["functional", "static"])
+def test_generate_runs_one_prefill_then_a_step_per_new_token_but_the_last(decode):
+    """Each new token is sampled from the logits before it: n tokens take the prefill and n - 1
+    decode steps (the last token is not run through the layers)."""
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="swa", backend="dense")
+    model = HybridLM(cfg)
+    calls = []
+    model.embed.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), 5, decode=decode)
+    assert out.shape == (2, 8) and calls == [3, 1, 1, 1, 1]
+
+
 def test_generate_restores_training_mode():
     cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=HEADS, pattern="swa", backend="dense")
     model = HybridLM(cfg).train()
