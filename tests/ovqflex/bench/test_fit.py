@@ -16,6 +16,9 @@ def test_slopes_of_power_laws():
     assert (fit["series"], fit["case"]) == ("s", "quad") and fit["T"] == "512..4096"
     assert fit["slope_time_s"] == pytest.approx(2.0) and fit["slope_peak_mb"] == pytest.approx(1.0)
     assert loglog_slope([1, 2], [5, None]) is None
+    assert loglog_slope([64, 64], [1.0, 2.0]) is None  # two points, one length
+    # positive points only (a CPU row's peak is resident-set growth: 0 or below for a case that freed memory)
+    assert loglog_slope([64, 128, 256, 512], [0.0, 1.0, 2.0, -3.0]) == pytest.approx(1.0)
 
 
 def test_batches_are_separate_series():

@@ -13,10 +13,11 @@ SECONDS = {"op fwd": 0.01, "op reference loop fwd": 0.04, "sdpa causal fwd": 0.0
 
 @pytest.fixture(autouse=True)
 def fixed_times(monkeypatch):
-    """``measure`` runs the case once and reports its time from SECONDS (no clock in the test)."""
+    """``measure`` runs the case once and reports its time from SECONDS (no clock in the test), its
+    fastest run half that."""
     def fake(fn, *, device, repeats):
         fn()
-        return Measurement(seconds=SECONDS[fn.__name__], seconds_min=SECONDS[fn.__name__], peak_mb=1.0)
+        return Measurement(seconds=SECONDS[fn.__name__], seconds_min=SECONDS[fn.__name__] / 2, peak_mb=1.0)
     monkeypatch.setattr(measure_mod, "measure", fake)
 
 
@@ -39,7 +40,7 @@ def test_rows_carry_ratios_to_their_reference_and_the_baseline(capsys):
                          reference_of=lambda name: "op reference loop fwd" if name == "op fwd" else None)
     by = {r["case"]: r for r in rows}
     assert [r["case"] for r in rows] == [c[0] for c in cases]
-    fwd = by["op fwd"]
+    fwd = by["op fwd"]  # ratios and rates of the median times
     assert fwd["x_vs_reference"] == pytest.approx(4.0) and fwd["x_vs_sdpa"] == pytest.approx(2.0)
     assert fwd["gflops"] == pytest.approx(200.0) and fwd["pct_matmul_peak"] == pytest.approx(200.0)
     assert by["op reference loop fwd"]["x_vs_reference"] is None and by["sdpa causal fwd"]["x_vs_sdpa"] == 1.0
@@ -91,6 +92,21 @@ def test_the_first_call_is_timed_apart(warmup):
     assert m.first_s >= 0.2
     if warmup:
         assert m.seconds < 0.2
+
+
+def test_seconds_is_the_median_of_the_timed_runs():
+    """One timed run 0.3 s slower than the others moves the median not at all (the mean by 0.1 s)."""
+    import time
+
+    calls = []
+
+    def fn():
+        calls.append(None)
+        if len(calls) == 3:  # the warm-up, then the second of three timed runs
+            time.sleep(0.3)
+
+    m = REAL_MEASURE(fn, device="cpu", repeats=3, warmup=1)
+    assert m.seconds < 0.1 and m.seconds_min <= m.seconds
 
 
 @pytest.mark.parametrize("warmup", [0, 1], ids=["no-warmup", "one-warmup"])
