@@ -1,6 +1,7 @@
 """README.md and docs/*.md stay true to the repository: every relative link names a file of it, and every
 ``#anchor`` a heading of its target (GitHub's heading ids), so that moving a section between pages
-cannot leave a dangling link; and every ``ovqflex CMD --flag`` a page shows is a flag of CMD."""
+cannot leave a dangling link; every ``ovqflex CMD --flag`` a page shows is a flag of CMD; and every file and
+``FILE.py::NAME`` a page, or the code's docstrings and comments, cite exists."""
 import functools
 import pathlib
 import re
@@ -138,3 +139,20 @@ def test_every_file_and_name_a_page_cites_exists(page):
         elif not any(defines(ROOT / f, name) for f in files):
             wrong.append(f"cites {path}::{name}: not defined in {files}")
     assert not wrong, f"{page}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("package", ["ovqflex", "recurrences", "masks", "tools", "tests"])
+def test_every_file_and_name_the_code_cites_exists(package):
+    """The same of the code's docstrings and comments: each repository file a source file names exists, and
+    each ``FILE.py::NAME`` the library and tools cite is defined there (the tests' citations are left out: some
+    are node ids of the test files a test writes)."""
+    wrong = []
+    for source in (s for s in SOURCES if s.startswith(package + "/") and s != "tests/test_docs.py"):
+        text = unwrapped((ROOT / source).read_text())
+        wrong += [f"{source} names {path}: no such file" for path in NAMED_FILE.findall(text)
+                  if not (ROOT / path).exists()]
+        for path, name in CITED.findall(text) if package != "tests" else ():
+            files = cited_files(path)
+            if not any(defines(ROOT / f, name) for f in files):
+                wrong.append(f"{source} cites {path}::{name}: not defined in {files or 'any file'}")
+    assert not wrong, "\n".join(wrong)
