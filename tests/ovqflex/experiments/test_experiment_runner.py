@@ -156,15 +156,22 @@ def test_sigterm_stops_the_experiment_after_a_step_and_resume_continues_from_it(
     assert "[1/6] train sw-ovq seed 0: 4 steps x 4 x 64 tokens, resuming from step 3" in "\n".join(lines)
 
 
-def test_killed_experiment_resumes_and_skips_complete_units(tmp_path, monkeypatch):
-    out = tmp_path / "exp"
-    # 1. a process killed (SIGKILL) right after step 3 of the first run, which has a checkpoint at step 2
+def _run_tiny_killed_after(out: Path, step: int) -> subprocess.CompletedProcess:
+    """``run_tiny(out)`` in a process that kills itself (SIGKILL) right after training step ``step``."""
     root = Path(ovqflex.__file__).resolve().parents[1]
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t; "
             f"t.run_tiny({str(out)!r})")
-    env = {**os.environ, FAULT_KILL_ENV: "3", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, FAULT_KILL_ENV: str(step),
+           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == -9, proc.stderr
+    return proc
+
+
+def test_killed_experiment_resumes_and_skips_complete_units(tmp_path, monkeypatch):
+    out = tmp_path / "exp"
+    # 1. a process killed (SIGKILL) right after step 3 of the first run, which has a checkpoint at step 2
+    proc = _run_tiny_killed_after(out, 3)
     assert "[1/6] train sw-ovq seed 0: 4 steps x 4 x 64 tokens, from scratch" in proc.stdout
     assert (out / "sw-ovq-s0" / "checkpoints" / "step_00000002").is_dir() and not (out / "results.json").exists()
 
@@ -425,12 +432,7 @@ def test_a_run_that_died_before_its_first_checkpoint_trains_again_from_scratch(t
     """Killed after step 1 (checkpoints every 2): the run directory holds its config and step 1's
     metrics but no checkpoint; the resume trains it from scratch, and its metrics hold each step once."""
     out = tmp_path / "exp"
-    root = Path(ovqflex.__file__).resolve().parents[1]
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t; "
-            f"t.run_tiny({str(out)!r})")
-    env = {**os.environ, FAULT_KILL_ENV: "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == -9, proc.stderr
+    _run_tiny_killed_after(out, 1)
     run = out / "sw-ovq-s0"
     assert _logged_steps(run) == [1] and latest_checkpoint(run) is None
     lines = []
