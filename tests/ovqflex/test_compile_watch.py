@@ -127,6 +127,9 @@ def test_counts_subtract_reason_by_reason():
     assert after - before == CompileCounts(2, (("a: x", 1), ("b: y", 1)), 1)
     assert (after - before).graph_breaks == 2
     assert compile_counts() - compile_counts() == CompileCounts(0, (), 0)
+    # a reason met no more often than before is not in the interval (nor one whose count fell: counters cleared)
+    assert CompileCounts(4, (("a: x", 1),), 0) - CompileCounts(3, (("a: x", 1), ("b: y", 2)), 0) == \
+        CompileCounts(1, (), 0)
 
 
 def test_a_break_reason_is_its_kind_and_explanation_on_one_line():

@@ -56,6 +56,8 @@ def test_failure_line_takes_what_the_message_says_not_torchs_advice():
     (ValueError(), 120, "ValueError"),
     (RuntimeError("x" * 50), 20, "RuntimeError: xxx..."),
     (KeyError("q"), 120, "KeyError: 'q'"),
-], ids=["empty", "cut", "key"])
+    (RuntimeError('\nSet TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n\nfrom user code:\n  File "m.py", line 3'),
+     120, "RuntimeError"),
+], ids=["empty", "cut", "key", "advice-alone"])
 def test_failure_line_is_one_bounded_line(error, width, want):
     assert failure_line(error, width) == want and len(want) <= width
