@@ -30,9 +30,23 @@ def test_visible_keys_per_query(program):
     assert (s.keys_per_query_min, s.keys_per_query_max) == (int(m.sum(1).min()), int(m.sum(1).max()))
     assert abs(s.keys_per_query_mean - m.sum(1).double().mean().item()) < 1e-9
     assert abs(s.sparsity - (1 - m.sum().item() / m.numel())) < 1e-12
+    T = program.geom.q_len
+    assert abs(s.density_vs_causal - m.sum().item() / (T * (T + 1) / 2)) < 1e-12
     assert s.state_rows_per_chunk == state.sum(1)[::16].tolist()
     g = program.geom
     assert s.kv_bytes == 2 * program.k.shape[0] * program.k.shape[1] * g.kv_len * 8 * 4
+
+
+def test_full_causal_density_is_one_and_kv_bytes_count_k_and_v_at_their_widths():
+    from masks.program import build_program
+    from masks.regions import Causal
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(2))
+    program = build_program(q, k, torch.randn(1, 2, 40, 4, generator=g), (Causal(),), scale=1.0, block_size=16)
+    s = program_stats(program)
+    rows = 1 * 2 * program.geom.kv_len
+    assert s.density_vs_causal == 1.0 and s.kv_bytes == rows * 8 * 4 + rows * 4 * 4
 
 
 def test_state_rows_per_chunk_of_the_bank():

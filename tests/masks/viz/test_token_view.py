@@ -73,6 +73,17 @@ def test_pooled_terminal_keeps_a_lone_visible_cell():
     assert all(r[0] == "S" for r in rows)  # the 3 sink columns pool into the first tile column
 
 
+def test_pooled_tiles_past_the_edge_show_only_the_cells_they_cover():
+    """5 x 5 cells into at most 2 x 2 tiles of 3 x 3: the edge tiles hold 2 cells of the grid per side
+    and pad the rest, which shows nothing (not a visible label)."""
+    from masks.viz.pool import pool_labels, token_priority
+
+    labels = torch.zeros(5, 5, dtype=torch.int8)
+    labels[4, 1] = 2
+    pooled = pool_labels(labels, 2, 2, token_priority(3))
+    assert pooled.tolist() == [[0, 0], [2, 0]] and pooled.dtype == labels.dtype
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_cells=100), "max_cells=100"),
     (dict(q_range=(5, 5)), "q_range"),
