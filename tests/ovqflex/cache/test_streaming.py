@@ -29,6 +29,8 @@ LAYERS = {
     "swa-20-sinks": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=20, n_sinks=2, backend="dense"),
     "bswa-2x16": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, block_window=2, chunk_size=16,
                                                         backend="dense"),
+    # a convolution of width 1 (a scale per channel): its cache keeps no earlier token
+    "swa-20-conv1": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=20, qk_conv=1, backend="dense"),
     "ovq-plateau": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, backend="dense"),
     "ovq-full-random-norm-conv": lambda: ovqflex.OVQAttention(
         HIDDEN, HEADS, chunk_size=16, max_centroids=40, growth="full", seeding="random", normalize_centroids=True,
