@@ -137,6 +137,22 @@ def test_a_cache_can_be_continued_twice(name):
     assert all(torch.equal(t, u) for t, u in zip(before, cache.tensors()))
 
 
+def test_ovq_random_seeding_decodes_through_chunks_that_found_no_slot():
+    """Decode draws a chunk's seeding keys as routing does, once per chunk whether it founds slots or not:
+    plateau N = 10 of 16-token chunks founds none in chunks 3 and 4 and one in chunk 5, which chunk 6 reads."""
+    from recurrences.ovq.routing import dictionary_sizes
+
+    assert dictionary_sizes(7, 16, 10) == [0, 6, 7, 8, 8, 8, 9, 9]
+    torch.manual_seed(0)
+    layer = _perturbed(ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=10, seeding="random", seed=5,
+                                           backend="dense"))
+    x = torch.randn(2, 112, HIDDEN)
+    with torch.no_grad():
+        full = layer(x)
+        streamed, _ = _stream(layer, x, 40, [1, 7, 16])
+    assert_close(streamed, full, FWD_TOL[torch.float32], "OVQ random seeding, decoded from token 40")
+
+
 PATTERNS = ["swa,ovq", "kvm", "full,bswa", "swa,nope", "swa,vq", "longvq", "swa,linear", "deltanet", "vla"]
 
 

@@ -5,6 +5,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import ovqflex
+from recurrences.ovq.routing import dictionary_sizes
 from recurrences.reference import ovq_attention_reference
 from tests.helpers import (FWD_TOL, GRAD_TOL, assert_close, default_floats, dynamo_restarts, float64_leaves,
                            reference_on_routes)
@@ -59,6 +60,15 @@ def test_fused_equals_reference(case):
     B, H, D, T, kw, seed = case
     flipped = _assert_fused_equals_reference(*inputs(B, H, D, T, seed), kw, seed)
     event("routes differ at near-ties" if flipped else "routes identical")
+
+
+def test_random_seeding_draws_once_per_chunk_whether_it_founds_slots_or_not():
+    """Random seeding draws its keys for every chunk (the reference loop, the op's routing, the static step and
+    the decode cache alike), also for a chunk that founds no slot: plateau N = 24 of 16-token chunks founds
+    none in chunk 7 and one in chunk 8, whose seed then comes from the draw after chunk 7's."""
+    kw = dict(chunk_size=16, max_centroids=24, seeding="random", seed=3)
+    assert dictionary_sizes(10, 16, 24)[6:10] == [19, 19, 20, 20]
+    assert _assert_fused_equals_reference(*inputs(2, 2, 16, 160, 5), kw, 5) == 0
 
 
 def lattice_inputs(seed: int, T: int = 256, D: int = 4):
