@@ -79,14 +79,11 @@ def commitment_loss(kn: Tensor, codebook: Tensor, codes: Tensor) -> Tensor:
     return sq.sum() / torch.sym_max(sq.numel(), 1)
 
 
-def code_histogram(codes: Tensor, n_codes: int, weight: Tensor | None = None) -> Tensor:
-    """Tokens per code and head, over batch and time: ``[H, N]`` fp32.
-
-    ``weight`` ``[B, H, T]`` (optional) counts each token with that weight (0 drops padding)."""
+def code_histogram(codes: Tensor, n_codes: int) -> Tensor:
+    """Tokens per code and head, over batch and time: ``[H, N]`` fp32."""
     B, H, T = codes.shape
-    w = torch.ones(codes.shape, device=codes.device) if weight is None else weight.float()
     flat = codes.permute(1, 0, 2).reshape(H, B * T)
-    return torch.zeros(H, n_codes, device=codes.device).scatter_add(1, flat, w.permute(1, 0, 2).reshape(H, B * T))
+    return torch.zeros(H, n_codes, device=codes.device).scatter_add(1, flat, torch.ones(H, B * T, device=codes.device))
 
 
 def codebook_metrics(kn: Tensor, codebook: Tensor, codes: Tensor) -> dict[str, Tensor]:

@@ -111,3 +111,7 @@ def test_metrics_of_a_known_assignment():
     m2 = codebook_metrics(kn, cb, codes2)
     assert m2["usage"] == 0.25 and torch.isclose(m2["perplexity"], torch.tensor(1.0)) and m2["unused_codes"] == 3
     assert torch.isclose(m2["rel_quant_error"], torch.tensor(6 / 8 * 2))  # 6 of 8 keys at distance^2 2
+    # two heads: the mean of the heads' perplexities (4 and 1), not the perplexity of their mean entropy (2)
+    both = torch.cat([codes, codes2], dim=1)
+    m3 = codebook_metrics(cb[0][both], cb.expand(2, 4, 4), both)
+    assert torch.isclose(m3["perplexity"], torch.tensor(2.5)) and m3["usage"] == (1 + 0.25) / 2
