@@ -124,7 +124,10 @@ def test_op_aux_metrics_and_commitment_gradient():
     (dict(beta=torch.ones(3)), "beta"), (dict(chunk_size=20), "chunk_size"), (dict(estimator="gumbel"), "estimator"),
     (dict(local_bias=torch.ones(1)), "local_bias"), (dict(code_bias=torch.ones(2, 3)), "code_bias"),
     (dict(block_size=0), "block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got 0"),
-], ids=["codebook-H", "codebook-D", "beta", "chunk", "estimator", "local_bias", "code_bias", "block-0"])
+    (dict(codebook=torch.randn(2, 0, 16)), r"codebook must have shape \[H, N, D\]=\[2, N>=1, 16\], got \(2, 0, 16\)"),
+    (dict(codebook=torch.ones(2, 4, 16, dtype=torch.int64)), "codebook must be a floating tensor on cpu, got torch.int64"),
+], ids=["codebook-H", "codebook-D", "beta", "chunk", "estimator", "local_bias", "code_bias", "block-0", "codebook-N0",
+        "codebook-int"])
 def test_bad_arguments(kw, match):
     q, k, v, cb, beta, _ = inputs(1, 2, 16, 40, 4, seed=0, requires_grad=False)
     args = dict(codebook=cb, beta=beta) | kw
