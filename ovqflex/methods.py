@@ -21,6 +21,7 @@ from recurrences.vla import VLAOptions
 
 from .layers import (AttentionLayer, CausalAttention, DeltaNetAttention, KVMAttention, LinearAttention, LongVQBlock, OVQAttention,
                      SlidingWindowAttention, VLAAttention, VQAttention)
+from .layers.plain import DefaultWindow
 from .ops.kvm import KVMOptions, kvm_flops
 from .ops.ovq import OVQOptions, ovq_flops
 from .ops.vq import VQOptions, vq_flops
@@ -176,8 +177,10 @@ register_method(Method(
     from_config=lambda c: dict(qk_norm=c.qk_norm, **_attention_options(c)), test_options=_SMALL))
 register_method(Method(
     "swa", SlidingWindowAttention, "token sliding window (RoPE)", fixed=dict(rope=True),
-    from_config=lambda c: dict(window=c.window, rope_base=c.rope_base, qk_norm=c.qk_norm, **_attention_options(c)),
-    defaults=dict(window=128), test_options=dict(_SMALL, window=20)))
+    # the config's window and the method's are defaults: a block_window option replaces them
+    from_config=lambda c: dict(window=DefaultWindow(c.window), rope_base=c.rope_base, qk_norm=c.qk_norm,
+                               **_attention_options(c)),
+    defaults=dict(window=DefaultWindow(128)), test_options=dict(_SMALL, window=20)))
 register_method(Method(
     "bswa", SlidingWindowAttention, "block sliding window of Nb chunks (RoPE)", fixed=dict(rope=True),
     from_config=lambda c: dict(block_window=c.n_bswa_chunks, chunk_size=c.chunk_size, rope_base=c.rope_base,

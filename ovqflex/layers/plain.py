@@ -137,10 +137,19 @@ class CausalAttention(_PlainAttention):
         return super().extra_repr() + (f", logn_len={self.logn_len}" if self.logn_len else "")
 
 
+class DefaultWindow(int):
+    """A default ``window`` of :class:`SlidingWindowAttention` (the layer's, 512 tokens; a method's or a
+    model config's), told apart from a window given: a ``block_window`` replaces a default window, and
+    is refused beside a window given."""
+
+    def __repr__(self) -> str:
+        return str(int(self))
+
+
 class SlidingWindowAttention(_PlainAttention):
-    """Sliding-window attention with RoPE: a token window of ``window`` tokens, or a
-    block window of ``block_window`` chunks of ``chunk_size``; ``n_sinks`` first
-    tokens always visible (StreamingLLM).
+    """Sliding-window attention with RoPE: a token window of ``window`` tokens (512 unless a block window is
+    given), or a block window of ``block_window`` chunks of ``chunk_size`` (refused beside a ``window``
+    given); ``n_sinks`` first tokens always visible (StreamingLLM).
 
     ``window``, ``block_window`` and ``n_sinks`` may be set on a built layer (no parameter depends on
     them; ``ovqflex eval --override window=1024``): setting one rebuilds the layer's regions, checked as
@@ -148,12 +157,12 @@ class SlidingWindowAttention(_PlainAttention):
 
     overrides = (*_PlainAttention.overrides, "window", "block_window", "n_sinks")
 
-    def __init__(self, hidden_size: int, num_heads: int, *, window: int | None = 512,
+    def __init__(self, hidden_size: int, num_heads: int, *, window: int | None = DefaultWindow(512),
                  block_window: int | None = None, chunk_size: int = 128, n_sinks: int = 0,
                  head_dim: int | None = None, rope: bool = True, rope_base: float = 10000.0,
                  qk_norm: bool = False, qk_conv: int = 0, backend: str = "auto", block_size: int = DEFAULT_BLOCK):
-        if block_window is not None:
-            window = None
+        if isinstance(window, DefaultWindow):
+            window = None if block_window is not None else int(window)
         shape = dict(window=window, block_window=block_window, chunk_size=chunk_size, n_sinks=n_sinks)
         super().__init__(hidden_size, num_heads, head_dim=head_dim, rope=rope, rope_base=rope_base,
                          qk_norm=qk_norm, backend=backend, block_size=block_size, regions=self._regions(shape),

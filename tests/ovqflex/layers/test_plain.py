@@ -102,17 +102,39 @@ def test_compiled_training_step_blocked():
         (lambda: ovqflex.CausalAttention(32, 2, backend="fast"), "backend"),
         (lambda: ovqflex.CausalAttention(30, 2, head_dim=15, rope=True), "even"),
         (lambda: ovqflex.SlidingWindowAttention(32, 2, window=None), "needs window=N .*use CausalAttention"),
+        (lambda: ovqflex.SlidingWindowAttention(32, 2, window=64, block_window=2),
+         r"give window or block_window, not both \(window=64, block_window=2\)"),
         (lambda: ovqflex.CausalAttention(32, 2, block_size=0), "block_size must be a power of two >= 16"),
         (lambda: ovqflex.CausalAttention(32, 2, logn_len=1), "logn_len must be 0 \\(off\\) or an int >= 2"),
         (lambda: ovqflex.CausalAttention(32, 2, logn_len=-3), "logn_len must be >= 0, got -3"),
         (lambda: ovqflex.CausalAttention(32, 2, logn_len=2048.0), "logn_len must be an int, got float"),
     ],
-    ids=["window-0", "chunk-100", "heads-0", "backend", "odd-rope", "no-window", "block-0", "logn-1", "logn-neg",
-         "logn-float"],
+    ids=["window-0", "chunk-100", "heads-0", "backend", "odd-rope", "no-window", "both-windows", "block-0", "logn-1",
+         "logn-neg", "logn-float"],
 )
 def test_bad_layer_arguments(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+def test_a_block_window_replaces_a_default_window_and_is_refused_beside_one_given():
+    """The layer's default window (512), the swa method's (128) and a model config's are defaults: a
+    block window replaces them. A window given with a block window is refused, where the block window had
+    replaced it silently."""
+    from ovqflex.methods import METHODS
+    from ovqflex.models import HybridConfig, HybridLM
+
+    bswa = dict(block_window=2, chunk_size=16)
+    assert ovqflex.SlidingWindowAttention(32, 2).window == 512
+    assert (ovqflex.SlidingWindowAttention(32, 2, **bswa).window, METHODS["swa"].example(2, 16, bswa).window) == \
+        (None, None)
+    cfg = dict(vocab_size=40, d_model=32, n_layers=1, n_heads=2, pattern="swa", chunk_size=16)
+    mixer = HybridLM(HybridConfig(**cfg, mixer_options={"swa": {"block_window": 2}})).blocks[0].mixer
+    assert (mixer.window, mixer.block_window) == (None, 2)
+    for make in (lambda: METHODS["swa"].example(2, 16, dict(bswa, window=64)),
+                 lambda: HybridLM(HybridConfig(**cfg, mixer_options={"swa": {"block_window": 2, "window": 8}}))):
+        with pytest.raises(ValueError, match="give window or block_window, not both"):
+            make()
 
 
 @pytest.mark.parametrize("x, match", [(torch.randn(2, 10), "3 dims"), (torch.randn(1, 10, 31), "hidden_size")],
