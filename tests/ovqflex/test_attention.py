@@ -195,7 +195,7 @@ def test_attend_rows_computes_in_fp32_under_autocast_too():
         (lambda q, k, v: (q, k[..., :8], v), "head dim"),
         (lambda q, k, v: (q, k, v[:, :, :5]), "same length"),
         (lambda q, k, v: (q.long(), k, v), "floating"),
-        (lambda q, k, v: (q, k.to("meta"), v), "device"),
+        (lambda q, k, v: (q, k.to("meta"), v), "q, k, v must be on one device; got cpu, meta, cpu"),
     ],
     ids=["rank", "heads", "head-dim", "length", "int", "device"],
 )

@@ -157,11 +157,13 @@ def test_flex_forward_equals_reference(T, kw):
 
 @pytest.mark.parametrize("change, match", [
     (dict(chunk_size=20), "chunk_size"), (dict(n_bswa_chunks=0), "n_bswa_chunks"), (dict(sink_len=16), "sink_len"),
-    (dict(rope_dims=3), "rope_dims"), (dict(budget="exp"), "budget"), (dict(max_state_chunks=0), "max_state_chunks"),
+    (dict(rope_dims=3), r"rope_dims must be None \(head_dim // 2\) or an even int >= 0, got 3"),
+    (dict(rope_dims=18), r"rope_dims must be an even int in \[0, head_dim=16\], got 18"),
+    (dict(budget="exp"), "budget"), (dict(max_state_chunks=0), "max_state_chunks"),
     (dict(ln_s_weight=torch.ones(3)), "ln_s_weight"), (dict(tau_state=torch.ones(5)), "tau_state"),
     (dict(gate=torch.ones(1, 2, 7)), "gate"),
     (dict(block_size=0), "block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got 0"),
-], ids=["chunk", "nb", "sinks", "rope", "budget", "cap", "ln", "tau", "gate", "block-0"])
+], ids=["chunk", "nb", "sinks", "rope", "rope-past-head", "budget", "cap", "ln", "tau", "gate", "block-0"])
 def test_bad_arguments(change, match):
     q, k, v, params, _ = inputs(1, 2, 16, 40, seed=0, requires_grad=False)
     args = dict(chunk_size=16) | params | change
