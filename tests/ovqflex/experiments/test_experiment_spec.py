@@ -52,7 +52,10 @@ def test_model_spec_validation(kwargs, match):
     (dict(train_options={"grad_clip": -1.0}), "grad_clip must be a finite number >= 0"),
     (dict(eval_examples=0), "eval_examples must be an int >= 1"),
     (dict(steps=0), "steps must be >= 1"),
-], ids=["preset", "order", "empty", "steps", "seed", "unknown", "grad-clip", "examples", "zero-steps"])
+    (dict(budget=3), "Scale.budget must be a str, got 3"),
+    (dict(model_options={"vocab_size": 64}), "Scale.model_options must not set pattern or vocab_size"),
+], ids=["preset", "order", "empty", "steps", "seed", "unknown", "grad-clip", "examples", "zero-steps", "budget",
+        "vocab"])
 def test_scale_validation(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         scale(**kwargs)

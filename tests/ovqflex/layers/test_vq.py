@@ -47,9 +47,11 @@ def test_an_empty_batch_leaves_the_codebook_state_as_it_was(estimator):
         assert torch.equal(getattr(layer.quantizer, name), was), name
 
 
-def test_layer_bad_codebook_size():
+def test_layer_bad_codebook_size_and_ema_decay():
     with pytest.raises(ValueError, match="codebook_size"):
         ovqflex.VQAttention(32, 2, codebook_size=0)
+    with pytest.raises(ValueError, match="ema_decay must be < 1, got 1.0"):  # an EMA that never moves
+        ovqflex.VQAttention(32, 2, ema_decay=1.0)
 
 
 def test_layer_diveq_trains_codebook_by_gradient():

@@ -46,12 +46,18 @@ def test_head_is_tied_to_embedding():
     assert not any("head" in name for name, _ in model.named_parameters())
 
 
-def test_tokens_must_be_int64_ids():
+def test_forward_refuses_bad_tokens_a_foreign_cache_and_aux_from_a_cached_forward():
     model = small("swa")
     with pytest.raises(TypeError, match="tokens must be int64"):
         model(torch.zeros(1, 8))
     with pytest.raises(ValueError, match="tokens"):
         model(torch.zeros(8, dtype=torch.int64))
+    tokens = torch.zeros(1, 8, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"cache must be a ModelCache \(from forward\(\.\.\., use_cache=True\)\), "
+                                        r"got dict"):
+        model(tokens, cache={})
+    with pytest.raises(ValueError, match="return_aux is for training forwards; a cached"):
+        model(tokens, use_cache=True, return_aux=True)
 
 
 @pytest.mark.parametrize("pattern", ["full", "nope", "swa", "bswa", "ovq", "swa,ovq", "kvm", "swa,kvm"])

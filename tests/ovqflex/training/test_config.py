@@ -58,3 +58,12 @@ def test_optimizer_numbers_must_be_finite(field, value):
     torch's optimizer only, in its own words."""
     with pytest.raises(ValueError, match=f"{field} must be a finite number >= 0, got {value!r}"):
         TrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(lr=0.0), "lr must be > 0, got 0.0"),
+    (dict(deterministic="yes"), r"deterministic must be True, False or None \(on for CPU, off for CUDA\), got 'yes'"),
+], ids=["lr-0", "deterministic-str"])
+def test_a_zero_learning_rate_and_a_non_bool_determinism_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**change)

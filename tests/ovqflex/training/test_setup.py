@@ -66,3 +66,12 @@ def test_a_model_option_that_contradicts_the_pattern_or_the_task_is_refused(chan
         model_config(cfg, build_task(cfg))
     cfg = TrainConfig(**agreeing)
     assert model_config(cfg, build_task(cfg)) == model_config(TrainConfig(pattern=cfg.pattern), build_task(cfg))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(task="text"), r"task 'text' needs a data file: --data FILE"),
+    (dict(task="icr", data="notes.txt"), "--data is only used by --task text, not by task 'icr'"),
+], ids=["text-without-data", "data-without-text"])
+def test_data_goes_with_the_text_task_alone(change, match):
+    with pytest.raises(ValueError, match=match):
+        build_task(TrainConfig(**change))
