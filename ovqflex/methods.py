@@ -177,7 +177,7 @@ register_method(Method(
     from_config=lambda c: dict(qk_norm=c.qk_norm, **_attention_options(c)), test_options=_SMALL))
 register_method(Method(
     "swa", SlidingWindowAttention, "token sliding window (RoPE)", fixed=dict(rope=True),
-    # the config's window and the method's are defaults: a block_window option replaces them
+    # the config's window and the method's are defaults (sinks' too): a block_window option replaces them
     from_config=lambda c: dict(window=DefaultWindow(c.window), rope_base=c.rope_base, qk_norm=c.qk_norm,
                                **_attention_options(c)),
     defaults=dict(window=DefaultWindow(128)), test_options=dict(_SMALL, window=20)))
@@ -188,7 +188,7 @@ register_method(Method(
     defaults=dict(block_window=2, chunk_size=128), test_options=dict(_SMALL, block_window=2, chunk_size=16)))
 register_method(Method(
     "sinks", SlidingWindowAttention, "StreamingLLM: sinks + token window (RoPE)", fixed=dict(rope=True),
-    defaults=dict(window=128, n_sinks=4), test_options=dict(_SMALL, window=20, n_sinks=2)))
+    defaults=dict(window=DefaultWindow(128), n_sinks=4), test_options=dict(_SMALL, window=20, n_sinks=2)))
 register_method(Method(
     "ovq", OVQAttention, "OVQ-attention: per-chunk dictionary snapshot (log-count bias) + own chunk causal",
     options=OVQOptions,

@@ -118,7 +118,7 @@ def test_bad_layer_arguments(make, match):
 
 
 def test_a_block_window_replaces_a_default_window_and_is_refused_beside_one_given():
-    """The layer's default window (512), the swa method's (128) and a model config's are defaults: a
+    """The layer's default window (512), the swa and sinks methods' (128) and a model config's are defaults: a
     block window replaces them. A window given with a block window is refused, where the block window had
     replaced it silently."""
     from ovqflex.methods import METHODS
@@ -128,6 +128,8 @@ def test_a_block_window_replaces_a_default_window_and_is_refused_beside_one_give
     assert ovqflex.SlidingWindowAttention(32, 2).window == 512
     assert (ovqflex.SlidingWindowAttention(32, 2, **bswa).window, METHODS["swa"].example(2, 16, bswa).window) == \
         (None, None)
+    sinks = METHODS["sinks"].example(2, 16, bswa)
+    assert (sinks.window, sinks.block_window, sinks.n_sinks) == (None, 2, 4)
     cfg = dict(vocab_size=40, d_model=32, n_layers=1, n_heads=2, pattern="swa", chunk_size=16)
     mixer = HybridLM(HybridConfig(**cfg, mixer_options={"swa": {"block_window": 2}})).blocks[0].mixer
     assert (mixer.window, mixer.block_window) == (None, 2)
