@@ -137,17 +137,24 @@ def test_spec_differences_names_fields():
     assert spec_differences(a, a) == []
 
 
+def _child(body: str, **env) -> tuple[list[str], dict]:
+    """The command line and environment of a Python process that runs ``body`` with this module imported as
+    ``t`` (and ``sys``), the project on its path, and the variables ``env`` (e.g. a fault to inject) set."""
+    root = Path(ovqflex.__file__).resolve().parents[1]
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t\n{body}"
+    path = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return [sys.executable, "-c", code], {**os.environ, **env, "PYTHONPATH": path}
+
+
 def test_sigterm_stops_the_experiment_after_a_step_and_resume_continues_from_it(tmp_path):
     """SIGTERM right after step 3 of the first run (checkpoints every 2): it stops with a checkpoint
     of step 3, and --resume continues from that step."""
     out = tmp_path / "exp"
-    root = Path(ovqflex.__file__).resolve().parents[1]
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t\n"
-            f"from ovqflex.training import TrainingInterrupted\n"
-            f"try:\n    t.run_tiny({str(out)!r})\n"
-            f"except TrainingInterrupted as e:\n    print(e)\n    sys.exit(e.exit_code)")
-    env = {**os.environ, FAULT_SIGNAL_ENV: "3", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    argv, env = _child(f"from ovqflex.training import TrainingInterrupted\n"
+                       f"try:\n    t.run_tiny({str(out)!r})\n"
+                       f"except TrainingInterrupted as e:\n    print(e)\n    sys.exit(e.exit_code)",
+                       **{FAULT_SIGNAL_ENV: "3"})
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 143, proc.stderr
     assert "stopped by SIGTERM after step 3: checkpoint" in proc.stdout
     assert sorted(p.name for p in (out / "sw-ovq-s0" / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
@@ -158,12 +165,8 @@ def test_sigterm_stops_the_experiment_after_a_step_and_resume_continues_from_it(
 
 def _run_tiny_killed_after(out: Path, step: int) -> subprocess.CompletedProcess:
     """``run_tiny(out)`` in a process that kills itself (SIGKILL) right after training step ``step``."""
-    root = Path(ovqflex.__file__).resolve().parents[1]
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t; "
-            f"t.run_tiny({str(out)!r})")
-    env = {**os.environ, FAULT_KILL_ENV: str(step),
-           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    argv, env = _child(f"t.run_tiny({str(out)!r})", **{FAULT_KILL_ENV: str(step)})
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == -9, proc.stderr
     return proc
 
@@ -360,14 +363,10 @@ def test_jobs_must_be_a_positive_int(tmp_path):
 
 
 def _start_parallel(out: Path, steps: int, resume: bool) -> subprocess.Popen:
-    root = Path(ovqflex.__file__).resolve().parents[1]
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_experiment_runner as t\n"
-            f"from ovqflex.experiments import ExperimentInterrupted\n"
-            f"try:\n    t.run_tiny({str(out)!r}, resume={resume}, jobs=2, steps={steps}, ckpt_every=50)\n"
-            f"except ExperimentInterrupted as e:\n    print(e)\n    sys.exit(e.exit_code)")
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    argv, env = _child(f"from ovqflex.experiments import ExperimentInterrupted\n"
+                       f"try:\n    t.run_tiny({str(out)!r}, resume={resume}, jobs=2, steps={steps}, ckpt_every=50)\n"
+                       f"except ExperimentInterrupted as e:\n    print(e)\n    sys.exit(e.exit_code)")
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _when(condition, proc: subprocess.Popen | None = None, seconds: float = 300) -> None:
