@@ -125,7 +125,8 @@ def test_op_aux_metrics_and_commitment_gradient():
     (dict(local_bias=torch.ones(1)), "local_bias"), (dict(code_bias=torch.ones(2, 3)), "code_bias"),
     (dict(block_size=0), "block_size must be a power of two >= 16 \\(16, 32, 64, 128, ...\\), got 0"),
     (dict(codebook=torch.randn(2, 0, 16)), r"codebook must have shape \[H, N, D\]=\[2, N>=1, 16\], got \(2, 0, 16\)"),
-    (dict(codebook=torch.ones(2, 4, 16, dtype=torch.int64)), "codebook must be a floating tensor on cpu, got torch.int64"),
+    (dict(codebook=torch.ones(2, 4, 16, dtype=torch.int64)),
+     "codebook must be a floating tensor on cpu, got torch.int64"),
 ], ids=["codebook-H", "codebook-D", "beta", "chunk", "estimator", "local_bias", "code_bias", "block-0", "codebook-N0",
         "codebook-int"])
 def test_bad_arguments(kw, match):
