@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from recurrences.checks import check_chunk, check_int
-from recurrences.compiling import device_constant
+from recurrences.compiling import device_constant, is_symbolic
 
 
 @dataclass(frozen=True)
@@ -173,10 +173,10 @@ def blocks_touched(span: int, base: int, step: int, block: int) -> int:
     d = block
     while d > 1 and not known_multiple(step, d):
         d //= 2
-    if isinstance(base, int):
-        offset = base % d
-    else:
+    if is_symbolic(base):  # (dynamo shows a symbol to traced code as an int: isinstance cannot tell)
         offset = 0 if known_multiple(base, d) else d - 1
+    else:
+        offset = base % d
     return -(-(block - d + offset + span) // block)
 
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from masks.blocks import build_block_layout
 from masks.regions import BlockWindow, Causal, Geometry, Sinks, StateBank, TokenWindow, blocks_touched
 from masks.versioned import CheckpointBank, VersionRows
+from ovqflex.compile_watch import compile_counts
 from ovqflex.ops.ovq import ovq_program
 
 
@@ -166,22 +167,54 @@ def test_list_width_covers_the_rows_of_every_query_block(case):
     """The block lists are ``max_blocks`` wide: no query block's rows ``[lo(qs), hi(qe - 1))`` may reach
     more kv blocks (a narrower list would drop visible blocks)."""
     region, geom = case
+    assert _most_blocks_reached(region, geom) <= min(region.max_blocks(geom), geom.n_kv_blocks)
+
+
+def _most_blocks_reached(region, geom) -> int:
+    """The most kv blocks the rows ``[lo(qs), hi(qe - 1))`` of one query block ``[qs, qe)`` reach."""
     p = region.params(geom, torch.device("cpu"))
     first = torch.arange(geom.n_q_blocks) * geom.block_q
     lo, hi = region.bounds(p, torch.stack([first, first + geom.block_q - 1]))
     bk = geom.block_kv
-    reached = torch.where(hi[1] > lo[0], -(-hi[1].long() // bk) - lo[0].long() // bk, 0)
-    assert int(reached.max()) <= min(region.max_blocks(geom), geom.n_kv_blocks)
+    return int(torch.where(hi[1] > lo[0], -(-hi[1].long() // bk) - lo[0].long() // bk, 0).max())
+
+
+@pytest.mark.parametrize("block", [16, 32], ids=["block16", "block32"])
+def test_list_width_of_every_token_window_and_state_offset(block):
+    """Every window up to three blocks (and block windows of chunks 16 to 64) after every number of state rows
+    up to two blocks: the sampled geometries above rarely pair a window that is a multiple of the block with
+    state rows one past a block's start, where the window's rows of a query block reach one block further."""
+    for n_state in range(2 * block):
+        kv_tokens = -(-(n_state + 8 * block) // block) * block - n_state
+        geom = Geometry(8 * block, 8 * block, n_state, kv_tokens, block, block)
+        regions = [TokenWindow(w) for w in range(1, 3 * block + 1)]
+        regions += [BlockWindow(width, chunk) for width in (1, 2, 3) for chunk in (16, 32, 48, 64)]
+        for region in regions:
+            assert _most_blocks_reached(region, geom) <= region.max_blocks(geom), (region, n_state)
 
 
 @pytest.mark.parametrize("span, base, step, want", [
     (32, 0, 32, 1), (33, 0, 32, 2), (32, 16, 32, 2), (32, 0, 16, 2), (16, 16, 16, 1), (1, 31, 0, 1),
-    (2, 31, 0, 2), (40, 0, 1, 3), (64, 0, 0, 2), (64, 1, 2, 3),
+    (2, 31, 0, 2), (40, 0, 1, 3), (34, 0, 1, 3), (64, 0, 0, 2), (64, 1, 2, 3),
 ], ids=lambda x: str(x))
 def test_blocks_touched_by_an_interval(span, base, step, want):
     """Counted by hand on blocks of 32 rows: an aligned start reaches ceil(span / 32) blocks, a start
     that can fall inside a block one more where the span's end then crosses a block boundary."""
     assert blocks_touched(span, base, step, 32) == want
+
+
+def test_blocks_touched_from_a_symbolic_start_counts_any_offset():
+    """Under ``torch.compile`` with a dynamic length the start row can be a symbol (state rows counted from
+    it): nothing provable about its offset in a block, so an interval of 32 rows is counted as the two blocks
+    of 32 it reaches from a start anywhere inside one, in one graph for every length. (Counted from the
+    symbol's value, the count was 1 at lengths that are multiples of 32, under a guard that compiled a second
+    graph for them.)"""
+    counted = torch.compile(lambda x: torch.zeros(blocks_touched(32, x.shape[0], 0, 32)) + x.sum(), dynamic=True,
+                            fullgraph=True)
+    before = compile_counts()
+    for n in (5, 7, 33, 64, 96):
+        assert counted(torch.zeros(n)).shape == (2,), n
+    assert (compile_counts() - before).graphs == 1
 
 
 def test_tiny_preset_lists_are_as_wide_as_what_they_hold():
