@@ -139,10 +139,14 @@ def test_kv_rows_are_the_state_then_the_tokens_each_padded_with_zeros_to_the_blo
         assert torch.equal(grad, w[:, :, rows])
 
 
-def test_state_rows_need_both_keys_and_values():
+@pytest.mark.parametrize("state_k, state_v", [(None, (1, 1, 3, 8)), ((1, 1, 3, 8), None), ((1, 1, 3, 8), (1, 1, 4, 8)),
+                                              ((1, 1, 3, 8), (1, 2, 3, 8))],
+                         ids=["values-only", "keys-only", "other-rows", "other-heads"])
+def test_state_rows_need_both_keys_and_values(state_k, state_v):
     q = k = v = torch.zeros(1, 1, 16, 8)
-    with pytest.raises(ValueError, match="state_k and state_v must both be given"):
-        build_program(q, k, v, plain_regions(window=4), scale=1.0, state_v=torch.zeros(1, 1, 3, 8))
+    state = [None if shape is None else torch.zeros(shape) for shape in (state_k, state_v)]
+    with pytest.raises(ValueError, match=r"state_k and state_v must both be given with matching \[B, H, S\]"):
+        build_program(q, k, v, plain_regions(window=4), scale=1.0, state_k=state[0], state_v=state[1])
 
 
 def _token_major(q: torch.Tensor) -> bool:

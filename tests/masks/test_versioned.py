@@ -1,7 +1,9 @@
-"""Regions of the versioned state layout (masks/versioned.py): what the liveness test reads past the state."""
+"""Regions of the versioned state layout (masks/versioned.py): what the liveness test reads past the state, and
+which blocks the liveness of their rows lists."""
 import pytest
 import torch
 
+from masks.blocks import build_block_layout
 from masks.regions import Geometry
 from masks.versioned import CheckpointBank, VersionRows
 
@@ -34,3 +36,20 @@ def test_liveness_longer_than_the_state_is_refused():
     geom = Geometry(q_len=32, q_pad=32, n_state=16, kv_tokens=32, block_q=16, block_kv=16)
     with pytest.raises(ValueError, match="17 rows, more than the program's 16 state rows"):
         _regions(5, born, dies)[0].params(geom, torch.device("cpu"))
+
+
+def test_a_block_is_listed_only_for_the_query_blocks_some_of_its_rows_live_in():
+    """Counted by hand: one checkpoint of 32 rows read by 4 chunks of 16 queries (``every = 4``), blocks of 16.
+    Block 0's rows live in every chunk: full for each query block. Block 1 holds 8 dead rows (``born = dies =
+    0``, as padding is) and 8 rows living in chunk 2 only: listed (partial) for query block 2 alone: not in
+    chunks 0 and 1, before its live rows are born (the dead rows' birth 0 must not count), nor in chunk 3,
+    when they have died."""
+    born = torch.tensor([0] * 16 + [0] * 8 + [2] * 8, dtype=torch.int32).view(1, 1, 32)
+    dies = torch.tensor([4] * 16 + [0] * 8 + [3] * 8, dtype=torch.int32).view(1, 1, 32)
+    region = CheckpointBank(32, 16, 4, 4, torch.tensor([32], dtype=torch.int32), born, dies)
+    geom = Geometry(q_len=64, q_pad=64, n_state=32, kv_tokens=64, block_q=16, block_kv=16)
+    layout = build_block_layout((region,), (region.params(geom, torch.device("cpu")),), geom)
+    full = [layout.full_idx[r, : layout.full_num[r]].tolist() for r in range(4)]
+    partial = [layout.kv_idx[r, : layout.kv_num[r]].tolist() for r in range(4)]
+    assert full == [[0], [0], [0], [0]]
+    assert partial == [[], [], [1], []]

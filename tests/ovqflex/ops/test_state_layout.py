@@ -323,36 +323,37 @@ def test_flex_forward_versioned_equals_snapshot(method):
         assert_close(run("versioned", "flex"), run("snapshot", "blocked"), FWD_TOL[torch.float32], "flex")
 
 
+@pytest.mark.parametrize("B, T", [(0, 80), (2, 0)], ids=["empty-batch", "no-tokens"])
 @pytest.mark.parametrize("layout", ["snapshot", "versioned"])
 @pytest.mark.parametrize("method", ["ovq", "kvm", "vq"])
-def test_an_empty_batch_gives_an_empty_output_on_every_backend(method, layout):
-    """B = 0 with state in view (T = 5 chunks): an empty output, differentiable, on every backend. Flex's
-    lowering had indexed the program's empty captured tensors (IndexError), and the versioned layout's block
-    liveness had reduced over no rows."""
-    T = 80
+def test_an_empty_batch_or_sequence_gives_an_empty_output_on_every_backend(method, layout, B, T):
+    """B = 0 with state in view (T = 5 chunks), and T = 0: an empty output, differentiable, on every backend.
+    Flex's lowering had indexed the program's empty captured tensors (IndexError), and the versioned layout's
+    block liveness had reduced over no rows. No tokens still make a program of one block of padded queries
+    (``masks.program.program_geometry``): none would leave the backends' softmax to reduce over no rows."""
     if method == "ovq":
-        q, k, v, beta = ovq_inputs(0, 2, 16, T, seed=0)
+        q, k, v, beta = ovq_inputs(B, 2, 16, T, seed=0)
 
         def run(backend):
             return ovqflex.ovq_attention(q, k, v, beta, backend=backend, state_layout=layout, chunk_size=16,
                                          max_centroids=8, checkpoint_every=2)
     elif method == "kvm":
-        q, k, v, params, _ = kvm_inputs(0, 2, 16, T, seed=0)
+        q, k, v, params, _ = kvm_inputs(B, 2, 16, T, seed=0)
 
         def run(backend):
             return ovqflex.kvm_attention(q, k, v, backend=backend, state_layout=layout, chunk_size=16,
                                          checkpoint_every=2, **params)
     else:
-        q, k, v, codebook, beta, _ = vq_inputs(0, 2, 16, T, 4, seed=0)
+        q, k, v, codebook, beta, _ = vq_inputs(B, 2, 16, T, 4, seed=0)
 
         def run(backend):
             return ovqflex.vq_attention(q, k, v, codebook, beta, backend=backend, state_layout=layout, chunk_size=16,
                                         checkpoint_every=2)[0]
     for backend in ("flex", "blocked", "dense", "auto"):
         with torch.no_grad():
-            assert run(backend).shape == (0, 2, T, 16), backend
+            assert run(backend).shape == (B, 2, T, 16), backend
     out = run("blocked")
-    assert out.shape == (0, 2, T, 16)
+    assert out.shape == (B, 2, T, 16)
     assert torch.autograd.grad(out.sum(), q)[0].shape == q.shape
 
 
