@@ -31,6 +31,21 @@ def assert_close(a, b, tol, what="", floor: float = 1e-2):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def assert_parameter_gradients_match(module, out, ref, *, skip=(), may_vanish=(), what=""):
+    """The gradient of ``(out * w).sum()`` (one random ``w``) equals that of ``(ref * w).sum()`` for every named
+    parameter of ``module`` (fp32 tolerance, floor 0.1), except those whose names start with one of ``skip``; each
+    is nonzero (it reaches the parameter) unless its name is in ``may_vanish``."""
+    names, params = zip(*module.named_parameters())
+    w = torch.randn(out.shape)
+    grads = torch.autograd.grad((out * w).sum(), params)
+    ref_grads = torch.autograd.grad((ref * w).sum(), params)
+    for name, a, b in zip(names, grads, ref_grads):
+        if name.startswith(tuple(skip)):
+            continue
+        assert a.abs().sum() > 0 or name in may_vanish, f"{what}no gradient reaches {name}"
+        assert_close(a, b, GRAD_TOL[torch.float32], f"{what}d{name}", floor=0.1)
+
+
 def float64_leaves(tensors):
     """Float64 copies of ``tensors`` (a None stays None), each a new leaf recording gradients where its
     original does: the same values as fp32 inputs, for the float64 result an fp32 op is measured against.

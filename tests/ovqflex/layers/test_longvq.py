@@ -9,12 +9,63 @@ import torch.nn.functional as F
 import ovqflex
 from ovqflex.models import HybridConfig, HybridLM
 from ovqflex.tasks import IGNORE, make_batch, make_task
-from tests.helpers import assert_trains_compiled_once
+from recurrences.ema import damped_ema_reference
+from recurrences.reference import vq_attention_reference
+from tests.helpers import FWD_TOL, assert_close, assert_parameter_gradients_match, assert_trains_compiled_once
 
 
 def block(**kw):
     torch.manual_seed(0)
     return ovqflex.LongVQBlock(32, 2, **({"chunk_size": 16, "codebook_size": 8, "backend": "blocked"} | kw))
+
+
+def _block_reference(layer, x, norm_eps):
+    """The block by the LongVQ paper's equations (as ``ovqflex/layers/longvq.py``'s docstring writes them), the EMA's
+    token loop and VQ-attention's quadratic form in place of the fused ops, on the layer's parameters (its norms'
+    epsilon ``norm_eps``)."""
+    H, Dk, Dv, hidden = layer.num_heads, layer.head_dim, layer.head_dim_v, layer.hidden_size
+    B, T, _ = x.shape
+    z = F.silu(damped_ema_reference(x, layer.ema_delta, layer.ema_alpha, layer.ema_beta, layer.ema_gamma,
+                                    layer.ema_omega))
+    w_q, w_k, w_g = layer.z_proj.weight.split([H * Dk, H * Dk, H * Dv])
+    b_q, b_k, b_g = layer.z_proj.bias.split([H * Dk, H * Dk, H * Dv])
+    w_v, w_o = layer.x_proj.weight.split([H * Dv, hidden])
+    b_v, b_o = layer.x_proj.bias.split([H * Dv, hidden])
+    heads = lambda t, d: t.view(B, T, H, d).transpose(1, 2)  # noqa: E731
+    q, k = heads(F.linear(z, w_q, b_q), Dk), heads(F.linear(z, w_k, b_k), Dk)
+    g_a, g_o = F.silu(F.linear(z, w_g, b_g)), torch.sigmoid(F.linear(x, w_o, b_o))
+    v = heads(F.silu(F.linear(x, w_v, b_v)), Dv)
+    attn = vq_attention_reference(q, k, v, layer.quantizer.codebook, layer.beta, chunk_size=layer.chunk_size,
+                                  local_bias=layer.local_bias, estimator=layer.estimator,
+                                  code_bias=layer.quantizer.code_bias()).out
+    o_a = layer.h_proj(g_a * attn.transpose(1, 2).reshape(B, T, H * Dv))
+    norm = lambda t, n: F.layer_norm(t, (hidden,), n.weight, n.bias, norm_eps)  # noqa: E731
+    y = norm(g_o * o_a + (1 - g_o) * x, layer.norm1)
+    return norm(y + layer.ffn(y), layer.norm2)
+
+
+@pytest.mark.parametrize("estimator", ["ste", "diveq"])
+def test_block_equals_the_papers_equations_with_the_reference_loops(estimator):
+    """Forward and the gradient of every parameter, with the local bias, the norms and (DiVeQ) the codes'
+    no-use penalty away from their initial values, in eval mode (a frozen codebook: the training forward's
+    update is tests/ovqflex/layers/test_vq.py's). Where queries read chunks through the codebook state (80
+    tokens, 5 chunks), a key read there gets its code's mean gradient (``ovqflex.vq_attention``'s documented
+    rule), so the parameters before the quantized keys (the EMA's, ``z_proj``'s, DiVeQ's codebook) are compared
+    where every query reads the keys as tokens (32 tokens, 2 chunks), and the others at both lengths."""
+    layer = block(estimator=estimator, norm_eps=1e-3).eval()
+    with torch.no_grad():
+        for p in (layer.local_bias, layer.norm1.weight, layer.norm1.bias, layer.norm2.weight, layer.norm2.bias):
+            p.add_(0.5 * torch.randn_like(p))
+        if estimator == "diveq":
+            layer.quantizer.idle_steps.copy_(torch.randint(0, 50, layer.quantizer.idle_steps.shape))
+    for T in (80, 32):
+        x = torch.randn(2, T, 32)
+        out, ref = layer(x), _block_reference(layer, x, norm_eps=1e-3)
+        assert_close(out, ref, FWD_TOL[torch.float32], f"block forward, T={T}")
+        before_keys = ("ema_", "z_proj", "quantizer") if T > 2 * layer.chunk_size else ()
+        # with no state rows read (T = 32) the local bias shifts every score alike: no gradient reaches it
+        no_state = ("local_bias",) if T <= 2 * layer.chunk_size else ()
+        assert_parameter_gradients_match(layer, out, ref, skip=before_keys, may_vanish=no_state, what=f"T={T}: ")
 
 
 def test_local_bias_is_learned_and_changes_the_output():

@@ -10,7 +10,40 @@ import pytest
 import torch
 
 import ovqflex
-from tests.helpers import assert_close, assert_trains_compiled_once
+from recurrences.reference import vq_attention_reference
+from tests.helpers import FWD_TOL, assert_close, assert_parameter_gradients_match, assert_trains_compiled_once
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("estimator", ["ste", "diveq"])
+def test_layer_equals_the_reference_on_its_projections(estimator, mode):
+    """The layer is its projections, VQ-attention's quadratic form over them with the layer's codebook, local bias
+    (away from 0) and (DiVeQ) codes' no-use penalty, and the output projection: forward and the gradient of every
+    parameter. A training forward attends with the codebook as it was before the forward updates it. Where
+    queries read chunks through the codebook state (80 tokens, 5 chunks) a key gets its code's mean gradient
+    (``ovqflex.vq_attention``'s rule): the parameters before the quantized keys (the qkv projection, DiVeQ's
+    codebook) are compared at 32 tokens (2 chunks), where every query reads the keys as tokens."""
+    torch.manual_seed(0)
+    layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, local_bias=True, estimator=estimator,
+                                backend="blocked").train(mode == "train")
+    with torch.no_grad():
+        layer.local_bias.add_(torch.randn(2))
+        if estimator == "diveq":
+            layer.quantizer.idle_steps.copy_(torch.randint(0, 50, layer.quantizer.idle_steps.shape))
+    for T in (80, 32):
+        x = torch.randn(2, T, 32)
+        codebook, code_bias = layer.quantizer.codebook, layer.quantizer.code_bias()
+        if mode == "train":  # the reference reads the state before the forward's update
+            codebook, code_bias = codebook.clone(), None if code_bias is None else code_bias.clone()
+        q, k, v = layer.split_heads(x)
+        ref = layer.merge(vq_attention_reference(q, k, v, codebook, layer.beta, chunk_size=16,
+                                                 local_bias=layer.local_bias, estimator=estimator,
+                                                 code_bias=code_bias).out)
+        out = layer(x)
+        assert_close(out, ref, FWD_TOL[torch.float32], f"forward, T={T}")
+        before_keys = ("qkv_proj", "quantizer") if T > 32 else ()
+        assert_parameter_gradients_match(layer, out, ref, skip=before_keys, may_vanish=("local_bias",) if T == 32
+                                         else (), what=f"T={T}: ")
 
 
 def test_layer_ema_mode_updates_codebook_in_train_only_and_returns_aux():
