@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ovqflex.models import HybridConfig, HybridLM, available_mixers
-from tests.helpers import FWD_TOL, OLD_TORCH, VECMASK_FAULT, assert_close
+from tests.helpers import FWD_TOL, OLD_TORCH, VECMASK_FAULT, assert_close, assert_parameter_gradients_match
 
 SMALL = dict(vocab_size=64, d_model=32, n_heads=2, window=16, chunk_size=16, block_size=16, backend="blocked",
              mixer_options={"ovq": {"max_centroids": 16}})
@@ -13,6 +13,38 @@ SMALL = dict(vocab_size=64, d_model=32, n_heads=2, window=16, chunk_size=16, blo
 def small(pattern: str, **kw) -> HybridLM:
     torch.manual_seed(0)
     return HybridLM(HybridConfig(pattern=pattern, n_layers=len(pattern.split(",")), **{**SMALL, **kw}))
+
+
+def _model_reference(model, tokens, eps):
+    """The model written out with its mixers as black boxes: ``h = E[tokens]``; per pre-norm block ``h += mixer(
+    rms(h) g1)``, ``h += W_down(silu(W_gate rms(h) g2) * W_up rms(h) g2)``; a standalone block (LongVQ) is ``h =
+    block(h)``; logits ``rms(h) g E^T`` (the head tied to the embedding), ``rms(x) = x / sqrt(mean(x^2) + eps)``."""
+    rms = lambda x, g: x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * g  # noqa: E731
+    h = model.embed.weight[tokens]
+    for block in model.blocks:
+        if block.standalone:
+            h = block.mixer(h)
+            continue
+        h = h + block.mixer(rms(h, block.norm1.weight))
+        x = rms(h, block.norm2.weight)
+        w_gate, w_up = block.mlp.gate_up.weight.chunk(2, dim=0)
+        h = h + F.silu(x @ w_gate.T) * (x @ w_up.T) @ block.mlp.down.weight.T
+    return rms(h, model.norm.weight) @ model.embed.weight.T
+
+
+@pytest.mark.parametrize("pattern", ["swa,ovq", "longvq,kvm"])
+def test_model_is_its_blocks_written_out(pattern):
+    """Logits and every parameter's gradient equal :func:`_model_reference`'s, with the norms' gains away from
+    one (they start equal, so a block reading the wrong norm would pass at initialisation)."""
+    model = small(pattern, norm_eps=1e-3).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    tokens = torch.randint(0, 64, (2, 100))  # 7 chunks: KVM merges into its state (its gate has a gradient)
+    logits, ref = model(tokens), _model_reference(model, tokens, eps=1e-3)
+    assert_close(logits, ref, FWD_TOL[torch.float32], "logits")
+    assert_parameter_gradients_match(model, logits, ref)
 
 
 def test_pattern_repeats_over_layers():
