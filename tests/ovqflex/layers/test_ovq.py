@@ -2,7 +2,23 @@
 import torch
 
 import ovqflex
-from tests.helpers import assert_trains_compiled_once
+from recurrences.reference import ovq_attention_reference
+from tests.helpers import FWD_TOL, assert_close, assert_parameter_gradients_match, assert_trains_compiled_once
+
+
+def test_layer_equals_the_reference_loop_on_its_projections():
+    """The layer is its projections (with the q/k convolution), the paper's chunk loop over them with the layer's
+    beta (away from its initial value) and the output projection: forward and every parameter's gradient."""
+    torch.manual_seed(0)
+    layer = ovqflex.OVQAttention(32, 2, chunk_size=16, max_centroids=24, qk_conv=3, backend="blocked")
+    with torch.no_grad():
+        layer.beta.mul_(torch.tensor([0.5, 1.5]))
+    x = torch.randn(2, 100, 32)
+    q, k, v = layer.split_heads(x)
+    ref = layer.merge(ovq_attention_reference(q, k, v, layer.beta, chunk_size=16, max_centroids=24).out)
+    out = layer(x)
+    assert_close(out, ref, FWD_TOL[torch.float32], "forward")
+    assert_parameter_gradients_match(layer, out, ref)
 
 
 def test_layer_compiles_without_graph_break_or_recompile():
