@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 import ovqflex
 from masks.program import build_program
+from masks.regions import StateBank
 from ovqflex.attention import flex_block_size
 from ovqflex.models import PRESETS, preset
 from ovqflex.ops.plain import plain_regions
@@ -323,6 +324,26 @@ def test_a_masked_non_finite_value_gets_no_gradient_nan(backend):
     out = ovqflex.sliding_window_attention(q, k, v_bad, window=8, backend=backend, block_size=32)
     out[:, :, :40].sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_a_query_that_sees_no_row_gets_zeros_and_zero_gradients_on_every_backend():
+    """A program of state rows alone (no token region), whose first chunk's snapshot is empty: its 16 queries see
+    no kv row. They get zeros (flex's convention for such a row), with zero, finite gradients; the second chunk's
+    queries get the softmax over its 8 live state rows."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, state_k, state_v = (torch.randn(1, 1, n, 16, generator=g) for n in (32, 32, 32, 16, 16))
+    regions = (StateBank(8, 16, torch.tensor([0, 8])),)
+    want = torch.softmax(0.25 * q[:, :, 16:] @ state_k[:, :, 8:].transpose(-1, -2), -1) @ state_v[:, :, 8:]
+    for backend in ("blocked", "dense", "flex"):
+        train = backend != "flex"  # (no backward on CPU flex)
+        leaves = [x.clone().requires_grad_(train) for x in (q, state_k, state_v)]
+        p = build_program(leaves[0], k, v, regions, scale=0.25, state_k=leaves[1], state_v=leaves[2], block_size=16)
+        out = ovqflex.attend(p, backend)
+        assert torch.equal(out[:, :, :16], torch.zeros(1, 1, 16, 16)), backend
+        assert_close(out[:, :, 16:], want, FWD_TOL[torch.float32], backend)
+        if train:
+            grads = torch.autograd.grad(out[:, :, :16].sum(), leaves)
+            assert all(torch.equal(x, torch.zeros_like(x)) for x in grads), backend
 
 
 def test_eager_cpu_attention_flags_non_finite_values_only_when_there_are_some(monkeypatch):

@@ -154,14 +154,14 @@ def test_auto_takes_the_faster_layout_without_gradients_and_what_keeps_less_with
 
 def test_auto_takes_fewer_rows_without_gradients_once_the_snapshot_state_passes_its_byte_bound(monkeypatch):
     """The same VQ program without gradients: its snapshot state is 16 chunks x 64 codes = 1,024 rows of
-    keys and values of B=1, H=2, D=8 in fp32 (128 bytes a row). At a bound of exactly those bytes
-    ``auto`` keeps the faster snapshot; one byte less, the versioned layout's fewer rows, its checkpoints
-    spaced for memory (recurrences/versioned.py::CHECKPOINT_ROWS_PER_TOKEN)."""
+    keys and values of B=2, H=2, D=8 in fp32 (256 bytes a row, over the batch and heads). At a bound of exactly
+    those bytes ``auto`` keeps the faster snapshot; one byte less, the versioned layout's fewer rows, its
+    checkpoints spaced for memory (recurrences/versioned.py::CHECKPOINT_ROWS_PER_TOKEN)."""
     from ovqflex.ops.vq import vq_program
     from recurrences import versioned
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 256, 8, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, 256, 8, generator=g) for _ in range(3))
     codebook, beta = torch.randn(2, 64, 8, generator=g), torch.full((2,), 2.0)
 
     def state_rows(layout="auto"):
@@ -170,8 +170,8 @@ def test_auto_takes_fewer_rows_without_gradients_once_the_snapshot_state_passes_
 
     snapshot, versioned_rows = state_rows("snapshot"), state_rows("versioned")
     assert snapshot == 16 * 64 and versioned_rows < snapshot
-    monkeypatch.setattr(versioned, "SNAPSHOT_MAX_BYTES", 1024 * 128)
+    monkeypatch.setattr(versioned, "SNAPSHOT_MAX_BYTES", 1024 * 256)
     assert state_rows() == snapshot
-    monkeypatch.setattr(versioned, "SNAPSHOT_MAX_BYTES", 1024 * 128 - 1)
+    monkeypatch.setattr(versioned, "SNAPSHOT_MAX_BYTES", 1024 * 256 - 1)
     # and memory decides the checkpoint spacing too: every 4 chunks, not 2 (256 checkpoint rows, not 512)
     assert state_rows() == state_rows("versioned") == 4 * 64 + 256 < versioned_rows == 8 * 64 + 256
