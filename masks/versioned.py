@@ -27,7 +27,8 @@ chunk's rows by death, latest first), so a chunk's live rows are a prefix of eac
 its blocks are full, its dead rows' blocks are not listed, and the rows of a head that differ from
 the others' fall in a block or two at the prefix's end.
 
-Viewers: ``contains`` without ``b, h`` draws batch 0, head 0; statistics computed from the
+Viewers: the token view and the query inspector pass ``contains`` the batch row and head they draw
+(``masks.viz.labels.label_cells``), without which it reads batch 0, head 0; statistics computed from the
 interval bounds alone (``masks.viz.stats``) count every candidate row, live or not.
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ def inspect_query(program: AttentionProgram, i: int, *, batch: int = 0, head: in
     bias = row_bias(program, batch, head)
     dev = program.q.device
     kv = torch.arange(g.kv_len, device=dev)
-    labels = label_cells(program, torch.tensor([i], device=dev), kv, bias).cpu()
+    labels = label_cells(program, torch.tensor([i], device=dev), kv, bias, batch=batch, head=head).cpu()
     names = label_names(program)
     change = torch.nonzero(labels[1:] != labels[:-1]).flatten() + 1
     starts = [0, *change.tolist()]

@@ -55,21 +55,25 @@ def row_bias(program: AttentionProgram, batch: int = 0, head: int = 0) -> Tensor
     return None if program.bias is None else program.bias[batch, head].float()
 
 
-def label_cells(program: AttentionProgram, q_idx: Tensor, kv_idx: Tensor, bias: Tensor | None) -> Tensor:
-    """Labels (uint8, indices into :func:`label_names`) of the broadcast cells ``(q_idx, kv_idx)``.
+def label_cells(program: AttentionProgram, q_idx: Tensor, kv_idx: Tensor, bias: Tensor | None, *, batch: int = 0,
+                head: int = 0) -> Tensor:
+    """Labels (uint8, indices into :func:`label_names`) of the broadcast cells ``(q_idx, kv_idx)`` of one batch
+    row and head (what the versioned layout's per-row liveness reads, :mod:`masks.versioned`).
 
     q_idx ``[Q, 1]`` (or ``[Q]`` with kv_idx ``[KV]`` for one row each), kv_idx ``[1, KV]``;
-    bias ``[KV_total]`` or None. Work is ``O(cells x regions)``: small views only.
+    bias ``[KV_total]`` of that batch row and head, or None. Work is ``O(cells x regions)``: small views only.
     """
+    check_batch_head(program, batch, head)
     names = label_names(program)
     shape = torch.broadcast_shapes(q_idx.shape, kv_idx.shape)
     out = torch.zeros(shape, dtype=torch.uint8, device=q_idx.device)
     free = torch.ones(shape, dtype=torch.bool, device=q_idx.device)
+    b, h = (torch.tensor(i, device=q_idx.device) for i in (batch, head))
     for k, name in enumerate(names[1:], start=1):
         for region, p in zip(program.regions, program.params):
             if region.name != name:
                 continue
-            hit = region.contains(p, q_idx, kv_idx) & free
+            hit = region.contains(p, q_idx, kv_idx, b, h) & free
             out[hit] = k
             free &= ~hit
     if bias is not None:

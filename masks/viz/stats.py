@@ -2,7 +2,10 @@
 
 Query ``i`` sees the union of its regions' intervals ``[lo, hi)``; counting its
 length per query needs only the bounds. Rows the mask admits but whose bias is
-``-inf`` (empty state rows) are counted separately by the token view, not here.
+``-inf`` (empty state rows) are counted separately by the token view, not here; a region
+with a per-row predicate inside its interval (the versioned layout's liveness,
+:mod:`masks.versioned`) is counted over its whole interval, live rows or not: an upper
+bound of what its queries see (the token view draws the live ones).
 """
 from __future__ import annotations
 
@@ -50,7 +53,9 @@ class ProgramStats:
     """What the HTML page and the CLI print. ``sparsity``: 1 - visible / (q_len x kv rows);
     ``density_vs_causal``: visible / causal pairs ``q_len (q_len + 1) / 2``;
     ``state_rows_per_chunk[c]``: state rows the first query of chunk ``c`` sees;
-    ``kv_bytes``: bytes of the program's k and v (all B, H, padding included)."""
+    ``kv_bytes``: bytes of the program's k and v (all B, H, padding included); ``upper_bound``: a region sees
+    its rows by a per-row predicate (the versioned layout's liveness), so the pair and key counts are its
+    interval's rows, live or not."""
 
     q_len: int
     kv_rows: int
@@ -68,6 +73,7 @@ class ProgramStats:
     total_blocks: int
     block_sparsity: float
     kv_bytes: int
+    upper_bound: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -76,11 +82,12 @@ class ProgramStats:
         """(name, value) pairs for tables; the per-chunk list is summarized."""
         spc = self.state_rows_per_chunk
         spc_text = f"min {min(spc)}, mean {sum(spc) / len(spc):.1f}, max {max(spc)} over {len(spc)} chunks"
+        at_most = " (at most: every row of the state's intervals, live or not)" if self.upper_bound else ""
         return [
             ("queries", f"{self.q_len:,}"),
             ("kv rows (state + tokens, padded)", f"{self.kv_rows:,} ({self.state_rows:,} + {self.kv_rows - self.state_rows:,})"),
             ("regions", ", ".join(self.regions)),
-            ("visible (query, row) pairs", f"{self.visible_pairs:,}"),
+            ("visible (query, row) pairs", f"{self.visible_pairs:,}{at_most}"),
             ("sparsity", f"{self.sparsity:.4%}"),
             ("density vs full causal", f"{self.density_vs_causal:.4f}"),
             ("visible keys per query", f"min {self.keys_per_query_min:,}, mean {self.keys_per_query_mean:,.1f}, "
@@ -112,4 +119,5 @@ def program_stats(program: AttentionProgram, *, chunk: int | None = None) -> Pro
         keys_per_query_max=int(counts.max()), chunk=chunk, state_rows_per_chunk=state[firsts].tolist(),
         visible_blocks=blocks, total_blocks=total_blocks, block_sparsity=1 - blocks / total_blocks,
         kv_bytes=program.k.numel() * program.k.element_size() + program.v.numel() * program.v.element_size(),
+        upper_bound=not all(r.exact for r in program.regions),
     )

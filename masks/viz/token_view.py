@@ -58,6 +58,6 @@ def token_view(program: AttentionProgram, *, batch: int = 0, head: int = 0, q_ra
     dev = program.q.device
     q_idx = torch.arange(q0, q1, device=dev)[:, None]
     kv_idx = torch.arange(k0, k1, device=dev)[None, :]
-    labels = label_cells(program, q_idx, kv_idx, bias)
+    labels = label_cells(program, q_idx, kv_idx, bias, batch=batch, head=head)
     return TokenView(labels.cpu(), label_names(program), None if bias is None else bias[k0:k1].cpu(),
                      (q0, q1), (k0, k1), g.n_state)

@@ -3,19 +3,23 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from masks.versioned import CheckpointBank
 from masks.viz import program_stats, token_view, visible_per_query
 
 from tests.masks.viz.viz_cases import dense_truth, make_program
 
 
 def _dense_visible(program):
+    """The cells some region admits, densely; a region with a per-row predicate (the versioned layout's
+    liveness) over its whole interval, as the statistics count it (an upper bound of what its queries see)."""
     g = program.geom
     q = torch.arange(g.q_len)[:, None]
     kv = torch.arange(g.kv_len)[None, :]
     m = torch.zeros(g.q_len, g.kv_len, dtype=torch.bool)
     state = torch.zeros_like(m)
     for r, p in zip(program.regions, program.params):
-        hit = r.contains(p, q, kv).expand_as(m)
+        lo, hi = r.bounds(p, q)
+        hit = (r.contains(p, q, kv) if r.exact else (kv >= lo) & (kv < hi)).expand_as(m)
         m |= hit
         if r.name == "state":
             state |= hit
@@ -35,6 +39,9 @@ def test_visible_keys_per_query(program):
     assert s.state_rows_per_chunk == state.sum(1)[::16].tolist()
     g = program.geom
     assert s.kv_bytes == 2 * program.k.shape[0] * program.k.shape[1] * g.kv_len * 8 * 4
+    versioned = any(isinstance(r, CheckpointBank) for r in program.regions)
+    assert s.upper_bound == versioned
+    assert ("live or not" in dict(s.summary())["visible (query, row) pairs"]) == versioned
 
 
 def test_full_causal_density_is_one_and_kv_bytes_count_k_and_v_at_their_widths():

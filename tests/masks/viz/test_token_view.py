@@ -16,12 +16,21 @@ def _counts(names, labels):
     return {n: int((labels == k).sum()) for k, n in enumerate(names)}
 
 
-def test_view_labels_equal_dense_regions(program):
-    names, truth = dense_truth(program)
-    view = token_view(program)
+@pytest.mark.parametrize("head", [0, 1], ids=["head0", "head1"])
+def test_view_labels_equal_dense_regions(program, head):
+    """Each head's view (the versioned layout's rows live per head: its views had drawn head 0's liveness for
+    every head)."""
+    names, truth = dense_truth(program, head)
+    view = token_view(program, head=head)
     assert view.names == tuple(names)
     assert torch.equal(view.labels.long(), truth)
     assert view.counts() == _counts(names, truth)
+
+
+def test_the_versioned_case_has_heads_that_differ():
+    """(What makes the head parametrization above a test of the head: the two heads' views differ.)"""
+    program = make_program("versioned")
+    assert not torch.equal(dense_truth(program, 0)[1], dense_truth(program, 1)[1])
 
 
 def test_figure_pixels_are_the_region_colours(program):
