@@ -16,8 +16,8 @@ class Segment:
     """A run of consecutive kv rows ``[lo, hi)`` with one label, as seen by one query.
 
     ``what``: ``"state rows a..b"`` or ``"tokens a..b"`` (token index ``j = row - S``);
-    ``bias_min/max`` over the run's finite biases (None without a score_mod or when all
-    are ``-inf``); ``logit_scale``: ``scale x temperature`` that multiplies ``<q, k>``."""
+    ``bias_min/max`` over the run's biases (None without a score_mod; a row of bias ``-inf`` is
+    masked, never in a run); ``logit_scale``: ``scale x temperature`` that multiplies ``<q, k>``."""
 
     region: str
     lo: int
@@ -68,10 +68,7 @@ def inspect_query(program: AttentionProgram, i: int, *, batch: int = 0, head: in
             continue
         b_min = b_max = None
         if bias is not None:
-            b = bias[lo:hi]
-            b = b[torch.isfinite(b)]
-            if b.numel():
-                b_min, b_max = float(b.min()), float(b.max())
+            b_min, b_max = float(bias[lo:hi].min()), float(bias[lo:hi].max())
         t = (temperatures or {}).get(name, 1.0)
         t = float(t[head]) if isinstance(t, Tensor) else float(t)
         out.append(Segment(name, lo, hi, _describe(lo, hi, g.n_state), b_min, b_max, t, t * program.scale))

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from masks.viz import inspect_query, segment_rows
+from masks.viz.inspect_query import _describe
 
 from tests.masks.viz.viz_cases import dense_truth, make_program
 
@@ -29,6 +30,13 @@ def test_token_rows_are_named_by_token_index():
     program = make_program("bank", T=96)
     segs = inspect_query(program, 70)  # chunk 2 (of 32 tokens) reads bank 2: rows 48..71, 20 live
     assert [(s.region, s.what) for s in segs] == [("state", "state rows 48..67"), ("window", "tokens 64..70")]
+
+
+def test_a_run_of_state_and_token_rows_names_both():
+    """(No built-in region labels state and token rows alike, so a run spans them only in a new method's
+    program.)"""
+    assert _describe(5, 20, 16) == "state rows 5..15 + tokens 0..3"
+    assert _describe(5, 16, 16) == "state rows 5..15" and _describe(16, 20, 16) == "tokens 0..3"
 
 
 def test_query_out_of_range():

@@ -1,4 +1,5 @@
 """render(): the files it writes are what they claim to be, and say what the program holds."""
+import html
 import json
 import xml.etree.ElementTree as ET
 
@@ -37,7 +38,9 @@ def test_writes_png_svg_html_json_and_terminal(tmp_path):
 def test_token_view_skipped_when_too_large(tmp_path):
     res = render(make_program("causal"), VizOptions(formats=("term",), max_token_cells=100), None)
     assert res.token is None and res.block is not None and res.files == []
-    assert "token view skipped" in res.notes[0]
+    assert "token view skipped" in res.notes[0] and res.notes[0] in res.text
+    render(make_program("causal"), VizOptions(formats=("html",), max_token_cells=100), tmp_path, stem="causal")
+    assert html.escape(res.notes[0]) in (tmp_path / "causal.html").read_text()  # why the page has no token view
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(views=("pixels",)), "views must be"),
@@ -51,6 +54,7 @@ def test_bad_options(kwargs, match):
         VizOptions(**kwargs)
 
 
-def test_query_past_the_end_is_refused():
-    with pytest.raises(ValueError, match="queries must be < q_len=80, got 99"):
-        render(make_program("swa"), VizOptions(formats=("term",), queries=(99,)))
+@pytest.mark.parametrize("query", [80, 99], ids=["q_len", "past-q_len"])
+def test_query_past_the_end_is_refused(query):
+    with pytest.raises(ValueError, match=f"queries must be < q_len=80, got {query}"):
+        render(make_program("swa"), VizOptions(formats=("term",), queries=(query,)))

@@ -103,3 +103,20 @@ def test_pooled_tiles_past_the_edge_show_only_the_cells_they_cover():
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         token_view(make_program("causal"), **kwargs)
+
+
+def test_max_cells_is_the_most_cells_drawn():
+    """80 queries x 80 token rows: 6,400 cells are drawn at max_cells=6,400 and refused at 6,399."""
+    assert token_view(make_program("causal"), max_cells=6400).labels.numel() == 6400
+    with pytest.raises(ValueError, match="= 6400 cells exceeds max_cells=6399"):
+        token_view(make_program("causal"), max_cells=6399)
+
+
+def test_coloured_terminal_cells_carry_their_regions_rgb():
+    """With colours each character is wrapped in a 24-bit ANSI foreground of its region's palette colour."""
+    program = make_program("sinks")
+    view = token_view(program, q_range=(10, 11), kv_range=(0, 11))  # sinks 0..2, window tokens 3..10 (12 wide)
+    line = token_text(view, width=1000, height=1000, color_output=True).splitlines()[1]
+    rgb = {n: ";".join(str(round(255 * c)) for c in to_rgb(PALETTE[n])) for n in ("sink", "window")}
+    cell = "\x1b[38;2;{}m{}\x1b[0m"
+    assert line == cell.format(rgb["sink"], "S") * 3 + cell.format(rgb["window"], "w") * 8
