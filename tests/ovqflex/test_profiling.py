@@ -59,19 +59,23 @@ def test_model_training_step_is_profiled(tmp_path):
 
 def test_stage_table_from_a_known_trace():
     """A hand-written trace: one fwd step of 100 us holding proj [10, 30) and attention [40, 90);
-    allocations +5 MB at 15, -5 MB at 25, +8 MB at 50, +2 MB at 60."""
+    3 MB allocated before the step (at -5), then +5 MB at 15, -5 MB at 25, +8 MB at 50, +2 MB at 60; and
+    100 MB on another device at 55 (a CPU table reads the CPU's allocator only). Peaks are above the level
+    where a span began; allocations count the bytes allocated, not those freed."""
     mb = 2**20
 
-    def mem(ts, total, delta):
+    def mem(ts, total, delta, device=0):
         return {"ph": "i", "name": "[memory]", "ts": ts,
-                "args": {"Total Allocated": total, "Bytes": delta, "Device Type": 0}}
+                "args": {"Total Allocated": total, "Bytes": delta, "Device Type": device}}
 
     events = [{"ph": "X", "name": "ovqflex.step[fwd]", "ts": 0, "dur": 100},
               {"ph": "X", "name": "ovqflex.proj", "ts": 10, "dur": 20},
               {"ph": "X", "name": "ovqflex.attention", "ts": 40, "dur": 50},
-              mem(15, 5 * mb, 5 * mb), mem(25, 0, -5 * mb), mem(50, 8 * mb, 8 * mb), mem(60, 10 * mb, 2 * mb)]
+              mem(-5, 3 * mb, 3 * mb), mem(15, 8 * mb, 5 * mb), mem(25, 3 * mb, -5 * mb), mem(50, 11 * mb, 8 * mb),
+              mem(55, 100 * mb, 100 * mb, device=1), mem(60, 13 * mb, 2 * mb)]
     rows = {r["stage"]: r for r in stage_table({"traceEvents": events})}
     assert rows["proj"]["ms/step"] == pytest.approx(0.02) and rows["proj"]["peak MB"] == pytest.approx(5)
+    assert rows["proj"]["alloc MB"] == pytest.approx(5)
     assert rows["attention"]["% of step"] == pytest.approx(50) and rows["attention"]["peak MB"] == pytest.approx(10)
     assert rows["attention"]["alloc MB"] == pytest.approx(10)
     assert rows["other"]["ms/step"] == pytest.approx(0.03) and rows["step"]["peak MB"] == pytest.approx(10)
@@ -151,17 +155,24 @@ def test_gpu_span_is_taken_per_call_of_a_stage():
 
 
 def test_operator_self_times_subtract_their_children():
-    """Host operators A [0, 50) calling B [5, 15) and C [20, 40), C calling D [25, 30), inside a
-    routing stage; E [60, 70) on another thread at the same time as nothing of its own."""
+    """Host operators A [0, 50) calling B [5, 15), H [15, 18) (starting as B ends: B's sibling, not its child)
+    and C [20, 40), C calling D [25, 30); F [60, 70) calling G [60, 65) (one start: the longer is the caller,
+    whichever the trace lists first); E [22, 32) on another thread. A routing stage [0, 80) holds a state_build
+    stage [20, 45): an operator goes to the innermost stage open when it starts."""
     def op(name, ts, dur, tid=1):
         return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
 
     events = [{"ph": "X", "cat": "user_annotation", "name": "ovqflex.step[fwd]", "ts": 0, "dur": 100},
               {"ph": "X", "cat": "user_annotation", "name": "ovqflex.routing", "ts": 0, "dur": 80},
-              op("A", 0, 50), op("B", 5, 10), op("C", 20, 20), op("D", 25, 5), op("E", 22, 10, tid=2)]
+              {"ph": "X", "cat": "user_annotation", "name": "ovqflex.state_build", "ts": 20, "dur": 25},
+              op("A", 0, 50), op("B", 5, 10), op("H", 15, 3), op("C", 20, 20), op("D", 25, 5), op("E", 22, 10, tid=2),
+              op("G", 60, 5), op("F", 60, 10)]
     rows = kernel_table({"traceEvents": events}, top=10)
-    assert {r["op"]: r["ms/step"] * 1e3 for r in rows} == pytest.approx({"A": 20, "B": 10, "C": 15, "D": 5, "E": 10})
-    assert {r["stage"] for r in rows} == {"routing"}
+    assert {r["op"]: r["ms/step"] * 1e3 for r in rows} == pytest.approx(
+        {"A": 17, "B": 10, "H": 3, "C": 15, "D": 5, "E": 10, "F": 5, "G": 5})
+    assert {r["op"]: r["stage"] for r in rows} == {"A": "routing", "B": "routing", "H": "routing", "F": "routing",
+                                                    "G": "routing", "C": "state_build", "D": "state_build",
+                                                    "E": "state_build"}
 
 
 def test_stage_labels_do_not_break_fullgraph_compile():
