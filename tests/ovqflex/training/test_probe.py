@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ovqflex.attention import attend
 from ovqflex.cli import main
@@ -12,7 +13,7 @@ from ovqflex.layers.plain import CausalAttention, SlidingWindowAttention
 from ovqflex.ops.ovq import ovq_attention
 from ovqflex.tasks import make_batch
 from ovqflex.tasks.recall import ASSIGN, ICR
-from ovqflex.training import TrainConfig, train
+from ovqflex.training import TrainConfig, probe, train
 from ovqflex.training.probe import dense_attention, layer_attention, pair_statistics, probe_run, recall_queries
 
 
@@ -97,7 +98,23 @@ def test_pair_statistics_locate_the_weight():
     assert (last, at_last, after, at_after) == (1.0, [(3, 1.0)], 0.0, [(4, 1.0)])
 
 
-def test_probe_command_on_a_trained_run(tmp_path, capsys):
+def test_pair_statistics_spread_and_top_offsets():
+    """Eleven queries putting 0.0, 0.1, ..., 1.0 on the pair (the rest 8 tokens on): median 0.5, 10th percentile
+    0.1 (linear interpolation, as torch.quantile); the most-weighted token at two offsets, of which ``top=1``
+    keeps the more frequent."""
+    Q, T = 11, 40
+    key_start = torch.zeros(Q, dtype=torch.long)
+    share = torch.linspace(0, 1, Q)
+    rows = torch.zeros(Q, 1, T)
+    rows[:, 0, 1] = share
+    rows[:, 0, 8] = 1 - share
+    (median, q10, offsets), = pair_statistics(rows, key_start, pair_len=4, top=1)
+    assert median == pytest.approx(0.5) and q10 == pytest.approx(0.1)
+    assert offsets == [(1, 6 / 11)]  # 0.5 .. 1.0 on the pair: token 1 the most weighted (at 0.5 the first max)
+    assert pair_statistics(rows, key_start, pair_len=4, top=3)[0][2] == [(1, 6 / 11), (8, 5 / 11)]
+
+
+def test_probe_command_on_a_trained_run(tmp_path, capsys, monkeypatch):
     cfg = TrainConfig(out=str(tmp_path / "run"), task="icr", task_options=dict(vocab_size=64, key_len=1, value_len=1),
                       seq_len=64, batch_size=4, steps=2, warmup=1, compile=False, progress=False,
                       model_options=dict(d_model=32, n_heads=2, window=8, chunk_size=16, block_size=16))
@@ -107,6 +124,16 @@ def test_probe_command_on_a_trained_run(tmp_path, capsys):
     assert [(h["layer"], h["mixer"], h["head"]) for h in doc["heads"]] == [(0, "ovq", 0), (0, "ovq", 1),
                                                                              (1, "swa", 0), (1, "swa", 1)]
     assert all(0 <= h["pair_weight_q10"] <= h["pair_weight"] <= 1 for h in doc["heads"])
+    # accuracy: of the first value token of each query, read from the model's logits there
+    real = probe.forward_loss
+    for shift, want in ((0, 1.0), (1, 0.0)):
+        def answer(model, x, y, _):  # the model's run (its layers' inputs are probed), the logits replaced
+            logits, loss = real(model, x, y, None)
+            return F.one_hot((y.clamp(min=0) + shift) % logits.shape[-1], logits.shape[-1]).float(), loss
+
+        monkeypatch.setattr(probe, "forward_loss", answer)
+        assert probe_run(cfg.out, 128, n_examples=3, batch_size=2)["accuracy"] == want
+    monkeypatch.undo()
     assert main(["probe", cfg.out, "--examples", "2"]) == 0
     out = capsys.readouterr().out
     assert "64 tokens: 12 queries" in out and "most-weighted token" in out
