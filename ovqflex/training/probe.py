@@ -56,8 +56,8 @@ class HeadProbe:
 def dense_attention(program: AttentionProgram, rows: Tensor) -> Tensor:
     """The attention weights ``[Q, H, q_len]`` of the queries ``rows`` ``[Q, 2]`` (example, query
     position) over a program's token rows only (no state rows: a plain attention layer's), from its
-    q, k, scale and ``mask_mod`` (such a program has no bias: ``masks.program.build_program`` gives one to
-    state rows only); memory ``Q * q_len``, not ``q_len ** 2``, so the probe reads long contexts."""
+    q, k, scale, bias (``build_program`` gives one to state rows only, but a program may carry one) and
+    ``mask_mod``; memory ``Q * q_len``, not ``q_len ** 2``, so the probe reads long contexts."""
     g = program.geom
     if g.n_state:
         raise ValueError(f"dense_attention reads programs of token rows only, got {g.n_state} state rows")
@@ -65,6 +65,8 @@ def dense_attention(program: AttentionProgram, rows: Tensor) -> Tensor:
     q, k = program.q[:, :, :T].float(), program.k[:, :, :T].float()
     b, t = rows.to(q.device).unbind(1)
     scores = torch.einsum("qhd,qhkd->qhk", q[b, :, t], k[b]) * program.scale  # [Q, H, T]
+    if program.bias is not None:
+        scores = scores + program.bias[b, :, :T].float()
     zero = t.new_zeros(())
     visible = program.mask_mod(zero, zero, t.view(-1, 1, 1), torch.arange(T, device=q.device).view(1, 1, -1))
     return scores.masked_fill(~visible, float("-inf")).softmax(-1)

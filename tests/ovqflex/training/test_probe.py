@@ -2,6 +2,8 @@
 the queried pair."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,21 @@ def test_dense_weights_give_the_layers_attention_output(layer):
     assert torch.allclose(_apply(w, program.v[:, :, :T], rows), out[rows[:, 0], :, rows[:, 1]], atol=1e-5)
     some = torch.tensor([[1, 0], [0, 36], [1, 5], [0, 5], [1, 36]])  # a subset, in any order
     assert torch.allclose(dense_attention(program, some), w[some[:, 0] * T + some[:, 1]], atol=1e-6)
+
+
+def test_dense_weights_add_a_programs_bias():
+    """A token-only program carrying a per-row bias (``build_program`` gives one to state rows only; the
+    backends add any program's): the weights are the biased softmax, the blocked backend's output."""
+    torch.manual_seed(2)
+    layer = SlidingWindowAttention(32, 2, window=6, block_size=16)
+    x = torch.randn(2, 37, 32)
+    plain = layer.program(x)
+    program = dataclasses.replace(plain, bias=torch.randn(2, 2, plain.geom.kv_len))
+    rows = _every_query(2, 37)
+    w = dense_attention(program, rows)
+    out = attend(program, "blocked")
+    assert torch.allclose(_apply(w, program.v[:, :, :37], rows), out[rows[:, 0], :, rows[:, 1]], atol=1e-5)
+    assert not torch.allclose(w, dense_attention(plain, rows), atol=1e-3)
 
 
 def test_ovq_weights_are_its_exact_token_attention():
