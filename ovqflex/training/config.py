@@ -47,7 +47,8 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay of the matrices"})
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1 (first-moment decay), in [0, 1)"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2 (second-moment decay), in [0, 1)"})
-    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip (0: none)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip (0: none; the logged grad_norm is "
+                                                            "the norm before any clip)"})
     seed: int = field(default=0, metadata={"help": "seed of the model init and the data stream"})
     compile: bool = field(default=True, metadata={"help": "compile the model (torch.compile)"})
     dtype: str = field(default="auto", metadata={

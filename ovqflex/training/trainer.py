@@ -352,7 +352,10 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
                 # gradients are summed over ranks: each rank adds its share of the aux loss
                 (loss_sum / n_targets.clamp_min(1) + aux_loss / info.world_size).backward()
                 all_reduce_sum_([p.grad for p in params if p.grad is not None], info)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
+                if cfg.grad_clip > 0:  # the norm before clipping, logged either way
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                else:
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 tokens_since += cfg.batch_size * cfg.seq_len
@@ -374,7 +377,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, amp: torch.dt
                     last = TrainResult(out, done, loss, acc, tps)
                     if metrics is not None:
                         row = {"step": done, "seq_len": length, "loss": round(loss, 6), "accuracy": round(acc, 6),
-                               "lr": lr, "grad_norm": None if grad_norm is None else round(float(grad_norm), 6),
+                               "lr": lr, "grad_norm": round(float(grad_norm), 6),
                                "tokens_per_s": round(tps, 1), "elapsed_s": round(now - t_start, 2)}
                         metrics.write(json.dumps(row) + "\n")
                         metrics.flush()

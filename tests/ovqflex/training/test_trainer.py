@@ -51,20 +51,21 @@ def test_train_writes_metrics_config_and_a_checkpoint(tmp_path):
     assert load_checkpoint(latest_checkpoint(run)).step == 6
 
 
-@pytest.mark.parametrize("pattern", ["ovq,swa", "swa,vq"])
-def test_a_step_is_adamw_on_the_mean_target_loss_clipped_with_decay_on_the_matrices(tmp_path, pattern):
+@pytest.mark.parametrize("pattern, grad_clip", [("ovq,swa", 0.05), ("swa,vq", 0.05), ("ovq,swa", 0.0)],
+                         ids=["ovq-clipped", "vq-clipped", "ovq-unclipped"])
+def test_a_step_is_adamw_on_the_mean_target_loss_clipped_with_decay_on_the_matrices(tmp_path, pattern, grad_clip):
     """Three steps of ``train`` equal three written out here: the cross-entropy averaged over the target
     positions (plus the model's aux loss: VQ's commitment term), its gradient clipped to ``grad_clip``
-    (below the gradient's norm in every step, so the clip acts; the metrics log the norm before it), AdamW
-    at the schedule's rate with weight decay on the matrices (linears, embedding) and none on the norms and
-    per-head scalars."""
+    (below the gradient's norm in every step, so the clip acts; 0: not clipped; the metrics log the norm
+    before any clip), AdamW at the schedule's rate with weight decay on the matrices (linears, embedding) and
+    none on the norms and per-head scalars."""
     import torch.nn.functional as F
 
     from ovqflex.tasks import IGNORE, make_batch
     from ovqflex.training.schedule import lr_at
     from ovqflex.training.setup import build_model, build_task
 
-    c = cfg(tmp_path, steps=3, grad_clip=0.05, weight_decay=0.1, model_options={**MODEL, "pattern": pattern})
+    c = cfg(tmp_path, steps=3, grad_clip=grad_clip, weight_decay=0.1, model_options={**MODEL, "pattern": pattern})
     train(c)
     torch.manual_seed(c.seed)  # as train() does before it builds the model
     task = build_task(c)
@@ -83,10 +84,14 @@ def test_a_step_is_adamw_on_the_mean_target_loss_clipped_with_decay_on_the_matri
         logits, aux = model(x, return_aux=True)
         target = y != IGNORE
         (F.cross_entropy(logits[target], y[target]) + aux).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)))
+        if c.grad_clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)))
+        else:  # the norm of all gradients together, the weights left as they are
+            grads = [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.stack(grads))))
         opt.step()
         opt.zero_grad()
-    assert min(norms) > c.grad_clip
+    assert min(norms) > 0.05  # (where it clips, every step)
     assert [r["grad_norm"] for r in metrics(Path(c.out))] == pytest.approx(norms, rel=1e-5)
     trained = load_checkpoint(latest_checkpoint(c.out)).model
     for name, p in params.items():
