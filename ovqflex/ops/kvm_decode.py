@@ -51,9 +51,10 @@ def _size(opts: KVMOptions, c: int) -> int:
 
 
 def _capacity(opts: KVMOptions, rows: int) -> int:
-    """Rows to allocate for a state of ``rows`` rows: the cap at once when the budget is capped."""
+    """Rows to allocate for a state of ``rows`` rows: the cap at once when the budget is capped (a cap is at
+    least one chunk: :class:`~recurrences.kvm.budget.KVMBudget` refuses less)."""
     cap = opts.max_state_chunks
-    return rows if cap is None else max(rows, opts.chunk_size * max(cap, 1))
+    return rows if cap is None else max(rows, opts.chunk_size * cap)
 
 
 def _grow(cache_rows: dict, need: int) -> dict:
