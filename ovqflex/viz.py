@@ -66,8 +66,8 @@ class VizConfig(VizShape):
         "flag": "--format", "choices": FORMATS, "help": "comma-separated outputs"})
     queries: tuple[int, ...] = field(default=(), metadata={
         "flag": "--query", "repeatable": True, "help": "inspect this query index"})
-    head: int = field(default=0, metadata={"help": "head whose bias is drawn"})
-    batch_index: int = field(default=0, metadata={"help": "batch element whose bias is drawn"})
+    head: int = field(default=0, metadata={"help": "head drawn (its bias, and the versioned layout's live rows)"})
+    batch_index: int = field(default=0, metadata={"help": "batch element drawn (as --head)"})
     chunk: int | None = field(default=None, metadata={
         "help": "query grouping of the state-rows-per-chunk statistic (default: the layer's chunk_size, "
                 "else the block size)"})

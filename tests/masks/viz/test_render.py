@@ -5,10 +5,11 @@ import xml.etree.ElementTree as ET
 
 import matplotlib.image as mpimg
 import pytest
+import torch
 
 from masks.viz import VizOptions, program_stats, render, token_view
 
-from tests.masks.viz.viz_cases import make_program
+from tests.masks.viz.viz_cases import dense_truth, make_program
 
 
 def test_writes_png_svg_html_json_and_terminal(tmp_path):
@@ -33,6 +34,15 @@ def test_writes_png_svg_html_json_and_terminal(tmp_path):
     assert stats["visible_pairs"] == program_stats(program).visible_pairs
     assert stats["state_rows_per_chunk"] == [0, 10, 20]
     assert res.text.startswith("bank test") and "block view" in res.text
+
+
+def test_the_drawn_head_is_the_one_asked_for():
+    """``render`` (what ``ovqflex viz --head`` runs) draws the head it is given, the versioned layout's per-head
+    liveness included, and inspects queries in that head."""
+    program = make_program("versioned")
+    res = render(program, VizOptions(formats=("term",), head=1, queries=(100,)))
+    assert torch.equal(res.token.labels.long(), dense_truth(program, 1)[1])
+    assert not torch.equal(res.token.labels.long(), dense_truth(program, 0)[1])
 
 
 def test_token_view_skipped_when_too_large(tmp_path):
