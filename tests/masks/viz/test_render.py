@@ -38,9 +38,9 @@ def test_writes_png_svg_html_json_and_terminal(tmp_path):
 
 def test_the_drawn_head_is_the_one_asked_for():
     """``render`` (what ``ovqflex viz --head`` runs) draws the head it is given, the versioned layout's per-head
-    liveness included, and inspects queries in that head."""
+    liveness included."""
     program = make_program("versioned")
-    res = render(program, VizOptions(formats=("term",), head=1, queries=(100,)))
+    res = render(program, VizOptions(formats=("term",), head=1))
     assert torch.equal(res.token.labels.long(), dense_truth(program, 1)[1])
     assert not torch.equal(res.token.labels.long(), dense_truth(program, 0)[1])
 
