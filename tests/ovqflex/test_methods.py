@@ -137,6 +137,18 @@ def test_an_unknown_layer_option_is_a_config_type_error_naming_the_nearest(name,
         METHODS[name].build(32, 2, **options)
 
 
+def test_fixed_options_must_be_arguments_of_the_layer():
+    with pytest.raises(ValueError, match=r"method 'swa-typo': fixed options \['ropee'\] are not arguments of "
+                                         "SlidingWindowAttention"):
+        register_method(dataclasses.replace(METHODS["swa"], name="swa-typo", fixed=dict(ropee=True)))
+    assert "swa-typo" not in METHODS
+
+
+def test_the_head_dim_of_an_example_is_its_argument_not_an_option():
+    with pytest.raises(ValueError, match="bad option for method 'ovq': head_dim is set by the head dim argument"):
+        METHODS["ovq"].example(2, 16, {"head_dim": 8})
+
+
 def test_vla_options_are_its_method_options():
     assert {"refresh_every", "lambda0"} <= METHODS["vla"].option_names()
     assert METHODS["vla"].build(32, 2, refresh_every=4).options.refresh_every == 4

@@ -108,6 +108,45 @@ def _ovq_caps(cfg: HybridConfig) -> list[int]:
     return [b.mixer.max_centroids for b in model.blocks if b.mixer_name == "ovq"]
 
 
+def test_every_config_field_reaches_the_mixers_that_take_it():
+    """A model of every mixer with each shared field away from the layers' own defaults (``qk_norm``: the
+    config's default True, the layers' False): each mixer is built with the config's head dim, q/k
+    convolution, backend, block size, RoPE base, q/k norm, window, chunk and block window (each where the
+    method takes it, ``ovqflex/methods.py``), LongVQ with the config's norm epsilon; and the KVM layer's
+    inspector temperatures are its own (``tau_state`` on the state, ``tau_bswa`` on the window)."""
+    from masks.regions import BlockWindow, TokenWindow
+    from ovqflex.methods import METHODS
+
+    mixers = ["full", "nope", "swa", "bswa", "ovq", "kvm", "vq", "longvq", "linear", "deltanet", "vla"]
+    cfg = HybridConfig(vocab_size=32, d_model=32, n_layers=len(mixers), n_heads=2, head_dim=8,
+                       pattern=",".join(mixers), norm_eps=1e-3, qk_norm=True, qk_conv=3, rope_base=500.0, window=24,
+                       chunk_size=32, n_bswa_chunks=3, backend="dense", block_size=16)
+    layers = {b.mixer_name: b.mixer for b in HybridLM(cfg).blocks}
+    assert sorted(layers) == sorted(mixers)
+    for name, layer in layers.items():
+        assert layer.head_dim == 8, name
+        if name != "longvq":
+            assert layer.qk_conv == 3, name
+        if name not in ("linear", "deltanet", "vla"):
+            assert (layer.backend, layer.block_size) == ("dense", 16), name
+        if name in ("full", "swa", "bswa", "kvm"):
+            assert layer.rope_base == 500.0, name
+        if name in ("full", "nope", "swa", "bswa"):
+            assert layer.qk_norm is True, name
+        if name in ("ovq", "kvm", "vq", "longvq"):
+            assert layer.chunk_size == 32, name
+    assert any(isinstance(r, TokenWindow) and r.window == 24 for r in layers["swa"].regions)
+    assert any(isinstance(r, BlockWindow) and (r.width, r.chunk_size) == (3, 32) for r in layers["bswa"].regions)
+    assert layers["kvm"].n_bswa_chunks == 3
+    assert layers["longvq"].norm1.eps == layers["longvq"].norm2.eps == 1e-3
+    kvm = layers["kvm"]
+    with torch.no_grad():
+        kvm.tau_state.fill_(2.0)
+        kvm.tau_bswa.fill_(3.0)
+    temps = METHODS["kvm"].temperatures(kvm)
+    assert temps["state"].tolist() == [2.0, 2.0] and temps["window"].tolist() == [3.0, 3.0]
+
+
 def test_method_options_live_in_mixer_options_and_reach_the_layer():
     assert preset("tiny").mixer_options == {}  # the OVQ default cap, N = 2048
     assert _ovq_caps(preset("tiny", vocab_size=64)) == [2048]
