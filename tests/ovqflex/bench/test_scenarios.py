@@ -168,9 +168,16 @@ def _run(table: dict) -> list[dict]:
 
 def test_op_scenario_times_forward_and_backward_against_sdpa_like_for_like():
     """bf16 inputs; the fwd+bwd cases (compiled through the backend that trains on the device: blocked
-    on the CPU) are compared with SDPA's fwd+bwd and have no reference ratio (the loop is forward only)."""
+    on the CPU) are compared with SDPA's fwd+bwd and have no reference ratio (the loop is forward only).
+    A length equal to ``max_reference_len`` / ``max_backward_len`` runs those cases. The FLOPs behind each
+    GFLOP/s: causal attention's ``4 H D T (T + 1) / 2`` for SDPA, the method's count for the fused op and the
+    loop, three times the forward's for a forward+backward."""
+    from ovqflex.methods import get_method
+    from ovqflex.ops.ovq import OVQOptions
+
     rows = _run({"kind": "ovq", "name": "o", "seq_lens": [64], "heads": 2, "head_dim": 16, "chunk_size": 16,
-                 "max_centroids": 8, "dtype": "bf16", "repeats": 1})
+                 "max_centroids": 8, "dtype": "bf16", "repeats": 1, "max_reference_len": 64,
+                 "max_backward_len": 64})
     by = {r["case"]: r for r in rows}
     assert list(by) == ["fused flex fwd, compiled op", "fused flex fwd, eager op", "sdpa causal fwd",
                         "reference loop fwd", "fused blocked fwd+bwd, compiled op", "fused blocked fwd+bwd, eager op",
@@ -187,6 +194,9 @@ def test_op_scenario_times_forward_and_backward_against_sdpa_like_for_like():
             assert r["x_vs_reference"] is None, name
         elif name != "sdpa causal fwd":
             assert r["x_vs_reference"] == pytest.approx(by["reference loop fwd"]["time_s"] / r["time_s"]), name
+        forward = 4 * 2 * 16 * 64 * 65 / 2 if "sdpa" in name else get_method("ovq").flops(
+            64, 2, 16, OVQOptions(chunk_size=16, max_centroids=8))
+        assert r["gflops"] * r["time_s"] * 1e9 == pytest.approx(forward * (3 if "fwd+bwd" in name else 1)), name
     short = _run({"kind": "ovq", "name": "o", "seq_lens": [64], "heads": 2, "head_dim": 16, "chunk_size": 16,
                   "max_centroids": 8, "dtype": "bf16", "max_backward_len": 32, "max_reference_len": 32,
                   "repeats": 1})
