@@ -350,6 +350,9 @@ def test_decode_runs_every_case_at_every_batch(capsys):
     for case in ("linear", "full"):  # a state / KV cache per row of the batch
         one, two = (next(r for r in rows if r["case"] == case and r["batch"] == b) for b in (1, 2))
         assert two["cache_mb"] == pytest.approx(2 * one["cache_mb"], rel=0.05), case
+    for r in rows:  # the cache after the decode: a state as large as after the prefill; a KV cache 4 tokens larger
+        grown = 4 * (2 * r["batch"] * 32 * 4 + 8) if r["case"] == "full" else 0  # k, v fp32 rows; an int64 position
+        assert (r["cache_mb"] - r["cache_mb_prefill"]) * 2**20 == grown, r
 
 
 def test_decode_times_the_static_cache_eager_and_compiled():
@@ -357,11 +360,12 @@ def test_decode_times_the_static_cache_eager_and_compiled():
     rows = _run({"kind": "decode", "name": "d", "seq_lens": [48], "batch_sizes": [1], "hidden": 32, "heads": 2,
                  "decode_tokens": 4, "repeats": 1,
                  "cases": [{"name": "ovq-static", **ovq, "decode": "static"},
-                           {"name": "ovq-compiled", **ovq, "decode": "compiled"}, {"name": "full", "kind": "full"}]})
+                           {"name": "ovq-compiled", **ovq, "decode": "compiled"},
+                           {"name": "full-static", "kind": "full", "decode": "static"}, {"name": "full", "kind": "full"}]})
     assert [(r["case"], r["decode"]) for r in rows] == [("ovq-static", "static"), ("ovq-compiled", "compiled"),
-                                                        ("full", "functional")]
-    assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert rows[0]["cache_mb"] == rows[1]["cache_mb"]
+                                                        ("full-static", "static"), ("full", "functional")]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows  # (a static KV cache has room for
+    assert rows[0]["cache_mb"] == rows[1]["cache_mb"]                          # every timed and untimed run)
 
 
 def test_static_decode_compiles_its_chunk_boundary_before_the_timed_runs(monkeypatch):
