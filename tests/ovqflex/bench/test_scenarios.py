@@ -361,11 +361,12 @@ def test_decode_times_the_static_cache_eager_and_compiled():
                  "decode_tokens": 4, "repeats": 1,
                  "cases": [{"name": "ovq-static", **ovq, "decode": "static"},
                            {"name": "ovq-compiled", **ovq, "decode": "compiled"},
-                           {"name": "full-static", "kind": "full", "decode": "static"}, {"name": "full", "kind": "full"}]})
+                           {"name": "full-static", "kind": "full", "decode": "static"},
+                           {"name": "full", "kind": "full"}]})
     assert [(r["case"], r["decode"]) for r in rows] == [("ovq-static", "static"), ("ovq-compiled", "compiled"),
                                                         ("full-static", "static"), ("full", "functional")]
-    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows  # (a static KV cache has room for
-    assert rows[0]["cache_mb"] == rows[1]["cache_mb"]                          # every timed and untimed run)
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    assert rows[0]["cache_mb"] == rows[1]["cache_mb"]
 
 
 def test_static_decode_compiles_its_chunk_boundary_before_the_timed_runs(monkeypatch):
