@@ -96,9 +96,12 @@ def kept(view: StateView | None) -> StateView | None:
 class StaticLayerCache(LayerCache):
     """A decode cache written in place: ``position`` is a 0-d int64 tensor on the cache's
     device (advanced by each step), every buffer keeps its shape for the cache's life. Made
-    from a functional cache by ``layer.static_cache(cache, capacity)``; one token per call."""
+    from a functional cache by ``layer.static_cache(cache, capacity)``; one token per call.
+    ``capacity``: the most tokens it holds (set by ``static_cache``; None: unchecked), which
+    ``layer.static_boundary`` enforces on the host."""
 
     position: Tensor
+    capacity: int | None = dataclasses.field(default=None, kw_only=True, repr=False)
 
     def write_conv(self, conv: Tensor | None) -> None:
         """Copy a step's q/k conv tail (None without ``qk_conv``) into the buffer."""

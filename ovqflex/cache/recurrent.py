@@ -91,7 +91,8 @@ class StaticRecurrentCache(StaticLayerCache):
     @classmethod
     def of(cls, cache: LayerCache) -> StaticRecurrentCache:
         """The static cache holding a copy of the functional ``cache``'s state (``cache`` is not changed)."""
-        fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cls) if f.name != "position"}
+        fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in ("position", "capacity")}
         device = cache.tensors()[0].device
         return cls(position=torch.tensor(cache.position, device=device),
                    **{name: None if t is None else t.clone() for name, t in fields.items()})

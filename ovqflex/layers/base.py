@@ -26,7 +26,8 @@ the q/k conv tail, gates …) and is passed on unchanged:
 - with a ``static_cache_type``: ``_static_cache(cache, capacity)`` -> the static cache of a
   functional one, ``_decode_static(inputs, static, **call)`` -> o ``[B, H, 1, Dv]`` (writes the
   token into ``static``; the template then advances its position) and, optionally,
-  ``static_boundary(static, position)`` (host-side work at some positions, e.g. OVQ's chunk end).
+  ``_static_boundary(static, position)`` (host-side work at some positions, e.g. OVQ's chunk end),
+  which the public :meth:`~AttentionLayer.static_boundary` runs after checking the capacity.
 
 ``cache_type`` (None: no decode cache) sets ``supports_cache``; ``call_options`` names the keyword
 options a call may give (OVQ's ``max_centroids``), passed to the op hooks; ``overrides`` the attributes
@@ -133,12 +134,26 @@ class AttentionLayer(nn.Module):
         if capacity <= cache.position:
             raise ValueError(f"capacity={capacity} must exceed the cache's position {cache.position} "
                              "(room for at least one more token)")
-        return self._static_cache(cache, capacity)
+        static = self._static_cache(cache, capacity)
+        static.capacity = capacity
+        return static
 
     def static_boundary(self, cache: StaticLayerCache, position: int, *, compile: bool = False) -> None:
         """Host-side work after a static decode step left ``position`` tokens in ``cache`` (the
-        caller counts them, so nothing is read back from the device); ``compile``: run it
-        compiled where it has a compiled form. Default: none."""
+        caller counts them, so nothing is read back from the device; every caller of a static step
+        calls this after it); ``compile``: run it compiled where it has a compiled form.
+
+        Refuses a ``position`` past the cache's capacity: the step that passed it found no room (full
+        attention's slots are a ring of ``capacity`` tokens: it overwrote the oldest one), so its output
+        is wrong; nothing on the device checks, which would cost a host sync at every step."""
+        if cache.capacity is not None and position > cache.capacity:
+            raise ValueError(f"a static decode cache of capacity {cache.capacity} was stepped to position "
+                             f"{position}: the last step had no room and its output is wrong; make the cache "
+                             f"with a larger capacity (layer.static_cache(cache, capacity))")
+        self._static_boundary(cache, position, compile=compile)
+
+    def _static_boundary(self, cache: StaticLayerCache, position: int, *, compile: bool = False) -> None:
+        """The layer's host-side work of :meth:`static_boundary` (the capacity checked). Default: none."""
 
     # --- hooks -----------------------------------------------------------------------------------
 

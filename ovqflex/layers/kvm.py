@@ -127,7 +127,7 @@ class KVMAttention(OptionAttributes, MultiHeadProjection):
         q, k, v, gate, kbar32, tail = self._cached_operands(inputs)
         return kvm_decode_static(cache, q, k, v, kbar32, gate, self.options, self._readout(), tail)
 
-    def static_boundary(self, cache: StaticKVMCache, position: int, *, compile: bool = False) -> None:
+    def _static_boundary(self, cache: StaticKVMCache, position: int, *, compile: bool = False) -> None:
         """At a query chunk ``>= Nb``'s start, absorb the oldest window chunk in place
         (:func:`~ovqflex.ops.kvm_decode.kvm_static_boundary`; ``compile``: its compiled routing step)."""
         kvm_static_boundary(cache, self.options, self._readout(), position, compile=compile)

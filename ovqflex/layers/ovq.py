@@ -82,7 +82,7 @@ class OVQAttention(OptionAttributes, MultiHeadProjection):
         q_scaled, kn, v, tail = self._decode_inputs(inputs)
         return ovq_decode_static(cache, q_scaled, kn, v, self._options(max_centroids), tail)
 
-    def static_boundary(self, cache: StaticOVQCache, position: int, *, compile: bool = False) -> None:
+    def _static_boundary(self, cache: StaticOVQCache, position: int, *, compile: bool = False) -> None:
         """At a chunk end, route and absorb the chunk in place (:func:`~ovqflex.ops.ovq_decode.ovq_static_boundary`)."""
         ovq_static_boundary(cache, self.options, position, compile=compile)
 

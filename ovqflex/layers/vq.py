@@ -265,7 +265,7 @@ class VQMemory:
                 getattr(cache, name).copy_(t)
         return o
 
-    def static_boundary(self, cache: StaticVQCache, position: int, *, compile: bool = False) -> None:
+    def _static_boundary(self, cache: StaticVQCache, position: int, *, compile: bool = False) -> None:
         """When a query chunk ``>= 2`` is next, absorb the oldest window chunk in place
         (:func:`~ovqflex.ops.vq_decode.vq_static_boundary`: a scatter-add, eager either way)."""
         vq_static_boundary(cache, self.options.chunk_size, position)

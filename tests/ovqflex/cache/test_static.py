@@ -174,6 +174,40 @@ def test_static_decode_fills_its_capacity_at_a_chunk_end(name):
     assert int(static.position) == cache.position == 64
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_a_step_past_the_capacity_is_refused_at_its_boundary(name):
+    """Every static cache holds ``capacity`` tokens: steps up to it pass their boundary, and the boundary after
+    a step past it is refused by name (full attention's ring had overwritten its oldest token: outputs off by
+    0.017 and 0.046 after two such steps, silently). A model's boundary checks each of its layers."""
+    torch.manual_seed(0)
+    layer = LAYERS[name]().eval()
+    x = torch.randn(1, 23, HIDDEN)
+    with torch.no_grad():
+        _, cache = layer(x[:, :20], use_cache=True)
+        static = layer.static_cache(cache, 22)
+        for t in (20, 21):
+            layer(x[:, t:t + 1], cache=static)
+            layer.static_boundary(static, t + 1)
+        layer(x[:, 22:23], cache=static)
+        with pytest.raises(ValueError, match="a static decode cache of capacity 22 was stepped to position 23"):
+            layer.static_boundary(static, 23)
+
+
+def test_a_models_boundary_refuses_a_step_past_the_capacity():
+    from ovqflex.models import HybridLM, preset
+
+    model = HybridLM(preset("tiny", vocab_size=32, d_model=32, block_size=16, backend="blocked")).eval()
+    tokens = torch.randint(0, 32, (1, 12))
+    with torch.no_grad():
+        _, cache = model(tokens[:, :10], use_cache=True)
+        caches = model.static_caches(cache, 11)
+        model.decode_static(tokens[:, 10:11], caches)
+        model.static_boundary(caches, 11)
+        model.decode_static(tokens[:, 11:12], caches)
+        with pytest.raises(ValueError, match="capacity 11 was stepped to position 12"):
+            model.static_boundary(caches, 12)
+
+
 def _poison_values(layer, value: float, at: dict[int, int]) -> None:
     """Make ``layer`` write ``value`` into the values of head 1 of batch ``b`` at position ``t``
     for each ``t: b`` of ``at`` (whether that token is in a prefill or a decode step)."""
