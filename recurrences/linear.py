@@ -17,17 +17,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .compiling import narrow_rows, pad_to
-from .precision import no_autocast, work_dtype
+from .precision import no_autocast, one_plus_elu, work_dtype
 from .scan import cumsum
 
 
 def feature_map(x: Tensor) -> Tensor:
-    """``φ(x) = elu(x) + 1`` (positive), the linear-attention feature map."""
-    return F.elu(x) + 1
+    """``φ(x) = elu(x) + 1`` (positive), the linear-attention feature map, without its cancellation
+    (:func:`~recurrences.precision.one_plus_elu`)."""
+    return one_plus_elu(x)
 
 
 def to_chunks(x: Tensor, chunk_size: int, lead: int = 0) -> Tensor:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from masks.program import AttentionProgram
 from recurrences.checks import check_number, options_of
 from recurrences.kvm import routing_memory_keys
-from recurrences.precision import rounded, to_compute_dtype, widened
+from recurrences.precision import one_plus_elu, rounded, to_compute_dtype, widened
 
 from ..cache.kvm import KVMCache, StaticKVMCache
 from ..ops.decode import positions
@@ -34,12 +34,14 @@ from .rope import apply_rope
 
 def _merge_gate(z: Tensor) -> Tensor:
     """The merge gates ``1 + elu(z)``: z ``[B, T, H]`` (``x W_g``) -> ``[B, H, T]`` in z's dtype, computed in
-    fp32 and rounded once, so that eager and compiled layers give the same gates under autocast
-    (recurrences/precision.py, rule 4). Laid out ``[B, H, T]`` before the elu, so that its backward's
-    gradient and input share one layout: with a transposed gradient, torch's eager ``elu_backward`` follows
-    the gradient's strides and its meta function the input's, and a graph run by eager kernels
-    (``backend="aot_eager"``, dynamo's debugging backend) failed on a ``view`` of the result."""
-    return rounded(1.0 + F.elu(widened(z.transpose(1, 2).contiguous())), z.dtype)
+    fp32 without the sum's cancellation (:func:`~recurrences.precision.one_plus_elu`: a gate of a very negative
+    ``z`` keeps its relative precision) and rounded once, so that eager and compiled layers give the same gates
+    under autocast (recurrences/precision.py, rule 4). Laid out ``[B, H, T]`` before the elementwise ops, so
+    that the gate and its gradient are contiguous in the layout the routing reads. (Its backward under
+    ``backend="aot_eager"``, dynamo's debugging backend, had failed with ``F.elu``, whose eager backward laid a
+    transposed gradient out otherwise than its meta function:
+    tests/ovqflex/layers/test_kvm.py::test_layer_trains_under_the_aot_eager_debugging_backend.)"""
+    return rounded(one_plus_elu(widened(z.transpose(1, 2).contiguous())), z.dtype)
 
 
 class KVMAttention(OptionAttributes, MultiHeadProjection):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from recurrences.kvm import routing_memory_keys
-from recurrences.precision import compute_dtype, rounded, routing_keys, to_compute_dtype, widened
+from recurrences.precision import compute_dtype, one_plus_elu, rounded, routing_keys, to_compute_dtype, widened
 
 f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
 
@@ -132,3 +132,19 @@ def test_routing_copy_ops_pass_opcheck_on_strided_keys():
     k = torch.randn(2, 64, 3, 8, generator=torch.Generator().manual_seed(0)).transpose(1, 2)
     torch.library.opcheck(torch.ops.ovqflex.unit_keys.default, (k,))
     torch.library.opcheck(torch.ops.ovqflex.ln_s_keys.default, (k, 2, *ln_s_params(8), 1e-5))
+
+
+def test_one_plus_elu_keeps_its_relative_precision_and_elus_gradient():
+    """``1 + elu(x)`` is ``exp(x)`` for ``x <= 0``: computed so, every value is within an ulp or two of the
+    float64 truth, where ``F.elu(x) + 1`` loses ``exp(x)`` to the cancellation (0 below -17 in fp32). The
+    gradient is elu's: ``exp(x)``, and 1 at 0 and above."""
+    x = torch.cat([torch.linspace(-80, 10, 2001), torch.zeros(1)]).requires_grad_()
+    x64 = x.detach().double()  # the same values
+    exact = torch.where(x64 > 0, 1 + x64, torch.exp(x64))
+    y = one_plus_elu(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert y.dtype == torch.float32 and ((y.double() - exact) / exact).abs().max() < 3e-7
+    assert ((grad.double() - torch.where(x64 >= 0, 1.0, torch.exp(x64))) / exact).abs().max() < 3e-7
+    naive = F.elu(x.detach()) + 1
+    assert ((naive.double() - exact) / exact).abs().max() == 1  # the regime: elu + 1 rounds to 0 there
+    assert one_plus_elu(x64).dtype == torch.float64 and torch.allclose(one_plus_elu(x64), exact, rtol=1e-15, atol=0)

@@ -1,9 +1,11 @@
 """KVMAttention layer: == the paper's chunk loop behind the same parameters, ablation switches,
 compilation (the op: tests/ovqflex/ops/test_kvm.py)."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 import ovqflex
+from ovqflex.layers.kvm import _merge_gate
 from recurrences.reference import kvm_attention_reference
 from tests.helpers import (FWD_TOL, GRAD_TOL, assert_close, assert_parameter_gradients_match,
                            assert_trains_compiled_once, checked_square_loss)
@@ -53,10 +55,10 @@ def test_layer_ablation_switches():
 
 def test_layer_trains_under_the_aot_eager_debugging_backend():
     """``torch.compile(layer, backend="aot_eager")``, dynamo's debugging backend (the traced graphs run by
-    eager kernels), forward and backward: output and gradients equal the eager layer's. Its backward
-    failed on a ``view`` of the gate's ``elu`` gradient (torch's eager ``elu_backward`` and its meta
+    eager kernels), forward and backward: output and gradients equal the eager layer's. Its backward had
+    failed on a ``view`` of the gate's ``F.elu`` gradient (torch's eager ``elu_backward`` and its meta
     function laid a transposed gradient out differently) until the gate was laid out ``[B, H, T]`` before
-    its elu (``ovqflex/layers/kvm.py::_merge_gate``)."""
+    its elementwise ops (``ovqflex/layers/kvm.py::_merge_gate``)."""
     torch.manual_seed(0)
     layer = ovqflex.KVMAttention(64, 2, chunk_size=16, backend="blocked")
     x = torch.randn(2, 100, 64)
@@ -76,3 +78,17 @@ def test_layer_compiles_without_graph_break_or_recompile():
     layer = ovqflex.KVMAttention(64, 2, chunk_size=32, budget="power_law", growth_factor=8.0, max_state_chunks=None,
                                  backend="blocked")
     assert_trains_compiled_once(layer, checked_square_loss(layer, torch.randn(2, 200, 64)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_merge_gates_keep_their_relative_precision(dtype):
+    """``g = 1 + elu(x W_g)`` ``[B, T, H] -> [B, H, T]``, computed in fp32 as ``exp`` below 0 and rounded once to
+    the dtype: within an ulp of that dtype of the float64 truth everywhere, the smallest gates too (written
+    ``elu + 1``, every gate below ``exp(-17)`` was 0 in fp32)."""
+    z = torch.linspace(-60, 4, 3 * 2 * 50).view(3, 50, 2).to(dtype)
+    gate = _merge_gate(z)
+    z64 = z.double().transpose(1, 2)
+    exact = torch.where(z64 > 0, 1 + z64, torch.exp(z64))
+    ulp = torch.finfo(dtype).eps
+    assert gate.shape == (3, 2, 50) and gate.dtype == dtype and gate.is_contiguous()
+    assert ((gate.double() - exact) / exact).abs().max() <= ulp

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import ovqflex
+from recurrences.reference import linear_attention_reference, vla_reference
+from tests.helpers import FWD_TOL, assert_close
 from tests.recurrences.recurrent_cases import one_thread  # noqa: F401
 
 
@@ -134,3 +136,38 @@ def test_no_tokens_leave_the_state_as_it_was(name):
         assert torch.equal(start.A, torch.eye(6).expand(2, 2, 6, 6) / 0.1) and start.position == 0
     rest = OPS[name](*[a[:, :, 20:] for a in args], initial_state=after, **kw)
     assert torch.equal(rest, OPS[name](*[a[:, :, 20:] for a in args], initial_state=state, **kw))
+
+
+REFERENCES = {"linear": lambda q, k, v, u: linear_attention_reference(q, k, v).out,
+              "vla": lambda q, k, v, u: vla_reference(q, k, v, u).out}
+
+
+@pytest.mark.parametrize("name", list(REFERENCES))
+def test_far_negative_features_equal_the_reference(name):
+    """Queries and keys drawn from ``N(-8, 2)``, where ``φ = elu + 1`` is mostly ``exp(x)`` of -6 to -12: the fp32
+    op equals the float64 loop to the fp32 tolerance. (With ``φ`` written ``elu(x) + 1`` its cancellation gave
+    1.7e-5 for linear attention, and 2e-4 with ``N(-12, 2)``; recurrences/precision.py::one_plus_elu.)"""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, u = (torch.randn(1, 2, 64, 8, generator=g) for _ in range(4))
+    q, k = 2 * q - 8, 2 * k - 8
+    args = (q, k, v, u) if name == "vla" else (q, k, v)
+    want = REFERENCES[name](*(x.double() for x in (q, k, v, u)))
+    assert_close(OPS[name](*args), want, FWD_TOL[torch.float32], f"{name} fp32")
+
+
+@pytest.mark.parametrize("name", list(REFERENCES))
+def test_the_floors_are_the_references(name):
+    """Where the read-out's denominator falls below ``eps`` (queries of -40 from token 10: ``φ(q) = 4e-18``) it is
+    floored at ``eps``, and VLA also floors the norms of its unit keys, penalty directions and write directions
+    (keys and directions of norm about 1e-10 at tokens 5 to 14): float64 op == float64 loop."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, u = (torch.randn(1, 2, 30, 6, generator=g, dtype=torch.float64) for _ in range(4))
+    q[:, :, 10:] = -40.0
+    if name == "vla":
+        k[:, :, 5:15] *= 1e-10
+        u[:, :, 8:12] *= 1e-10
+    want = REFERENCES[name](q, k, v, u)
+    assert want[:, :, 10:].abs().max() < 1e-6 < want[:, :, :10].abs().max()  # the regime: floored read-outs
+    got = OPS[name](*((q, k, v, u) if name == "vla" else (q, k, v)), chunk_size=10)
+    for part in (slice(0, 10), slice(10, None)):  # each to its own scale
+        assert_close(got[:, :, part], want[:, :, part], FWD_TOL[torch.float64], f"{name} fp64 {part}", floor=1e-30)
