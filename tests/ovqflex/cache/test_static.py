@@ -278,9 +278,12 @@ def test_static_step_compiles_once(name):
         assert_close(static.value_sums, cache.value_sums, STATIC_TOL)
 
 
-def test_static_cache_leaves_the_functional_cache_and_continues_twice():
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_static_cache_leaves_the_functional_cache_and_continues_twice(name):
+    """A static cache is made from a copy of the functional cache's tensors: its in-place steps leave the
+    functional cache as it was, and a second static cache made from it decodes the same outputs."""
     torch.manual_seed(0)
-    layer = LAYERS["ovq-plateau"]()
+    layer = LAYERS[name]()
     x = torch.randn(2, 40, HIDDEN)
     with torch.no_grad():
         _, cache = layer(x[:, :20], use_cache=True)

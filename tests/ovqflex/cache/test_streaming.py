@@ -441,6 +441,9 @@ def test_bad_cache_arguments_are_refused(monkeypatch):
         with pytest.raises(ValueError, match=r"initial_state.S must have shape \(1, 2, 16, 16\)"):
             LAYERS["linear"]()(torch.randn(1, 3, HIDDEN), cache=LinearAttentionCache(
                 position=20, conv=None, state=torch.zeros(1, 2, 8, 16), key_sum=torch.zeros(1, 2, 16)))
+        _, vla_cache = vla(x, use_cache=True)
+        with pytest.raises(ValueError, match="VLA state is at position 20, the cache at 21"):
+            VLACache.of(vla_cache.recurrence_state(), 21, None)  # its refresh schedule would be off by one
     # every mixer of the registry decodes now (linear recurrences included) ...
     cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern="linear,vla")
     assert HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2).shape == (1, 5)

@@ -59,6 +59,10 @@ def test_lock_of_a_killed_holder_is_taken_over_and_released(tmp_path):
         assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     assert not (tmp_path / LOCK_FILE).exists()
     RunLock(tmp_path).acquire().release()
+    # a stale record longer than the new holder's is replaced whole, not overwritten in part
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": "h", "started": "x", "argv": ["a" * 9999]}))
+    with RunLock(tmp_path):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
 def test_of_many_takers_of_a_stale_lock_exactly_one_wins(tmp_path):
