@@ -55,6 +55,8 @@ def test_every_chunk_sees_exactly_its_snapshot(case):
     vs = versioned_sums([x], routes, plan)
     laid, laid_counts = vs.rows[0], vs.counts[..., None].double()
     assert vs.born.shape == vs.dies.shape == (B, H, plan.state_rows)
+    dead = vs.dies <= vs.born  # rows no chunk sees (a version row entering at a checkpoint's chunk among them)
+    assert not vs.born[dead].any() and not vs.dies[dead].any(), "a dead row's liveness is not born = dies = 0"
     n_ck_rows, pos = plan.n_ckpt * plan.rows, torch.arange(plan.n_versions)
     for c in range(n_chunks):
         # the liveness alone decides (the mask tests only it): a live row lies in chunk c's intervals,
@@ -122,6 +124,12 @@ def test_plan_and_layout_choice():
     assert choose_state_layout("versioned", n_chunks=4, rows=40, plan=small) == "versioned"
     with pytest.raises(ValueError, match="state_layout"):
         choose_state_layout("sparse", n_chunks=4, rows=40, plan=small)
+    # blocks of 128 rows over chunks of 16: the spacing (12 by rows per token) rounded up to whole blocks of
+    # chunks, so a query block reads one checkpoint
+    assert plan_versioned(n_chunks=64, chunk_size=16, rows=300, lag=1, align=128).every == 16
+    assert default_every(384, 16, 64) == 12
+    with pytest.raises(ValueError, match="routes cover T=129 tokens, more than the plan's 128"):
+        versioned_sums([torch.zeros(1, 1, 129, 2)], torch.zeros(1, 1, 129, dtype=torch.long), small)
 
 
 @pytest.mark.parametrize("device_type,grad,want", [("cpu", False, "snapshot"), ("cpu", True, "versioned"),
@@ -221,6 +229,7 @@ def test_blocked_widths_weigh_only_gradients_with_a_snapshot_within_its_bound():
     layout = functools.partial(choose_state_layout, "auto", n_chunks=1, rows=43264, plan=plan, device_type="cpu")
     assert layout(grad=True, widths=(13, 17)) == "snapshot"
     assert layout(grad=True, widths=(17, 17)) == "versioned"  # a tie: fewer rows
+    assert layout(grad=True, widths=(17, 17), plan=types.SimpleNamespace(state_rows=43265)) == "snapshot"
     assert layout(grad=True, widths=(13, 17), row_bytes=SNAPSHOT_MAX_BYTES // 43264 + 1) == "versioned"
     assert layout(grad=False, widths=(13, 17)) == "versioned"  # 2 x 12,544 < 43,264 (LAYOUT_ROW_COST["cpu"])
     assert choose_state_layout("versioned", n_chunks=1, rows=43264, plan=plan, grad=True, widths=(13, 17)) == \
