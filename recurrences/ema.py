@@ -23,13 +23,23 @@ from .compiling import is_symbolic, pad_to, size_max, size_min
 from .precision import no_autocast, work_dtype
 
 
+def log_decay(delta_logit: Tensor, alpha_logit: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``p = sigmoid(delta_logit)`` and ``log(1 - p sigmoid(alpha_logit))``, the log decay per step (``[D, n]``
+    each, in ``dtype``). Both sigmoids round to 1 for logits above about 17 (fp32), and the decay is then exactly
+    0: its log is floored at the dtype's smallest normal number (a decay of 1e-38 in fp32), so no ``0 * log(0)``
+    of a zero power makes the chunked form NaN where the recurrence forgets its past, and the gradient through
+    the floor is 0 (the sigmoids' own is 0 there too)."""
+    p = torch.sigmoid(delta_logit.to(dtype))
+    decay = 1 - p * torch.sigmoid(alpha_logit.to(dtype))  # [D, n] in [0, 1)
+    return p, torch.log(torch.clamp(decay, min=torch.finfo(dtype).tiny))
+
+
 def ema_kernel(delta_logit: Tensor, alpha_logit: Tensor, beta: Tensor, gamma: Tensor, length: int,
                dtype: torch.dtype = torch.float32) -> Tensor:
     """``K [D, length]`` of the damped EMA (parameters ``[D, n]``), in ``dtype`` (fp32 or fp64)."""
-    p = torch.sigmoid(delta_logit.to(dtype))
-    decay = 1 - p * torch.sigmoid(alpha_logit.to(dtype))  # [D, n] in (0, 1)
+    p, loga = log_decay(delta_logit, alpha_logit, dtype)
     t = torch.arange(length, device=p.device, dtype=dtype)
-    vander = torch.exp(torch.log(decay)[..., None] * t)  # [D, n, T]
+    vander = torch.exp(loga[..., None] * t)  # [D, n, T]
     return torch.einsum("dn,dnt->dt", (p * beta.to(dtype) * gamma.to(dtype)), vander)
 
 
@@ -83,8 +93,7 @@ def _damped_ema(x, delta_logit, alpha_logit, beta, gamma, omega, chunk_size, h0,
     L = ema_chunk(T) if chunk_size is None else chunk_size
     nc = size_max(1, -(-T // L))
     xf = F.pad(x.to(dt), (0, 0, 0, nc * L - T)).view(B, nc, L, D)
-    p = torch.sigmoid(delta_logit.to(dt))
-    loga = torch.log(1 - p * torch.sigmoid(alpha_logit.to(dt)))  # [D, n], < 0
+    p, loga = log_decay(delta_logit, alpha_logit, dt)  # [D, n], < 0
     b, g = p * beta.to(dt), gamma.to(dt)
     i = torch.arange(L, device=x.device)
     lag = i[:, None] - i[None, :]  # [L, L]

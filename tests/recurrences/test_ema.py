@@ -25,6 +25,31 @@ def test_chunked_convolution_equals_recurrence(B, T, n, D, chunk, seed):
         assert_close(a, b, GRAD_TOL[torch.float32], f"d{name}", floor=0.1)
 
 
+@pytest.mark.parametrize("dtype, saturated", [(torch.float32, 20.0), (torch.float64, 40.0)], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("chunk", [16, None], ids=["chunk16", "default-chunk"])
+def test_a_decay_of_zero_forgets_the_past_as_the_recurrence_does(dtype, saturated, chunk):
+    """Logits past the sigmoids' saturation (both round to 1) make a channel's decay exactly 0: the recurrence
+    keeps no past there, and the chunked form, whose zero powers of the decay had been ``exp(0 * log 0)`` = NaN,
+    equals it, gradients finite and equal too (the other channels' decays are ordinary)."""
+    g = torch.Generator().manual_seed(0)
+    D, n = 4, 3
+    x = torch.randn(2, 50, D, generator=g, dtype=dtype, requires_grad=True)
+    delta, alpha = torch.randn(2, D, n, generator=g, dtype=dtype)
+    delta[:2, :2], alpha[:2, :2] = saturated, saturated
+    params = [t.requires_grad_() for t in (delta, alpha, *torch.randn(2, D, n, generator=g, dtype=dtype))]
+    omega = torch.randn(D, generator=g, dtype=dtype, requires_grad=True)
+    assert (1 - torch.sigmoid(delta) * torch.sigmoid(alpha) == 0).sum() == 4  # the regime
+    y = damped_ema(x, *params, omega, chunk_size=chunk)
+    ref = damped_ema_reference(x, *params, omega)
+    assert_close(y, ref, FWD_TOL[dtype], "forward")
+    w = torch.randn(y.shape, generator=g, dtype=dtype)
+    grads = torch.autograd.grad((y * w).sum(), [x, *params, omega])
+    ref_grads = torch.autograd.grad((ref * w).sum(), [x, *params, omega])
+    for name, a, b in zip(["x", "delta", "alpha", "beta", "gamma", "omega"], grads, ref_grads):
+        assert a.isfinite().all(), f"d{name}"
+        assert_close(a, b, GRAD_TOL[dtype], f"d{name}", floor=0.1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-input", "bf16-input"])
 def test_fp32_inside_under_autocast(dtype):
     """Autocast does not reach the EMA's einsums: under CPU bf16 autocast the output is the one of the
