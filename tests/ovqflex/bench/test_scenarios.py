@@ -488,6 +488,7 @@ def test_train_reports_what_compiling_did_per_model(monkeypatch, broken, eager_b
     assert [r["pattern"] for r in rows] == ["swa", "swa,ovq"]
     for r in rows:
         assert r["graphs_first_step"] >= 1 and r["recompiles"] == 0 and r["tokens_per_s"] > 0
+        assert (r["T"], r["batch"]) == (64, 2) and r["tokens_per_s"] == pytest.approx(2 * 64 / r["step_s"])
         assert r["graph_breaks"] == (1 if broken else 0)
         assert r["x_vs_baseline"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
     assert rows[0]["x_vs_baseline"] == 1.0
