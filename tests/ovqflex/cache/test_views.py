@@ -60,6 +60,10 @@ def test_a_cached_view_decodes_like_a_derived_one(name):
         caches = _decoded(layer, x, 2 * C + 3)
         with_view = [c for c in caches if c.view is not None]
         assert len(with_view) >= C // 2, "the decode steps kept no view"
+        view_tensors = [t for t in with_view[0].view if isinstance(t, torch.Tensor)]
+        assert {id(t) for t in view_tensors} <= {id(t) for t in with_view[0].tensors()}  # a view's bytes count
+        assert with_view[0].nbytes() == dataclasses.replace(with_view[0], view=None).nbytes() + \
+            sum(t.numel() * t.element_size() for t in view_tensors)
         for i, cache in enumerate(caches[:-1]):
             _assert_same_step(layer, cache, x[:, 2 * C + 3 + i:2 * C + 4 + i])
 
