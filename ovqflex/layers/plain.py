@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from masks.program import DEFAULT_BLOCK, AttentionProgram, build_program, scaled_unit_queries, unit_rows
 from recurrences.checks import check_block_size, check_number
+from recurrences.precision import work_dtype
 
 from ..attention import attend
 from ..cache.plain import PlainCache, StaticPlainCache
@@ -130,7 +131,7 @@ class CausalAttention(_PlainAttention):
         q, k, v, tail = super()._project(x, cache, use_cache)
         if self.logn_len:  # scaling q scales every logit of its row
             pos = positions(0 if cache is None else cache.position, x.shape[1], x.device)
-            q = q * logn_scale(pos, self.logn_len).to(q.dtype).view(1, 1, -1, 1)
+            q = q * logn_scale(pos, self.logn_len, work_dtype(q)).to(q.dtype).view(1, 1, -1, 1)
         return q, k, v, tail
 
     def extra_repr(self) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from masks.program import DEFAULT_BLOCK, build_program
@@ -92,9 +93,9 @@ def check_logn_len(logn_len: object) -> int:
     return value
 
 
-def logn_scale(pos: Tensor, logn_len: int) -> Tensor:
-    """Log-length logit scale ``[T]`` float32 of causal queries at absolute positions ``pos``
-    ``[T]``: ``max(1, ln(pos + 1) / ln(logn_len))``.
+def logn_scale(pos: Tensor, logn_len: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Log-length logit scale ``[T]`` in ``dtype`` (fp32, or fp64 for an fp64 layer) of causal queries at
+    absolute positions ``pos`` ``[T]``: ``max(1, ln(pos + 1) / ln(logn_len))``.
 
     A query at ``pos`` sees ``n = pos + 1`` keys, and a softmax over ``n`` keys gives a match with
     a fixed logit margin ``d`` over the rest a weight that falls about as ``1 / n``. With the
@@ -106,4 +107,4 @@ def logn_scale(pos: Tensor, logn_len: int) -> Tensor:
     (arXiv 2501.19399), here with the scale fixed so that a model trained without it can use it
     at test time (docs/experiments.md: icr at the gpu scale).
     """
-    return ((pos + 1).float().log() / math.log(logn_len)).clamp(min=1.0)
+    return ((pos + 1).to(dtype).log() / math.log(logn_len)).clamp(min=1.0)

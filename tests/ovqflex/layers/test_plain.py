@@ -47,25 +47,27 @@ def test_layer_equals_sdpa_with_explicit_mask(name):
         assert_close(layer(x), ref, FWD_TOL[torch.float32], "flex forward")
 
 
-@pytest.mark.parametrize("backend", ["blocked", "flex"])
-def test_logn_len_multiplies_each_querys_logits_by_its_log_length(backend):
+@pytest.mark.parametrize("backend, dtype", [("blocked", torch.float32), ("flex", torch.float32),
+                                            ("blocked", torch.float64)], ids=["blocked", "flex", "blocked-fp64"])
+def test_logn_len_multiplies_each_querys_logits_by_its_log_length(backend, dtype):
     """The reference scales the logits of the unscaled layer's q, k row by row with ln(t + 1) /
-    ln(L) from the math module, masks with the explicit causal mask, and runs softmax by hand."""
+    ln(L) from the math module, masks with the explicit causal mask, and runs softmax by hand. A float64
+    layer scales in float64 (its scale had been fp32: 6e-8 off)."""
     torch.manual_seed(0)
     T, L = 150, 24
-    layer = ovqflex.CausalAttention(48, 3, qk_norm=True, qk_conv=3, backend=backend)
-    x = torch.randn(2, T, 48)
+    layer = ovqflex.CausalAttention(48, 3, qk_norm=True, qk_conv=3, backend=backend).to(dtype)
+    x = torch.randn(2, T, 48, dtype=dtype)
     with torch.no_grad():
         layer.beta.uniform_(4.0, 12.0)
         q, k, v, _ = layer._project(x, None)
         plain = layer(x)
-        row_scale = torch.tensor([max(1.0, math.log(t + 1) / math.log(L)) for t in range(T)])
+        row_scale = torch.tensor([max(1.0, math.log(t + 1) / math.log(L)) for t in range(T)], dtype=dtype)
         scores = (q @ k.transpose(-1, -2)) * row_scale.view(T, 1)
         weights = scores.masked_fill(~explicit_mask(T), float("-inf")).softmax(-1)
         ref = layer.merge(weights @ v)
         layer.logn_len = L
         scaled = layer(x)
-    assert_close(scaled, ref, FWD_TOL[torch.float32], f"{backend} with logn_len={L}")
+    assert_close(scaled, ref, FWD_TOL[dtype], f"{backend} with logn_len={L}")
     assert torch.equal(scaled[:, :L], plain[:, :L])  # up to L keys nothing changes
     assert (scaled[:, L + 1:] - plain[:, L + 1:]).abs().amax() > 1e-3
     assert "logn_len=24" in repr(layer)
