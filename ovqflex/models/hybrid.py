@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recurrences.checks import check_choice, check_int, check_number, check_tensor
+from recurrences.checks import check_choice, check_int, check_number, check_tensor, host_check_is_free
 from recurrences.compiling import graphed
 from recurrences.precision import widened
 
@@ -50,6 +50,15 @@ def static_step(step, decode: str, device: torch.device):
         return step
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     return graphed(compiled, device) if decode == "graph" else compiled
+
+
+def _check_ids(name: str, tokens: Tensor, vocab_size: int) -> None:
+    """ValueError naming ``name`` unless every id of ``tokens`` lies in ``[0, vocab_size)`` (reads them on the host)."""
+    if tokens.numel():
+        lo, hi = (int(x) for x in tokens.aminmax())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} ids must lie in [0, {vocab_size}) (the model's vocab_size), "
+                             f"got ids from {lo} to {hi}")
 
 
 def sample_next(logits: Tensor, temperature: float, top_k: int | None,
@@ -148,15 +157,18 @@ class HybridLM(nn.Module):
 
     def forward(self, tokens: Tensor, cache: ModelCache | None = None, use_cache: bool = False, *,
                 return_aux: bool = False):
-        """tokens ``[B, T]`` int64 ids in ``[0, vocab_size)`` (not checked here: a check would stop the
-        compiled graph at every call; an id out of range is an IndexError on a CPU and a device-side
-        assert on CUDA; :meth:`generate` checks its prompt) -> logits ``[B, T, vocab]``; with
+        """tokens ``[B, T]`` int64 ids in ``[0, vocab_size)`` (checked where that is free, eager on a CPU: a
+        ValueError naming the range; compiled or on an accelerator the check would stop the graph or sync the host
+        at every call, and an id out of range is a device-side assert on CUDA; :meth:`generate` checks its prompt
+        everywhere) -> logits ``[B, T, vocab]``; with
         ``return_aux=True`` ``(logits, aux_loss)`` (0-d fp32, the sum of the mixers' auxiliary losses; 0 when no
         mixer has one); with ``use_cache=True`` or a ``cache`` (:class:`ModelCache`, inference)
         ``(logits, cache)``."""
         check_tensor("tokens", tokens, 2)
         if tokens.dtype != torch.int64:
             raise TypeError(f"tokens must be int64 token ids, got {tokens.dtype}")
+        if host_check_is_free(tokens):
+            _check_ids("tokens", tokens, self.config.vocab_size)
         if cache is not None and not isinstance(cache, ModelCache):
             raise TypeError(f"cache must be a ModelCache (from forward(..., use_cache=True)), got {type(cache).__name__}")
         h = self.embed(tokens)
@@ -230,11 +242,7 @@ class HybridLM(nn.Module):
                              f"the last prompt token's logits), got shape {tuple(prompt.shape)}")
         if prompt.dtype != torch.int64:
             raise TypeError(f"prompt must be int64 token ids, got {prompt.dtype}")
-        if prompt.numel():
-            lo, hi = int(prompt.min()), int(prompt.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(f"prompt ids must lie in [0, {self.config.vocab_size}) (the model's vocab_size), "
-                                 f"got ids from {lo} to {hi}")
+        _check_ids("prompt", prompt, self.config.vocab_size)
         if decode == "graph" and prompt.device.type != "cuda":
             raise ValueError(f"decode='graph' replays the decode step from a CUDA graph: it needs the model and "
                              f"prompt on a CUDA device, got {prompt.device}; use decode='compiled'")

@@ -84,6 +84,11 @@ def test_forward_refuses_bad_tokens_a_foreign_cache_and_aux_from_a_cached_forwar
         model(torch.zeros(1, 8))
     with pytest.raises(ValueError, match="tokens"):
         model(torch.zeros(8, dtype=torch.int64))
+    vocab = model.config.vocab_size
+    for bad, lo, hi in (([[3, vocab]], 3, vocab), ([[-2, 5]], -2, 5)):  # eager on a CPU: by name (was an IndexError)
+        with pytest.raises(ValueError, match=rf"tokens ids must lie in \[0, {vocab}\) \(the model's vocab_size\), "
+                                             rf"got ids from {lo} to {hi}"):
+            model(torch.tensor(bad))
     tokens = torch.zeros(1, 8, dtype=torch.int64)
     with pytest.raises(TypeError, match=r"cache must be a ModelCache \(from forward\(\.\.\., use_cache=True\)\), "
                                         r"got dict"):
