@@ -93,7 +93,7 @@ def _damped_ema(x, delta_logit, alpha_logit, beta, gamma, omega, chunk_size, h0,
     L = ema_chunk(T) if chunk_size is None else chunk_size
     nc = size_max(1, -(-T // L))
     xf = F.pad(x.to(dt), (0, 0, 0, nc * L - T)).view(B, nc, L, D)
-    p, loga = log_decay(delta_logit, alpha_logit, dt)  # [D, n], < 0
+    p, loga = log_decay(delta_logit, alpha_logit, dt)  # [D, n], <= 0
     b, g = p * beta.to(dt), gamma.to(dt)
     i = torch.arange(L, device=x.device)
     lag = i[:, None] - i[None, :]  # [L, L]
