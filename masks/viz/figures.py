@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from .block_view import BLOCK_COLORS, BLOCK_NAMES, BlockView
-from .labels import color
+from .labels import MASKED, PALETTE, label_styles
 from .pool import BLOCK_PRIORITY, pool_labels, token_priority
 from .token_view import TokenView
 
@@ -23,7 +23,8 @@ MAX_PIXELS = 1000
 
 
 def _rgb_table(names) -> np.ndarray:
-    return (np.array([to_rgb(color(n)) for n in names]) * 255).round().astype(np.uint8)
+    styles = label_styles(names)
+    return (np.array([to_rgb(styles[n][1]) for n in names]) * 255).round().astype(np.uint8)
 
 
 def token_rgb(view: TokenView, max_pixels: int = MAX_PIXELS) -> np.ndarray:
@@ -54,7 +55,7 @@ def token_figure(view: TokenView, title: str = "") -> Figure:
         top, ax = fig.subplots(2, 1, sharex=True, height_ratios=[1, max(4, 8 * h / w)])
         b = view.bias.numpy()
         masked = np.ma.masked_invalid(b[None, :])
-        cmap = __import__("matplotlib").colormaps["viridis"].with_extremes(bad=color("masked"))
+        cmap = __import__("matplotlib").colormaps["viridis"].with_extremes(bad=PALETTE[MASKED])
         im = top.imshow(masked, aspect="auto", interpolation="nearest", cmap=cmap,
                         extent=(k0 - 0.5, k1 - 0.5, 0.5, -0.5))
         top.set_yticks([])
@@ -69,7 +70,8 @@ def token_figure(view: TokenView, title: str = "") -> Figure:
                   if view.n_state else "kv row (token)")
     ax.set_ylabel("query")
     counts = view.counts()
-    ax.legend(handles=[Patch(color=color(n), label=f"{n} ({counts[n]:,})") for n in view.names],
+    styles = label_styles(view.names)
+    ax.legend(handles=[Patch(color=styles[n][1], label=f"{n} ({counts[n]:,})") for n in view.names],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)

@@ -28,15 +28,21 @@ def label_names(program: AttentionProgram) -> tuple[str, ...]:
     return (MASKED, *known, *[n for n in present if n not in REGION_ORDER])
 
 
-def color(name: str) -> str:
-    """Hex colour of a label; unknown region names get a stable colour of their own."""
-    if name in PALETTE:
-        return PALETTE[name]
-    return _EXTRA[sum(map(ord, name)) % len(_EXTRA)]
-
-
-def char(name: str) -> str:
-    return CHARS.get(name, name[:1].lower() or "?")
+def label_styles(names) -> dict[str, tuple[str, str]]:
+    """``{name: (glyph, hex colour)}`` of a view's labels (``names``, as :func:`label_names` gives them): the
+    known ones their own (:data:`CHARS`, :data:`PALETTE`); each other name (a new method's region) its first
+    letter, lower case, else upper case, unless a label before it has that glyph, else the first free one of
+    ``a-z0-9``, and the :data:`_EXTRA` colours in turn. So no two labels of one view share a glyph, nor a colour
+    while it holds at most ``len(_EXTRA)`` unknown names."""
+    styles = {n: (CHARS[n], PALETTE[n]) for n in names if n in PALETTE}
+    taken = {glyph for glyph, _ in styles.values()}
+    others = [n for n in names if n not in PALETTE]
+    pool = "abcdefghijklmnopqrstuvwxyz0123456789"
+    for i, name in enumerate(others):
+        glyph = next((g for g in (name[:1].lower(), name[:1].upper(), *pool) if g and g not in taken), "?")
+        taken.add(glyph)
+        styles[name] = (glyph, _EXTRA[i % len(_EXTRA)])
+    return styles
 
 
 def check_batch_head(program: AttentionProgram, batch: int, head: int) -> None:

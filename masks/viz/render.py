@@ -13,7 +13,7 @@ from .block_view import BLOCK_COLORS, BlockView, block_view
 from .figures import block_figure, token_figure
 from .html import html_page
 from .inspect_query import inspect_query, segment_rows
-from .labels import check_batch_head, color
+from .labels import check_batch_head, label_styles
 from .stats import ProgramStats, program_stats
 from .terminal import block_text, token_text
 from .token_view import MAX_TOKEN_CELLS, TokenView, token_view
@@ -109,7 +109,8 @@ def render(program: AttentionProgram, options: VizOptions, out_dir: str | Path |
         if "html" in options.formats:
             legend = []
             if tv is not None:
-                legend += [(n, color(n), c) for n, c in tv.counts().items()]
+                styles = label_styles(tv.names)
+                legend += [(n, styles[n][1], c) for n, c in tv.counts().items()]
             if bv is not None:
                 legend += [(f"{n} block", BLOCK_COLORS[n], c) for n, c in bv.counts().items()]
             meta = [(k, str(v)) for k, v in options.meta.items()] + [("note", n) for n in notes]

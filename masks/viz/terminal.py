@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .block_view import BLOCK_CHARS, BLOCK_COLORS, BLOCK_NAMES, BlockView
-from .labels import char, color
+from .labels import label_styles
 from .pool import BLOCK_PRIORITY, pool_labels, token_priority
 from .token_view import TokenView
 
@@ -29,9 +29,9 @@ def _lines(grid: Tensor, names, glyph, hue, use_color: bool) -> list[str]:
 def token_text(view: TokenView, *, width: int = 120, height: int = 60, color_output: bool = False) -> str:
     """Token view as text; a legend line with the exact cell counts comes first."""
     grid = pool_labels(view.labels, height, width, token_priority(len(view.names)))
-    counts = view.counts()
-    legend = "  ".join(f"{char(nm)}={nm} ({counts[nm]:,})" for nm in view.names)
-    lines = _lines(grid, view.names, char, color, color_output)
+    counts, styles = view.counts(), label_styles(view.names)
+    legend = "  ".join(f"{styles[nm][0]}={nm} ({counts[nm]:,})" for nm in view.names)
+    lines = _lines(grid, view.names, lambda nm: styles[nm][0], lambda nm: styles[nm][1], color_output)
     return "\n".join([legend, *lines])
 
 

@@ -4,9 +4,11 @@ import pytest
 import torch
 from matplotlib.colors import to_rgb
 
+from masks.program import build_program
+from masks.regions import Causal, Sinks, TokenWindow
 from masks.viz import PALETTE, token_view
 from masks.viz.figures import token_figure
-from masks.viz.labels import CHARS
+from masks.viz.labels import CHARS, label_styles
 from masks.viz.terminal import token_text
 
 from tests.masks.viz.viz_cases import dense_truth, make_program
@@ -120,3 +122,33 @@ def test_coloured_terminal_cells_carry_their_regions_rgb():
     rgb = {n: ";".join(str(round(255 * c)) for c in to_rgb(PALETTE[n])) for n in ("sink", "window")}
     cell = "\x1b[38;2;{}m{}\x1b[0m"
     assert line == cell.format(rgb["sink"], "S") * 3 + cell.format(rgb["window"], "w") * 8
+
+
+class _Chunk(TokenWindow):
+    name = "chunk"
+
+
+class _Carry(Causal):
+    name = "carry"
+
+
+def test_new_region_names_get_a_glyph_and_a_colour_of_their_own():
+    """A new method's region names (here "chunk" and "carry", which had both been drawn "c") each get a glyph and
+    a colour no other label of the view has, in the terminal view, its legend and the figure."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 40, 8, generator=g) for _ in range(3))
+    program = build_program(q, k, v, (Sinks(2), _Chunk(6), _Carry()), scale=0.5, block_size=16)
+    view = token_view(program)
+    assert view.names == ("masked", "sink", "chunk", "carry")  # the known names first, then program order
+    styles = label_styles(view.names)
+    assert [styles[n][0] for n in view.names] == [".", "S", "c", "C"]
+    assert len({colour for _, colour in styles.values()}) == 4
+    legend, *rows = token_text(view, width=1000, height=1000).splitlines()
+    counts = view.counts()
+    for n in view.names:
+        assert "".join(rows).count(styles[n][0]) == counts[n] > 0, n
+        assert f"{styles[n][0]}={n} ({counts[n]:,})" in legend
+    drawn = np.asarray([im for ax in token_figure(view).axes for im in ax.get_images()][0].get_array())
+    for n in view.names:
+        rgb = np.array([round(255 * c) for c in to_rgb(styles[n][1])], dtype=drawn.dtype)
+        assert (drawn == rgb).all(-1).sum() == counts[n], n
