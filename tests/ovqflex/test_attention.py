@@ -108,7 +108,8 @@ def test_causal_flex_equals_sdpa_at_block_multiple():
 def test_flex_refuses_backward_on_cpu_and_auto_picks_blocked():
     q, k, v = make_qkv(1, 1, 16, 40, seed=1, requires_grad=True)
     p = program(q, k, v, {})
-    with pytest.raises(NotImplementedError, match="blocked"):
+    with pytest.raises(NotImplementedError, match=r"flex attention has no backward on cpu in this torch; use "
+                                                  r"backend='blocked' \(or 'auto'\)"):
         ovqflex.attend(p, "flex")
     assert ovqflex.resolve_backend("auto", p) == "blocked"
     with torch.no_grad():

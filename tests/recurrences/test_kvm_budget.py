@@ -105,9 +105,9 @@ def test_bound_is_the_largest_size_any_length_reaches(budget):
 
 
 def test_schedule_refuses_bad_arguments_by_name():
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 16, got 10"):
         KVMSchedule(10, 2)
-    with pytest.raises(ValueError, match="n_bswa_chunks"):
+    with pytest.raises(ValueError, match="n_bswa_chunks must be >= 1, got 0"):
         KVMSchedule(16, 0)
     with pytest.raises(TypeError, match="budget must be a KVMBudget"):
         KVMSchedule(16, 2, "fixed")

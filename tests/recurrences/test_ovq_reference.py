@@ -1,5 +1,6 @@
 """Hand-checkable tests of the sequential OVQ-attention reference (the fused path's oracle)."""
 import math
+import re
 
 import pytest
 import torch
@@ -223,25 +224,30 @@ def _bad(**over):
     return ovq_attention_reference(args["q"], args["k"], args["v"], args["beta"], **kw)
 
 
-@pytest.mark.parametrize("over,exc,name", [
-    (dict(chunk_size=0), ValueError, "chunk_size"),
-    (dict(chunk_size=2.0), ValueError, "chunk_size"),
-    (dict(max_centroids=0), ValueError, "max_centroids"),
-    (dict(growth="cubic"), ValueError, "growth"),
-    (dict(growth="linear", growth_horizon=0), ValueError, "growth_horizon"),
-    (dict(seeding="kmeans++"), ValueError, "seeding"),
-    (dict(q=torch.randn(2, 8, 8)), ValueError, "q"),
-    (dict(k=torch.randn(2, 2, 8, 6)), ValueError, "k"),
-    (dict(v=torch.randn(2, 2, 7, 8)), ValueError, "v"),
-    (dict(v=torch.randn(2, 2, 8, 8, dtype=torch.float64)), TypeError, "v"),
-    (dict(beta=torch.ones(3)), ValueError, "beta"),
-    (dict(q=torch.ones(2, 2, 8, 8, dtype=torch.long)), TypeError, "q"),
-    (dict(routes=torch.zeros(2, 2, 8, dtype=torch.int32)), TypeError, "routes"),
-    (dict(routes=torch.zeros(2, 2, 7, dtype=torch.long)), ValueError, "routes"),
-    (dict(routes=torch.zeros(2, 2, 8, dtype=torch.long)), ValueError, "routes"),  # new slot 1 never created
+@pytest.mark.parametrize("over,exc,message", [
+    (dict(chunk_size=0), ValueError, "chunk_size must be a positive int, got 0"),
+    (dict(chunk_size=2.0), ValueError, "chunk_size must be a positive int, got 2.0"),
+    (dict(max_centroids=0), ValueError, "max_centroids must be an int >= 1, got 0"),
+    (dict(growth="cubic"), ValueError, "growth must be one of ('plateau', 'full', 'linear'), got 'cubic'"),
+    (dict(growth="linear", growth_horizon=0), ValueError, "growth_horizon must be a positive int or None, got 0"),
+    (dict(seeding="kmeans++"), ValueError, "seeding must be one of ('spread', 'random'), got 'kmeans++'"),
+    (dict(q=torch.randn(2, 8, 8)), ValueError, "q must have rank 4 [B, H, T, D], got shape (2, 8, 8)"),
+    (dict(k=torch.randn(2, 2, 8, 6)), ValueError, "k must have q's head dim D=8, got 6"),
+    (dict(v=torch.randn(2, 2, 7, 8)), ValueError, "v must match q in [B, H, T]=(2, 2, 8), got (2, 2, 7, 8)"),
+    (dict(v=torch.randn(2, 2, 8, 8, dtype=torch.float64)), TypeError,
+     "v must have q's dtype/device (torch.float32, cpu), got (torch.float64, cpu)"),
+    (dict(beta=torch.ones(3)), ValueError, "beta must have shape [H]=(2,), got (3,)"),
+    (dict(q=torch.ones(2, 2, 8, 8, dtype=torch.long)), TypeError,
+     "q must be a floating-point torch.Tensor, got Tensor of dtype torch.int64"),
+    (dict(routes=torch.zeros(2, 2, 8, dtype=torch.int32)), TypeError,
+     "routes must be an int64 torch.Tensor, got torch.int32"),
+    (dict(routes=torch.zeros(2, 2, 7, dtype=torch.long)), ValueError,
+     "routes must have shape [B, H, T]=(2, 2, 8), got (2, 2, 7)"),
+    (dict(routes=torch.zeros(2, 2, 8, dtype=torch.long)), ValueError,
+     "routes: chunk 0 must create every new slot 0..1"),  # new slot 1 never created
 ])
-def test_bad_arguments(over, exc, name):
-    with pytest.raises(exc, match=name):
+def test_bad_arguments(over, exc, message):
+    with pytest.raises(exc, match=re.escape(message)):
         _bad(**over)
 
 
@@ -249,10 +255,13 @@ def test_forced_routes_validation():
     q, k, v, beta = _inputs(B=1, H=1, T=10)
     kw = dict(chunk_size=4, max_centroids=3, growth="full")   # sizes 0 -> 3 -> 3
     good = ovq_attention_reference(q, k, v, beta, **kw).routes
-    for t, val in ((1, 3), (5, -1), (9, 0), (2, -2)):  # id >= N_{c+1}; -1 in routed; partial; negative
+    for t, val, msg in ((1, 3, r"chunk 0 must use slot ids in \[0, 3\), got values in \[0, 3\]"),  # id >= N_{c+1}
+                        (5, -1, r"chunk 1 must use slot ids in \[0, 3\), got values in \[-1, 2\]"),  # -1 in routed
+                        (9, 0, "chunk 2 is not routed, its routes must all be -1"),  # partial
+                        (2, -2, r"chunk 0 must use slot ids in \[0, 3\), got values in \[-2, 2\]")):  # negative
         bad = good.clone()
         bad[0, 0, t] = val
-        with pytest.raises(ValueError, match="routes"):
+        with pytest.raises(ValueError, match=f"routes: {msg}"):
             ovq_attention_reference(q, k, v, beta, routes=bad, **kw)
 
 

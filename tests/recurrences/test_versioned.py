@@ -172,7 +172,7 @@ def test_memory_spacing_holds_a_quarter_fewer_rows_at_64k():
     memory = plan_versioned(n_chunks=512, chunk_size=128, rows=2048, lag=1, align=128, per_token=1)
     assert (speed.every, speed.n_ckpt, speed.state_rows) == (8, 64, 196608)
     assert (memory.every, memory.n_ckpt, memory.state_rows) == (16, 32, 131072)
-    with pytest.raises(ValueError, match="per_token"):
+    with pytest.raises(ValueError, match="per_token must be >= 1, got 0"):
         plan_versioned(512, 128, 2048, 1, per_token=0)
 
 

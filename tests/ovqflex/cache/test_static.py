@@ -302,9 +302,10 @@ def test_bad_static_arguments_are_refused():
     swa, ovq = LAYERS["swa-7-conv"](), LAYERS["ovq-plateau"]()
     with torch.no_grad():
         _, cache = swa(x, use_cache=True)
-        with pytest.raises(ValueError, match="capacity=20"):
+        with pytest.raises(ValueError, match=r"capacity=20 must exceed the cache's position 20 \(room for at least one "
+                                             r"more token\)"):
             swa.static_cache(cache, 20)
-        with pytest.raises(ValueError, match="capacity"):
+        with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
             swa.static_cache(cache, 0)
         static = swa.static_cache(cache, 30)
         with pytest.raises(ValueError, match=r"one token per call: x must be \[B, 1, hidden\]"):

@@ -16,7 +16,7 @@ def test_split_heads_shapes_and_size_check():
     m = MultiHeadProjection(32, 4, None, "blocked")
     q, k, v = m.split_heads(torch.randn(2, 7, 32))
     assert q.shape == k.shape == v.shape == (2, 4, 7, 8)
-    with pytest.raises(ValueError, match="hidden_size=32"):
+    with pytest.raises(ValueError, match=r"x must have last dim hidden_size=32, got shape \(2, 7, 16\)"):
         m.split_heads(torch.randn(2, 7, 16))
     with pytest.raises(ValueError, match="qk_conv must be >= 0"):
         MultiHeadProjection(32, 4, None, "blocked", qk_conv=-1)

@@ -101,7 +101,7 @@ def test_longvq_pattern_builds_standalone_blocks():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="hidden_size=30 must be divisible by num_heads=4"):
         ovqflex.LongVQBlock(30, 4)
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 16, got 10"):
         ovqflex.LongVQBlock(32, 2, chunk_size=10)
     with pytest.raises(ValueError, match="x must have last dim"):
         block()(torch.randn(1, 8, 16))

@@ -53,5 +53,5 @@ def test_rope_is_relative():
 
 
 def test_rope_bad_dims():
-    with pytest.raises(ValueError, match="rope_dims"):
+    with pytest.raises(ValueError, match=r"rope_dims must be even and in \[0, 16\], got 7"):
         apply_rope(torch.randn(1, 1, 4, 16), torch.arange(4), 7)

@@ -81,7 +81,7 @@ def test_an_empty_batch_leaves_the_codebook_state_as_it_was(estimator):
 
 
 def test_layer_bad_codebook_size_and_ema_decay():
-    with pytest.raises(ValueError, match="codebook_size"):
+    with pytest.raises(ValueError, match="codebook_size must be >= 1, got 0"):
         ovqflex.VQAttention(32, 2, codebook_size=0)
     with pytest.raises(ValueError, match="ema_decay must be < 1, got 1.0"):  # an EMA that never moves
         ovqflex.VQAttention(32, 2, ema_decay=1.0)
