@@ -122,7 +122,8 @@ def test_plan_and_layout_choice():
     small = plan_versioned(n_chunks=4, chunk_size=32, rows=40, lag=1)
     assert choose_state_layout("auto", n_chunks=4, rows=40, plan=small) == "snapshot"
     assert choose_state_layout("versioned", n_chunks=4, rows=40, plan=small) == "versioned"
-    with pytest.raises(ValueError, match="state_layout"):
+    with pytest.raises(ValueError, match=r"state_layout must be one of \['auto', 'snapshot', 'versioned'\], "
+                                         r"got 'sparse'"):
         choose_state_layout("sparse", n_chunks=4, rows=40, plan=small)
     # blocks of 128 rows over chunks of 16: the spacing (12 by rows per token) rounded up to whole blocks of
     # chunks, so a query block reads one checkpoint
@@ -146,7 +147,7 @@ def test_auto_weighs_rows_by_the_device_cost_without_gradients(device_type, grad
     big = plan_versioned(n_chunks=256, chunk_size=128, rows=1927, lag=1, align=128)  # OVQ at 32k: 5x fewer rows
     assert choose_state_layout("auto", n_chunks=256, rows=1927, plan=big, device_type=device_type,
                                grad=grad) == ("snapshot" if (device_type, grad) == ("cuda", False) else "versioned")
-    with pytest.raises(ValueError, match="checkpoint_every"):
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 1, got 0"):
         plan_versioned(4, 32, 40, 1, every=0)
 
 

@@ -82,7 +82,7 @@ def test_forward_refuses_bad_tokens_a_foreign_cache_and_aux_from_a_cached_forwar
     model = small("swa")
     with pytest.raises(TypeError, match="tokens must be int64"):
         model(torch.zeros(1, 8))
-    with pytest.raises(ValueError, match="tokens"):
+    with pytest.raises(ValueError, match=r"tokens must have 2 dims, got shape \(8,\)"):
         model(torch.zeros(8, dtype=torch.int64))
     vocab = model.config.vocab_size
     for bad, lo, hi in (([[3, vocab]], 3, vocab), ([[-2, 5]], -2, 5)):  # eager on a CPU: by name (was an IndexError)

@@ -1,6 +1,7 @@
 """Task generators: layouts checked by independent plain-Python parsers, determinism, batching, files, errors."""
 import itertools
 import pickle
+import re
 
 import pytest
 import torch
@@ -79,25 +80,28 @@ def test_registry_names_and_defaults():
         assert t.special_tokens()["pad"] == 0
 
 
-@pytest.mark.parametrize("name, opts, exc, match", [
-    ("icr", dict(key_len=0), ValueError, "key_len"),
-    ("icr", dict(key_len=2.0), TypeError, "key_len"),
-    ("icr", dict(n_queries=True), TypeError, "n_queries"),
-    ("icr", dict(vocab_size=4), ValueError, "vocab_size"),
-    ("icr", dict(vocab_size=6, key_len=1, n_queries=3), ValueError, "vocab_size"),
-    ("picr", dict(copies=0), ValueError, "copies"),
-    ("icl", dict(n_functions=9, n_function_tokens=8), ValueError, "n_functions"),
-    ("icl", dict(vocab_size=300, n_functions=3, n_function_tokens=8, x_max=100), ValueError, "x_max"),
-    ("icl", dict(vocab_size=100), ValueError, "vocab_size"),
-    ("mqar", dict(vocab_size=10, n_pairs=9), ValueError, "n_pairs"),
-    ("mqar", dict(gap="zeros"), ValueError, "gap"),
-    ("copy", dict(n_tokens=0), ValueError, "n_tokens"),
-    ("niah", dict(n_queries=2, n_needles=1), ValueError, "n_queries"),
-    ("niah", dict(depth=1.5), ValueError, "depth"),
-    ("niah", dict(filler="essay"), ValueError, "filler"),
+@pytest.mark.parametrize("name, opts, exc, message", [
+    ("icr", dict(key_len=0), ValueError, "key_len must be >= 1, got 0"),
+    ("icr", dict(key_len=2.0), TypeError, "key_len must be an int, got 2.0 (float)"),
+    ("icr", dict(n_queries=True), TypeError, "n_queries must be an int, got True (bool)"),
+    ("icr", dict(vocab_size=4), ValueError, "vocab_size must be >= 5, got 4"),
+    ("icr", dict(vocab_size=6, key_len=1, n_queries=3), ValueError,
+     "vocab_size=6 (2 content tokens) cannot make 3 distinct keys of key_len=1 and 3 distinct values of value_len=8"),
+    ("picr", dict(copies=0), ValueError, "copies must be >= 1, got 0"),
+    ("icl", dict(n_functions=9, n_function_tokens=8), ValueError, "n_functions=9 must be <= n_function_tokens=8"),
+    ("icl", dict(vocab_size=300, n_functions=3, n_function_tokens=8, x_max=100), ValueError,
+     "x_max=100 makes outputs up to b_max + a_max * x_max = 505, which needs vocab_size >= 516 (got 300)"),
+    ("icl", dict(vocab_size=100), ValueError, "vocab_size=100 is too small: with 130 special tokens, a_max=5 and "
+                                              "b_max=5 not even x=1 has its output in the vocab"),
+    ("mqar", dict(vocab_size=10, n_pairs=9), ValueError, "n_pairs=9 distinct keys need vocab_size >= 11 (got 10)"),
+    ("mqar", dict(gap="zeros"), ValueError, "gap must be 'pad' or 'noise', got 'zeros'"),
+    ("copy", dict(n_tokens=0), ValueError, "n_tokens must be >= 1, got 0"),
+    ("niah", dict(n_queries=2, n_needles=1), ValueError, "n_queries=2 must be <= n_needles=1"),
+    ("niah", dict(depth=1.5), ValueError, "depth must be in [0, 1] or None, got 1.5"),
+    ("niah", dict(filler="essay"), ValueError, "filler must be 'random' or 'repeat', got 'essay'"),
 ])
-def test_bad_options(name, opts, exc, match):
-    with pytest.raises(exc, match=match):
+def test_bad_options(name, opts, exc, message):
+    with pytest.raises(exc, match=re.escape(message)):
         make_task(name, **opts)
 
 
