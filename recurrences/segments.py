@@ -27,16 +27,16 @@ def segment_snapshot_sums(xs: Sequence[Tensor], routes: Tensor, chunk_size: int,
     ignored). A token of chunk ``ct`` is in the snapshot of every chunk ``c >= ct + lag`` (OVQ:
     ``lag=1``, the chunk after it; KVM: ``lag = n_bswa_chunks``, once it has left the window); tokens
     that would enter at ``ct + lag >= n_chunks`` are in no snapshot.
-    Returns the sums ``[B, H, n_out, rows, D_i]`` of each x and the token counts ``[B, H, n_out,
-    rows]`` fp32 of the snapshots of chunks ``0, every, 2 every, ...`` (``n_out = ceil(n_chunks /
-    every)``; ``every > 1``: the checkpoints of the versioned layout, :mod:`recurrences.versioned`).
+    Returns the sums ``[B, H, n_out, rows, D_i]`` of each x (in :func:`sum_dtype`: x's, fp32 for fp16) and the
+    token counts ``[B, H, n_out, rows]`` fp32 of the snapshots of chunks ``0, every, 2 every, ...`` (``n_out =
+    ceil(n_chunks / every)``; ``every > 1``: the checkpoints of the versioned layout, :mod:`recurrences.versioned`).
     The cells and counts are computed once for all ``xs``; each x is added into a zeroed buffer in place,
     every cell rounded once to x's dtype (:data:`NARROW_ADDS`), then summed over chunks by
     :func:`~recurrences.scan.cumsum`, which accumulates in fp32 and rounds each snapshot once.
     """
     T = routes.shape[2]
     pad = -T % chunk_size  # whole chunks only: inductor's CPU codegen mis-tiles `arange(T) // chunk` otherwise
-    xs, routes = [pad_to(x, 2, T + pad) for x in xs], pad_to(routes, 2, T + pad, value=-1)
+    xs, routes = [pad_to(x.to(sum_dtype(x.dtype)), 2, T + pad) for x in xs], pad_to(routes, 2, T + pad, value=-1)
     B, H, T = routes.shape
     dev = routes.device
     slot = torch.where((routes >= 0) & (routes < rows), routes, rows)  # spare slot `rows` drops a token
@@ -54,17 +54,25 @@ def segment_snapshot_sums(xs: Sequence[Tensor], routes: Tensor, chunk_size: int,
         return cumsum(cells, 2)
 
     counts = torch.zeros(B * H * n_cells, device=dev).index_add_(0, cell, torch.ones(B * H * T, device=dev))
-    once = [x.dtype in (torch.bfloat16, torch.float16) and NARROW_ADDS.get(dev.type, False) for x in xs]
+    once = [x.dtype == torch.bfloat16 and NARROW_ADDS.get(dev.type, False) for x in xs]  # (fp16: summed in fp32)
     group = _cell_leaders(cell, B * H * n_cells) if any(once) else None
     sums = [by_chunk(_cell_sums(x.reshape(B * H * T, x.shape[-1]), cell, B * H * n_cells, group if o else None))
             for x, o in zip(xs, once)]
     return sums, by_chunk(counts)
 
 
-#: whether a device's ``index_add_`` adds bf16/fp16 in their own dtype, rounding every add into its cell
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a state's sums of ``dtype`` tokens are kept in: their own, but fp32 for fp16, whose largest value
+    (65,504) a row's sum outgrows long before its mean does (an fp16 OVQ op whose one busy row summed 2,048 values
+    near 60 had made its state, and every output, NaN). The readouts divide in it and round the rows they give
+    the attention to the tokens' dtype once."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+#: whether a device's ``index_add_`` adds bf16 in its own dtype, rounding every add into its cell
 #: (CUDA's atomics; the CPU's scatter accumulates in fp32 and rounds each cell once): there a cell's
-#: tokens are summed in fp32 first (:func:`_cell_sums`), so a cell of ``n`` tokens is rounded once, not
-#: ``n`` times
+#: bf16 tokens are summed in fp32 first (:func:`_cell_sums`), so a cell of ``n`` tokens is rounded once, not
+#: ``n`` times (fp16 tokens are summed in fp32 throughout, :func:`sum_dtype`)
 NARROW_ADDS = {"cpu": False, "cuda": True}
 
 

@@ -59,7 +59,7 @@ from torch import Tensor
 from .checks import check_block_size, check_choice, check_int, host_check_is_free
 from .compiling import pad_to
 from .scan import cumsum
-from .segments import segment_snapshot_sums
+from .segments import segment_snapshot_sums, sum_dtype
 
 STATE_LAYOUTS = ("snapshot", "versioned", "auto")
 
@@ -207,14 +207,14 @@ def choose_state_layout(state_layout: str, *, n_chunks: int, rows: int, plan: Ve
 class VersionedSums:
     """Sums of a versioned layout, laid out: ``S = n_ckpt * rows + n_versions`` rows, checkpoints first.
 
-    ``rows[i]`` ``[B, H, S, D_i]`` (in ``x_i``'s dtype) and ``counts`` ``[B, H, S]`` fp32: each row's sum and
-    tokens (a version row sums its slot's tokens up to its own in (slot, position) order: the full aggregate on
-    live rows); ``slot`` ``[B, H, S]`` int64: the slot a row belongs to (``rows``: a version row of a token in
-    no state); ``born``, ``dies`` ``[B, H, S]`` int32: row ``r`` is live for query chunk ``c`` iff ``born[r]
-    <= c < dies[r]``. Rows are in *liveness order* (:func:`liveness_order`): checkpoint ``k`` holds its slots
-    at rows ``[k rows, (k + 1) rows)`` and the tokens of chunk ``j`` have their version rows at ``n_ckpt rows +
-    [j L, (j + 1) L)``, each such group sorted by ``dies``, latest first (dead rows last), ties by slot or
-    position; so the rows of a group live at any chunk are a prefix of it.
+    ``rows[i]`` ``[B, H, S, D_i]`` (in ``x_i``'s :func:`~recurrences.segments.sum_dtype`) and ``counts``
+    ``[B, H, S]`` fp32: each row's sum and tokens (a version row sums its slot's tokens up to its own in (slot,
+    position) order: the full aggregate on live rows); ``slot`` ``[B, H, S]`` int64: the slot a row belongs to
+    (``rows``: a version row of a token in no state); ``born``, ``dies`` ``[B, H, S]`` int32: row ``r`` is live
+    for query chunk ``c`` iff ``born[r] <= c < dies[r]``. Rows are in *liveness order* (:func:`liveness_order`):
+    checkpoint ``k`` holds its slots at rows ``[k rows, (k + 1) rows)`` and the tokens of chunk ``j`` have their
+    version rows at ``n_ckpt rows + [j L, (j + 1) L)``, each such group sorted by ``dies``, latest first (dead
+    rows last), ties by slot or position; so the rows of a group live at any chunk are a prefix of it.
     """
 
     rows: list[Tensor]
@@ -243,7 +243,7 @@ def versioned_sums(xs: list[Tensor] | tuple[Tensor, ...], routes: Tensor, plan: 
     T = routes.shape[2]
     if T > Tp:
         raise ValueError(f"routes cover T={T} tokens, more than the plan's {Tp}")
-    xs, routes = [pad_to(x, 2, Tp) for x in xs], pad_to(routes, 2, Tp, value=-1)
+    xs, routes = [pad_to(x.to(sum_dtype(x.dtype)), 2, Tp) for x in xs], pad_to(routes, 2, Tp, value=-1)
     B, H = routes.shape[:2]
     dev = routes.device
     ckpt, ckpt_counts = segment_snapshot_sums(xs, routes, L, nc, rows, lag=lag, every=R)
@@ -474,7 +474,9 @@ class Versioned:
 
 
 def versioned_means(k: Tensor, v: Tensor, routes: Tensor, plan: VersionPlan) -> Versioned:
-    """Means of the keys and values routed to each slot, laid out as :func:`versioned_sums`."""
+    """Means of the keys and values routed to each slot, laid out as :func:`versioned_sums`, in k's and v's
+    dtypes (divided in the sums' dtype)."""
     vs = versioned_sums([k, v], routes, plan)
     (ks, vv), denom = vs.rows, vs.counts.clamp_min(1.0)[..., None]
-    return Versioned(ks / denom.to(ks.dtype), vv / denom.to(vv.dtype), vs.counts, vs.born, vs.dies, plan)
+    return Versioned((ks / denom.to(ks.dtype)).to(k.dtype), (vv / denom.to(vv.dtype)).to(v.dtype), vs.counts, vs.born,
+                     vs.dies, plan)

@@ -80,16 +80,17 @@ def state_keys(sk: Tensor, ln_weight: Tensor, ln_bias: Tensor, ln_eps: float, ta
         return torch.addcmul(ln_bias.to(dt) * tau, normalized, ln_weight.to(dt) * tau).to(sk.dtype)
 
 
-def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_dtype: torch.dtype, ln_weight: Tensor,
+def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, dtype: torch.dtype, ln_weight: Tensor,
                  ln_bias: Tensor, ln_eps: float, tau_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Per-row readout of the gated sums ``sk [B, H, ..., D]``, ``sv [B, H, ..., Dv]``: keys
-    ``LN_s(sk) * tau_state[h]`` (:func:`state_keys`; ``tau_state [H]`` or None: 1); values
-    ``rho * sv / max(||sv||, 1e-12)`` (``rho [B, H, ...]``, the founder radius) or, with ``rho=None``,
-    ``sv / count``. The state builds and the decode caches (:mod:`ovqflex.ops.kvm_decode`) read their
-    rows through it. The norm's floor is a literal: a float that traced code reads from a default or a
-    module global is symbolic under ``torch.compile(dynamic=True)``, and torch 2.11 traces the frame
-    again when ``clamp_min`` uses it (docs/design.md §3.5)."""
-    keys = state_keys(sk, ln_weight, ln_bias, ln_eps, tau_state)
+    """Per-row readout of the gated sums ``sk [B, H, ..., D]``, ``sv [B, H, ..., Dv]`` (fp32 for fp16 tokens,
+    :func:`~recurrences.segments.sum_dtype`), both rows rounded once to ``dtype``: keys ``LN_s(sk) *
+    tau_state[h]`` (:func:`state_keys`; ``tau_state [H]`` or None: 1); values ``rho * sv / max(||sv||, 1e-12)``
+    (``rho [B, H, ...]``, the founder radius) or, with ``rho=None``, ``sv / count``. The state builds and the
+    decode caches (:mod:`ovqflex.ops.kvm_decode`) read their rows through it. The norm's floor is a literal: a
+    float that traced code reads from a default or a module global is symbolic under
+    ``torch.compile(dynamic=True)``, and torch 2.11 traces the frame again when ``clamp_min`` uses it
+    (docs/design.md §3.5)."""
+    keys = state_keys(sk, ln_weight, ln_bias, ln_eps, tau_state).to(dtype)
     svf = widened(sv)
     if rho is not None:
         # one product with a per-row scale: the backward keeps svf (the norm's input too) and the [..., 1]
@@ -97,7 +98,7 @@ def readout_rows(sk: Tensor, sv: Tensor, counts: Tensor, rho: Tensor | None, v_d
         values = svf * (rho[..., None] / torch.linalg.vector_norm(svf, dim=-1, keepdim=True).clamp_min(1e-12))
     else:
         values = svf / counts.clamp_min(1.0)[..., None]
-    return keys, values.to(v_dtype)
+    return keys, values.to(dtype)
 
 
 def build_kvm_snapshots(kbar: Tensor, v: Tensor, gate: Tensor, routes: Tensor, founder: Tensor, *,

@@ -28,7 +28,7 @@ def build_ovq_snapshots(k: Tensor, v: Tensor, routes: Tensor, *, schedule: Dicti
     n_chunks = -(-T // chunk_size)
     (ks, vs), counts = segment_snapshot_sums((k, v), routes, chunk_size, n_chunks, schedule.rows(n_chunks))
     denom = counts.clamp_min(1.0)[..., None]
-    keys, values = ks / denom.to(ks.dtype), vs / denom.to(vs.dtype)
+    keys, values = (ks / denom.to(ks.dtype)).to(k.dtype), (vs / denom.to(vs.dtype)).to(v.dtype)  # (fp16: fp32 sums)
     if normalize_centroids:
         keys = F.normalize(keys, dim=-1)
     return Snapshots(keys, values, counts, schedule.live(n_chunks, k.device))

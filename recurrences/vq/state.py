@@ -27,8 +27,8 @@ def build_vq_snapshots(k_hat: Tensor, v: Tensor, codes: Tensor, *, chunk_size: i
     n_chunks = size_max(1, -(-T // chunk_size))
     (ks, vs), counts = segment_snapshot_sums((k_hat, v), codes, chunk_size, n_chunks, n_codes, lag=LAG)
     denom = counts.clamp_min(1.0)[..., None]
-    return Snapshots(ks / denom.to(ks.dtype), vs / denom.to(vs.dtype), counts,
-                     vq_state_sizes(n_chunks, n_codes, k_hat.device))
+    return Snapshots((ks / denom.to(ks.dtype)).to(k_hat.dtype), (vs / denom.to(vs.dtype)).to(v.dtype), counts,
+                     vq_state_sizes(n_chunks, n_codes, k_hat.device))  # (fp16: divided in the fp32 sums)
 
 
 def vq_state_sizes(n_chunks: int, n_codes: int, device=None) -> Tensor:

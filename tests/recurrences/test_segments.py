@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from recurrences import segments
-from recurrences.segments import segment_snapshot_sums
+from recurrences.segments import segment_snapshot_sums, sum_dtype
 from tests.helpers import rel_err, sum_narrow_as_on_cuda
 
 LEADERS = segments._cell_leaders
@@ -69,9 +69,10 @@ def _sums_and_grad(x, routes, upstream, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_narrow_adds_change_the_sums_rounding_not_the_gradient(monkeypatch, dtype):
-    """CUDA's path for bf16 and fp16 tokens (a cell's tokens summed in fp32 first, into the row of the cell's first
-    token, and rounded once) rounds the sums differently from the CPU's, but a token's gradient is its cells' either
-    way: the same bits. fp32 tokens are added as they are."""
+    """CUDA's path for bf16 tokens (a cell's tokens summed in fp32 first, into the row of the cell's first token,
+    and rounded once) rounds the sums differently from the CPU's, but a token's gradient is its cells' either
+    way: the same bits. fp32 tokens are added as they are, and fp16 tokens too, summed in fp32 (their sums' dtype,
+    ``sum_dtype``)."""
     x, routes, upstream, shape = _bf16_case(5)
     x, upstream = x.detach().to(dtype).requires_grad_(), upstream.to(dtype)
     plain_sums, plain_grad = _sums_and_grad(x, routes, upstream, shape)
@@ -79,7 +80,8 @@ def test_narrow_adds_change_the_sums_rounding_not_the_gradient(monkeypatch, dtyp
     grouped = []
     monkeypatch.setattr(segments, "_cell_leaders", lambda *a: grouped.append(a) or LEADERS(*a))
     narrow_sums, narrow_grad = _sums_and_grad(x, routes, upstream, shape)
-    assert len(grouped) == (dtype != torch.float32)
+    assert len(grouped) == (dtype == torch.bfloat16)
+    assert narrow_sums.dtype == sum_dtype(dtype) == (torch.float32 if dtype == torch.float16 else dtype)
     assert rel_err(narrow_sums.float(), plain_sums.float()) < 2e-2
     assert torch.equal(narrow_grad, plain_grad)
 
