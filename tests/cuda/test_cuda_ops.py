@@ -14,6 +14,7 @@ from recurrences.reference import (delta_rule_reference, kvm_attention_reference
                                    ovq_attention_reference, vla_reference, vq_attention_reference)
 from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, GRAD_TOL_CUDA, TRAIN_BACKEND, seeded
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, reference_on_routes
+from tests.ovqflex.ops.test_dtypes import busy_rows
 from tests.recurrences.test_kvm_routing_static import row_kernels_on_stacks
 from tests.recurrences.test_precision import ln_s_params, routing_copies
 from tests.recurrences.test_versioned import bf16_state_sums_round_about_once
@@ -386,6 +387,16 @@ def test_bf16_state_sums_are_rounded_about_once_on_the_device(layout):
     (``recurrences.segments.NARROW_ADDS``, ``recurrences.scan.NARROW_SCANS``; emulated on the CPU by
     tests/recurrences/test_versioned.py::test_narrow_adds_as_on_cuda_are_summed_in_fp32)."""
     bf16_state_sums_round_about_once(layout, DEVICE)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("method", ["ovq", "kvm", "vq"])
+def test_fp16_state_sums_past_fp16s_range_stay_finite_on_the_device(method, layout):
+    """tests/ovqflex/ops/test_dtypes.py's busy rows through flex on the device: the fp16 op keeps its state sums
+    in fp32 (CUDA's fp16 atomics had added them in fp16 besides) and equals the fp32 op to fp16's tolerance."""
+    got, want = (busy_rows(method, layout, dtype, DEVICE, "flex") for dtype in (torch.float16, torch.float32))
+    assert got.dtype == torch.float16 and bool(got.isfinite().all())
+    assert_close(got.float().cpu(), want.cpu(), FWD_TOL[torch.float16], f"{method} {layout} fp16")
 
 
 def test_long_scan_with_broadcast_input_compiles():

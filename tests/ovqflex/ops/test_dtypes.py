@@ -233,21 +233,25 @@ def test_float64_ops_equal_their_references_in_float64(name):
         assert_close(a, b, GRAD_TOL[f64], f"d{n}")
 
 
-def _busy_rows(name: str, layout: str, dtype: torch.dtype) -> torch.Tensor:
+def busy_rows(name: str, layout: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+              backend: str = "blocked") -> torch.Tensor:
     """The op on 2,048 tokens whose keys nearly share one direction: OVQ's 2 slots and VQ's 2 codes each sum a
     thousand values near 100, KVM's busiest rows (its LN_s spreads such keys: 66 tokens at most) values near
-    2,000; past fp16's largest value (65,504) either way. Inputs rounded to fp16, then run in ``dtype``."""
+    2,000; past fp16's largest value (65,504) either way. Inputs rounded to fp16, then run in ``dtype`` on
+    ``device``."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 2048, 8, generator=g)
     k = 1.0 + 0.01 * torch.randn(1, 2, 2048, 8, generator=g)
     v = (2000.0 if name == "kvm" else 100.0) + torch.randn(1, 2, 2048, 8, generator=g)
-    q, k, v = (x.half().to(dtype) for x in (q, k, v))
-    kw = dict(chunk_size=64, backend="blocked", state_layout=layout)
+    codebook = torch.randn(2, 2, 8, generator=g).to(device)
+    q, k, v = (x.half().to(device=device, dtype=dtype) for x in (q, k, v))
+    ones, zeros = torch.ones(8, device=device), torch.zeros(8, device=device)
+    kw = dict(chunk_size=64, backend=backend, state_layout=layout)
     if name == "ovq":
-        return ovqflex.ovq_attention(q, k, v, torch.ones(2), max_centroids=2, **kw)
+        return ovqflex.ovq_attention(q, k, v, ones[:2], max_centroids=2, **kw)
     if name == "kvm":
-        return ovqflex.kvm_attention(q, k, v, ln_s_weight=torch.ones(8), ln_s_bias=torch.zeros(8), **kw)
-    return ovqflex.vq_attention(q, k, v, torch.randn(2, 2, 8, generator=g), torch.ones(2), **kw)[0]
+        return ovqflex.kvm_attention(q, k, v, ln_s_weight=ones, ln_s_bias=zeros, **kw)
+    return ovqflex.vq_attention(q, k, v, codebook, ones[:2], **kw)[0]
 
 
 @pytest.mark.parametrize("layout", ["snapshot", "versioned"])
@@ -256,6 +260,6 @@ def test_fp16_state_sums_past_fp16s_range_stay_finite(name, layout):
     """An fp16 op keeps its state sums in fp32 (``recurrences.segments.sum_dtype``) and rounds the rows it reads
     once: on rows whose sums pass 65,504 it equals the fp32 op on the same fp16 values to fp16's tolerance (in
     fp16 those sums had been inf, and the outputs NaN)."""
-    got, want = _busy_rows(name, layout, torch.float16), _busy_rows(name, layout, f32)
+    got, want = busy_rows(name, layout, torch.float16), busy_rows(name, layout, f32)
     assert got.dtype == torch.float16 and got.isfinite().all()
     assert_close(got.float(), want, FWD_TOL[torch.float16], f"{name} {layout} fp16")
