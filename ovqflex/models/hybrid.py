@@ -277,7 +277,8 @@ class HybridLM(nn.Module):
 
     def set_overrides(self, **overrides) -> dict:
         """Test-time overrides of mixer attributes, e.g. ``max_centroids=8192`` for every OVQ
-        layer. Returns the previous values (pass them back to restore). Each key must be one of a
+        layer. Returns the previous values, one per key, the first mixer's (passed back, they restore mixers
+        that agreed; :meth:`overridden` gives every mixer its own back). Each key must be one of a
         mixer's ``overrides`` (:class:`~ovqflex.layers.AttentionLayer`: read at every call, no
         parameter depends on it) and is set on every mixer that has it; a bad value is refused by
         the layer, and then no override is left set. (Any attribute had been set: ``window`` on a
