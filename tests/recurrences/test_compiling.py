@@ -37,6 +37,7 @@ def test_resolve_routing_picks_static_on_cuda_only():
     assert ROUTING_IMPLS == ("auto", "loop", "static")
     assert resolve_routing("auto", torch.device("cpu")) == "loop"
     assert resolve_routing("auto", torch.device("cuda", 0)) == "static"  # a device object needs no GPU
+    assert resolve_routing("auto", torch.device("meta")) == resolve_routing("auto", "mps") == "loop"  # CUDA only
     for impl in ("loop", "static"):
         assert resolve_routing(impl, torch.device("cpu")) == resolve_routing(impl, torch.device("cuda")) == impl
     with pytest.raises(ValueError, match=r"impl must be one of \['auto', 'loop', 'static'\], got 'graph'"):
