@@ -125,13 +125,12 @@ class ICR(_KVTask):
                 f"{self.n_queries} queried pairs, vocab {self.vocab_size}{mix}")
 
     def _example(self, seq_len: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-        n, m = self.n_pairs(seq_len), self.n_queries
+        n = self.n_pairs(seq_len)
         if self.min_pairs is not None:
             n = int(torch.randint(min(self.min_pairs, n), n + 1, (), generator=gen))
-            m = min(m, n)
         keys = distinct_rows(n, self.key_len, N_SPECIAL, self.vocab_size, gen, "key")
         values = distinct_rows(n, self.value_len, N_SPECIAL, self.vocab_size, gen, "value")
-        q = torch.randperm(n, generator=gen)[:m]
+        q = torch.randperm(n, generator=gen)[:self.n_queries]  # min(n_queries, n) queries
         seq, target = _pairs_sequence(torch.cat([keys, keys[q]]), torch.cat([values, values[q]]), n)
         return pad_start(seq, labels_from_targets(seq, target), seq_len)
 

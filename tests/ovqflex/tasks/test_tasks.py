@@ -610,6 +610,10 @@ def test_text_bytes_windows(tmp_path):
     assert len(starts) > 4
     x, y = one(t, len(data) - 1)  # the whole file is the only window
     assert bytes(x + y[-1:]) == data
+    # every window start is drawn, the last (the window that ends the file) too: 3 starts at len - 3
+    ends = {bytes(xr + yr[-1:]) for xr, yr in zip(*(b.tolist() for b in make_batch(
+        t, seed=0, step=0, start=0, count=40, seq_len=len(data) - 3)))}
+    assert ends == {data[s:s + len(data) - 2] for s in range(3)}
     with pytest.raises(ValueError, match="corpus.txt.*fewer than seq_len"):
         one(t, len(data))
     t2 = pickle.loads(pickle.dumps(t))
@@ -617,7 +621,7 @@ def test_text_bytes_windows(tmp_path):
                        make_batch(t, seed=1, step=2, start=0, count=2, seq_len=9)[0])
 
 
-@pytest.mark.parametrize("suffix", [".bin", ".u16"])
+@pytest.mark.parametrize("suffix", [".bin", ".u16", ".BIN"])
 def test_text_u16_tokens(tmp_path, suffix):
     toks = [(i * 7919) % 50000 for i in range(3000)]
     p = tmp_path / f"tokens{suffix}"
@@ -649,8 +653,11 @@ def test_text_errors(tmp_path):
     with pytest.raises(ValueError, match="big.u16.*300.*vocab_size=256"):
         make_task("text", path=str(tmp_path / "big.u16"), vocab_size=256)
     (tmp_path / "a.txt").write_bytes(b"zzzz")
-    with pytest.raises(ValueError, match="a.txt.*122"):
-        make_task("text", path=str(tmp_path / "a.txt"), vocab_size=100)
+    for vocab in (100, 122):  # 122: 'z' itself, one past the largest id
+        with pytest.raises(ValueError, match=rf"a.txt' holds token id 122, which is >= vocab_size={vocab}; expected "
+                                             r"ids in \[0, vocab_size\)"):
+            make_task("text", path=str(tmp_path / "a.txt"), vocab_size=vocab)
+    assert make_task("text", path=str(tmp_path / "a.txt"), vocab_size=123).vocab_size == 123
     with pytest.raises(ValueError, match="text task needs path=<file>"):
         make_task("text")
     with pytest.raises(ValueError, match="format must be 'auto', 'bytes' or 'u16', got 'utf8'"):
