@@ -98,6 +98,7 @@ def test_registry_names_and_defaults():
     ("copy", dict(n_tokens=0), ValueError, "n_tokens must be >= 1, got 0"),
     ("niah", dict(n_queries=2, n_needles=1), ValueError, "n_queries=2 must be <= n_needles=1"),
     ("niah", dict(depth=1.5), ValueError, "depth must be in [0, 1] or None, got 1.5"),
+    ("niah", dict(depth=True), TypeError, "depth must be a float in [0, 1] or None, got True"),
     ("niah", dict(filler="essay"), ValueError, "filler must be 'random' or 'repeat', got 'essay'"),
 ])
 def test_bad_options(name, opts, exc, message):
@@ -589,6 +590,8 @@ def test_niah_depth_and_repeat_filler():
     t = make_task("niah", vocab_size=100, key_len=k, value_len=v)
     depths = {parse_niah(*one(t, 400, index=i), k, v)[0][0][0] for i in range(10)}
     assert len(depths) > 5
+    # each of the haystack's places, after its last filler token too: 3 places around 2 filler tokens
+    assert {parse_niah(*one(t, t.min_len() + 2, index=i), k, v)[0][0][0] for i in range(30)} == {0, 1, 2}
 
 
 # ----------------------------------------------------------------------------- text
