@@ -420,6 +420,23 @@ def test_icl_structure(extra, seed):
     assert all(found[f] for f in found), found
 
 
+def test_icl_draws_over_its_whole_ranges():
+    """Over 32 sequences of 50 examples: every slope and offset in [1, 5], every permutation of the 3 inputs (of
+    the functions whose examples fix them), every input value in [1, x_max] and every one of the 8 function
+    tokens are drawn."""
+    t = make_task("icl", **SMALL["icl"])
+    x, y = make_batch(t, seed=0, step=0, start=0, count=32, seq_len=400)
+    fixed, inputs, fns = set(), set(), set()
+    for xr, yr in zip(x.tolist(), y.tolist()):
+        _, examples = parse_icl(xr, yr, 3, 8)
+        fixed |= {c[0] for c in consistent_functions(examples, 3, 5, 5).values() if len(c) == 1}
+        inputs |= {v for _, xs, _ in examples for v in xs}
+        fns |= {f for f, _, _ in examples}
+    assert {a for a, _, _ in fixed} == {b for _, b, _ in fixed} == set(range(1, 6))
+    assert {p for _, _, p in fixed} == set(itertools.permutations(range(3)))
+    assert inputs == set(range(1, t.x_max + 1)) and fns == set(range(FN0, FN0 + 8))
+
+
 @given(extra=st.integers(0, 600), seed=st.integers(0, 2**31), min_functions=st.integers(1, 3))
 def test_icl_min_functions_mixes_function_counts(extra, seed, min_functions):
     L = 3
