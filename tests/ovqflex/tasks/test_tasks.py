@@ -703,3 +703,29 @@ def test_distinct_rows_all_paths(monkeypatch, limit):
         assert r.min() >= 3 and r.max() < 13
     with pytest.raises(ValueError, match="10001 distinct keys.*only 10000"):
         base.distinct_rows(10001, 4, 3, 13, g, "key")
+
+
+def test_distinct_rows_are_uniform_over_the_whole_range():
+    """4 distinct one-token rows from 10 tokens (the rejection path: about half the draws redraw a duplicate),
+    20,000 times: each token is drawn a tenth of the time, to within 3% of that (5 standard deviations); a
+    redraw from a narrower range, or a first draw, would leave the top token about 15% or 100% short."""
+    from ovqflex.tasks.base import distinct_rows
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.cat([distinct_rows(4, 1, 0, 10, g, "key").flatten() for _ in range(20000)]),
+                            minlength=10)
+    assert counts.shape == (10,) and ((counts / 8000.0 - 1).abs() < 0.03).all(), counts.tolist()
+
+
+@pytest.mark.parametrize("name", ["icr", "picr", "mqar", "copy", "niah"])
+def test_every_content_token_is_drawn(name):
+    """Over 64 examples, the inputs and the targets (values, copied tokens) each hold every content token of the
+    vocab (``[n_special, vocab_size)``) and no other token besides the specials; NIAH's filler too."""
+    t = make_task(name, **SMALL[name])
+    x, y = make_batch(t, seed=0, step=0, start=0, count=64, seq_len=t.min_len() + 40)
+    specials = set(t.special_tokens().values())
+    content = set(range(len(specials), t.vocab_size))
+    assert set(x.flatten().tolist()) - specials == content
+    assert set(y.flatten().tolist()) - {IGNORE} == content
+    if name == "niah":
+        assert set().union(*(parse_niah(xr, yr, 2, 3)[1] for xr, yr in zip(x.tolist(), y.tolist()))) == content
