@@ -289,7 +289,7 @@ class _Config:
     colors: tuple[str, ...] = dataclasses.field(default=("red",), metadata={
         "flag": "--color", "choices": ("red", "green", "blue"), "help": "colours"})
     sizes: tuple[int, ...] = dataclasses.field(default=(1, 2), metadata={"help": "sizes"})
-    picks: tuple[int, ...] = dataclasses.field(default=(), metadata={
+    picks: tuple[int, ...] = dataclasses.field(default=(5,), metadata={
         "flag": "--pick", "repeatable": True, "help": "a pick"})
     label: str | None = dataclasses.field(default=None, metadata={"help": "a label"})
     options: dict = dataclasses.field(default_factory=dict, metadata={"flag": "--opt", "help": "an option"})
@@ -308,7 +308,11 @@ def test_config_flags_of_every_field_kind():
     cfg = _parse(_Config, ["c", "--color", "blue,red", "--sizes", "4,8", "--pick", "3", "--pick", "1", "--label", "x",
                            "--opt", "k=2", "--quiet", "--exact"])
     assert cfg == _Config("c", ("blue", "red"), (4, 8), (3, 1), "x", {"k": 2}, True, True)
-    assert _parse(_Config, ["c"]).picks == () and _parse(_Config, ["c"]).colors == ("red",)
+    assert _parse(_Config, ["c"]).picks == (5,) and _parse(_Config, ["c"]).colors == ("red",)
+    parser = argparse.ArgumentParser(prog="p")
+    add_config_flags(parser, _Config)
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["sizes"] == "sizes (default: 1,2)" and helps["colors"] == "colours (default: red)"
     exact = [_parse(_Config, argv).exact for argv in (["c"], ["c", "--exact"], ["c", "--no-exact"])]
     assert exact == [None, True, False]
 
