@@ -24,8 +24,9 @@ def test_unknown_model_and_scale_are_refused_by_name(tmp_path):
         plan(exp, "cpu", tmp_path, models=["sw-ovq", "sw-foo"])
     with pytest.raises(ValueError, match="no scale 'tpu'; its scales: cpu, gpu, smoke"):
         plan(exp, "tpu", tmp_path)
-    with pytest.raises(ValueError, match="seeds must be distinct ints >= 0"):
-        plan(exp, "cpu", tmp_path, seeds=[0, 0])
+    for seeds in ([0, 0], [True], [-1], []):  # (True is an int to Python, not a seed)
+        with pytest.raises(ValueError, match=r"seeds must be distinct ints >= 0, e.g. 0,1; got \("):
+            plan(exp, "cpu", tmp_path, seeds=seeds)
     with pytest.raises(ValueError, match=r"models must be distinct labels of sw-ovq, .*; got \['sw-ovq', 'sw-ovq'\]"):
         plan(exp, "cpu", tmp_path, models=["sw-ovq", "sw-ovq"])
 
