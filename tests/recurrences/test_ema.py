@@ -8,6 +8,17 @@ from recurrences.ema import _decayed_prefix_sums, damped_ema, damped_ema_referen
 from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
 
 
+def _assert_gradients_match(y, ref, inputs, tol, g):
+    """The gradients of ``(y * w).sum()`` (one random ``w`` from ``g``) with respect to the EMA's ``inputs``
+    ``[x, delta, alpha, beta, gamma, omega]`` are finite and equal the reference's, ``(ref * w).sum()``."""
+    w = torch.randn(y.shape, generator=g, dtype=y.dtype)
+    grads = torch.autograd.grad((y * w).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * w).sum(), inputs)
+    for name, a, b in zip(["x", "delta", "alpha", "beta", "gamma", "omega"], grads, ref_grads):
+        assert a.isfinite().all(), f"d{name}"
+        assert_close(a, b, tol, f"d{name}", floor=0.1)
+
+
 @given(st.integers(1, 2), st.integers(1, 200), st.sampled_from([1, 4, 16]), st.integers(1, 8),
        st.sampled_from([16, 64, None]), st.integers(0, 2**16))
 def test_chunked_convolution_equals_recurrence(B, T, n, D, chunk, seed):
@@ -18,11 +29,7 @@ def test_chunked_convolution_equals_recurrence(B, T, n, D, chunk, seed):
     y = damped_ema(x, *params, omega, chunk_size=chunk)
     ref = damped_ema_reference(x, *params, omega)
     assert_close(y, ref, 10 * FWD_TOL[torch.float32], "forward")
-    w = torch.randn(y.shape, generator=g)
-    grads = torch.autograd.grad((y * w).sum(), [x, *params, omega])
-    ref_grads = torch.autograd.grad((ref * w).sum(), [x, *params, omega])
-    for name, a, b in zip(["x", "delta", "alpha", "beta", "gamma", "omega"], grads, ref_grads):
-        assert_close(a, b, GRAD_TOL[torch.float32], f"d{name}", floor=0.1)
+    _assert_gradients_match(y, ref, [x, *params, omega], GRAD_TOL[torch.float32], g)
 
 
 @pytest.mark.parametrize("dtype, saturated", [(torch.float32, 20.0), (torch.float64, 40.0)], ids=["fp32", "fp64"])
@@ -42,12 +49,7 @@ def test_a_decay_of_zero_forgets_the_past_as_the_recurrence_does(dtype, saturate
     y = damped_ema(x, *params, omega, chunk_size=chunk)
     ref = damped_ema_reference(x, *params, omega)
     assert_close(y, ref, FWD_TOL[dtype], "forward")
-    w = torch.randn(y.shape, generator=g, dtype=dtype)
-    grads = torch.autograd.grad((y * w).sum(), [x, *params, omega])
-    ref_grads = torch.autograd.grad((ref * w).sum(), [x, *params, omega])
-    for name, a, b in zip(["x", "delta", "alpha", "beta", "gamma", "omega"], grads, ref_grads):
-        assert a.isfinite().all(), f"d{name}"
-        assert_close(a, b, GRAD_TOL[dtype], f"d{name}", floor=0.1)
+    _assert_gradients_match(y, ref, [x, *params, omega], GRAD_TOL[dtype], g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-input", "bf16-input"])
