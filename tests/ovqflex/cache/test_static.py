@@ -31,31 +31,42 @@ HIDDEN, HEADS = 32, 2
 STATIC_TOL = 1e-6  # fp32: the functional and the static softmax sum the same terms in another order
 
 LAYERS = {
-    "swa-7-conv": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=7, qk_conv=3, backend="dense"),
+    "swa-7-conv": lambda: _conv(ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=7, qk_conv=3, backend="dense")),
     "swa-5-sinks": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, window=5, n_sinks=2, backend="dense"),
     "bswa-2x16": lambda: ovqflex.SlidingWindowAttention(HIDDEN, HEADS, block_window=2, chunk_size=16,
                                                         backend="dense"),
     "full-rope-qknorm-logn12": lambda: ovqflex.CausalAttention(HIDDEN, HEADS, rope=True, qk_norm=True, logn_len=12,
                                                                backend="dense"),
     "ovq-plateau": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, backend="dense"),
-    "ovq-full-norm-conv": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=40, growth="full",
-                                                       normalize_centroids=True, qk_conv=2, backend="dense"),
+    "ovq-full-norm-conv": lambda: _conv(ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=40,
+                                                             growth="full", normalize_centroids=True, qk_conv=2,
+                                                             backend="dense")),
     "ovq-linear": lambda: ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=30, growth="linear",
                                                growth_horizon=64, backend="dense"),
     "kvm-fixed": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, backend="dense"),
-    "kvm-powerlaw-uncapped-conv": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, budget="power_law",
-                                                               max_state_chunks=None, qk_conv=2, backend="dense"),
+    "kvm-powerlaw-uncapped-conv": lambda: _conv(ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, budget="power_law",
+                                                                     max_state_chunks=None, qk_conv=2,
+                                                                     backend="dense")),
     "kvm-nb3-cap2-means": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=3,
                                                        max_state_chunks=2, use_vlens=False, backend="dense"),
-    "vq-conv": lambda: ovqflex.VQAttention(HIDDEN, HEADS, codebook_size=24, chunk_size=16, qk_conv=2, backend="dense"),
+    "vq-conv": lambda: _conv(ovqflex.VQAttention(HIDDEN, HEADS, codebook_size=24, chunk_size=16, qk_conv=2,
+                                                 backend="dense")),
     "vq-diveq-localbias": lambda: _local_bias(ovqflex.VQAttention(HIDDEN, HEADS, codebook_size=24, chunk_size=16,
                                                                  estimator="diveq", local_bias=True, backend="dense")),
     "longvq": lambda: _local_bias(ovqflex.LongVQBlock(HIDDEN, HEADS, codebook_size=24, chunk_size=16,
                                                       backend="dense")),
-    "linear-conv": lambda: ovqflex.LinearAttention(HIDDEN, HEADS, qk_conv=3),
+    "linear-conv": lambda: _conv(ovqflex.LinearAttention(HIDDEN, HEADS, qk_conv=3)),
     "deltanet-outnorm": lambda: ovqflex.DeltaNetAttention(HIDDEN, HEADS, out_norm=True),
-    "vla-refresh4-conv": lambda: ovqflex.VLAAttention(HIDDEN, HEADS, refresh_every=4, qk_conv=2),
+    "vla-refresh4-conv": lambda: _conv(ovqflex.VLAAttention(HIDDEN, HEADS, refresh_every=4, qk_conv=2)),
 }
+
+
+def _conv(layer):
+    """``layer`` with its q/k convolution moved off the identity it starts as (last tap 1, the others 0), so
+    that the conv tail a cache carries changes the outputs."""
+    with torch.no_grad():
+        layer.qk_conv_weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+    return layer
 
 
 def _local_bias(layer):
@@ -143,6 +154,7 @@ def _static_agrees(name, yf, ys, cache, static, T: int) -> None:
     (module docstring)."""
     assert_close(ys, yf, STATIC_TOL, name)
     assert int(static.position) == cache.position == T
+    assert (cache.conv is None and static.conv is None) or torch.equal(cache.conv, static.conv)
     if isinstance(static, StaticOVQCache):
         _dictionaries_agree(cache, static, exact=True)
     elif isinstance(static, StaticKVMCache):
@@ -150,9 +162,8 @@ def _static_agrees(name, yf, ys, cache, static, T: int) -> None:
         for f in ("state", "value_sums", "radius", "counts"):
             assert torch.equal(getattr(cache, f)[:, :, :r], getattr(static, f)[:, :, :r]), f
     elif isinstance(static, StaticVQCache):
-        for f in ("counts", "value_sums", "conv") + (("ema",) if hasattr(static, "ema") else ()):
-            a, b = getattr(cache, f), getattr(static, f)
-            assert (a is None and b is None) or torch.equal(a, b), f
+        for f in ("counts", "value_sums") + (("ema",) if hasattr(static, "ema") else ()):
+            assert torch.equal(getattr(cache, f), getattr(static, f)), f
     elif isinstance(static, StaticRecurrentCache):
         assert torch.equal(ys, yf)
         state, buffers = cache.tensors(), static.tensors()[1:]  # (the static cache's first: its position)
@@ -232,23 +243,25 @@ def _poison_values(layer, value: float, at: dict[int, int]) -> None:
                                   "kvm-fixed", "vq-conv", "longvq"])
 def test_a_non_finite_value_reaches_the_same_queries_through_a_static_cache(name, value):
     """The non-finite rule (``ovqflex.attention``) on the static path, whose plain, OVQ and VQ caches
-    store each value row's flag once: a NaN/inf value written by the prefill (batch 1, position
-    10) and by a decode step (batch 0, position 40) makes exactly the functional decode's outputs
-    NaN, and the others equal; a window's queries past the poisoned token are finite again, while
-    full attention's and a compressed state's (which absorbed it) stay NaN."""
+    store each value row's flag once: a NaN/inf value written by the prefill (batch 1 at position
+    10, in a chunk the prefill completed; batch 2 at 18, in the chunk still open when the static cache
+    is made at 21) and by a decode step (batch 0, position 40) makes exactly the functional decode's
+    outputs NaN, and the others equal; a window's queries past the poisoned token are finite again,
+    while full attention's and a compressed state's (which absorbed it) stay NaN."""
     torch.manual_seed(0)
     layer = LAYERS[name]()
-    _poison_values(layer, value, {10: 1, 40: 0})
-    x = torch.randn(3, 96, HIDDEN)
-    yf, ys, _, _ = _decode_both(layer, x, 16)
-    bad = yf.isnan().any(-1)  # [B, T - 16]: outputs mix the heads, so a NaN head fills the row
+    _poison_values(layer, value, {10: 1, 18: 2, 40: 0})
+    x = torch.randn(4, 96, HIDDEN)
+    split = 21
+    yf, ys, _, _ = _decode_both(layer, x, split)
+    bad = yf.isnan().any(-1)  # [B, T - split]: outputs mix the heads, so a NaN head fills the row
     assert torch.equal(ys.isnan().any(-1), bad)
-    assert bad[0, 40 - 16] and not bad[2].any()
+    assert bad[0, 40 - split] and bad[2, 0] and not bad[3].any()
     assert_close(ys[~bad], yf[~bad], STATIC_TOL, name)
     if "swa" in name:  # the token and block windows
         assert not bad[:, -1].any(), "past the window every query is finite again"
     else:
-        assert bad[:2, 40 - 16:].all(), "every later query sees both"
+        assert bad[:3, 40 - split:].all(), "every later query sees them"
 
 
 @pytest.mark.parametrize("name", ["swa-5-sinks", "ovq-full-norm-conv", "kvm-powerlaw-uncapped-conv", "longvq",
@@ -316,6 +329,15 @@ def test_bad_static_arguments_are_refused():
             ovq.static_cache(cache, 30)
         with pytest.raises(ValueError, match="cache must be a prefill's cache"):
             swa.static_cache(None, 30)
+        ovq_cache = ovq(x, use_cache=True)[1]
+        ovq.max_centroids = 48  # a cap other than the cache's, for the static cache and for its steps
+        cap = r"max_centroids=48 differs from the cache's 24; start a new cache \(prefill\) to change it"
+        with pytest.raises(ValueError, match=cap):
+            ovq.static_cache(ovq_cache, 30)
+        ovq.max_centroids = 24
+        ovq_static = ovq.static_cache(ovq_cache, 30)
+        with pytest.raises(ValueError, match=cap):
+            ovq(x[:, :1], cache=ovq_static, max_centroids=48)
         rnd = ovqflex.OVQAttention(HIDDEN, HEADS, chunk_size=16, max_centroids=24, seeding="random")
         with pytest.raises(ValueError, match="seeding='random'"):
             rnd.static_cache(rnd(x, use_cache=True)[1], 30)

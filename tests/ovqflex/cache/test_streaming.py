@@ -434,7 +434,8 @@ def test_bad_cache_arguments_are_refused(monkeypatch):
         _, lin_cache = lin(x, use_cache=True)
         with pytest.raises(TypeError, match="cache for OVQAttention must be a OVQCache"):
             ovq(x, cache=swa_cache)
-        with pytest.raises(ValueError, match="max_centroids=99 differs"):
+        with pytest.raises(ValueError, match=r"max_centroids=99 differs from the cache's 24; start a new cache "
+                                             r"\(prefill\) to change it"):
             ovq(x, cache=ovq_cache, max_centroids=99)
         with pytest.raises(TypeError, match="cache for VLAAttention must be a VLACache"):
             vla(x, cache=lin_cache)
