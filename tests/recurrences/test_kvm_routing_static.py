@@ -200,6 +200,56 @@ def test_a_state_that_fills_its_bucket_reads_no_spare(sink_len):
     assert torch.equal(router.state[:, :, :-1], _absorbed(router, gate, routes, founder, sizes, C, Nb))
 
 
+def _opposed_inputs(seed: int, T: int, D: int, C: int):
+    """Memory keys ``[1, 1, T, D]`` whose first chunk lies near one direction and every later token near its
+    opposite: each later token's best score against the rows chunk 0 founded is below 0, the score an
+    empty row (``LN_s(0) = 0``, bias 0) would give. Unit gates, ``LN_s`` weight 1 and bias 0."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(D, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.arange(T) < C, 1.0, -1.0).to(torch.float64)
+    kbar = F.layer_norm(sign[:, None] * u + 0.3 * torch.randn(T, D, generator=g, dtype=torch.float64), (D,))
+    return kbar.float()[None, None], torch.ones(1, 1, T), torch.ones(D), torch.zeros(D)
+
+
+def test_founders_are_the_tokens_least_like_the_live_rows_when_every_score_is_negative():
+    """An overflow chunk turned away from every row: its append scores (each token's best over the ``m``
+    live rows, all negative) decide the founders, the loop's lowest first; a dead row (zero state,
+    ``LN_s`` 0) never takes part, or every score would be 0 and the founders the first tokens."""
+    C, D, Nb = 16, 8, 1
+    T = 4 * C
+    budget = BUDGETS["power_law"]
+    kbar, gate, w, b = _opposed_inputs(7, T, D, C)
+    scores = (kbar[0, 0, C:2 * C] @ F.layer_norm(kbar[0, 0, :C], (D,), w, b).T).amax(-1)  # chunk 1 against chunk 0
+    assert bool((scores < 0).all())
+    routes, founder = route_kvm(kbar, gate, w, b, schedule=KVMSchedule(C, Nb, budget), sink_len=0, impl="loop")
+    n_app = int(founder[0, 0, C:2 * C].sum())
+    assert 0 < n_app < C and not bool(founder[0, 0, C:C + n_app].all())  # not simply the first tokens
+    s_routes, s_founder = route_kvm_static(kbar, gate, w, b, chunk_size=C, n_bswa_chunks=Nb,
+                                           sizes=kvm_state_sizes(T, C, Nb, budget), sink_len=0, compile=False)
+    assert torch.equal(s_routes, routes) and torch.equal(s_founder, founder)
+
+
+def test_a_founders_non_finite_row_takes_the_later_tokens_as_the_loops_argmax_does():
+    """The merge's argmax lets NaN win (``torch.argmax``): a token whose key is ``-inf`` in one component
+    scores ``-inf`` against rows that are all positive there (bias 10), so it founds first, and its new
+    row's ``LN_s`` is NaN; every other token of its chunk then joins that row, in the loop and the static
+    step alike (the step's own-rows maximum is NaN while its state maximum is finite)."""
+    C, D, Nb = 16, 4, 1
+    T = 4 * C
+    budget = BUDGETS["power_law"]
+    kbar, gate, w, b = _inputs(8, 1, 1, T, D, 0, False, torch.float32)
+    b = torch.tensor([10.0, 0.0, 0.0, 0.0])
+    bad = C + 5
+    kbar[0, 0, bad] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0])
+    routes, founder = route_kvm(kbar, gate, w, b, schedule=KVMSchedule(C, Nb, budget), sink_len=0, impl="loop")
+    joiners = ~founder[0, 0, C:2 * C]
+    assert founder[0, 0, bad] and bool(joiners.any())
+    assert bool((routes[0, 0, C:2 * C][joiners] == routes[0, 0, bad]).all())
+    s_routes, s_founder = route_kvm_static(kbar, gate, w, b, chunk_size=C, n_bswa_chunks=Nb,
+                                           sizes=kvm_state_sizes(T, C, Nb, budget), sink_len=0, compile=False)
+    assert torch.equal(s_routes, routes) and torch.equal(s_founder, founder)
+
+
 def test_route_kvm_impl_static_and_the_op_option():
     from ovqflex.ops.kvm import KVMOptions, kvm_attention
 
@@ -239,6 +289,34 @@ def test_cuda_graph_needs_cuda():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         StaticKVMRouter((1, 1, 48, 4), chunk_size=16, n_bswa_chunks=1, sizes=[0, 16, 16], sink_len=1, device="cpu",
                         cuda_graph=True)
+
+
+def test_sizes_for_more_chunks_than_the_input_holds_are_refused():
+    with pytest.raises(ValueError, match=r"sizes must list at most ceil\(T / chunk_size\) = 3 chunks, got 4"):
+        StaticKVMRouter((1, 1, 48, 4), chunk_size=16, n_bswa_chunks=1, sizes=[0, 16, 22, 27], sink_len=1)
+
+
+def test_a_cached_router_is_built_for_its_own_sink_rows_and_ln_eps(monkeypatch):
+    """The router cache keys every option the routes depend on: one input shape routed with and without
+    a protected sink row, or with another ``LN_s`` epsilon, gets a router of its own and the loop's routes
+    (which differ between the options)."""
+    from recurrences import compiling
+    from recurrences.kvm import routing_static
+
+    made = count_router_builds(monkeypatch, routing_static, "StaticKVMRouter")
+    C, Nb, T, D = 16, 1, 160, 4
+    budget = BUDGETS["power_law"]
+    kbar, gate, w, b = _inputs(9, 1, 2, T, D, 0, True, torch.float32)
+    kbar = kbar * 1e-2  # keys this small: LN_s of a state row depends on its epsilon
+    options = [dict(sink_len=0), dict(sink_len=1), dict(sink_len=1, ln_eps=1e-5), dict(sink_len=1, ln_eps=1e-2)]
+    loops = [route_kvm(kbar, gate, w, b, schedule=KVMSchedule(C, Nb, budget), impl="loop", **kw) for kw in options]
+    assert not torch.equal(loops[0][0], loops[1][0]) and not torch.equal(loops[2][0], loops[3][0])
+    for kw, loop in zip(options, loops):
+        static = route_kvm_static(kbar, gate, w, b, chunk_size=C, n_bswa_chunks=Nb,
+                                  sizes=kvm_state_sizes(T, C, Nb, budget), compile=False, **kw)
+        assert all(map(torch.equal, static, loop)), kw
+    assert len(made) == 3  # sink_len=1 with the default ln_eps is the second router again
+    compiling.clear_static_routers()
 
 
 def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monkeypatch):

@@ -171,6 +171,21 @@ def test_a_dictionary_that_fills_its_bucket_reads_no_spare(normalize):
     assert counts[:, :, N].sum() == 0  # the spare collected nothing
 
 
+@pytest.mark.parametrize("T", [40, 47], ids=["whole-chunks", "open-tail"])
+def test_the_last_chunks_founders_may_open_the_next_bucket(T):
+    """The buffers hold the dictionary the last complete chunk leaves, not the one it reads: with full
+    growth and ``L = 8``, chunk 4 reads 32 rows (one bucket) and founds rows 32..39 (the next), so the
+    router holds 64 rows and the spare; a chunk left incomplete after it is not routed. Routes equal the
+    loop's."""
+    B, H, D, L, N = 1, 2, 8, 8, 64
+    k = _keys(5, B, H, T, D, 0, torch.float32)
+    sizes = dictionary_sizes(-(-T // L), L, N, "full")
+    assert sizes[T // L - 1] == 32 and sizes[T // L] == 40
+    router = StaticOVQRouter(tuple(k.shape), chunk_size=L, sizes=sizes, compile=False)
+    assert router.sums.shape[2] == 64 + 1
+    assert torch.equal(router(k), route_ovq(k, schedule=DictionarySchedule(L, N, "full"), impl="loop"))
+
+
 def test_route_ovq_impl_static_and_the_op_option():
     from ovqflex.ops.ovq import OVQOptions, ovq_attention
 
@@ -212,6 +227,27 @@ def test_cached_routers_and_one_compiled_step_for_every_length_in_a_bucket(monke
     assert made == [(2, 2, 300, 8), (2, 2, 600, 8)]  # T = 300 again: the cached router
     assert counters["stats"]["unique_graphs"] == 1
     assert [r.sums.shape[2] for r in compiling._ROUTERS.values()] == [65, 65]
+    compiling.clear_static_routers()
+
+
+def test_a_cached_router_is_built_for_its_own_seed_and_normalization(monkeypatch):
+    """The router cache keys every option the routes depend on: one input shape routed with another
+    random-seeding seed, or with and without ``normalize_centroids``, gets a router of its own and the
+    loop's routes (which differ between the options)."""
+    from recurrences import compiling
+    from recurrences.ovq import routing_static
+
+    made = count_router_builds(monkeypatch, routing_static, "StaticOVQRouter")
+    L, N, T = 8, 24, 64
+    k = _keys(6, 1, 2, T, 8, 0, torch.float32)
+    sizes = dictionary_sizes(T // L, L, N, "plateau")
+    options = [dict(seeding="random", seed=0), dict(seeding="random", seed=1),
+               dict(seeding="spread", normalize_centroids=False), dict(seeding="spread", normalize_centroids=True)]
+    loops = [route_ovq(k, schedule=DictionarySchedule(L, N), impl="loop", **kw) for kw in options]
+    assert not torch.equal(loops[0], loops[1]) and not torch.equal(loops[2], loops[3])
+    for kw, loop in zip(options, loops):
+        assert torch.equal(route_ovq_static(k, chunk_size=L, sizes=sizes, compile=False, **kw), loop), kw
+    assert len(made) == len(options)
     compiling.clear_static_routers()
 
 

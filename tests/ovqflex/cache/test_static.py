@@ -19,12 +19,14 @@ import pytest
 import torch
 
 import ovqflex
+from masks.regions import BlockWindow, Causal, Sinks, StateBank, TokenWindow
 from ovqflex.cache.kvm import StaticKVMCache
 from ovqflex.cache.ovq import StaticOVQCache
 from ovqflex.cache.plain import StaticPlainCache
 from ovqflex.cache.recurrent import StaticRecurrentCache
 from ovqflex.cache.vq import StaticVQCache
 from ovqflex.layers.vq import VQInputs
+from ovqflex.ops.plain_decode import static_slots
 from tests.helpers import assert_close
 
 HIDDEN, HEADS = 32, 2
@@ -344,6 +346,22 @@ def test_bad_static_arguments_are_refused():
         no_static = _NoStatic(HIDDEN, HEADS, window=7, backend="dense")
         with pytest.raises(NotImplementedError, match="_NoStatic has no static"):
             no_static.static_cache(no_static(x, use_cache=True)[1], 30)
+
+
+def test_static_slots_size_a_plain_cache_by_its_regions():
+    """A plain static cache's ``(n_sinks, ring)`` (``static_slots``): the sinks keep their own slots and
+    the rest is a ring as long as the most non-sink tokens one query sees (a token window ``w``: ``w``;
+    a block window of ``Nb`` chunks of ``C``: ``Nb * C``), or ``capacity`` slots where nothing bounds
+    it (full causal attention, sinks included); a region it has no layout for is refused by name."""
+    capacity = 100
+    assert static_slots((Causal(),), capacity) == (0, capacity)
+    assert static_slots((Sinks(3), Causal()), capacity) == (0, capacity)
+    assert static_slots((TokenWindow(7),), capacity) == (0, 7)
+    assert static_slots((Sinks(2), TokenWindow(5)), capacity) == (2, 5)
+    assert static_slots((BlockWindow(3, 16),), capacity) == (0, 48)
+    bank = StateBank(rows_per_chunk=4, chunk_size=16, live=torch.tensor([4]))
+    with pytest.raises(ValueError, match="regions: no static cache layout for StateBank"):
+        static_slots((Causal(), bank), capacity)
 
 
 class _NoStatic(ovqflex.SlidingWindowAttention):
