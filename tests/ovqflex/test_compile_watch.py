@@ -1,6 +1,7 @@
 """What ``torch.compile`` did in each step of a loop (ovqflex/compile_watch.py): graph breaks with their
 reasons, recompiles at a shape already run, functions dynamo gave up on, and the totals. Toy modules
 compiled with the ``eager`` backend: dynamo traces (and counts) exactly as for inductor, in milliseconds."""
+import re
 import threading
 
 import pytest
@@ -38,6 +39,27 @@ class Counting(Plain):
         return (self.lin(x) * self.calls).sum()
 
 
+class TwiceBroken(Counting):
+    """Two graph breaks of one kind per call, and every call recompiles all three graphs (each reads the
+    changing int)."""
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x) * self.calls
+        torch._dynamo.graph_break()
+        y = y.relu() * self.calls
+        torch._dynamo.graph_break()
+        return y.sum() * self.calls
+
+
+class Skipped(Plain):
+    """A frame dynamo skips (its ``skip_frame``): it runs eager; dynamo records it, but as no recompile limit."""
+
+    def forward(self, x):
+        torch._dynamo.skip_frame()
+        return self.lin(x).sum()
+
+
 def run(module, lengths):
     """``module`` compiled (eager backend, static shapes), one forward+backward per length; the watch's
     notes per step and the watch."""
@@ -64,7 +86,7 @@ def test_a_graph_break_is_reported_once_at_the_step_that_traced_it_with_its_reas
     notes, watch = run(Broken(), [3, 3, 3])
     assert len(notes[0]) == 1 and notes[1:] == [[], []]
     assert notes[0][0].startswith("step 1: torch.compile split the model at 1 graph break(s)")
-    assert "graph_break" in notes[0][0] and "TORCH_LOGS=graph_breaks" in notes[0][0]
+    assert "graph_break" in notes[0][0] and "(x" not in notes[0][0] and "TORCH_LOGS=graph_breaks" in notes[0][0]
     assert watch.graph_breaks == 1 and watch.recompiles == 0
     assert watch.first_graphs == 2  # the graphs before and after the break
     assert "1 graph break," in watch.summary()
@@ -77,6 +99,21 @@ def test_graphs_compiled_at_a_shape_already_run_are_recompiles_naming_the_step_t
                         "already: a recompile (TORCH_LOGS=recompiles says why)"]
     assert watch.counts() == {"graphs": 3, "graph_breaks": 0, "recompiles": 1, "gave_up": 0}
     assert watch.summary() == "torch.compile: 3 graphs, no graph break, 1 recompile"
+
+
+def test_breaks_of_one_kind_are_counted_and_every_graph_of_a_recompile_is_one():
+    notes, watch = run(TwiceBroken(), [3, 5, 3])
+    assert len(notes[0]) == 1 and re.fullmatch(  # one reason (reasons are joined by "; "), counted twice
+        r"step 1: torch\.compile split the model at 2 graph break\(s\), and runs the code between the graphs unfused: "
+        r"Call to `torch\._dynamo\.graph_break\(\)`[^;]* \(x2\) \(TORCH_LOGS=graph_breaks shows where\)", notes[0][0])
+    assert notes[2][1] == ("step 3: torch.compile compiled 3 new graph(s) for inputs of shape 3x4, which step 1 ran "
+                           "already: a recompile (TORCH_LOGS=recompiles says why)")
+    assert watch.counts() == {"graphs": 9, "graph_breaks": 6, "recompiles": 3, "gave_up": 0}
+
+
+def test_a_skipped_frame_is_not_a_function_given_up_at_the_recompile_limit():
+    notes, watch = run(Skipped(), [3, 5])
+    assert notes == [[], []] and watch.gave_up == 0
 
 
 def test_a_function_dynamo_gives_up_on_at_its_recompile_limit_is_reported():
