@@ -33,11 +33,15 @@ def test_unknown_model_and_scale_are_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(label="a/b", pattern="swa"), "ModelSpec.label must be a name"),
+    (dict(label=".m", pattern="swa"), r"ModelSpec.label must be a name of letters, digits, '.', '_' or '-' \(it "
+                                      r"names files\), got '.m'"),
     (dict(label="m", pattern="swa,ovqq"), r"pattern names unknown mixer 'ovqq'"),
     (dict(label="m", pattern="swa", model_options={"pattern": "ovq"}), "must not set pattern"),
+    (dict(label="m", pattern="swa", model_options={"vocab_size": 64}), r"ModelSpec 'm': model_options must not set "
+                                                                      r"pattern or vocab_size"),
     (dict(label="m", pattern="swa,,ovq"), r"ModelSpec 'm': pattern must be mixer names separated by single commas "
                                           r"\(e.g. 'swa,ovq'\), got 'swa,,ovq'"),
-], ids=["label", "mixer", "pattern-option", "empty-mixer"])
+], ids=["label", "label-dot", "mixer", "pattern-option", "vocab-option", "empty-mixer"])
 def test_model_spec_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ModelSpec(**kwargs)
@@ -46,17 +50,20 @@ def test_model_spec_validation(kwargs, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(preset="huge"), "Scale.preset must be one of"),
     (dict(eval_lengths=(128, 64)), "distinct increasing"),
+    (dict(eval_lengths=(64, 64)), r"Scale.eval_lengths must hold distinct increasing values, got \(64, 64\)"),
     (dict(eval_lengths=()), "non-empty tuple"),
     (dict(train_options={"steps": 5}), r"must not set \['steps'\]"),
     (dict(train_options={"seed": 5}), r"must not set \['seed'\]"),
     (dict(train_options={"stepz": 5}), r"TrainConfig fields\): unknown key 'stepz' \(did you mean 'steps'\?\)"),
     (dict(train_options={"grad_clip": -1.0}), "grad_clip must be a finite number >= 0"),
     (dict(eval_examples=0), "eval_examples must be an int >= 1"),
+    (dict(eval_batch_size=True), "Scale.eval_batch_size must be an int >= 1, got True"),
     (dict(steps=0), "steps must be >= 1"),
     (dict(budget=3), "Scale.budget must be a str, got 3"),
     (dict(model_options={"vocab_size": 64}), "Scale.model_options must not set pattern or vocab_size"),
-], ids=["preset", "order", "empty", "steps", "seed", "unknown", "grad-clip", "examples", "zero-steps", "budget",
-        "vocab"])
+    (dict(model_options={"pattern": "swa"}), "Scale.model_options must not set pattern or vocab_size"),
+], ids=["preset", "order", "repeated", "empty", "steps", "seed", "unknown", "grad-clip", "examples", "batch-bool",
+        "zero-steps", "budget", "vocab", "pattern"])
 def test_scale_validation(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         scale(**kwargs)
@@ -72,6 +79,10 @@ def test_experiment_validation():
         Experiment("x", "d", "icr", (m,), {"s": scale()}, sweeps=(EvalSweep("max_centroids", (1, 2), ("b",)),))
     with pytest.raises(ValueError, match="EvalSweep.option must be a mixer attribute name"):
         EvalSweep("max-centroids", (1, 2), ("a",))
+    with pytest.raises(ValueError, match=r"EvalSweep.factors must hold distinct increasing values, got \(1, 4, 2\)"):
+        EvalSweep("max_centroids", (1, 4, 2), ("a",))
+    with pytest.raises(ValueError, match=r"Experiment 'x': scale name must be a name of letters, digits, .*got 'a/b'"):
+        Experiment("x", "d", "icr", (m,), {"a/b": scale()})
     with pytest.raises(ValueError, match=r"EvalSetting of logn_len names unknown model\(s\) \['b'\]"):
         Experiment("x", "d", "icr", (m,), {"s": scale()}, sweeps=(EvalSetting("logn_len", 64, ("b",)),))
     with pytest.raises(TypeError, match="sweeps must be a tuple of EvalSweep or EvalSetting"):
@@ -93,6 +104,13 @@ def test_experiment_validation():
 def test_eval_setting_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
         EvalSetting(**{"models": ("a",), **kwargs})
+
+
+def test_a_scales_token_counts():
+    s = scale(seq_len=64, steps=10, batch_size=4, eval_lengths=(64, 256, 1024), eval_examples=8)
+    assert s.train_tokens == 10 * 4 * 64
+    assert s.eval_tokens == 8 * (64 + 256 + 1024)
+    assert s.max_ratio == 16
 
 
 def test_eval_setting_names_and_labels_its_evaluation():
