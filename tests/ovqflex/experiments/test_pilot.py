@@ -63,6 +63,18 @@ def test_a_second_call_reads_the_runs_already_done_and_resumes_one_cut_off(tmp_p
     assert [r["steps"] for r in rows] == [3, 3]
 
 
+def test_a_run_directory_of_another_config_is_trained_again(tmp_path, monkeypatch):
+    """A pilot run directory whose metrics reach the step but whose config is another's (here the plan's
+    steps, so its schedules, changed) is not taken as done."""
+    lr_pilot(plan(tiny(steps=6), "s", tmp_path / "exp", models=["sw-linear"], progress=False), [2e-3], 3,
+             out=tmp_path / "pilot", log=lambda line: None)
+    calls = []
+    monkeypatch.setattr(pilot_mod, "train", lambda cfg, **kw: calls.append((cfg.steps, cfg.lr)))
+    longer = plan(tiny(steps=8), "s", tmp_path / "exp8", models=["sw-linear"], progress=False)
+    lr_pilot(longer, [2e-3], 3, out=tmp_path / "pilot", log=lambda line: None)
+    assert calls == [(8, 2e-3)]
+
+
 def test_summary_columns_learned_step_and_speed():
     """The row of made-up metrics: accuracy at the last logged step at or before each quarter, the
     first step at or above 0.5, tokens/s the median without the first (compiling) row."""
@@ -76,6 +88,7 @@ def test_summary_columns_learned_step_and_speed():
     text = table([row])
     assert "acc >= 0.5 at" in text and "| sw-ovq  |      0 | 0.003 |" in text
     never = summarize(run, 1e-4, [{**r, "accuracy": 0.0} for r in rows], 9)
+    assert summarize(run, 1e-4, [{**r, "accuracy": 0.5} for r in rows], 9)["learned_at"] == 2  # 0.5 counts
     assert never["learned_at"] is None and "| -  " in table([never])
 
 
@@ -101,9 +114,10 @@ def test_a_diverging_lr_is_a_row_not_a_failure(tmp_path, monkeypatch):
     ([], 3, r"lrs must be one or more numbers > 0, got \[\]"),
     ([1e-3, 0.0], 3, r"lrs must be one or more numbers > 0, got \[0.001, 0.0\]"),
     ([1e-3, 0.001], 3, r"lrs must be distinct, got \[0.001, 0.001\]"),
+    ([True], 3, r"lrs must be one or more numbers > 0, got \[True\]"),
     ([1e-3], 0, "stop_after must be >= 1, got 0"),
     ([1e-3], 7, r"stop_after must be at most the run's steps \(6\), got 7"),
-], ids=["no-lr", "zero-lr", "twice", "no-steps", "past-the-run"])
+], ids=["no-lr", "zero-lr", "twice", "bool-lr", "no-steps", "past-the-run"])
 def test_bad_arguments_are_refused_by_name_before_training(tmp_path, lrs, stop_after, match):
     p = plan(tiny(steps=6), "s", tmp_path / "exp", models=["sw-linear"], progress=False)
     with pytest.raises(ValueError, match=match):
