@@ -25,9 +25,11 @@ def test_only_a_compiled_bf16_run_on_a_wide_cpu_narrows_the_code(device, amp, co
     assert inside == (BF16_CPU_SIMD_BITS if narrowed else before)
 
 
-def test_a_width_the_caller_chose_is_kept():
-    with inductor_config.patch({"cpp.simdlen": 128}), bf16_cpu_codegen(CPU, torch.bfloat16, True):
-        assert inductor_config.cpp.simdlen == 128
+@pytest.mark.parametrize("width", [128, pick_vec_isa().bit_width()], ids=["narrow", "this-cpus-widest"])
+def test_a_width_the_caller_chose_is_kept(width):
+    """Even this CPU's widest (AVX-512 where ``WIDE``), when the caller set it."""
+    with inductor_config.patch({"cpp.simdlen": width}), bf16_cpu_codegen(CPU, torch.bfloat16, True):
+        assert inductor_config.cpp.simdlen == width
 
 
 def test_a_compiled_bf16_deltanet_layer_has_the_eager_gradients_inside_the_context():

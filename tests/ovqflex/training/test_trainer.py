@@ -272,6 +272,7 @@ def test_compiled_training_warns_of_graph_breaks_and_recompiles_as_they_happen(t
     pytest.param(dict(seq_len=128, length_warmup=(32,), length_warmup_steps=3),
                  "training length 32 is too short for task 'icr' (needs >= 47)", id="warmup-too-short"),
     pytest.param(dict(seq_len=32), "training length 32 is too short for task 'icr' (needs >= 47)", id="too-short"),
+    pytest.param(dict(seq_len=46), "training length 46 is too short for task 'icr' (needs >= 47)", id="one-short"),
     pytest.param(dict(seq_len=512), "training length 512 is too long for task 'icr' (", id="more-keys-than-vocab"),
     pytest.param(dict(task="text", task_options={}, data="SHORT", seq_len=64),
                  "training length 64 is too long for task 'text' (", id="text-file-too-short"),
