@@ -442,6 +442,18 @@ def test_eval_reports_lengths_and_overrides(tmp_path):
     assert "min_pairs" not in json.dumps(doc) and "training mix" not in doc["task_description"]
     assert all(0 <= r["accuracy"] <= 1 and r["targets"] == 3 * 6 for r in doc["rows"])
     assert doc["overrides"] == {"max_centroids": 64}
+    # the loss is the mean cross-entropy of a target token (here the 3 examples' 18 targets at 64 tokens), of
+    # the model in eval mode (in training mode a VQ layer would move its codebook while it is measured)
+    from ovqflex.tasks import IGNORE
+    from ovqflex.training.evaluate import eval_batches
+
+    _, task, model, _ = load_run(c.out)
+    assert not model.training
+    model.set_overrides(max_centroids=64)
+    x, y = next(eval_batches(task.evaluation(), 64, n_examples=3, batch_size=3, seed=c.seed))
+    with torch.no_grad():
+        mean = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    assert abs(doc["rows"][0]["loss"] - mean.item()) < 1e-5 * mean.item()
     assert json.loads((Path(c.out) / "eval.json").read_text()) == {k: v for k, v in doc.items() if k != "plot"}
     assert doc["plot"] == str(Path(c.out) / "eval.png") and Path(doc["plot"]).stat().st_size > 1000
     with pytest.raises(ValueError, match="override nope=1"):
@@ -450,11 +462,18 @@ def test_eval_reports_lengths_and_overrides(tmp_path):
         evaluate(c.out, [8], n_examples=1)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         evaluate(tmp_path / "nothing", [64])
+    default = evaluate(c.out, n_examples=1, name="eval-default")
+    assert [r["length"] for r in default["rows"]] == [64, 128, 256]  # the training length, x2, x4
     named = evaluate(c.out, [64], n_examples=2, name="eval-x2")  # another report next to eval.json
     assert json.loads((Path(c.out) / "eval-x2.json").read_text())["rows"] == named["rows"]
     assert json.loads((Path(c.out) / "eval.json").read_text())["overrides"] == {"max_centroids": 64}
     with pytest.raises(ValueError, match="name must be a non-empty file stem"):
         evaluate(c.out, [64], n_examples=1, name="../x")
+    with pytest.raises(ValueError, match="lengths must name at least one context length"):
+        evaluate(c.out, [], n_examples=1)
+    for arg, value in (("n_examples", True), ("batch_size", 0)):
+        with pytest.raises(ValueError, match=f"{arg} must be an int >= 1, got {value}"):
+            evaluate(c.out, [64], **{"n_examples": 1, arg: value})
 
 
 def test_overrides_are_parsed_as_json_values_or_strings():
@@ -480,6 +499,7 @@ def test_cli_eval_names_reports_by_their_overrides(tmp_path, capsys):
     docs = {n: json.loads((Path(c.out) / f"{n}.json").read_text()) for n in names}
     assert [d["overrides"] for d in docs.values()] == [{}, {"max_centroids": 64, "growth": "full"}, {}]
     assert report_name({"backend": "blocked", "x": "a/b c"}) == "eval-backend-blocked-x-a_b_c"
+    assert report_name({"temperature": 0.5}) == "eval-temperature-0.5"  # a dot is kept
 
 
 def _as_saved_by_an_earlier_release(checkpoint: Path) -> None:
@@ -743,6 +763,29 @@ def test_eval_examples_are_none_of_the_training_examples():
         assert measured.shape == (16, length) and trained.shape == (1200, length)
         shared = (measured[:, None] == trained[None]).all(-1).any(-1)
         assert not shared.any(), f"at {length}: eval examples {shared.nonzero().flatten().tolist()} are trained on"
+
+
+def test_eval_examples_are_the_same_in_any_batch_size_and_distinct_within_and_across_lengths():
+    """The ``n_examples`` examples measured at a length are one set, whatever the batch size splits it into,
+    with no example twice; and each length draws its own (ICR's keys are every 4th token from the 2nd: the
+    first six of the first example at 64 tokens are not those at 128, as they would be from one stream)."""
+    from ovqflex.tasks import make_task
+    from ovqflex.training.evaluate import eval_batches
+
+    task = make_task("icr", vocab_size=64, key_len=1, value_len=1, n_queries=6)
+    examples = {}
+    for length in (64, 128):
+        for batch_size in (2, 6, 8):
+            batches = list(eval_batches(task, length, n_examples=6, batch_size=batch_size, seed=3))
+            assert [x.shape[0] for x, _ in batches] == [min(batch_size, 6 - i) for i in range(0, 6, batch_size)]
+            x, y = (torch.cat(t) for t in zip(*batches))
+            if batch_size == 2:
+                examples[length] = x, y
+                assert len({tuple(row.tolist()) for row in x}) == 6
+            else:
+                assert torch.equal(x, examples[length][0]) and torch.equal(y, examples[length][1]), (length, batch_size)
+    keys = {length: x[0, 1:25:4] for length, (x, _) in examples.items()}
+    assert not torch.equal(keys[64], keys[128])
 
 
 @pytest.mark.parametrize("log_every, caught_at, what", [(1, 4, "the training loss is nan"),
