@@ -379,6 +379,47 @@ def test_beta1_reaches_the_optimizer(tmp_path, monkeypatch):
     assert opt.param_groups[0]["betas"] == (0.8, 0.95)
 
 
+def test_train_reports_its_end_on_rank_0_alone_and_says_when_stop_after_cut_it(tmp_path, monkeypatch, capsys):
+    """``ovqflex train`` hands --resume, --resume-from and --stop-after to ``train`` and prints one line at
+    the end: the steps done, "of N" with how to continue when --stop-after cut the run short; a data-parallel
+    rank other than 0 prints nothing (rank 0 speaks for the run)."""
+    import ovqflex.training as training
+
+    calls = []
+
+    def fake_train(cfg, **kwargs):
+        calls.append(kwargs)
+        step = kwargs["stop_after"] or cfg.steps
+        return types.SimpleNamespace(loss=1.5, step=step, out=cfg.out, describe=lambda: "loss 1.5")
+
+    monkeypatch.setattr(training, "train", fake_train)
+    out = str(tmp_path / "r")
+    assert main(["train", "--out", out, "--steps", "6", "--stop-after", "3", "--resume"]) == 0
+    assert capsys.readouterr().out == f"trained 3 steps of 6 (--stop-after; --resume continues) -> {out}: loss 1.5\n"
+    assert main(["train", "--out", out, "--steps", "6", "--resume-from", "ck"]) == 0
+    assert capsys.readouterr().out == f"trained 6 steps -> {out}: loss 1.5\n"
+    assert calls == [dict(resume=True, resume_from=None, stop_after=3), dict(resume=False, resume_from="ck",
+                                                                              stop_after=None)]
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train", "--out", out, "--steps", "6"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_demo_runs_the_layer_its_flags_make(capsys):
+    """``ovqflex demo``: the sliding-window layer of its flags (printed), the forward's shapes and a training
+    step whose loss the seed decides (the layer's init and the input)."""
+    argv = ["demo", "--seq-len", "64", "--batch", "1", "--hidden", "32", "--heads", "2", "--window", "8",
+            "--sinks", "3"]
+    losses = []
+    for seed in (1, 2, 1):
+        assert main(argv + ["--seed", str(seed)]) == 0
+        out = capsys.readouterr().out
+        assert "num_heads=2, head_dim=16" in out and "regions=(Sinks(n=3), TokenWindow(window=8))" in out
+        assert re.search(r"input x +\(1, 64, 32\)", out) and re.search(r"output y +\(1, 64, 32\)", out)
+        losses.append(re.search(r"loss (\d+\.\d+)", out).group(1))
+    assert losses[0] == losses[2] != losses[1]
+
+
 def test_bad_beta_is_refused_by_name(tmp_path, capsys):
     assert main(["train", "--beta2", "1.0", "--out", str(tmp_path / "r"), "--no-progress"]) == 2
     assert "beta2 must be in [0, 1), got 1.0" in capsys.readouterr().err

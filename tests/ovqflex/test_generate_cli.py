@@ -46,11 +46,59 @@ def test_generate_static_decode_gives_the_functional_tokens(run_dir, capsys):
     assert "decode='graph' replays the decode step from a CUDA graph" in capsys.readouterr().err
 
 
-def test_generate_int8_runs_and_refuses_bad_prompts(run_dir, capsys):
+def test_generate_samples_with_its_seed_top_k_and_overrides_as_the_model_does(run_dir, capsys):
+    """--seed, --top-k, --temperature and --override reach ``HybridLM.generate``: the tokens are the model's own
+    under the same generator seed, top-k and test-time override (each of which changes them here)."""
+    assert main(["generate", str(run_dir), "--tokens", "3,0,5,7,1,2", "--max-new-tokens", "30", "--temperature",
+                 "1.5", "--top-k", "5", "--seed", "7", "--override", "max_centroids=16"]) == 0
+    got = _generated(capsys.readouterr().out)
+    _, _, model, _ = load_run(run_dir)
+    prompt = torch.tensor([[3, 0, 5, 7, 1, 2]])
+
+    def tokens(seed=7, top_k=5, max_centroids=16):
+        model.set_overrides(max_centroids=max_centroids)
+        gen = torch.Generator().manual_seed(seed)
+        return model.generate(prompt, 30, temperature=1.5, top_k=top_k, generator=gen)[0, 6:].tolist()
+
+    assert got == tokens()
+    assert got not in (tokens(seed=0), tokens(top_k=None), tokens(max_centroids=32))
+
+
+def test_a_byte_level_run_takes_a_text_prompt_and_shows_the_text(tmp_path, capsys):
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "run"
+    train(TrainConfig(out=str(out), task="text", data=str(data), seq_len=32, batch_size=2, steps=1, warmup=1,
+                      compile=False, progress=False, model_options=dict(MODEL)))
+    assert main(["generate", str(out), "--prompt", "the ", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "prompt tokens: 116,104,101,32\n" in printed
+    new = _generated(printed)
+    assert len(new) == 8 and f"as text: {bytes(new).decode('utf-8', errors='replace')!r}\n" in printed
+
+
+def test_a_text_prompt_needs_a_byte_vocabulary():
+    from types import SimpleNamespace
+
+    from ovqflex.cli.runs import _prompt_tokens
+
+    args = SimpleNamespace(prompt="hé", tokens=None)
+    assert _prompt_tokens(args, 256).tolist() == [[104, 195, 169]]
+    with pytest.raises(ValueError, match="--prompt encodes UTF-8 bytes, but the model's vocab_size is 255"):
+        _prompt_tokens(args, 255)
+
+
+def test_generate_int8_runs_and_refuses_bad_prompts(run_dir, capsys, monkeypatch):
+    import ovqflex.quantize
+
+    modes, real = [], ovqflex.quantize.quantize_model
+    monkeypatch.setattr(ovqflex.quantize, "quantize_model", lambda model, mode: modes.append(mode) or real(model, mode))
     assert main(["generate", str(run_dir), "--tokens", "1,2,3", "--max-new-tokens", "5", "--quantize", "int8",
                  "--top-k", "4", "--seed", "3"]) == 0
     out = capsys.readouterr().out
-    assert "quantize int8" in out and len(_generated(out)) == 5
+    assert "quantize int8" in out and len(_generated(out)) == 5 and modes == ["int8"]
+    assert main(["generate", str(run_dir), "--prompt", "hi", "--tokens", "1,2"]) == 2
+    assert "give exactly one of --prompt TEXT" in capsys.readouterr().err
     assert main(["generate", str(run_dir), "--prompt", "hello"]) == 2  # ICR vocab is below 256
     assert "--prompt encodes UTF-8 bytes" in capsys.readouterr().err
     for ids, bad in (("1,99999", "[99999]"), ("64,1,-1", "[64, -1]")):  # the vocabulary is 0..63

@@ -42,15 +42,23 @@ def test_bad_method_or_option(method, options, match):
 
 
 def test_cli_viz_writes_every_format(tmp_path, capsys):
+    """Every format and view written and named; a table per ``--query``, of the ``--head`` drawn (OVQ's heads
+    route differently: head 0's tables are others)."""
     argv = ["viz", "ovq", "--seq-len", "128", "--heads", "2", "--head-dim", "8", "--opt", "chunk_size=32",
-            "--opt", "max_centroids=32", "--opt", "block_size=32", "--query", "70", "--head", "1",
+            "--opt", "max_centroids=32", "--opt", "block_size=32", "--query", "70", "--query", "100", "--head", "1",
             "--format", "png,svg,html,term", "--view", "token,block", "--width", "80", "--out", str(tmp_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "query 70:" in out and "visible keys per query" in out and "#=state" in out
+    assert "query 70:" in out and "query 100:" in out and "visible keys per query" in out and "#=state" in out
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["ovq-T128-block.png", "ovq-T128-block.svg", "ovq-T128-stats.json", "ovq-T128-token.png",
                        "ovq-T128-token.svg", "ovq-T128.html"]
+    assert all(f"wrote {tmp_path / name}\n" in out for name in written)
+    tables = out[out.index("query 70:"):out.index("\nwrote ")]
+    assert main(argv[:argv.index("--head")] + ["--head", "0", "--format", "term", "--view", "token", "--width", "80",
+                                               "--out", str(tmp_path / "head0")]) == 0
+    head0 = capsys.readouterr().out
+    assert tables != head0[head0.index("query 70:"):head0.index("\nwrote ")]
 
 
 @pytest.mark.parametrize("argv, match", [(["viz", "kvm2"], "method must be one of"),
