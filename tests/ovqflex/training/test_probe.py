@@ -131,6 +131,17 @@ def test_pair_statistics_spread_and_top_offsets():
     assert pair_statistics(rows, key_start, pair_len=4, top=3)[0][2] == [(1, 6 / 11), (8, 5 / 11)]
 
 
+def test_pair_statistics_name_three_offsets_by_default():
+    """What ``ovqflex probe`` prints: the three most frequent offsets of the most-weighted token (a tie in
+    offset order), of four here."""
+    Q = 11
+    where = torch.tensor([1] * 4 + [2] * 3 + [9] * 2 + [3] * 2)
+    rows = torch.zeros(Q, 1, 20)
+    rows[torch.arange(Q), 0, where] = 1.0
+    (_, _, offsets), = pair_statistics(rows, torch.zeros(Q, dtype=torch.long), pair_len=4)
+    assert offsets == [(1, 4 / 11), (2, 3 / 11), (3, 2 / 11)]
+
+
 def test_probe_command_on_a_trained_run(tmp_path, capsys, monkeypatch):
     cfg = TrainConfig(out=str(tmp_path / "run"), task="icr", task_options=dict(vocab_size=64, key_len=1, value_len=1),
                       seq_len=64, batch_size=4, steps=2, warmup=1, compile=False, progress=False,
