@@ -10,6 +10,16 @@ def test_auto_is_cuda_if_available_else_cpu():
     assert resolve_device("cpu") == torch.device("cpu")
 
 
+def test_auto_and_a_bare_cuda_name_the_local_ranks_gpu_where_cuda_is_available(monkeypatch):
+    """Where CUDA is available (here pretended: nothing runs on it), ``auto`` and ``cuda`` mean the GPU of the
+    process's local rank, and ``cuda:N`` that one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device() == resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device(AUTO, local_rank=3) == resolve_device("cuda", local_rank=3) == torch.device("cuda", 3)
+    assert resolve_device("cuda:1", local_rank=3) == torch.device("cuda", 1)
+    assert resolve_device("cpu", local_rank=3) == torch.device("cpu")
+
+
 @pytest.mark.parametrize("name, match", [("gpu", "device must be auto .* got 'gpu'"),
                                          (None, "device must be auto .* got None")])
 def test_a_bad_device_name_is_refused_by_name(name, match):
@@ -55,9 +65,10 @@ def test_failure_line_takes_what_the_message_says_not_torchs_advice():
 @pytest.mark.parametrize("error, width, want", [
     (ValueError(), 120, "ValueError"),
     (RuntimeError("x" * 50), 20, "RuntimeError: xxx..."),
+    (RuntimeError("x" * 6), 20, "RuntimeError: xxxxxx"),  # exactly the width: whole
     (KeyError("q"), 120, "KeyError: 'q'"),
     (RuntimeError('\nSet TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n\nfrom user code:\n  File "m.py", line 3'),
      120, "RuntimeError"),
-], ids=["empty", "cut", "key", "advice-alone"])
+], ids=["empty", "cut", "at-the-width", "key", "advice-alone"])
 def test_failure_line_is_one_bounded_line(error, width, want):
     assert failure_line(error, width) == want and len(want) <= width
