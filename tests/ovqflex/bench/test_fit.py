@@ -9,9 +9,10 @@ from ovqflex.cli import main
 
 
 def test_slopes_of_power_laws():
-    Ts = [512, 1024, 4096]
+    Ts = [1024, 512, 4096]  # in no order: the fit's range is the lengths' smallest and largest
     rows = [{"scenario": f"s{t}", "series": "s", "case": "quad", "T": t, "time_s": 3e-9 * t**2, "peak_mb": 0.01 * t} for t in Ts]
     rows += [{"scenario": "s", "case": "one length", "T": 512, "time_s": 1.0}]
+    rows += [{"scenario": "s8192", "series": "s", "case": "quad", "T": 8192, "error": "out of memory"}]  # no figure
     (fit,) = fit_rows(rows)
     assert (fit["series"], fit["case"]) == ("s", "quad") and fit["T"] == "512..4096"
     assert fit["slope_time_s"] == pytest.approx(2.0) and fit["slope_peak_mb"] == pytest.approx(1.0)
@@ -26,12 +27,14 @@ def test_batches_are_separate_series():
     rows = [{"scenario": "d", "case": "full", "batch": b, "T": t, "time_s": b * 1e-6 * t} for b in (1, 16)
             for t in (1024, 4096)]
     fits = fit_rows(rows)
-    assert [f["batch"] for f in fits] == [1, 16]
+    assert [(f["series"], f["batch"]) for f in fits] == [("d", 1), ("d", 16)]  # without a series key: the scenario
     assert all(f["slope_time_s"] == pytest.approx(1.0) for f in fits)
 
 
 def test_plot_written_only_with_two_lengths(tmp_path):
     assert plot_loglog([{"scenario": "a", "T": 8, "time_s": 1.0}], tmp_path / "none.png") is None
+    assert plot_loglog([{"scenario": "a", "T": 8, "time_s": t} for t in (1.0, 2.0)], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
     rows = [{"scenario": "a", "case": "c", "T": t, "time_s": t * 1e-3, "peak_mb": 1.0 + t} for t in (64, 256)]
     path = plot_loglog(rows, tmp_path / "p.png")
     assert mpimg.imread(path).ndim == 3
