@@ -115,9 +115,30 @@ def test_bench_seq_lens_replace_the_chosen_scenarios_lengths(tmp_path, capsys, m
         build_parser().parse_args(["bench", str(prof), "--seq-lens", "64,x"])
 
 
+def test_bench_picks_a_nameless_scenario_by_its_kind_and_refuses_bad_lengths(tmp_path, monkeypatch):
+    """A scenario without a name is its kind's: ``--only`` matches it, its rows are named so; the lengths
+    ``run_profile(seq_lens=...)`` is given are checked before anything runs (the flag's own parsing aside)."""
+    from ovqflex.bench import run_profile
+    from ovqflex.bench.scenarios import KINDS
+
+    seen = []
+    schema, _ = KINDS["viz"]
+    monkeypatch.setitem(KINDS, "viz", (schema, lambda sc, device: seen.append(sc.seq_lens) or [{"T": 64}]))
+    prof = tmp_path / "p.toml"
+    prof.write_text('[[scenario]]\nkind = "viz"\nmethod = "swa"\nseq_lens = [64]\n')
+    assert main(["bench", str(prof), "--device", "cpu", "--out", str(tmp_path / "o"), "--only", "vi"]) == 0
+    rows = json.loads((tmp_path / "o" / "p.json").read_text())["rows"]
+    assert seen == [[64]] and rows == [{"scenario": "viz", "T": 64}]
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] must be >= 1, got 0"):
+        run_profile(prof, device="cpu", out_dir=tmp_path / "o", seq_lens=[64, 0])
+    assert seen == [[64]]
+
+
 @pytest.mark.parametrize("text, match", [("name = 'x'\n", "no \\[\\[scenario\\]\\]"),
                                          ("[[scenario]]\nkind = 'nope'\n", "kind must be one of"),
-                                         ("[[scenario\n", "not valid TOML")], ids=["empty", "kind", "toml"])
+                                         ("name = 'x'\nscenario = []\n", "no \\[\\[scenario\\]\\]"),
+                                         ("[[scenario\n", "not valid TOML")],
+                         ids=["empty", "kind", "no-tables", "toml"])
 def test_bench_bad_profile(tmp_path, capsys, text, match):
     prof = tmp_path / "bad.toml"
     prof.write_text(text)
