@@ -107,6 +107,10 @@ def test_seconds_is_the_median_of_the_timed_runs():
 
     m = REAL_MEASURE(fn, device="cpu", repeats=3, warmup=1)
     assert m.seconds < 0.1 and m.seconds_min <= m.seconds
+    calls.clear()
+    spread = REAL_MEASURE(lambda: calls.append(None) or time.sleep(0.1 * max(len(calls) - 2, 0)), device="cpu",
+                          repeats=3, warmup=1)  # timed runs of 0, 0.1 and 0.2 s: the median, not the fastest
+    assert 0.1 <= spread.seconds < 0.2 and spread.seconds_min < 0.1
 
 
 @pytest.mark.parametrize("warmup", [0, 1], ids=["no-warmup", "one-warmup"])
@@ -169,6 +173,22 @@ def test_saved_for_backward_counts_what_the_graph_keeps_beyond_the_inputs():
         assert saved_for_backward_mb(lambda: (x * 2).exp().sin(), [x]) == pytest.approx(1.0)
     assert saved_for_backward_mb(lambda: x.sin() + x.cos(), [x]) == 0.0
     assert saved_for_backward_mb(lambda: x.sin() + x.cos()) == pytest.approx(1.0)
+    assert saved_for_backward_mb(lambda: x.sin() + x.view(-1).cos()) == pytest.approx(1.0)  # one storage, two views
+
+
+def test_peak_memory_is_the_growth_over_the_run():
+    """On the CPU: the resident set's growth above its level before the run, about 64 MB for a run that holds
+    a 64 MB tensor for 50 ms and about 0 for one that allocates nothing (not the process's whole RSS)."""
+    import time
+
+    def hold():
+        t = torch.ones(16 * 2**20)  # 64 MB of fp32, every page written
+        time.sleep(0.05)
+        return t.sum()
+
+    held = REAL_MEASURE(hold, device="cpu", repeats=1, warmup=0)
+    idle = REAL_MEASURE(lambda: None, device="cpu", repeats=1, warmup=0)
+    assert 60 <= held.peak_mb < 100 and idle.peak_mb < 8
 
 
 def test_the_matmul_rate_is_measured_once_per_device_and_size(monkeypatch):
