@@ -16,7 +16,7 @@ from masks.regions import BlockWindow
 from recurrences.checks import (check_choice, check_chunk, check_companion, check_finite_args, check_int, check_number,
                                 check_qkv, check_tensor, options_of)
 from recurrences.kvm import (ROUTING_IMPLS, KVMBudget, KVMSchedule, build_kvm_snapshots, build_kvm_versioned,
-                             kvm_state_sizes, memory_keys, route_kvm, routing_memory_keys)
+                             check_sink_len, kvm_state_sizes, memory_keys, route_kvm, routing_memory_keys)
 from recurrences.precision import to_compute_dtype
 from recurrences.versioned import check_state_layout
 
@@ -87,11 +87,8 @@ class KVMOptions(KVMBudget):
         check_state_layout(self.state_layout, self.checkpoint_every, self.block_size)
         check_chunk("chunk_size", self.chunk_size)
         check_int("n_bswa_chunks", self.n_bswa_chunks)
-        check_int("sink_len", self.sink_len, minimum=0)
+        check_sink_len(self.sink_len, self.chunk_size)
         check_number("ln_eps", self.ln_eps)
-        if self.sink_len >= self.chunk_size:
-            raise ValueError(f"sink_len must be < chunk_size={self.chunk_size} (the initial state), "
-                             f"got {self.sink_len}")
         r = self.rope_dims
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r % 2 or r < 0):
             raise ValueError(f"rope_dims must be None (head_dim // 2) or an even int >= 0, got {r!r}")

@@ -75,6 +75,16 @@ def kvm_state_sizes(seq_len: int, chunk_size: int, n_bswa_chunks: int, budget: K
 BUDGET_FIELDS = tuple(f.name for f in fields(KVMBudget))
 
 
+def check_sink_len(sink_len: object, chunk_size: int) -> int:
+    """``sink_len``, the rows at the start of the state that no token merges into, refused by name unless an
+    int in ``[0, chunk_size)``: the initial state is the first chunk's ``chunk_size`` rows, and a state of sinks
+    alone would leave a merging token no row to join (its argmax over nothing would put it in row 0)."""
+    check_int("sink_len", sink_len, minimum=0)
+    if sink_len >= chunk_size:
+        raise ValueError(f"sink_len must be < chunk_size={chunk_size} (the initial state), got {sink_len}")
+    return sink_len
+
+
 @dataclass(frozen=True)
 class KVMSchedule:
     """The state rows each query chunk of ``chunk_size`` tokens reads, with a block window of

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..compiling import resolve_routing
 from ..precision import no_autocast
-from .budget import KVMBudget, KVMSchedule
+from .budget import KVMBudget, KVMSchedule, check_sink_len
 
 
 def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *, schedule: KVMSchedule,
@@ -49,6 +49,7 @@ def route_kvm(kbar: Tensor, gate: Tensor, ln_weight: Tensor, ln_bias: Tensor, *,
     graph compiled with a symbolic length holds for every length.
     """
     resolve_routing(impl, kbar.device)  # checks impl here, where the error names the caller's argument
+    check_sink_len(sink_len, schedule.chunk_size)
     return _route_op(kbar.detach(), gate.detach(), ln_weight.detach(), ln_bias.detach(), *schedule.args(), sink_len,
                      ln_eps, impl)
 

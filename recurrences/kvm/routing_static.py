@@ -55,6 +55,7 @@ from ..checks import check_int
 from ..compiling import (capture_cuda_graph, chunk_bounds, chunks_first, compile_fixed_shapes, eager_kernels,
                          replay_or_run, row_index, stable_rank, static_router, static_rows, tokens_from_chunks)
 from ..precision import no_autocast
+from .budget import check_sink_len
 from .routing import found_first_chunk, merge_keys
 
 
@@ -112,6 +113,7 @@ class StaticKVMRouter:
                  cuda_graph: bool = False):
         B, H, T, D = shape
         C, Nb = chunk_size, check_int("n_bswa_chunks", n_bswa_chunks)
+        check_sink_len(sink_len, C)
         device = torch.device(device)
         self.chunk_size, self.sizes, self.T = C, list(sizes), T
         if len(self.sizes) > -(-T // C):  # the overflow chunks, u <= len(sizes) - Nb - 1, must be whole

@@ -64,3 +64,31 @@ def test_a_zero_gate_merges_into_the_first_row_after_the_sinks():
         zero = (og == 0) & ~appended
         assert zero.any() and (target[zero] == sink_len).all()
         assert (target[~appended & (og > 0)] != sink_len).any()  # the others by their keys
+
+
+@pytest.mark.parametrize("sink_len, error, match", [
+    (16, ValueError, "sink_len must be < chunk_size=16 \\(the initial state\\), got 16"),
+    (40, ValueError, "sink_len must be < chunk_size=16 \\(the initial state\\), got 40"),
+    (-1, ValueError, "sink_len must be >= 0, got -1"),
+    (True, TypeError, "sink_len must be an int, got bool True")], ids=["chunk", "past-chunk", "negative", "bool"])
+def test_sinks_outside_the_initial_state_are_refused_by_every_router(sink_len, error, match):
+    """Sinks are rows of the initial state (the first chunk's ``C`` rows): ``sink_len >= C`` would leave a
+    merging token no row to join. Refused by name by the routers and the options, not routed into row 0."""
+    from recurrences.kvm import KVMSchedule, route_kvm
+    from recurrences.kvm.routing_static import StaticKVMRouter
+    from recurrences.reference.kvm import kvm_attention_reference
+    from ovqflex.ops.kvm import KVMOptions
+
+    C, D = 16, 4
+    kbar, gate = torch.randn(1, 1, 4 * C, D), torch.rand(1, 1, 4 * C)
+    ln = torch.ones(D), torch.zeros(D)
+    with pytest.raises(error, match=match):
+        route_kvm(kbar, gate, *ln, schedule=KVMSchedule(C, 1), sink_len=sink_len)
+    with pytest.raises(error, match=match):
+        StaticKVMRouter(tuple(kbar.shape), chunk_size=C, n_bswa_chunks=1, sizes=[0, C, C, C], sink_len=sink_len,
+                        compile=False)
+    with pytest.raises(error, match=match):
+        KVMOptions(chunk_size=C, sink_len=sink_len)
+    with pytest.raises(ValueError, match=f"sink_len must be an int in \\[0, chunk_size=16\\) .*got {sink_len!r}"):
+        kvm_attention_reference(kbar, kbar, kbar, ln_s_weight=ln[0], ln_s_bias=ln[1], chunk_size=C, n_bswa_chunks=1,
+                                sink_len=sink_len)
