@@ -34,8 +34,11 @@ def test_icr_cpu_plan(tmp_path):
     assert kvm.model.label == "sw-kvm" and kvm.config.mixer_options["kvm"]["budget"] == "power_law"
     assert (kvm.train.steps, kvm.train.batch_size, kvm.train.seq_len, kvm.train.ckpt_every) == (2000, 32, 64, 200)
     assert p.runs[5].seed == 1 and p.runs[5].dir.name == "sw-ovq-s1"
+    assert [(r.seed, r.train.seed, r.train.out) for r in p.runs[4:6]] == [
+        (0, 0, str(tmp_path / "out" / "sw-kvm-s0")), (1, 1, str(tmp_path / "out" / "sw-ovq-s1"))]
     text = p.describe()
     assert "4,096,000 training tokens" in text and "units: 10 train + 16 eval = 26" in text
+    assert "notes: the OVQ paper's basic ICR (Figure 4, §8.4) uses 8-token keys" in text
     assert "[26/26] eval sw-kvm seed 1" in text and str(tmp_path / "out" / "sw-kvm-s1" / "eval-base.json") in text
     assert not (tmp_path / "out").exists()  # planning writes nothing
 
@@ -52,6 +55,11 @@ def test_plan_subset_and_spec(tmp_path):
     assert spec["models"]["sw-ovq"]["config"]["mixer_options"] == {}  # the OVQ default cap, N = 2048
     assert [v["overrides"] for v in spec["models"]["sw-ovq"]["variants"]] == [
         {}, {"max_centroids": 4096}, {"max_centroids": 8192}]  # the sweep scales the built layer's N
+    # where it runs and whether it shows a progress bar do not change results: a resume may differ in them
+    moved = plan(get_experiment("icl"), "smoke", tmp_path, seeds=[3], models=["sw-nope", "sw-ovq"], device="cpu",
+                 progress=False)
+    assert moved.runs[0].train.device == "cpu" and not moved.runs[0].train.progress and moved.spec() == spec
+    assert "device" not in spec["train"] and "progress" not in spec["train"]
 
 
 def test_steps_replace_the_scales_and_are_recorded(tmp_path):
@@ -134,3 +142,13 @@ def test_eval_setting_takes_the_scales_training_length_and_is_checked_at_plan_ti
         plan(_exp(scale, nope, sweeps=(EvalSetting("logn_len", 1, ("n",)),)), "s", tmp_path)
     ok = plan(_exp(scale, nope, sweeps=(EvalSetting("logn_len", 256, ("n",)),)), "s", tmp_path)
     assert [v.overrides for v in ok.runs[0].variants] == [{}, {"logn_len": 256}]
+
+
+def test_a_sweep_scales_the_value_the_scale_evaluates_with(tmp_path):
+    """The scale's test-time overrides apply to every evaluation; a sweep of the same option scales that value
+    and its variant's value wins."""
+    scale = Scale(**BASE, task_options=dict(vocab_size=256, key_len=2, value_len=1),
+                  eval_overrides={"max_centroids": 64})
+    p = plan(_exp(scale, sweeps=(EvalSweep("max_centroids", (1, 2), ("m",)),)), "s", tmp_path)
+    assert [(v.name, p.eval_overrides(v)) for v in p.runs[0].variants] == [
+        ("base", {"max_centroids": 64}), ("max_centroids-x2", {"max_centroids": 128})]

@@ -2,6 +2,7 @@
 from synthetic ``eval-<variant>.json`` files."""
 import json
 import re
+import sys
 
 import pytest
 
@@ -50,13 +51,20 @@ def test_mean_min_max_over_seeds(tmp_path):
 
 
 def test_reports_not_evaluated_as_planned_are_ignored(tmp_path):
-    """A report counts only with the planned examples per length and the planned overrides."""
+    """A report counts only with the planned lengths, examples per length and overrides, and only
+    when it is whole JSON."""
     p = plan(EXP, "s", tmp_path, seeds=[0, 1, 2])
     fake_eval(p, "a", 0, "base", [1.0, 1.0, 1.0])
     fake_eval(p, "a", 1, "base", [0.0, 0.0, 0.0], examples=2)
     fake_eval(p, "a", 2, "base", [0.0, 0.0, 0.0], overrides={"max_centroids": 512})
+    fake_eval(p, "a", 0, "max_centroids-x2", [0.0, 0.0], lengths=[64, 128])  # a length short: ignored
+    fake_eval(p, "a", 1, "max_centroids-x2", [1.0, 1.0, 1.0])
+    (p.runs[4].dir / "eval-max_centroids-x2.json").write_text('{"rows": [')  # cut by a crash: ignored
+    assert p.runs[4].model.label == "a" and p.runs[4].seed == 2
     line = collect(p)["lines"][0]
     assert line["label"] == "a" and line["seeds"] == 1 and line["points"][0]["seeds"] == {"0": 1.0}
+    swept = collect(p)["lines"][1]
+    assert swept["label"] == "a N×2" and swept["seeds"] == 1 and swept["points"][-1]["seeds"] == {"1": 1.0}
 
 
 def test_missing_reports_leave_empty_cells(tmp_path):
@@ -85,22 +93,58 @@ def test_write_results_files(tmp_path):
     assert [pt["mean"] for pt in res["lines"][0]["points"]] == pytest.approx([0.75, 0.375, 0.1875])
 
 
-def test_runs_that_diverged_are_counted_by_seed(tmp_path):
-    """b's seed 1 diverged after step 7 (its run directory's record, as the trainer writes it) and has no
-    report: its line counts the seed as diverged; a line whose every run diverged keeps its table row and
-    its legend entry (the plot is written)."""
+def test_runs_that_diverged_are_counted_by_seed(tmp_path, monkeypatch):
+    """b's seed 1 diverged after step 7, a's after step 9 (their run directories' records, as the trainer
+    writes them), and have no report: each line counts its model's seed as diverged; a line whose every run
+    diverged keeps its table row and its legend entry; a line with neither points nor divergence has none."""
+    from matplotlib.figure import Figure
+
     p = plan(EXP, "s", tmp_path, seeds=[0, 1])
     fake_eval(p, "a", 0, "base", [1.0, 0.5, 0.25])
     fake_eval(p, "b", 0, "base", [0.4, 0.2, 0.1])
-    for label, seed in (("b", 1), ("a", 0), ("a", 1)):
+    for label, seed, step in (("b", 1, 7), ("a", 0, None), ("a", 1, 9)):
         run = next(r for r in p.runs if r.model.label == label and r.seed == seed)
         run.dir.mkdir(parents=True, exist_ok=True)
-        if (label, seed) != ("a", 0):
-            (run.dir / "diverged.json").write_text(json.dumps({"step": 7, "message": "training diverged: ..."}))
+        if step is not None:
+            (run.dir / "diverged.json").write_text(json.dumps({"step": step, "message": "training diverged: ..."}))
+    legends = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        legends.append([t.get_text() for t in fig.axes[0].get_legend().get_texts()])
+        return real_savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
     res = write_results(p)
     lines = {line["label"]: line for line in res["lines"]}
     assert lines["b"]["diverged"] == {"1": 7} and lines["b"]["seeds"] == 1
-    assert lines["a"]["diverged"] == {"1": 7} and lines["a N×2"]["diverged"] == {"1": 7}
+    assert lines["a"]["diverged"] == {"1": 9} and lines["a N×2"]["diverged"] == {"1": 9}
     seeds = {cells[0]: cells[1] for cells in (re.split(r"\s{2,}", row) for row in res["table"].splitlines()[2:])}
     assert seeds == {"a": "1/2, 1 diverged", "a N×2": "0/2, 1 diverged", "b": "1/2, 1 diverged"}
     assert (tmp_path / "results.png").stat().st_size > 5000
+    assert legends == [["a (1 seed, 1 diverged)", "a N×2 (0 seeds, 1 diverged)", "b (1 seed, 1 diverged)",
+                        "train length 64"]]
+    (p.runs[3].dir / "diverged.json").unlink()  # b seed 1 did not diverge after all; a's line N×2 still did
+    (p.runs[2].dir / "diverged.json").unlink()  # nor a's: its N×2 line has no points and nothing to say
+    write_results(p)
+    assert legends[1] == ["a (1 seed)", "b (1 seed)", "train length 64"]
+
+
+def test_without_matplotlib_the_results_are_written_without_a_plot(tmp_path, monkeypatch):
+    p = plan(EXP, "s", tmp_path, seeds=[0])
+    fake_eval(p, "a", 0, "base", [1.0, 0.5, 0.25])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" raises ImportError
+    res = write_results(p)
+    assert res["files"] == [str(tmp_path / "results.json"), str(tmp_path / "results.md")]
+    assert not (tmp_path / "results.png").exists() and "0.500" in res["table"]
+
+
+def test_a_length_warm_up_is_recorded_and_said(tmp_path):
+    scale = Scale(preset="tiny", seq_len=128, steps=10, batch_size=2, eval_lengths=(128, 256), eval_examples=4,
+                  task_options=dict(vocab_size=256, key_len=2, value_len=1),
+                  train_options={"length_warmup": (64,), "length_warmup_steps": 4})
+    p = plan(Experiment("w", "test", "icr", (ModelSpec("a", "swa,ovq"),), {"s": scale}), "s", tmp_path, seeds=[0])
+    res = write_results(p)
+    assert res["train_length_warmup"] == [64] and res["train_length_warmup_steps"] == 4
+    assert "trained at 128 tokens (first 64 tokens over 4 steps), 10 steps of 2 sequences." in (
+        tmp_path / "results.md").read_text()

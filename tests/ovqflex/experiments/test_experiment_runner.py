@@ -62,6 +62,14 @@ def test_out_directory_rules(tmp_path):
     other = plan(tiny(steps=6), "s", tmp_path / "new", seeds=[0, 1], progress=False)
     with pytest.raises(ValueError, match=r"different experiment spec \(train.steps: 4 in the directory vs 6 now\)"):
         runner_mod.prepare_out(other, resume=True)
+    saved = json.loads((tmp_path / "new" / "experiment.json").read_text())
+    (tmp_path / "new" / "experiment.json").write_text(json.dumps({**saved, **{f"x{i}": i for i in range(10)}}))
+    with pytest.raises(ValueError, match=r"\(x0: present in the directory, absent now; .*; x7: present in the "
+                                         r"directory, absent now; and 2 more\)$"):
+        runner_mod.prepare_out(p, resume=True)  # the first 8 differences named, the rest counted
+    (tmp_path / "new" / "experiment.json").write_text("{")
+    with pytest.raises(ValueError, match=r"experiment.json is not valid JSON \(.*\); choose another --out$"):
+        runner_mod.prepare_out(p, resume=True)
 
 
 def test_resume_may_add_seeds_and_models_but_not_drop_them(tmp_path):
@@ -276,11 +284,25 @@ def _logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_runs_in_worker_processes_train_what_one_process_trains(tmp_path):
-    """jobs=2: every unit runs once, each run in its own process, with the weights a run in this
-    process gets (one thread each: bit for bit); a resume then finds everything complete."""
-    lines = []
-    res = run_tiny(tmp_path / "two", log=lines.append, jobs=2)
+def test_runs_in_worker_processes_train_what_one_process_trains(tmp_path, monkeypatch):
+    """jobs=2: every unit runs once, each run in its own process with this process's threads shared among
+    the runs at a time, with the weights a run in this process gets (one thread each: bit for bit); a resume
+    then finds everything complete."""
+    lines, started = [], []
+    real_start = runner_mod._start_worker
+
+    def start(ctx, plan, units, threads):
+        started.append((units, threads))
+        return real_start(ctx, plan, units, threads)
+
+    monkeypatch.setattr(runner_mod, "_start_worker", start)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # (one under xdist) shared by two runs at a time: one each
+    try:
+        res = run_tiny(tmp_path / "two", log=lines.append, jobs=2)
+    finally:
+        torch.set_num_threads(before)
+    assert started == [([0, 1, 2, 3], 1), ([4, 5], 1)]
     text = "\n".join(lines)
     assert "6 units into" in lines[0] and lines[0].endswith(", 2 runs at a time")
     for unit in ("[1/6] train sw-ovq seed 0", "[4/6] eval sw-ovq seed 0 (N×4)", "[5/6] train sw-linear seed 0"):
@@ -490,3 +512,16 @@ def test_how_a_worker_ended(tmp_path, exitcode, asked, current, end, outcome):
     w = runner_mod._Worker(_Exited(exitcode), _Pipe(), _Pipe(), [0], "sw-ovq seed 0", current=current, end=end,
                            asked=asked)
     assert w.close(p) == outcome
+
+
+def test_the_progress_line_reads_a_runs_last_whole_metrics_line(tmp_path):
+    """A worker's progress shows its run's last metrics line; a line still being written (or no file, or
+    an empty one) shows nothing rather than failing the parent."""
+    assert runner_mod._last_metrics(tmp_path) is None
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("")
+    assert runner_mod._last_metrics(tmp_path) is None
+    metrics.write_text('{"step": 2, "loss": 1.5, "tokens_per_s": 900.0}\n')
+    assert runner_mod._last_metrics(tmp_path) == {"step": 2, "loss": 1.5, "tokens_per_s": 900.0}
+    metrics.write_text('{"step": 2, "loss": 1.5, "tokens_per_s": 900.0}\n{"step": 3, "lo')
+    assert runner_mod._last_metrics(tmp_path) is None
