@@ -56,7 +56,7 @@ class TrainConfig:
     device: str = field(default=devices.AUTO, metadata={"help": devices.NAMES})
     log_every: int = field(default=10, metadata={"help": "log metrics every N steps"})
     ckpt_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: only at the end)"})
-    keep_checkpoints: int = field(default=2, metadata={"flag": "--keep", "help": "checkpoints to keep"})
+    keep_checkpoints: int = field(default=2, metadata={"flag": "--keep", "help": "newest checkpoints to keep (0: all)"})
     deterministic: bool | None = field(default=None, metadata={
         "help": "deterministic algorithms, so that a run repeats bit for bit on the same machine and thread "
                 "count (default: on for CPU, where it costs no measured speed; off for CUDA)"})
