@@ -176,6 +176,21 @@ def test_dtype_and_determinism(name):
     assert torch.equal(x, make_batch(t, seed=3, step=5, start=0, count=4, seq_len=T)[0])
 
 
+def test_neighbouring_seeds_steps_and_indices_get_unrelated_streams():
+    """Every (seed, step, index) of a small grid gets its own generator seed, a 63-bit int: no two
+    neighbours collide (as ``seed ^ step ^ index`` would: step 1 index 0 vs step 0 index 1), and the
+    values spread over the whole range rather than counting up."""
+    from ovqflex.tasks.base import example_seed
+
+    grid = list(itertools.product(range(4), range(16), range(16)))
+    seeds = [example_seed(*t) for t in grid]
+    assert len(set(seeds)) == len(grid) and all(0 <= s < 2**63 for s in seeds)
+    assert sum(s >= 2**62 for s in seeds) > len(grid) // 3  # the top bit is not always clear
+    t = make_task("icr", **SMALL["icr"])
+    first = [make_batch(t, seed=0, step=step, start=index, count=1, seq_len=64)[0] for step, index in ((1, 0), (0, 1))]
+    assert not torch.equal(*first)
+
+
 # ----------------------------------------------------------------------------- ICR
 
 
@@ -636,7 +651,10 @@ def test_text_bytes_windows(tmp_path):
     assert ends == {data[s:s + len(data) - 2] for s in range(3)}
     with pytest.raises(ValueError, match="corpus.txt.*fewer than seq_len"):
         one(t, len(data))
+    # a pickle (what a spawned worker gets) holds the options, not the file: the copy maps the file anew
+    assert len(pickle.dumps(t)) < len(data) // 2 and "_mm" in t.__dict__
     t2 = pickle.loads(pickle.dumps(t))
+    assert "_mm" not in t2.__dict__
     assert torch.equal(make_batch(t2, seed=1, step=2, start=0, count=2, seq_len=9)[0],
                        make_batch(t, seed=1, step=2, start=0, count=2, seq_len=9)[0])
 
