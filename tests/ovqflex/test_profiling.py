@@ -236,3 +236,49 @@ def test_cli_profile_prints_the_table_and_writes_the_trace(tmp_path, capsys):
     assert "block_mask" in out and "attention" in out and "peak MB" in out and f"wrote {trace}" in out
     assert "top 5 operators by self time, per stage:" in out and "% of stage" in out
     assert "ovqflex.attention" in {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+
+
+def test_each_mode_counts_its_own_steps_and_a_stage_peaks_at_its_largest_call():
+    """A CPU trace of two modes: fwd [0, 100) calls routing twice, [10, 30) allocating 2 MB and [40, 60)
+    6 MB (each freed before it ends); fwd+bwd [200, 400) calls it once, [210, 290). Operators: aten::mm in
+    fwd's routing, aten::add in fwd+bwd's, aten::stray outside every step (left out, not put in a step)."""
+    mb = 2**20
+
+    def mem(ts, total, delta):
+        return {"ph": "i", "name": "[memory]", "ts": ts, "args": {"Total Allocated": total, "Bytes": delta,
+                                                                  "Device Type": 0}}
+
+    def op(name, ts, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+    events = [_host("ovqflex.step[fwd]", 0, 100), _host("ovqflex.routing", 10, 20), _host("ovqflex.routing", 40, 20),
+              _host("ovqflex.step[fwd+bwd]", 200, 200), _host("ovqflex.routing", 210, 80),
+              mem(15, 2 * mb, 2 * mb), mem(25, 0, -2 * mb), mem(45, 6 * mb, 6 * mb), mem(55, 0, -6 * mb),
+              op("aten::mm", 12, 8), op("aten::add", 220, 10), op("aten::stray", 500, 10)]
+    rows = {(r["mode"], r["stage"]): r for r in stage_table({"traceEvents": events})}
+    fwd, both = rows[("fwd", "routing")], rows[("fwd+bwd", "routing")]
+    assert (fwd["calls/step"], fwd["ms/step"], fwd["peak MB"], fwd["alloc MB"]) == (2, pytest.approx(0.04), 6, 8)
+    assert (both["calls/step"], both["ms/step"], both["peak MB"]) == (1, pytest.approx(0.08), 0)
+    assert rows[("fwd", "other")]["ms/step"] == pytest.approx(0.06)
+    ops = [(r["mode"], r["stage"], r["op"], r["ms/step"]) for r in kernel_table({"traceEvents": events}, top=5)]
+    assert ops == [("fwd", "routing", "aten::mm", pytest.approx(0.008)),
+                   ("fwd+bwd", "routing", "aten::add", pytest.approx(0.01))]
+
+
+def test_the_fwd_mode_runs_without_grad_and_fwd_bwd_with_it():
+    """``fwd`` profiles inference (no autograd graph, what ``auto`` sends to flex); ``fwd+bwd`` a training step."""
+    from ovqflex.bench.profiler import _step
+
+    seen = []
+
+    class Probe(torch.nn.Linear):
+        def forward(self, x):
+            seen.append(torch.is_grad_enabled())
+            return super().forward(x)
+
+    layer = Probe(4, 4)
+    x = torch.randn(2, 4)
+    _step(layer, x, lambda y, _: y.square().mean(), "fwd")
+    assert seen == [False] and layer.weight.grad is None
+    _step(layer, x, lambda y, _: y.square().mean(), "fwd+bwd")
+    assert seen == [False, True] and layer.weight.grad is None  # its gradients cleared after the step
