@@ -32,7 +32,7 @@ def test_writes_png_svg_html_json_and_terminal(tmp_path):
     assert "src=" not in page and "<link" not in page and "<script" not in page  # self-contained
     stats = json.loads((tmp_path / "bank-stats.json").read_text())
     assert stats["visible_pairs"] == program_stats(program).visible_pairs
-    assert stats["state_rows_per_chunk"] == [0, 10, 20]
+    assert stats["state_rows_per_chunk"] == [0, 12, 24]
     assert res.text.startswith("bank test") and "block view" in res.text
 
 

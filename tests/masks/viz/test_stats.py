@@ -57,9 +57,9 @@ def test_full_causal_density_is_one_and_kv_bytes_count_k_and_v_at_their_widths()
 
 
 def test_state_rows_per_chunk_of_the_bank():
-    """Bank of chunk c holds min(10 c, 24) rows (viz_cases), read by the 32 queries of chunk c."""
+    """Bank of chunk c holds min(12 c, 24) rows (viz_cases), read by the 32 queries of chunk c."""
     s = program_stats(make_program("bank", T=128), chunk=32)
-    assert s.state_rows_per_chunk == [0, 10, 20, 24]
+    assert s.state_rows_per_chunk == [0, 12, 24, 24]
 
 
 def test_token_view_visible_cells_match_stats_when_no_row_is_empty():

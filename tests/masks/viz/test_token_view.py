@@ -99,9 +99,11 @@ def test_pooled_tiles_past_the_edge_show_only_the_cells_they_cover():
     (dict(max_cells=100), "max_cells=100"),
     (dict(q_range=(5, 5)), "q_range"),
     (dict(kv_range=(0, 10**6)), "kv_range"),
-    (dict(head=7), "head must be < H=2"),
+    (dict(head=7), "head must be < H=2, got 7"),
+    (dict(head=2), "head must be < H=2, got 2"),
+    (dict(batch=1), "batch must be < B=1, got 1"),
     (dict(batch=-1), "batch must be >= 0"),
-], ids=["too-big", "empty-q-range", "kv-range", "head", "batch"])
+], ids=["too-big", "empty-q-range", "kv-range", "head", "head-H", "batch-B", "batch"])
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         token_view(make_program("causal"), **kwargs)

@@ -23,7 +23,7 @@ def make_program(kind: str, T: int = 80, block: int = 16, H: int = 2):
     if kind == "bank":
         chunk, rows = 32, 24
         n_chunks = -(-T // chunk)
-        live = torch.tensor([min(c * 10, rows) for c in range(n_chunks)])
+        live = torch.tensor([min(c * 12, rows) for c in range(n_chunks)])  # chunk 2 reads its rows 20..23
         counts = torch.randint(1, 5, (1, H, n_chunks, rows), generator=g).float()
         counts[:, :, :, 20:] = 0  # rows 20.. of every bank are empty: bias -inf although "live"
         bias = torch.where(counts > 0, counts.log(), float("-inf")).flatten(2)
@@ -31,11 +31,12 @@ def make_program(kind: str, T: int = 80, block: int = 16, H: int = 2):
         return build_program(q, k, v, (StateBank(rows, chunk, live), OwnChunk(chunk)), scale=1.0,
                              state_k=sk, state_v=sv, state_bias=bias, block_size=block)
     regions = {"causal": (Causal(),), "swa": (TokenWindow(20),), "bswa": (BlockWindow(2, 16),),
-               "sinks": (Sinks(3), TokenWindow(12))}[kind]
+               "sinks": (Sinks(3), TokenWindow(12)),
+               "late-sinks": (TokenWindow(12), Sinks(3))}[kind]  # drawn by priority, not program order
     return build_program(q, k, v, regions, scale=0.5, block_size=block)
 
 
-KINDS = ["causal", "swa", "bswa", "sinks", "bank", "versioned"]
+KINDS = ["causal", "swa", "bswa", "sinks", "late-sinks", "bank", "versioned"]
 
 
 def dense_truth(program, head: int = 0):
