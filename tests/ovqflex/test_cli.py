@@ -316,6 +316,7 @@ class _Config:
     options: dict = dataclasses.field(default_factory=dict, metadata={"flag": "--opt", "help": "an option"})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "say nothing"})
     exact: bool | None = dataclasses.field(default=None, metadata={"help": "exact (default: decided later)"})
+    progress: bool = dataclasses.field(default=True, metadata={"help": "show progress"})
 
 
 def _parse(cls, argv):
@@ -334,6 +335,8 @@ def test_config_flags_of_every_field_kind():
     add_config_flags(parser, _Config)
     helps = {a.dest: a.help for a in parser._actions}
     assert helps["sizes"] == "sizes (default: 1,2)" and helps["colors"] == "colours (default: red)"
+    assert helps["progress"] == "do not show progress" and helps["quiet"] == "say nothing"
+    assert [_parse(_Config, argv).progress for argv in (["c"], ["c", "--no-progress"])] == [True, False]
     exact = [_parse(_Config, argv).exact for argv in (["c"], ["c", "--exact"], ["c", "--no-exact"])]
     assert exact == [None, True, False]
 
