@@ -18,7 +18,7 @@ from ovqflex.cli import main
 from ovqflex.training.evaluate import load_run, parse_overrides, report_name
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
 from ovqflex.training.interrupt import StopRequest, TrainingInterrupted
-from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_NAN_ENV, FAULT_SIGNAL_ENV
+from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_NAN_ENV, FAULT_SIGNAL_ENV, TrainResult
 from tests.helpers import assert_close
 
 # a model small enough that a step takes milliseconds: the loop is under test, not learning
@@ -148,6 +148,21 @@ def test_a_length_warmup_trains_shorter_sequences_first_at_the_same_tokens_per_s
     assert [r["seq_len"] for r in metrics(Path(c.out))] == [64] * 3 + [128] * 3
 
 
+def test_tokens_per_second_count_every_steps_tokens_during_a_length_warmup(tmp_path, monkeypatch):
+    """A warm-up step trains as many tokens as any other (more sequences, shorter): with a clock that
+    moves one second per reading, each logged step reports batch_size x seq_len tokens/s."""
+    import ovqflex.training.trainer as trainer_mod
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(trainer_mod, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    c = cfg(tmp_path, **WARMUP)
+    train(c)
+    rows = metrics(Path(c.out))
+    assert [r["seq_len"] for r in rows] == [64] * 3 + [128] * 3
+    # (the first interval spans two readings: the loop's start and its elapsed-time origin)
+    assert [r["tokens_per_s"] for r in rows] == [c.batch_size * c.seq_len / 2] + [c.batch_size * c.seq_len] * 5
+
+
 def test_resume_inside_a_length_warmup_is_exact(tmp_path):
     straight = cfg(tmp_path / "a", **WARMUP)
     train(straight)
@@ -206,7 +221,8 @@ def test_stop_after_trains_the_whole_runs_first_steps_and_resume_finishes_it_exa
     (0, False, "stop_after must be >= 1, got 0"),
     (7, False, r"stop_after must be at most the run's steps \(6\), got 7"),
     (2, True, r"stop_after=2: the run is already at step 3 \(.*step_00000003\)"),
-], ids=["zero", "past-the-run", "already-past"])
+    (3, True, r"stop_after=3: the run is already at step 3 \(.*step_00000003\)"),
+], ids=["zero", "past-the-run", "already-past", "already-there"])
 def test_a_stop_after_that_cannot_stop_the_run_is_refused(tmp_path, stop_after, resume, match):
     c = cfg(tmp_path)
     if resume:
@@ -315,6 +331,39 @@ def test_deterministic_defaults_to_on_for_the_cpu_only():
                   (False, "cpu"): False, (False, "cuda"): False}
 
 
+def test_a_global_batch_the_ranks_cannot_share_is_refused(tmp_path):
+    """(Checked in the loop, where the ranks are known: rank 0 of two, before anything is written.)"""
+    import ovqflex.training.trainer as trainer_mod
+    from ovqflex.training.distributed import DistInfo
+
+    c = cfg(tmp_path, batch_size=3)
+    with pytest.raises(ValueError, match="batch_size=3 must be divisible by the number of ranks 2"):
+        trainer_mod._train(c, DistInfo(rank=0, world_size=2), torch.device("cpu"), None, False, None, c.steps)
+    assert not Path(c.out).exists()
+
+
+def test_a_results_description_ends_with_what_compiling_did(tmp_path):
+    eager = TrainResult(tmp_path, 6, 0.12345, 0.5, 12345.6)
+    assert eager.describe() == "loss 0.1235, target accuracy 0.500, 12,346 tokens/s"
+    compiled = TrainResult(tmp_path, 6, 0.12345, 0.5, 12345.6, compiled="compiled 2 graphs, no graph break")
+    assert compiled.describe() == eager.describe() + "; compiled 2 graphs, no graph break"
+
+
+@pytest.mark.parametrize("before", [(False, False), (True, False), (False, True)],
+                         ids=["off", "on-strict", "off-warn-only"])
+def test_a_run_leaves_the_callers_deterministic_setting_as_it_found_it(tmp_path, before):
+    """The run switches deterministic algorithms on (the CPU's default) in warn-only mode; afterwards the
+    caller's own setting is back, its warn-only flag included."""
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    try:
+        train(cfg(tmp_path, steps=1))
+        after = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    assert after == before
+
+
 def _cli(args, env=None, check=True):
     proc = subprocess.run([sys.executable, "-m", "ovqflex.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=600)
@@ -401,6 +450,26 @@ def test_a_signal_during_the_last_step_is_not_swallowed(tmp_path, monkeypatch):
     assert load_checkpoint(latest_checkpoint(c.out)).step == 3
 
 
+def test_a_signal_at_a_checkpoint_step_writes_that_checkpoint_once(tmp_path, monkeypatch):
+    """SIGTERM after step 2, a checkpoint step: the stop uses the checkpoint just written (not a second
+    write of it); a run cut short by stop_after is not complete when the signal lands on its last step."""
+    import ovqflex.training.trainer as trainer_mod
+
+    real, written = trainer_mod.save_checkpoint, []
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", lambda out, step, *a, **k: written.append(step) or
+                        real(out, step, *a, **k))
+    monkeypatch.setenv(FAULT_SIGNAL_ENV, "2")
+    c = cfg(tmp_path, steps=6, ckpt_every=2)
+    with pytest.raises(TrainingInterrupted, match="stopped by SIGTERM after step 2: checkpoint .*step_00000002; "
+                                                  "continue with --resume") as info:
+        train(c)
+    assert written == [2] and not info.value.complete and info.value.checkpoint.name == "step_00000002"
+    monkeypatch.setenv(FAULT_SIGNAL_ENV, "3")
+    with pytest.raises(TrainingInterrupted, match="after step 3: .*continue with --resume") as info:
+        train(c, resume=True, stop_after=3)
+    assert written == [2, 3] and not info.value.complete
+
+
 def test_fresh_run_refuses_a_used_directory_and_resume_needs_a_checkpoint(tmp_path):
     c = cfg(tmp_path, steps=2)
     train(c)
@@ -411,10 +480,18 @@ def test_fresh_run_refuses_a_used_directory_and_resume_needs_a_checkpoint(tmp_pa
 
 
 def test_resume_with_different_settings_is_refused(tmp_path):
+    """Each setting that shapes the run's data, model or optimisation must match its checkpoint's (the
+    learning rate's whole schedule too: a resume must continue the run, not start another)."""
     c = cfg(tmp_path, steps=2)
     train(c)
-    with pytest.raises(CheckpointError, match="settings differ.*seq_len"):
-        train(TrainConfig(**{**c.to_dict(), "seq_len": 128, "steps": 4}), resume=True)
+    changes = dict(seq_len=128, batch_size=8, seed=1, lr=1e-3, min_lr=2e-5, warmup=1, weight_decay=0.1, beta1=0.8,
+                   beta2=0.9, grad_clip=0.5, pattern="swa,linear", task_options=dict(vocab_size=64, key_len=1,
+                                                                                       value_len=2))
+    for key, value in changes.items():
+        expected = rf"settings differ \({key}: checkpoint .* vs now {re.escape(repr(value))}\)"
+        with pytest.raises(CheckpointError, match=expected):
+            train(TrainConfig(**{**c.to_dict(), key: value, "steps": 4}), resume=True)
+    train(TrainConfig(**{**c.to_dict(), "steps": 3, "log_every": 2, "keep_checkpoints": 1}), resume=True)  # fine
 
 
 def test_resume_past_the_last_step_is_refused(tmp_path):
@@ -598,7 +675,7 @@ def test_a_fresh_start_after_a_crash_before_any_checkpoint_replaces_its_metrics(
     c = cfg(tmp_path, steps=3)
     run = Path(c.out)
     run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{}\n[2]\n{"step": 2, "lo')  # cut by the crash
     (run / LOCK_FILE).write_text('{"pid": 999999, "host": "gone", "started": "earlier"}')
     train(c)
     assert [r["step"] for r in metrics(run)] == [1, 2, 3] and metrics(run)[0]["loss"] != 9.0
