@@ -63,7 +63,9 @@ def test_optimizer_numbers_must_be_finite(field, value):
 @pytest.mark.parametrize("change, match", [
     (dict(lr=0.0), "lr must be > 0, got 0.0"),
     (dict(deterministic="yes"), r"deterministic must be True, False or None \(on for CPU, off for CUDA\), got 'yes'"),
-], ids=["lr-0", "deterministic-str"])
-def test_a_zero_learning_rate_and_a_non_bool_determinism_are_refused(change, match):
+    (dict(compile=1), "compile must be True or False, got 1"),
+    (dict(progress="no"), "progress must be True or False, got 'no'"),
+], ids=["lr-0", "deterministic-str", "compile-int", "progress-str"])
+def test_a_zero_learning_rate_and_non_bool_switches_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**change)

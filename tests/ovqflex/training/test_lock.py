@@ -1,6 +1,7 @@
 """The run lock: one writer per run directory; a dead holder's lock is taken over, by exactly one taker."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,9 +41,13 @@ def test_second_writer_is_refused_with_the_holder_named(tmp_path):
     holder = _taker(tmp_path, hold=60)
     try:
         assert holder.stdout.readline() == "won\n"
-        with pytest.raises(RunLockError, match=f"{tmp_path} is in use by another writer: pid {holder.pid} on host "
-                                               f"{socket.gethostname()}, started .*lock file .*{LOCK_FILE}"):
-            RunLock(tmp_path).acquire()
+        refused = RunLock(tmp_path)
+        named = (f"{tmp_path} is in use by another writer: pid {holder.pid} on host {socket.gethostname()}, "
+                 f"started .* \\(-c {re.escape(str(tmp_path))} - 60\\) \\(lock file .*{LOCK_FILE}")  # its argv
+        with pytest.raises(RunLockError, match=named):
+            refused.acquire()
+        refused.release()  # what train's cleanup does after a refusal: the holder's lock file stays
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == holder.pid
     finally:
         holder.kill()
         holder.wait()
@@ -74,3 +79,43 @@ def test_of_many_takers_of_a_stale_lock_exactly_one_wins(tmp_path):
     results = [t.communicate(timeout=60)[0] for t in takers]
     assert sum(r == "won\n" for r in results) == 1, results
     assert all(r == "won\n" or r.startswith("lost:") and "in use by another writer" in r for r in results)
+
+
+def test_a_holder_still_writing_its_record_is_named_once_it_has(tmp_path):
+    """A second writer that finds the lock taken but the record not yet written waits for it briefly."""
+    import fcntl
+    import threading
+
+    path = tmp_path / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, the record not written yet
+        record = {"pid": 4242, "host": "elsewhere", "started": "now", "argv": ["ovqflex", "train"]}
+        threading.Timer(0.2, lambda: os.write(fd, json.dumps(record).encode())).start()
+        with pytest.raises(RunLockError, match="pid 4242 on host elsewhere, started now \\(ovqflex train\\)"):
+            RunLock(tmp_path).acquire()
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_file_unlinked_between_open_and_flock_is_not_the_lock(tmp_path, monkeypatch):
+    """The holder releases (unlinks) the file after a taker opened it and before it locked it: the taker
+    holds a lock on a file no one else can find, so it must try again with a new file."""
+    import fcntl
+
+    real_flock, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        calls.append(op)
+        if len(calls) == 1:
+            os.unlink(tmp_path / LOCK_FILE)  # the holder's release
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    (tmp_path / LOCK_FILE).write_text("{}")
+    lock = RunLock(tmp_path).acquire()
+    try:
+        assert len(calls) == 2 and os.path.samestat(os.fstat(lock._fd), os.stat(tmp_path / LOCK_FILE))
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()

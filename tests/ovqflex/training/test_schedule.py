@@ -17,6 +17,14 @@ def test_lr_warms_up_linearly_then_decays_to_min_lr():
     assert lrs[4:] == pytest.approx([0.1 + 0.9 * (1 + math.cos(math.pi * j / 10)) / 2 for j in range(10)])
     assert lrs[4] == 1.0 and lrs[9] == pytest.approx(0.55)
     assert lr_at(14, lr=1.0, min_lr=0.1, warmup=4, total=14) == pytest.approx(0.1)
+    assert [lr_at(s, lr=1.0, min_lr=0.1, warmup=4, total=14) for s in (15, 20, 24)] == [0.1] * 3  # stays there
+
+
+def test_length_warmup_text():
+    from ovqflex.training.schedule import length_warmup_text
+
+    assert length_warmup_text((), 0) == ""
+    assert length_warmup_text((256, 512, 1024), 1500) == " (first 256, 512, 1,024 tokens over 1,500 steps)"
 
 
 def test_length_warmup_takes_each_length_in_turn_then_seq_len():
