@@ -55,3 +55,4 @@ def test_causal_64k_block_view_has_closed_form_counts():
     text = block_text(view, width=64, height=32)
     rows = text.splitlines()[1:]
     assert len(rows) == 32 and rows[-1].count("█") == 64  # last tile row: every kv tile holds a full block
+    assert all(len(r) == 66 and r[0] == r[-1] == "|" for r in rows)  # 64 tiles between two borders

@@ -51,6 +51,12 @@ def test_figure_pixels_are_the_region_colours(program):
     assert legend == [f"{n} ({int((truth == k).sum()):,})" for k, n in enumerate(names)]
 
 
+def test_a_views_bias_is_that_of_its_kv_rows():
+    program = make_program("bank")
+    view = token_view(program, head=1, q_range=(40, 60), kv_range=(10, 50))
+    assert view.labels.shape == (20, 40) and torch.equal(view.bias, program.bias[0, 1, 10:50].float())
+
+
 def test_bias_strip_shows_the_row_bias():
     program = make_program("bank")
     view = token_view(program, head=1)
@@ -99,11 +105,12 @@ def test_pooled_tiles_past_the_edge_show_only_the_cells_they_cover():
     (dict(max_cells=100), "max_cells=100"),
     (dict(q_range=(5, 5)), "q_range"),
     (dict(kv_range=(0, 10**6)), "kv_range"),
+    (dict(q_range=(0.5, 10)), r"q_range must be \(start, stop\) with 0 <= start < stop <= 80, got \(0.5, 10\)"),
     (dict(head=7), "head must be < H=2, got 7"),
     (dict(head=2), "head must be < H=2, got 2"),
     (dict(batch=1), "batch must be < B=1, got 1"),
     (dict(batch=-1), "batch must be >= 0"),
-], ids=["too-big", "empty-q-range", "kv-range", "head", "head-H", "batch-B", "batch"])
+], ids=["too-big", "empty-q-range", "kv-range", "float-q-range", "head", "head-H", "batch-B", "batch"])
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         token_view(make_program("causal"), **kwargs)
