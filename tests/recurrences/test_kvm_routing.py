@@ -80,7 +80,7 @@ def test_sinks_outside_the_initial_state_are_refused_by_every_router(sink_len, e
     from ovqflex.ops.kvm import KVMOptions
 
     C, D = 16, 4
-    kbar, gate = torch.randn(1, 1, 4 * C, D), torch.rand(1, 1, 4 * C)
+    kbar, gate = torch.zeros(1, 1, 4 * C, D), torch.ones(1, 1, 4 * C)  # refused before any value is read
     ln = torch.ones(D), torch.zeros(D)
     with pytest.raises(error, match=match):
         route_kvm(kbar, gate, *ln, schedule=KVMSchedule(C, 1), sink_len=sink_len)
