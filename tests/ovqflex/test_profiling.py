@@ -276,6 +276,7 @@ def test_the_fwd_mode_runs_without_grad_and_fwd_bwd_with_it():
             seen.append(torch.is_grad_enabled())
             return super().forward(x)
 
+    torch.manual_seed(0)
     layer = Probe(4, 4)
     x = torch.randn(2, 4)
     _step(layer, x, lambda y, _: y.square().mean(), "fwd")
