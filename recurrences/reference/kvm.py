@@ -91,6 +91,9 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
     """
     B, H, T, D = q.shape
     Dv, C, Nb, dev = v.shape[-1], chunk_size, n_bswa_chunks, q.device
+    if isinstance(sink_len, bool) or not isinstance(sink_len, int) or not 0 <= sink_len < C:
+        raise ValueError(f"sink_len must be an int in [0, chunk_size={C}) (sinks are rows of the initial state, "
+                         f"the first chunk), got {sink_len!r}")
     r = D // 2 if rope_dims is None else rope_dims
     cdt = torch.promote_types(q.dtype, torch.float32)
     qq, kk, vv = q.to(cdt), k.to(cdt), v.to(cdt)
@@ -106,9 +109,6 @@ def kvm_attention_reference(q, k, v, gate=None, *, ln_s_weight, ln_s_bias, tau_s
     wr, br = w.detach().float(), b.detach().float()
     k_win = kk * t_b.view(1, H, 1, 1)
 
-    if isinstance(sink_len, bool) or not isinstance(sink_len, int) or not 0 <= sink_len < C:
-        raise ValueError(f"sink_len must be an int in [0, chunk_size={C}) (sinks are rows of the initial state, "
-                         f"the first chunk), got {sink_len!r}")
     if (routes is None) != (founder is None):
         raise ValueError("routes and founder force the decisions together: give both or neither, got "
                          f"{'routes' if founder is None else 'founder'} alone")
