@@ -14,7 +14,9 @@ import torch
 
 from ovqflex.training import (CheckpointError, TrainConfig, TrainingDiverged, diverged_step, evaluate,
                               latest_checkpoint, load_checkpoint, save_checkpoint, train)
+import ovqflex.training.trainer as trainer_mod
 from ovqflex.cli import main
+from ovqflex.training.distributed import DistInfo
 from ovqflex.training.evaluate import load_run, parse_overrides, report_name
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
 from ovqflex.training.interrupt import StopRequest, TrainingInterrupted
@@ -100,8 +102,6 @@ def test_a_step_is_adamw_on_the_mean_target_loss_clipped_with_decay_on_the_matri
 
 def test_loss_falls_when_memorising_one_batch(tmp_path, monkeypatch):
     """The loop optimises (loss, backward, clipping, AdamW, schedule): every step sees step 0's batch."""
-    import ovqflex.training.trainer as trainer_mod
-
     real = trainer_mod.make_batch
     monkeypatch.setattr(trainer_mod, "make_batch", lambda task, **kw: real(task, **{**kw, "step": 0}))
     c = cfg(tmp_path, steps=40, lr=1e-2, warmup=0)
@@ -137,8 +137,6 @@ def test_a_length_warmup_trains_shorter_sequences_first_at_the_same_tokens_per_s
     """The warm-up's steps draw twice the sequences at half the length: the stream's batches of
     those lengths (a pure function of seed and step), every step the same tokens; the metrics say
     each logged step's length."""
-    import ovqflex.training.trainer as trainer_mod
-
     real, drawn = trainer_mod.make_batch, []
     monkeypatch.setattr(trainer_mod, "make_batch", lambda task, **kw: drawn.append(kw) or real(task, **kw))
     c = cfg(tmp_path, **WARMUP)
@@ -151,8 +149,6 @@ def test_a_length_warmup_trains_shorter_sequences_first_at_the_same_tokens_per_s
 def test_tokens_per_second_count_every_steps_tokens_during_a_length_warmup(tmp_path, monkeypatch):
     """A warm-up step trains as many tokens as any other (more sequences, shorter): with a clock that
     moves one second per reading, each logged step reports batch_size x seq_len tokens/s."""
-    import ovqflex.training.trainer as trainer_mod
-
     ticks = iter(range(10**6))
     monkeypatch.setattr(trainer_mod, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     c = cfg(tmp_path, **WARMUP)
@@ -333,9 +329,6 @@ def test_deterministic_defaults_to_on_for_the_cpu_only():
 
 def test_a_global_batch_the_ranks_cannot_share_is_refused(tmp_path):
     """(Checked in the loop, where the ranks are known: rank 0 of two, before anything is written.)"""
-    import ovqflex.training.trainer as trainer_mod
-    from ovqflex.training.distributed import DistInfo
-
     c = cfg(tmp_path, batch_size=3)
     with pytest.raises(ValueError, match="batch_size=3 must be divisible by the number of ranks 2"):
         trainer_mod._train(c, DistInfo(rank=0, world_size=2), torch.device("cpu"), None, False, None, c.steps)
@@ -453,8 +446,6 @@ def test_a_signal_during_the_last_step_is_not_swallowed(tmp_path, monkeypatch):
 def test_a_signal_at_a_checkpoint_step_writes_that_checkpoint_once(tmp_path, monkeypatch):
     """SIGTERM after step 2, a checkpoint step: the stop uses the checkpoint just written (not a second
     write of it); a run cut short by stop_after is not complete when the signal lands on its last step."""
-    import ovqflex.training.trainer as trainer_mod
-
     real, written = trainer_mod.save_checkpoint, []
     monkeypatch.setattr(trainer_mod, "save_checkpoint", lambda out, step, *a, **k: written.append(step) or
                         real(out, step, *a, **k))
