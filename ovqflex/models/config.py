@@ -152,7 +152,9 @@ def canonical_config(d: dict, what: str = "model config") -> dict:
     for key, value in d.items():
         if key == "mixer_options":
             continue
-        if key in _RENAMED and _RENAMED[key] not in d:
+        if key in _RENAMED:
+            if _RENAMED[key] in d:
+                raise ValueError(f"{what}: {key!r} is the old name of {_RENAMED[key]!r}, and both are given")
             warnings.warn(f"{what}: {key} is renamed {_RENAMED[key]}", DeprecationWarning, stacklevel=3)
             out[_RENAMED[key]] = value
             continue
@@ -185,8 +187,8 @@ def merge_config(base: dict, overrides: dict, what: str = "model config") -> dic
     merged = {**base, **overrides}
     if isinstance(base.get("mixer_options"), dict) and isinstance(overrides.get("mixer_options"), dict):
         nested = {name: dict(opts) for name, opts in base["mixer_options"].items()}
-        for name, opts in overrides["mixer_options"].items():
-            nested[name] = {**nested.get(name, {}), **opts}
+        for name, opts in overrides["mixer_options"].items():  # (an entry not a dict: the config refuses it)
+            nested[name] = {**nested.get(name, {}), **opts} if isinstance(opts, dict) else opts
         merged["mixer_options"] = nested
     return merged
 

@@ -16,8 +16,9 @@ def test_bad_config_values():
         HybridConfig(d_model=30, n_heads=4)
     with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 16"):
         HybridConfig(chunk_size=24)
-    with pytest.raises(ValueError, match="preset must be one of"):
-        preset("huge")
+    for name in ("huge", ""):
+        with pytest.raises(ValueError, match="preset must be one of"):
+            preset(name)
     with pytest.raises(ValueError, match="model config: unknown key 'colour'; known keys: backend, "):
         HybridConfig.from_dict({"colour": "red"})
 
@@ -31,7 +32,8 @@ BAD_FIELDS = [
     ("pattern", "", ValueError, "pattern must be mixer names separated by single commas"),
     # an unknown mixer had been found only when HybridLM built its layers
     ("pattern", "swa,wat", ValueError, r"pattern names unknown mixer 'wat'; available: \[.*'ovq'"),
-    ("head_dim", 0, ValueError, "head_dim must be >= 1, got 0"),
+    *[(name, 0, ValueError, f"{name} must be >= 1, got 0")
+      for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "window", "n_bswa_chunks")],
     ("qk_conv", -1, ValueError, "qk_conv must be >= 0, got -1"),
     ("mlp_ratio", "4", TypeError, "mlp_ratio must be a number, got str '4'"),
     ("norm_eps", -1e-5, ValueError, "norm_eps must be a finite number > 0, got -1e-05"),
@@ -44,6 +46,7 @@ BAD_FIELDS = [
     ("rope_base", math.inf, ValueError, "rope_base must be a finite number > 0, got inf"),
     ("norm_eps", math.nan, ValueError, "norm_eps must be a finite number > 0, got nan"),
     ("qk_norm", "no", TypeError, "qk_norm must be True or False, got str 'no'"),
+    ("qk_norm", 1, TypeError, "qk_norm must be True or False, got int 1"),
     ("backend", "cuda", ValueError, r"backend must be one of \['auto', 'blocked', 'dense', 'flex'\], got 'cuda'"),
 ]
 
@@ -100,6 +103,9 @@ def test_configs_saved_with_bswa_chunks_still_load():
     del saved["n_bswa_chunks"]
     with pytest.warns(DeprecationWarning, match="bswa_chunks is renamed n_bswa_chunks"):
         assert HybridConfig.from_dict(saved) == HybridConfig(n_bswa_chunks=3)
+    with pytest.raises(ValueError, match="model config: 'bswa_chunks' is the old name of 'n_bswa_chunks', "
+                                         "and both are given"):
+        HybridConfig.from_dict({**saved, "n_bswa_chunks": 2})
 
 
 def _ovq_caps(cfg: HybridConfig) -> list[int]:
@@ -184,17 +190,25 @@ def test_merge_config_keeps_both_sides_and_refuses_an_option_given_twice():
     ({"ovq": {"max_centroids": 0}}, ValueError, r"mixer_options\['ovq'\]: max_centroids must be >= 1, got 0"),
     ({"kvm": {"budget": "cubic"}}, ValueError, r"mixer_options\['kvm'\]: budget must be one of"),
     ({"ovq": 8}, TypeError, r"mixer_options\['ovq'\] must be a dict of options, got int"),
-    ([], TypeError, "mixer_options must be a dict"),
+    ([], TypeError, "mixer_options must be (a )?dict"),
 ], ids=["mixer", "not-a-mixer", "option", "options-object", "value", "kvm-value", "entry-type", "type"])
 def test_bad_mixer_options_are_refused_when_the_config_is_made(options, error, match):
+    """Made in Python, read from a dict (a saved config) or merged into a preset: refused by name alike."""
     with pytest.raises(error, match=match):
         HybridConfig(mixer_options=options)
+    with pytest.raises(error, match=match):
+        HybridConfig.from_dict({"mixer_options": options})
+    with pytest.raises(error, match=match):
+        preset("small", mixer_options=options)
 
 
 def test_a_mixer_option_is_checked_with_what_the_config_sets():
     """chunk_size 16 comes from the config: an OVQ growth horizon is checked against the full options."""
     with pytest.raises(ValueError, match=r"mixer_options\['ovq'\]: growth_horizon"):
         HybridConfig(chunk_size=16, mixer_options={"ovq": {"growth": "linear", "growth_horizon": 0}})
+    # KVM's sinks must fit in the initial state, the config's 16-token chunk (KVM's own default is 128)
+    with pytest.raises(ValueError, match=r"mixer_options\['kvm'\]: sink_len must be < chunk_size=16"):
+        HybridConfig(chunk_size=16, mixer_options={"kvm": {"sink_len": 16}})
 
 
 def test_configs_saved_with_ovq_fields_still_load_as_the_same_model():
