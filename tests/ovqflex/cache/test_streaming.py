@@ -202,7 +202,8 @@ def test_generate_samples_reproducibly_within_top_k():
     assert (top3 == a[:, 5:, None]).any(-1).all(), "a sampled token outside the top 3"
 
 
-@pytest.mark.parametrize("temperature, top_k", [(0.7, 3), (1.0, None), (2.0, 5)], ids=["t0.7-top3", "t1", "t2-top5"])
+@pytest.mark.parametrize("temperature, top_k", [(0.7, 3), (1.0, None), (2.0, 5), (1.0, 7)],
+                         ids=["t0.7-top3", "t1", "t2-top5", "t1-top7"])
 def test_samples_follow_the_softmax_at_the_temperature_over_the_top_k(temperature, top_k):
     """``sample_next`` draws from ``softmax(logits / temperature)`` renormalised over the ``top_k`` best
     tokens: 40,000 draws of one row (seeded) are within 0.012 of each token's probability (at least 4.8
@@ -234,6 +235,21 @@ def test_sampling_at_a_tiny_temperature_is_greedy_and_an_infinite_one_is_refused
     for bad in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match=f"temperature must be a finite number >= 0, got {bad!r}"):
             HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=bad)
+    for top_k, error, match in ((0, ValueError, "top_k must be >= 1, got 0"),
+                                (2.5, TypeError, "top_k must be an int, got float 2.5")):
+        with pytest.raises(error, match=match):
+            HybridLM(cfg).generate(torch.zeros(1, 3, dtype=torch.long), 2, top_k=top_k)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train-mode", "eval-mode"])
+def test_generate_runs_the_model_in_eval_mode_and_gives_its_mode_back(training):
+    cfg = HybridConfig(vocab_size=40, d_model=HIDDEN, n_layers=2, n_heads=HEADS, pattern="swa,vq", chunk_size=16,
+                       backend="dense")
+    model = HybridLM(cfg).train(training)
+    modes = []
+    model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    model.generate(torch.zeros(1, 3, dtype=torch.long), 4)
+    assert modes == [False] * 4 and model.training == training
 
 
 @pytest.mark.parametrize("decode", ["functional", "static"])

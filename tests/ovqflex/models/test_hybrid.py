@@ -198,7 +198,8 @@ def test_a_window_override_computes_as_the_model_built_with_it(override, built):
     (dict(rope_base=100.0), "no mixer of pattern 'swa,ovq' takes 'rope_base' at test time"),
     (dict(max_centroids=64, window=-1), "override window=-1: window must be >= 1, got -1"),
     (dict(max_centroids=64, backend="cuda"), r"override backend='cuda': backend must be one of \["),
-], ids=["not-an-option", "built-in", "bad-window", "bad-backend"])
+    (dict(max_centroids=64, window="4"), "override window='4': window must be an int, got str '4'"),
+], ids=["not-an-option", "built-in", "bad-window", "bad-backend", "window-type"])
 def test_an_override_is_a_test_time_option_with_a_good_value_or_none_is_set(overrides, match):
     """Only what a layer reads at every call can be overridden, each value checked by the layer; on
     an error no override stays set (a bad backend had been found at the first forward)."""
@@ -221,6 +222,7 @@ def test_overridden_gives_each_mixer_its_own_value_back():
     with pytest.raises(ValueError, match="override chunk_size=100"), model.overridden(chunk_size=100):
         pass
     assert (ovq.chunk_size, kvm.chunk_size) == (32, 16)
+    assert model.set_overrides(chunk_size=64) == {"chunk_size": 32}  # one value per key: the first mixer's
 
 
 def test_kvm_state_cap_override_changes_long_context_outputs():
@@ -338,3 +340,36 @@ def test_initialisation_scales_the_pre_norm_residual_branches():
     for name, (weight, want) in stds.items():
         assert weight.std().item() == pytest.approx(want, rel=0.3), name
         assert abs(weight.mean().item()) < 0.3 * want, name
+
+
+def test_swiglu_width_and_the_parameter_count():
+    """The MLP's hidden width is ``mlp_ratio * d * 2/3`` rounded *up* to a multiple of 16 (d = 32: 85.3 -> 96;
+    d = 48 and 24: 128 and 64 exactly); ``num_parameters`` counts every parameter, vectors (norms, beta) too."""
+    from ovqflex.models.hybrid import SwiGLU
+
+    for d, hidden in ((32, 96), (48, 128), (24, 64)):
+        mlp = SwiGLU(d, 4.0)
+        assert (mlp.gate_up.weight.shape, mlp.down.weight.shape) == ((2 * hidden, d), (d, hidden)), d
+    V, d, H, L = 64, 32, 2, 3  # per block: beta [H], qkv [3d, d], o [d, d], two norms [d], gate_up [192, d], down
+    model = HybridLM(HybridConfig(vocab_size=V, d_model=d, n_heads=H, n_layers=L, pattern="full"))
+    assert model.num_parameters() == V * d + L * (H + 4 * d * d + 2 * d + 3 * d * 96) + d
+
+
+def test_the_aux_loss_is_the_sum_of_the_mixers_aux_losses():
+    """Two VQ layers' commitment losses (and none from the window layer between them) add up."""
+    model = small("vq,swa,vq")
+    losses = []
+    for block in model.blocks:
+        block.mixer.register_forward_hook(lambda module, args, out: losses.append(out[1].get("loss")))
+    _, aux = model(torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1)), return_aux=True)
+    assert losses[1] is None and losses[0] > 0 and losses[2] > 0 and losses[0] != losses[2]
+    assert aux.dtype == torch.float32 and torch.equal(aux, losses[0].float() + losses[2].float())
+
+
+def test_logits_are_fp32_under_autocast():
+    model = small("swa,ovq")
+    x = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert model(x).dtype == torch.float32
+        logits, cache = model(x[:, :19], use_cache=True)
+        assert logits.dtype == torch.float32 and model(x[:, 19:], cache=cache)[0].dtype == torch.float32

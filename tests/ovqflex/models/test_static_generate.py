@@ -11,8 +11,16 @@ CONFIG = dict(vocab_size=64, d_model=32, n_heads=2, window=20, chunk_size=16, qk
 
 
 def _model(pattern: str) -> HybridLM:
+    """Weights moved off their init: at init (std 0.02) the greedy tokens hardly depend on the context (two
+    5-token prompts continued by 60 tokens: 10 distinct ids in all), so a static path that absorbed each chunk
+    one token late gave the same tokens; perturbed by 0.1, it changes 25 of the 120 new tokens."""
     torch.manual_seed(0)
-    return HybridLM(HybridConfig(pattern=pattern, n_layers=len(pattern.split(",")), **CONFIG))
+    model = HybridLM(HybridConfig(pattern=pattern, n_layers=len(pattern.split(",")), **CONFIG))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
 
 
 @pytest.mark.parametrize("pattern", ["swa,ovq,nope,bswa,kvm", "vq,linear,deltanet,vla,longvq"])
@@ -27,12 +35,18 @@ def test_static_generate_gives_the_functional_greedy_tokens(prompt_len, pattern)
 
 
 def test_compiled_generate_compiles_once_and_gives_the_same_tokens():
+    """Two graphs, each compiled once: the decode step and the OVQ chunk end's routing step (an eager
+    step or boundary gives the same tokens: only the graph count tells them apart)."""
+    from torch._dynamo.utils import counters
+
     model = _model("swa,ovq")
     prompt = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(1))
     want = model.generate(prompt, 40, temperature=0)
     torch._dynamo.reset()
+    counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(model.generate(prompt, 40, temperature=0, decode="compiled"), want)
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_static_generate_refuses_what_it_cannot_do():
@@ -43,6 +57,9 @@ def test_static_generate_refuses_what_it_cannot_do():
     model.blocks[1].mixer.static_cache_type = None  # as a plugged-in method without a static cache
     with pytest.raises(NotImplementedError, match="mixer 'vq' .* has no static"):
         model.generate(prompt, 2, decode="static")
+    with pytest.raises(TypeError, match=r"cache must be a ModelCache \(from forward\(\.\.\., use_cache=True\)\), "
+                                        r"got dict"):
+        model.static_caches({}, 8)
 
 
 def test_an_empty_prompt_is_refused_by_name():
