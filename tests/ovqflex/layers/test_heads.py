@@ -20,6 +20,9 @@ def test_split_heads_shapes_and_size_check():
         m.split_heads(torch.randn(2, 7, 16))
     with pytest.raises(ValueError, match="qk_conv must be >= 0"):
         MultiHeadProjection(32, 4, None, "blocked", qk_conv=-1)
+    for args, name in (((0, 4, None), "hidden_size"), ((32, 0, None), "num_heads"), ((32, 4, 0), "head_dim")):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+            MultiHeadProjection(*args, "blocked")
 
 
 @pytest.mark.parametrize("layer", ["OVQAttention", "KVMAttention", "VQAttention", "CausalAttention",

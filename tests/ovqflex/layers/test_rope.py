@@ -43,6 +43,14 @@ def test_a_float64_input_is_rotated_in_float64(interleaved):
     assert torch.allclose(got, rope_complex(x, pos, 16, 10000.0, interleaved), rtol=0, atol=1e-10)
 
 
+def test_a_float64_rotation_reads_positions_past_fp32_s_integers_exactly():
+    """Positions are cast to the angles' dtype once: 2^24 + 1 is not an fp32 number (it rounds to 2^24), and
+    the first pair's angle (the position, in radians) would be off by 1 rad."""
+    x = torch.randn(1, 1, 2, 4, dtype=torch.float64)
+    pos = torch.tensor([2**24 + 1, 2**24 + 3])
+    assert torch.allclose(apply_rope(x, pos, 4), rope_complex(x, pos, 4, 10000.0, False), rtol=0, atol=1e-9)
+
+
 def test_rope_is_relative():
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
     dots = [
@@ -52,6 +60,7 @@ def test_rope_is_relative():
     assert torch.allclose(dots[0], dots[1], atol=1e-5)
 
 
-def test_rope_bad_dims():
-    with pytest.raises(ValueError, match=r"rope_dims must be even and in \[0, 16\], got 7"):
-        apply_rope(torch.randn(1, 1, 4, 16), torch.arange(4), 7)
+@pytest.mark.parametrize("rope_dims", [7, 18, -2])
+def test_rope_bad_dims(rope_dims):
+    with pytest.raises(ValueError, match=rf"rope_dims must be even and in \[0, 16\], got {rope_dims}"):
+        apply_rope(torch.randn(1, 1, 4, 16), torch.arange(4), rope_dims)

@@ -87,6 +87,18 @@ def test_layer_bad_codebook_size_and_ema_decay():
         ovqflex.VQAttention(32, 2, ema_decay=1.0)
 
 
+@pytest.mark.parametrize("name", ["VQAttention", "LongVQBlock"])
+def test_the_estimator_is_fixed_when_the_layer_is_built(name):
+    """A "diveq" codebook is a parameter, an "ste" one a buffer: the estimator cannot change afterwards, nor be
+    a test-time override; the other options can (``chunk_size``)."""
+    layer = getattr(ovqflex, name)(32, 2, chunk_size=16)
+    with pytest.raises(AttributeError, match=f"estimator of a {name} is fixed when it is built"):
+        layer.estimator = "diveq"
+    assert layer.estimator == "ste" and "estimator" not in layer.overrides and "chunk_size" in layer.overrides
+    layer.chunk_size = 32
+    assert layer.options.chunk_size == 32
+
+
 def test_layer_diveq_trains_codebook_by_gradient():
     torch.manual_seed(0)
     layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq", backend="blocked")
