@@ -3,7 +3,6 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from ovqflex.cli import main
 from ovqflex.training.distributed import DistInfo
 from ovqflex.training.evaluate import load_run, parse_overrides, report_name
 from ovqflex.training.lock import LOCK_FILE, RunLock, RunLockError
-from ovqflex.training.interrupt import StopRequest, TrainingInterrupted
+from ovqflex.training.interrupt import TrainingInterrupted
 from ovqflex.training.trainer import FAULT_KILL_ENV, FAULT_NAN_ENV, FAULT_SIGNAL_ENV, TrainResult
 from tests.helpers import assert_close
 
@@ -415,20 +414,6 @@ def test_cli_stop_after_says_how_far_it_went_and_resume_matches(tmp_path, straig
     assert latest_checkpoint(tmp_path / "run").name == "step_00000003"
     _cli([*STOP_RUN, "--out", str(tmp_path / "run"), "--resume"])
     assert [r["loss"] for r in metrics(tmp_path / "run")] == straight_losses
-
-
-def test_stop_request_restores_the_handlers_after_the_first_signal():
-    """The first signal is caught and recorded; the handlers before it are back at once (a second
-    Ctrl-C interrupts), and after the block."""
-    before = signal.getsignal(signal.SIGINT)
-    with StopRequest() as stop:
-        assert signal.getsignal(signal.SIGINT) == stop._handle and signal.getsignal(signal.SIGTERM) == stop._handle
-        stop._handle(signal.SIGTERM, None)
-        assert stop.signum == signal.SIGTERM and signal.getsignal(signal.SIGINT) is before
-    assert signal.getsignal(signal.SIGINT) is before
-    e = TrainingInterrupted(signal.SIGTERM, 7, Path("run/checkpoints/step_00000007"))
-    assert isinstance(e, KeyboardInterrupt) and e.exit_code == 143
-    assert str(e) == "stopped by SIGTERM after step 7: checkpoint run/checkpoints/step_00000007; continue with --resume"
 
 
 def test_a_signal_during_the_last_step_is_not_swallowed(tmp_path, monkeypatch):
