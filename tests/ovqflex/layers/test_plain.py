@@ -47,6 +47,49 @@ def test_layer_equals_sdpa_with_explicit_mask(name):
         assert_close(layer(x), ref, FWD_TOL[torch.float32], "flex forward")
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["scaled-dot", "qk-norm"])
+def test_the_projections_written_out(qk_norm):
+    """The layer against its definition, the projections included (the reference above takes them from the
+    layer): q, k, v are rows of the fused weight, head-major; with ``qk_norm`` q and k are unit per head and a
+    logit is ``beta[h] <q, k>``, else ``<q, k> / sqrt(D)``; RoPE at the layer's base (500 here) is a complex
+    rotation of the half-split pairs."""
+    from tests.ovqflex.layers.test_rope import rope_complex
+
+    torch.manual_seed(0)
+    B, T, H, D = 2, 40, 3, 16
+    layer = ovqflex.SlidingWindowAttention(H * D, H, window=12, rope_base=500.0, qk_norm=qk_norm, backend="blocked")
+    x = torch.randn(B, T, H * D)
+    with torch.no_grad():
+        if qk_norm:
+            layer.beta.uniform_(2.0, 6.0)
+        q, k, v = (x @ layer.qkv_proj.weight.T).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        scale = D**-0.5
+        if qk_norm:
+            q = q / q.norm(dim=-1, keepdim=True) * layer.beta.view(1, H, 1, 1)
+            k, scale = k / k.norm(dim=-1, keepdim=True), 1.0
+        pos = torch.arange(T)
+        q, k = (rope_complex(t, pos, D, 500.0, False).float() for t in (q, k))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=explicit_mask(T, window=12),
+                                                             scale=scale)
+        ref = o.transpose(1, 2).reshape(B, T, H * D) @ layer.o_proj.weight.T
+        assert_close(layer(x), ref, FWD_TOL[torch.float32], "layer")
+
+
+def test_a_window_set_on_a_built_layer_replaces_the_other_kind_and_reads_back():
+    """Setting ``window`` drops a block window and the other way round; each reads back, and the regions are
+    those of a layer built with the same settings."""
+    def built(**shape):
+        return ovqflex.SlidingWindowAttention(32, 2, chunk_size=16, **shape).regions
+
+    layer = ovqflex.SlidingWindowAttention(32, 2, block_window=2, chunk_size=16)
+    layer.window = 8
+    assert (layer.window, layer.block_window, layer.regions) == (8, None, built(window=8))
+    layer.block_window = 3
+    assert (layer.window, layer.block_window, layer.regions) == (None, 3, built(block_window=3))
+    layer.n_sinks = 2
+    assert (layer.n_sinks, layer.regions) == (2, built(block_window=3, n_sinks=2))
+
+
 @pytest.mark.parametrize("backend, dtype", [("blocked", torch.float32), ("flex", torch.float32),
                                             ("blocked", torch.float64)], ids=["blocked", "flex", "blocked-fp64"])
 def test_logn_len_multiplies_each_querys_logits_by_its_log_length(backend, dtype):
