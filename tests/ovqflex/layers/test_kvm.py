@@ -11,33 +11,53 @@ from tests.helpers import (FWD_TOL, GRAD_TOL, assert_close, assert_parameter_gra
                            assert_trains_compiled_once, checked_square_loss)
 
 
-def _layer_reference(layer, x):
-    """The layer's forward with the paper's loop in place of the fused op (same parameters)."""
+def _layer_reference(layer, x, *, rope_base, rope_dims, ln_eps):
+    """The layer's forward with the paper's loop in place of the fused op (same parameters; ``rope_base``,
+    ``rope_dims`` and ``ln_eps`` as the test built the layer, not read back from it)."""
     q, k, v = layer.split_heads(x)
     pos = torch.arange(x.shape[1])
-    q = ovqflex.layers.rope.apply_rope(layer.q_norm(q), pos, layer.rope_dims, layer.rope_base, interleaved=True)
-    k = ovqflex.layers.rope.apply_rope(layer.k_norm(k), pos, layer.rope_dims, layer.rope_base, interleaved=True)
-    gate = (1.0 + F.elu(layer.gate_proj(x))).transpose(1, 2)
+    q = ovqflex.layers.rope.apply_rope(layer.q_norm(q), pos, rope_dims, rope_base, interleaved=True)
+    k = ovqflex.layers.rope.apply_rope(layer.k_norm(k), pos, rope_dims, rope_base, interleaved=True)
+    gate = (1.0 + F.elu(x @ layer.gate_proj.weight.T)).transpose(1, 2)
     ref = kvm_attention_reference(q, k, v, gate, ln_s_weight=layer.ln_s.weight, ln_s_bias=layer.ln_s.bias,
                                   tau_state=layer.tau_state, tau_bswa=layer.tau_bswa, chunk_size=layer.chunk_size,
                                   n_bswa_chunks=layer.n_bswa_chunks, sink_len=layer.sink_len,
-                                  rope_dims=layer.rope_dims, budget=layer.budget, growth_factor=layer.growth_factor,
-                                  max_state_chunks=layer.max_state_chunks)
+                                  rope_dims=rope_dims, budget=layer.budget, growth_factor=layer.growth_factor,
+                                  max_state_chunks=layer.max_state_chunks, ln_eps=ln_eps)
     return layer.merge(ref.out)
 
 
 def test_layer_gradients_reach_every_parameter_like_the_reference():
+    """A RoPE base and an ``LN_s`` epsilon away from their defaults; ``rope_dims`` by default half the head
+    (32 channels: 16 rotated); the gate a linear map without bias."""
     torch.manual_seed(0)
-    layer = ovqflex.KVMAttention(64, 2, chunk_size=16, budget="power_law", growth_factor=4.0,
-                                 max_state_chunks=None, backend="blocked")
+    layer = ovqflex.KVMAttention(64, 2, chunk_size=16, budget="power_law", growth_factor=4.0, rope_base=500.0,
+                                 ln_eps=1e-2, max_state_chunks=None, backend="blocked")
     with torch.no_grad():  # leave the neutral init so temperatures and LN_s matter
         for p in (layer.tau_state, layer.tau_bswa, layer.ln_s.weight, layer.ln_s.bias):
             p.add_(0.3 * torch.randn_like(p))
     x = torch.randn(2, 150, 64)
-    out, ref = layer(x), _layer_reference(layer, x)
+    out, ref = layer(x), _layer_reference(layer, x, rope_base=500.0, rope_dims=16, ln_eps=1e-2)
     assert_close(out, ref, FWD_TOL[torch.float32], "layer forward")
-    assert {"gate_proj.weight", "ln_s.weight", "tau_state"} <= dict(layer.named_parameters()).keys()
+    assert {n for n, _ in layer.named_parameters()} == {
+        "qkv_proj.weight", "o_proj.weight", "q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias",
+        "ln_s.weight", "ln_s.bias", "gate_proj.weight", "tau_state", "tau_bswa"}
     assert_parameter_gradients_match(layer, out, ref)
+
+
+@pytest.mark.parametrize("use_gate", [True, False], ids=["gated", "no-gate"])
+def test_prefill_and_decode_equal_the_full_forward_with_and_without_gates(use_gate):
+    torch.manual_seed(0)
+    layer = ovqflex.KVMAttention(32, 2, chunk_size=16, use_gate=use_gate, backend="blocked").eval()
+    x = torch.randn(2, 70, 32)
+    with torch.no_grad():
+        full = layer(x)
+        y, cache = layer(x[:, :37], use_cache=True)
+        ys = [y]
+        for t in range(37, 70):
+            y, cache = layer(x[:, t:t + 1], cache=cache)
+            ys.append(y)
+    assert_close(torch.cat(ys, dim=1), full, FWD_TOL[torch.float32], "prefill + decode")
 
 
 def test_layer_ablation_switches():

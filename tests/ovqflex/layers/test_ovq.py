@@ -1,4 +1,5 @@
 """OVQAttention layer: parameters, overrides and compilation (the op: tests/ovqflex/ops/test_ovq.py)."""
+import pytest
 import torch
 
 import ovqflex
@@ -34,3 +35,19 @@ def test_layer_beta_init_and_max_centroids_override():
     small, large = layer(x), layer(x, max_centroids=64)
     assert small.shape == large.shape == x.shape
     assert not torch.allclose(small, large)  # a larger dictionary changes what late chunks read
+
+
+def test_a_cache_keeps_the_cap_it_was_made_with():
+    """A prefill at one ``max_centroids`` holds that dictionary: a decode step at another, functional or
+    static, is refused by name (it would read a dictionary built under another schedule)."""
+    torch.manual_seed(0)
+    layer = ovqflex.OVQAttention(32, 2, chunk_size=16, max_centroids=24, backend="dense").eval()
+    x = torch.randn(2, 40, 32)
+    match = "max_centroids=48 differs from the cache's 24; start a new cache"
+    with torch.no_grad():
+        _, cache = layer(x[:, :37], use_cache=True)
+        static = layer.static_cache(cache, 40)
+        for c in (cache, static):
+            with pytest.raises(ValueError, match=match):
+                layer(x[:, 37:38], cache=c, max_centroids=48)
+            assert layer(x[:, 37:38], cache=c, max_centroids=24)[0].shape == (2, 1, 32)
