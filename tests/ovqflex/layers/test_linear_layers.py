@@ -103,3 +103,15 @@ def test_inductor_compiled_training_steps_match_eager():
         layer, eager = make(), make()
         eager.load_state_dict(layer.state_dict())
         assert_compiled_training_matches_eager(layer, eager, torch.randn(2, 40, 24), what=name)
+
+
+@pytest.mark.parametrize("name, own", [
+    ("LinearAttention", {}),
+    ("DeltaNetAttention", {"beta_proj.weight": (4, 32)}),  # W_beta: hidden -> heads, no bias
+    ("VLAAttention", {"penalty_proj.weight": (8, 8)}),     # f_theta: head_dim -> head_dim, no bias, shared
+])
+def test_the_parameters_are_the_documented_ones(name, own):
+    """The shared projections, the layer's own map, and with ``out_norm`` one learned gain ``[head_dim]``."""
+    layer = getattr(ovqflex, name)(32, 4, out_norm=True)
+    shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    assert shapes == {"qkv_proj.weight": (96, 32), "o_proj.weight": (32, 32), "out_norm.weight": (8,), **own}
