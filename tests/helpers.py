@@ -116,6 +116,17 @@ def assert_trains_compiled_once(layer, loss_of, steps: int = 3, after_step=None)
     assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
 
 
+def prefill_then_decode(layer, x: torch.Tensor, prefill: int) -> torch.Tensor:
+    """``layer`` over x ``[B, T, hidden]`` as generation runs it: a prefill of the first ``prefill`` tokens,
+    then one token per call from the cache -> the outputs ``[B, T, hidden]`` (compare: the full forward)."""
+    y, cache = layer(x[:, :prefill], use_cache=True)
+    ys = [y]
+    for i in range(prefill, x.shape[1]):
+        y, cache = layer(x[:, i:i + 1], cache=cache)
+        ys.append(y)
+    return torch.cat(ys, dim=1)
+
+
 def checked_square_loss(layer, x0: torch.Tensor):
     """A ``loss_of`` for :func:`assert_trains_compiled_once`: step 0 runs on ``x0`` and its output is
     checked against the eager layer's; later steps run on fresh N(0, 1) inputs of the same shape."""

@@ -6,7 +6,7 @@ import torch
 
 import ovqflex
 from recurrences.reference import kvm_attention_reference, ovq_attention_reference
-from tests.helpers import FWD_TOL, assert_close, reference_on_routes
+from tests.helpers import FWD_TOL, assert_close, prefill_then_decode, reference_on_routes
 
 bf16 = torch.bfloat16
 
@@ -28,13 +28,8 @@ def test_ovq_layer_under_cpu_autocast_routes_like_the_reference_and_decodes():
         y_ref = layer.merge(ref.out)
     assert_close(y.float(), y_ref.float(), FWD_TOL[bf16], "layer vs reference")
     with torch.no_grad(), torch.autocast("cpu", dtype=bf16):  # the decode cache routes on the same fp32 keys
-        full = layer(x)
-        y1, cache = layer(x[:, :37], use_cache=True)
-        outs = [y1]
-        for i in range(37, 100):
-            y1, cache = layer(x[:, i:i + 1], cache=cache)
-            outs.append(y1)
-    assert_close(torch.cat(outs, 1).float(), full.float(), FWD_TOL[bf16], "prefill + decode in bf16")
+        full, decoded = layer(x), prefill_then_decode(layer, x, 37)
+    assert_close(decoded.float(), full.float(), FWD_TOL[bf16], "prefill + decode in bf16")
 
 
 KVM_OPTIONS = ("chunk_size", "n_bswa_chunks", "sink_len", "rope_dims", "budget", "growth_factor", "max_state_chunks")

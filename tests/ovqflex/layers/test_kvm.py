@@ -8,7 +8,7 @@ import ovqflex
 from ovqflex.layers.kvm import _merge_gate
 from recurrences.reference import kvm_attention_reference
 from tests.helpers import (FWD_TOL, GRAD_TOL, assert_close, assert_parameter_gradients_match,
-                           assert_trains_compiled_once, checked_square_loss)
+                           assert_trains_compiled_once, checked_square_loss, prefill_then_decode)
 
 
 def _layer_reference(layer, x, *, rope_base, rope_dims, ln_eps):
@@ -51,13 +51,8 @@ def test_prefill_and_decode_equal_the_full_forward_with_and_without_gates(use_ga
     layer = ovqflex.KVMAttention(32, 2, chunk_size=16, use_gate=use_gate, backend="blocked").eval()
     x = torch.randn(2, 70, 32)
     with torch.no_grad():
-        full = layer(x)
-        y, cache = layer(x[:, :37], use_cache=True)
-        ys = [y]
-        for t in range(37, 70):
-            y, cache = layer(x[:, t:t + 1], cache=cache)
-            ys.append(y)
-    assert_close(torch.cat(ys, dim=1), full, FWD_TOL[torch.float32], "prefill + decode")
+        full, decoded = layer(x), prefill_then_decode(layer, x, 37)
+    assert_close(decoded, full, FWD_TOL[torch.float32], "prefill + decode")
 
 
 def test_layer_ablation_switches():
