@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ovqflex
+from ovqflex.layers.vq import VQCodebook
 from recurrences.reference import vq_attention_reference
 from tests.helpers import FWD_TOL, assert_close, assert_parameter_gradients_match, assert_trains_compiled_once
 
@@ -85,6 +86,60 @@ def test_layer_bad_codebook_size_and_ema_decay():
         ovqflex.VQAttention(32, 2, codebook_size=0)
     with pytest.raises(ValueError, match="ema_decay must be < 1, got 1.0"):  # an EMA that never moves
         ovqflex.VQAttention(32, 2, ema_decay=1.0)
+    for name, bad in (("ema_decay", -0.5), ("dead_threshold", -0.1), ("penalty_rate", -1.0), ("dead_after", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be .*, got {bad}"):
+            VQCodebook(2, 8, 16, **{name: bad})
+
+
+def test_dead_codes_and_the_no_use_penalty_follow_their_thresholds():
+    """``ste``: a code is dead below ``dead_threshold`` (at it, alive); ``diveq``: after ``dead_after`` idle
+    steps (at it, dead), and its assignment bonus is ``penalty_rate`` per idle step."""
+    ste = VQCodebook(1, 4, 8, dead_threshold=0.01)
+    ste.ema_counts.copy_(torch.tensor([[0.01, 0.0099, 1.0, 0.0]]))
+    assert ste.dead_codes() == 2 and ste.code_bias() is None
+    diveq = VQCodebook(1, 4, 8, estimator="diveq", dead_after=5, penalty_rate=0.5)
+    diveq.idle_steps.copy_(torch.tensor([[5.0, 4.0, 6.0, 0.0]]))
+    assert diveq.dead_codes() == 2 and torch.equal(diveq.code_bias(), torch.tensor([[2.5, 2.0, 3.0, 0.0]]))
+
+
+def test_a_step_revives_the_codes_below_the_layer_s_dead_threshold():
+    """Every key goes to code 0; the other codes' counts decay from 1 to 0.99, below a threshold of 0.999:
+    each is revived as one of the step's unit keys (at the default threshold, 0.01, none would be)."""
+    torch.manual_seed(0)
+    codebook = VQCodebook(1, 4, 8, dead_threshold=0.999)
+    init = codebook.codebook.clone()
+    k = torch.randn(1, 1, 6, 8)
+    codebook.update_(k, torch.zeros(1, 1, 6, dtype=torch.long))
+    unit = torch.nn.functional.normalize(k[0, 0], dim=-1)
+    for code in (1, 2, 3):
+        row = codebook.codebook[0, code]
+        assert not torch.equal(row, init[0, code]) and torch.isclose(unit @ row, torch.tensor(1.0)).any(), code
+
+
+def test_the_layer_s_loss_is_its_commitment_weighted():
+    torch.manual_seed(0)
+    layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, commitment_weight=0.5, backend="blocked")
+    _, aux = layer(torch.randn(2, 64, 32), return_aux=True)
+    assert aux["commitment"] > 0 and torch.equal(aux["loss"], 0.5 * aux["commitment"])
+
+
+@pytest.mark.parametrize("world, sync_ranks, summed", [(1, True, False), (2, True, True), (2, False, False)],
+                         ids=["one-rank", "ranks", "sync-off"])
+def test_the_codebook_update_sums_over_ranks_only_data_parallel_and_when_asked(monkeypatch, world, sync_ranks,
+                                                                               summed):
+    """A group of several ranks with ``sync_ranks``: the update reads statistics summed over them (the gloo run of
+    two ranks is the data-parallel test below; here the group and the all-reduce are stood in for)."""
+    import ovqflex.layers.vq as vq_layer
+
+    calls = []
+    monkeypatch.setattr(vq_layer.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(vq_layer.dist, "get_world_size", lambda: world)
+    monkeypatch.setattr(vq_layer, "sum_over_ranks", lambda x: calls.append(x.shape) or x)
+    for estimator in ("ste", "diveq"):
+        codebook = VQCodebook(1, 4, 8, estimator=estimator)
+        codebook.sync_ranks = sync_ranks
+        codebook.update_(torch.randn(1, 1, 6, 8), torch.zeros(1, 1, 6, dtype=torch.long))
+    assert vq_layer.data_parallel() == (world > 1) and bool(calls) == summed
 
 
 @pytest.mark.parametrize("name", ["VQAttention", "LongVQBlock"])
