@@ -105,6 +105,18 @@ def test_bad_arguments():
         ovqflex.LongVQBlock(32, 2, chunk_size=10)
     with pytest.raises(ValueError, match="x must have last dim"):
         block()(torch.randn(1, 8, 16))
+    for option, bad, match in (("ema_dim", 0, "ema_dim must be >= 1, got 0"),
+                               ("ffn_ratio", 0, "ffn_ratio must be a finite number > 0, got 0"),
+                               ("norm_eps", 0.0, "norm_eps must be a finite number > 0, got 0.0"),
+                               ("commitment_weight", -1.0, "commitment_weight must be a finite number >= 0, got -1.0"),
+                               ("head_dim", 0, "head_dim must be >= 1, got 0")):
+        with pytest.raises(ValueError, match=match):
+            ovqflex.LongVQBlock(32, 2, **{option: bad})
+
+
+def test_the_ffn_width_is_ffn_ratio_times_hidden():
+    block = ovqflex.LongVQBlock(32, 2, ffn_ratio=3.0)
+    assert (block.ffn[0].weight.shape, block.ffn[2].weight.shape) == ((96, 32), (32, 96))
 
 
 @pytest.mark.slow
