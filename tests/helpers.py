@@ -116,6 +116,16 @@ def assert_trains_compiled_once(layer, loss_of, steps: int = 3, after_step=None)
     assert counters["stats"]["unique_graphs"] == graphs, "recompiled across equal-shape steps"
 
 
+def perturbed(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with every parameter moved by ``0.1 * N(0, 1)`` (seeded, in place), off its init (unit
+    norms, temperatures 1, tiny weights) so that every parameter matters and outputs depend on the context."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return module
+
+
 def prefill_then_decode(layer, x: torch.Tensor, prefill: int) -> torch.Tensor:
     """``layer`` over x ``[B, T, hidden]`` as generation runs it: a prefill of the first ``prefill`` tokens,
     then one token per call from the cache -> the outputs ``[B, T, hidden]`` (compare: the full forward)."""

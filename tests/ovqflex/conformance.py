@@ -10,7 +10,7 @@ import torch
 
 import ovqflex
 from ovqflex.methods import Method
-from tests.helpers import FWD_TOL, assert_close
+from tests.helpers import FWD_TOL, assert_close, perturbed
 
 B, T, HIDDEN, HEADS = 2, 100, 32, 2
 TOL = FWD_TOL[torch.float32]
@@ -20,12 +20,7 @@ def layer_of(method: Method) -> torch.nn.Module:
     """The method's small layer, seeded, moved off its init (unit norms, temperatures 1) so every
     parameter matters."""
     torch.manual_seed(0)
-    layer = method.build(HIDDEN, HEADS, **method.test_options)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return layer
+    return perturbed(method.build(HIDDEN, HEADS, **method.test_options))
 
 
 def inputs(seed: int = 2) -> torch.Tensor:

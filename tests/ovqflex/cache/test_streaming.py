@@ -18,7 +18,7 @@ from ovqflex.layers.heads import MultiHeadProjection
 from ovqflex.methods import METHODS, Method
 from ovqflex.models import HybridLM
 from ovqflex.models.config import HybridConfig
-from tests.helpers import FWD_TOL, assert_close
+from tests.helpers import FWD_TOL, assert_close, perturbed
 
 HIDDEN, HEADS = 32, 2
 
@@ -67,12 +67,8 @@ LAYERS = {
 
 
 def _perturbed(layer):
-    """Move the layer off its init (unit LayerNorms, temperatures 1) so every parameter matters."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return layer.eval()
+    """Move the layer off its init (unit LayerNorms, temperatures 1) so every parameter matters; eval mode."""
+    return perturbed(layer).eval()
 
 
 def _stream(model, x, t1, steps):

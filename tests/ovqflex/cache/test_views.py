@@ -10,6 +10,7 @@ import torch
 import ovqflex
 import ovqflex.ops.kvm_decode as kvm_decode
 import ovqflex.ops.ovq_decode as ovq_decode
+from tests.helpers import perturbed
 
 HIDDEN, HEADS, C = 32, 2, 16
 
@@ -25,12 +26,7 @@ LAYERS = {
 
 def _layer(name):
     torch.manual_seed(0)
-    layer = LAYERS[name]()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # off the init, so LN_s and the temperatures matter
-        for p in layer.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return layer.eval()
+    return perturbed(LAYERS[name]()).eval()  # off the init, so LN_s and the temperatures matter
 
 
 def _decoded(layer, x, t0: int):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ovqflex.models import HybridConfig, HybridLM
+from tests.helpers import perturbed
 
 CONFIG = dict(vocab_size=64, d_model=32, n_heads=2, window=20, chunk_size=16, qk_conv=2,
               backend="dense", mixer_options={"ovq": {"max_centroids": 24}})
@@ -15,12 +16,7 @@ def _model(pattern: str) -> HybridLM:
     5-token prompts continued by 60 tokens: 10 distinct ids in all), so a static path that absorbed each chunk
     one token late gave the same tokens; perturbed by 0.1, it changes 25 of the 120 new tokens."""
     torch.manual_seed(0)
-    model = HybridLM(HybridConfig(pattern=pattern, n_layers=len(pattern.split(",")), **CONFIG))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return perturbed(HybridLM(HybridConfig(pattern=pattern, n_layers=len(pattern.split(",")), **CONFIG)))
 
 
 @pytest.mark.parametrize("pattern", ["swa,ovq,nope,bswa,kvm", "vq,linear,deltanet,vla,longvq"])
