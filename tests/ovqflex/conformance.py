@@ -130,6 +130,18 @@ def check_contract(method: Method) -> None:
     assert torch.equal(y1, y2), f"{method.name}: an empty decode step changed the cache"
 
 
+def check_program(method: Method) -> None:
+    """A drawable method: the program ``layer.program(x)`` draws (``ovqflex viz``, the query inspector) is
+    the one the layer attends with: attended and projected out, it is the layer's forward (eval mode, the
+    layer off its init: a local bias, temperatures and norms that the program must carry)."""
+    if not method.drawable:
+        return
+    layer, x = layer_of(method).eval(), inputs()
+    with torch.no_grad():
+        drawn = layer._output(ovqflex.attend(layer.program(x), layer.backend), layer._project(x, None, False))
+        assert_close(drawn, layer(x), TOL, f"{method.name}: the drawn program")
+
+
 def check_finite_input(method: Method) -> None:
     """Within ``ovqflex.finite_checks()`` a non-finite x is refused by name, in a full forward and in a
     decode step (whose cache stays usable); outside, the layer runs on it."""
@@ -178,4 +190,4 @@ def check_finite_options(method: Method) -> None:
 
 CHECKS = {"causal": check_causal, "prefix": check_prefix, "batch": check_batch, "deterministic": check_deterministic,
           "decode": check_decode, "static_decode": check_static_decode, "contract": check_contract,
-          "finite_input": check_finite_input, "finite_options": check_finite_options}
+          "program": check_program, "finite_input": check_finite_input, "finite_options": check_finite_options}

@@ -57,13 +57,39 @@ def test_layer_ema_mode_updates_codebook_in_train_only_and_returns_aux():
     y, aux = layer(x, return_aux=True)
     assert y.shape == x.shape
     assert {"loss", "commitment", "usage", "perplexity", "unused_codes", "dead_codes", "rel_quant_error"} <= set(aux)
-    assert aux["loss"].requires_grad and not aux["usage"].requires_grad
+    assert [name for name, value in aux.items() if value.requires_grad] == ["loss"]  # the metrics are detached
     assert not torch.allclose(layer.quantizer.codebook, before), "training forward must update the codebook"
     assert torch.allclose(layer.quantizer.codebook.norm(dim=-1), torch.ones(2, 8), atol=1e-5)
     layer.eval()
     frozen = layer.quantizer.codebook.clone()
     layer(x)
     assert torch.equal(layer.quantizer.codebook, frozen), "eval forward must not touch the codebook"
+
+
+def test_initial_values_and_repr():
+    """beta starts at sqrt(head_dim), the local bias (when asked for) at 0, so a new layer with it attends as one
+    without."""
+    with_bias = ovqflex.VQAttention(32, 2, head_dim=8, chunk_size=16, local_bias=True, backend="blocked")
+    assert torch.equal(with_bias.beta, torch.full((2,), 8**0.5)) and torch.equal(with_bias.local_bias, torch.zeros(2))
+    assert with_bias.extra_repr() == ("hidden_size=32, num_heads=2, head_dim=8, chunk_size=16, local_bias=True, "
+                                      "backend='blocked'")
+    plain = ovqflex.VQAttention(32, 2, chunk_size=16)
+    assert plain.local_bias is None and "local_bias=False, backend='auto'" in plain.extra_repr()
+
+
+def test_the_drawn_program_carries_the_codes_no_use_bonus():
+    """``program(x)`` (what ``ovqflex viz`` draws) of a DiVeQ layer whose codes have idle steps: attended and
+    projected out, the layer's forward. The conformance check of the same (``tests/ovqflex/conformance.py``) runs
+    the method's test layer, an EMA codebook without such a bonus."""
+    torch.manual_seed(0)
+    layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq", backend="blocked").eval()
+    with torch.no_grad():
+        layer.quantizer.idle_steps.copy_(torch.randint(0, 300, layer.quantizer.idle_steps.shape))
+        x = torch.randn(2, 80, 32)
+        drawn = layer._output(ovqflex.attend(layer.program(x), "blocked"), layer._project(x, None))
+        assert_close(drawn, layer(x), FWD_TOL[torch.float32], "the drawn program")
+        layer.quantizer.idle_steps.zero_()  # (the bonus matters here)
+        assert not torch.allclose(layer(x), drawn, atol=1e-3)
 
 
 @pytest.mark.parametrize("estimator", ["ste", "diveq"])
