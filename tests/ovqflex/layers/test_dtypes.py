@@ -1,12 +1,13 @@
 """bf16 layers under CPU autocast: the OVQ and KVM layers route like their sequential references on
 the same (bf16) inputs (identical routes, up to near-ties: docs/design.md §9), and OVQ's prefill +
-decode equals its full forward; compiled, a layer hands its op the inputs the eager layer does
-(recurrences/precision.py, rule 4)."""
+decode equals its full forward, as VQ's and LongVQ's do (their window keys in the values' dtype); compiled, a
+layer hands its op the inputs the eager layer does (recurrences/precision.py, rule 4)."""
+import pytest
 import torch
 
 import ovqflex
 from recurrences.reference import kvm_attention_reference, ovq_attention_reference
-from tests.helpers import FWD_TOL, assert_close, prefill_then_decode, reference_on_routes
+from tests.helpers import FWD_TOL, assert_close, perturbed, prefill_then_decode, reference_on_routes
 
 bf16 = torch.bfloat16
 
@@ -105,3 +106,21 @@ def test_compiled_longvq_layer_hands_its_op_the_eager_layers_inputs_under_autoca
         return inputs.q, inputs.k, inputs.v, inputs.g_a
 
     _eager_and_compiled(op_inputs, x, ["q", "k", "v", "g_a"])
+
+
+@pytest.mark.parametrize("name", ["vq", "longvq"])
+def test_vq_layers_under_cpu_autocast_keep_one_dtype_in_their_window_and_decode_like_the_forward(name):
+    """Under bf16 autocast the VQ layers' window holds its quantized keys in the values' dtype (bf16, as the
+    decode steps append them), and prefill + decode equals the full forward."""
+    torch.manual_seed(0)
+    layer = perturbed({"vq": lambda: ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, local_bias=True),
+                       "longvq": lambda: ovqflex.LongVQBlock(32, 2, chunk_size=16, codebook_size=8)}[name]()).eval()
+    layer.backend = "blocked"
+    x = torch.randn(2, 70, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=bf16):
+        _, cache = layer(x[:, :37], use_cache=True)
+        assert cache.win_k.dtype == cache.win_v.dtype == bf16
+        _, cache = layer(x[:, 37:50], cache=cache)
+        assert cache.win_k.dtype == cache.win_v.dtype == bf16
+        full, decoded = layer(x), prefill_then_decode(layer, x, 37)
+    assert_close(decoded.float(), full.float(), FWD_TOL[bf16], "prefill + decode in bf16")

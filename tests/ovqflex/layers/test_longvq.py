@@ -119,6 +119,17 @@ def test_the_ffn_width_is_ffn_ratio_times_hidden():
     assert (block.ffn[0].weight.shape, block.ffn[2].weight.shape) == ((96, 32), (32, 96))
 
 
+def test_initial_values_and_repr():
+    """beta starts at sqrt of the *key* head dim (``head_dim=8``, values of 16), the local bias at 0, and the
+    EMA's expansion beta at +1, -1, +1, ... over the EMA dims plus N(0, 0.02) noise (MEGA's initialisation)."""
+    torch.manual_seed(0)
+    layer = ovqflex.LongVQBlock(32, 2, head_dim=8, ema_dim=4)
+    assert (layer.head_dim, layer.head_dim_v) == (8, 16)
+    assert torch.equal(layer.beta, torch.full((2,), 8**0.5)) and torch.equal(layer.local_bias, torch.zeros(2))
+    assert (layer.ema_beta - torch.tensor([1.0, -1.0, 1.0, -1.0])).abs().max() < 0.12  # 6 sigma
+    assert layer.extra_repr() == "hidden_size=32, num_heads=2, head_dim=8, chunk_size=128, backend='auto'"
+
+
 @pytest.mark.slow
 def test_two_layer_longvq_learns_the_copy_task():
     """Eager AdamW on the copy task (vocab 16, 8 tokens, SEP, the 8 again: T = 17, chunks of 16).
