@@ -10,6 +10,7 @@ import torch
 import ovqflex
 import ovqflex.ops.kvm_decode as kvm_decode
 import ovqflex.ops.ovq_decode as ovq_decode
+from ovqflex.cache.base import tensor_key
 from tests.helpers import perturbed
 
 HIDDEN, HEADS, C = 32, 2, 16
@@ -76,6 +77,24 @@ def test_the_view_is_derived_once_per_chunk(name, derive, monkeypatch):
     with torch.no_grad():
         _decoded(layer, x, 2 * C)  # 3 chunks decoded token by token
     assert len(calls) == 3
+
+
+def test_a_parameter_s_key_changes_with_its_storage_its_writes_and_its_dtype():
+    """``tensor_key``, what tells a view that a parameter it read changed: another tensor in its place (an
+    assignment, ``load_state_dict(assign=True)``) even at the same version, an in-place write, the same bytes
+    read as another dtype (one storage, one version counter); an inference tensor, which keeps no version
+    counter, is never the same twice."""
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert a._version == b._version and tensor_key(a) != tensor_key(b)
+    assert tensor_key(a) == tensor_key(a)
+    before = tensor_key(a)
+    a.add_(1)
+    assert tensor_key(a) != before
+    as_int = a.view(torch.int32)
+    assert (as_int.data_ptr(), as_int._version) == (a.data_ptr(), a._version) and tensor_key(as_int) != tensor_key(a)
+    with torch.inference_mode():
+        frozen = torch.zeros(4)
+    assert tensor_key(frozen) != tensor_key(frozen) and tensor_key(None) is None
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
