@@ -1,14 +1,15 @@
-"""The drawn block view against dense tiles (small T) and closed-form counts (T = 65,536)."""
+"""The drawn block view against dense tiles (small T) and closed-form counts (T = 65,536); both figures' marks."""
 import numpy as np
 import torch
 from matplotlib.colors import to_rgb
 
 from masks.program import build_program
 from masks.regions import Causal
-from masks.viz import block_view
-from masks.viz.block_view import BLOCK_COLORS
-from masks.viz.figures import block_figure
+from masks.viz import block_view, token_view
+from masks.viz.block_view import BLOCK_COLORS, BLOCK_NAMES
+from masks.viz.figures import block_figure, token_figure
 from masks.viz.terminal import block_text
+from tests.masks.viz.viz_cases import make_program
 
 
 def _dense_tiles(program):
@@ -56,3 +57,26 @@ def test_causal_64k_block_view_has_closed_form_counts():
     rows = text.splitlines()[1:]
     assert len(rows) == 32 and rows[-1].count("█") == 64  # last tile row: every kv tile holds a full block
     assert all(len(r) == 66 and r[0] == r[-1] == "|" for r in rows)  # 64 tiles between two borders
+
+
+def test_the_figures_mark_where_the_state_ends_and_carry_their_title():
+    """Both figures: a dashed line between the state's last kv row (block) and the first token's, the axis label
+    naming the state's rows (blocks), the title given; the block figure's legend counts its blocks. A program
+    without state has no line, and no title when given none."""
+    program = make_program("bank")
+    g, tv, bv = program.geom, token_view(program), block_view(program)
+    token_fig, block_fig = token_figure(tv, "bank T=80"), block_figure(bv, "bank T=80")
+    for fig, x in ((token_fig, tv.n_state - 0.5), (block_fig, g.n_state // g.block_kv - 0.5)):
+        (line,) = [ln for ax in fig.axes for ln in ax.get_lines()]
+        assert list(line.get_xdata()) == [x, x] and line.get_linestyle() == "--"
+        assert fig._suptitle.get_text() == "bank T=80"
+    labels = [ax.get_xlabel() for fig in (token_fig, block_fig) for ax in fig.axes if ax.get_xlabel()]
+    assert labels == [f"kv row (state rows 0..{tv.n_state - 1}, then token j at row {tv.n_state} + j)",
+                      f"kv block (16 rows; state blocks 0..{g.n_state // 16 - 1})"]
+    (legend,) = [ax.get_legend() for ax in block_fig.axes if ax.get_legend()]
+    counts = bv.counts()
+    assert [t.get_text() for t in legend.get_texts()] == [f"{n} ({counts[n]:,})" for n in BLOCK_NAMES]
+    plain = make_program("causal")
+    for fig in (token_figure(token_view(plain)), block_figure(block_view(plain))):
+        assert not [ln for ax in fig.axes for ln in ax.get_lines()] and fig._suptitle is None
+        assert [ax.get_xlabel() for ax in fig.axes] in (["kv row (token)"], ["kv block (16 rows)"])
