@@ -59,19 +59,23 @@ class VizOptions:
 
 @dataclass
 class VizResult:
+    """What :func:`render` drew: the statistics, the views (None: not drawn), the files written, the terminal
+    text, the notes (a view skipped), and per inspected query its segment rows (:func:`segment_rows`)."""
+
     stats: ProgramStats
     token: TokenView | None
     block: BlockView | None
     files: list[Path]
     text: str
     notes: list[str]
+    inspections: list[tuple[int, list[dict]]]
 
 
 def render(program: AttentionProgram, options: VizOptions, out_dir: str | Path | None = None,
            stem: str = "program") -> VizResult:
     """Draw ``program`` into ``out_dir/<stem>-{token,block}.{png,svg}``, ``<stem>.html`` and
-    ``<stem>-stats.json`` (files only when ``out_dir`` is given); returns views, stats and
-    the terminal text (empty unless ``"term"`` is among the formats)."""
+    ``<stem>-stats.json`` (files only when ``out_dir`` is given); returns views, stats, the query
+    tables and the terminal text (empty unless ``"term"`` is among the formats)."""
     check_batch_head(program, options.batch, options.head)
     for q in options.queries:
         if q >= program.q_len:
@@ -132,5 +136,5 @@ def render(program: AttentionProgram, options: VizOptions, out_dir: str | Path |
         if bv is not None:
             parts += ["block view (rows: query blocks, columns: kv blocks)", block_text(bv, **kw)]
         text = "\n".join(parts + notes)
-    return VizResult(stats, tv, bv, files, text, notes)
+    return VizResult(stats, tv, bv, files, text, notes, inspections)
 

@@ -92,12 +92,9 @@ def _cmd_viz(args) -> int:
     if result.block is not None:
         print(f"block view: {tuple(result.block.grid.shape)} blocks; "
               f"program built in {t_program:.2f} s, views rendered in {t_render:.2f} s")
-    from masks.viz import inspect_query, segment_rows
-
-    for q in opts.queries:
+    for q, rows in result.inspections:
         print(f"\nquery {q}:")
-        print(tabulate(segment_rows(inspect_query(program, q, batch=opts.batch, head=opts.head,
-                                                  temperatures=temps)), headers="keys"))
+        print(tabulate(rows, headers="keys"))
     for path in result.files:
         print(f"wrote {path}")
     return 0

@@ -88,7 +88,8 @@ def _html_row(row: dict) -> str:
 
 
 def test_the_page_draws_the_row_head_and_temperatures_asked_for_with_the_options(tmp_path):
-    """``batch``, ``head`` and ``temperatures`` reach the token view and the query tables; ``meta`` the page's
+    """``batch``, ``head`` and ``temperatures`` reach the token view and the query tables (returned and on the
+    page); ``meta`` the page's
     program table and the stats file; the legend lists the regions' and the blocks' counts; the title is
     escaped, the figures are inline SVG without an XML prolog; only the formats asked for are written."""
     program = _routed_program()
@@ -99,8 +100,9 @@ def test_the_page_draws_the_row_head_and_temperatures_asked_for_with_the_options
     assert sorted(p.name for p in res.files) == ["p-block.svg", "p-stats.json", "p-token.svg", "p.html"]
     assert torch.equal(res.token.labels, token_view(program, batch=1, head=1).labels)
     page = (tmp_path / "p.html").read_text()
-    for q in (100, 120):
-        rows = segment_rows(inspect_query(program, q, batch=1, head=1, temperatures=temps))
+    assert [q for q, _ in res.inspections] == [100, 120]
+    for q, rows in res.inspections:
+        assert rows == segment_rows(inspect_query(program, q, batch=1, head=1, temperatures=temps))
         assert all(_html_row(r) in page for r in rows), q
         for other in (dict(batch=0, head=1, temperatures=temps), dict(batch=1, head=0, temperatures=temps),
                       dict(batch=1, head=1)):
