@@ -1,9 +1,10 @@
 """The viz method registry: every registered layer yields its program; the CLI draws it."""
 import pytest
+import torch
 
 from masks.viz import program_stats
 from ovqflex.cli import main
-from ovqflex.viz import VizShape, drawable_methods, method_program
+from ovqflex.viz import VizConfig, VizShape, drawable_methods, method_program
 
 SMALL = dict(chunk_size=32, block_size=32)
 # layer options keeping each program small; a new method adds one entry (or none: defaults)
@@ -31,6 +32,40 @@ def test_ovq_temperature_is_beta():
 def test_kvm_temperatures_are_the_region_taus():
     _, layer, temps = method_program("kvm", VizShape(seq_len=96, heads=2, head_dim=16), OPTIONS["kvm"])
     assert temps["state"].tolist() == [1.0, 1.0] and temps["window"].tolist() == [1.0, 1.0]  # init 1
+
+
+def test_the_seed_draws_the_layer_and_the_input():
+    """``seed`` seeds the layer's init and the input ``x ~ N(0, 1)`` (``VizShape``): the program is the layer's on
+    that input; another seed, another layer and input; a negative seed is refused."""
+    shape = VizShape(seq_len=64, batch=2, heads=2, head_dim=8, seed=3)
+    program, layer, _ = method_program("nope", shape, {"block_size": 32})
+    again, same_layer, _ = method_program("nope", shape, {"block_size": 32})
+    x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(program.q, layer.program(x).q) and torch.equal(again.k, program.k)
+    assert all(torch.equal(a, b) for a, b in zip(layer.parameters(), same_layer.parameters()))
+    _, other, _ = method_program("nope", VizShape(seq_len=64, batch=2, heads=2, head_dim=8, seed=4), {"block_size": 32})
+    assert not torch.equal(other.qkv_proj.weight, layer.qkv_proj.weight)
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        VizShape(seed=-1)
+
+
+def test_the_render_options_are_the_commands():
+    """What ``ovqflex viz`` is told reaches the renderer: the drawn batch row and head, queries, sizes, colours,
+    the layer's temperatures; the statistic's chunk is ``--chunk``, else the layer's chunk size, else the block
+    size (None); the page's metadata names the options given."""
+    cfg = VizConfig(method="ovq", seq_len=64, batch=2, heads=2, head_dim=8, batch_index=1, head=1, queries=(3, 9),
+                    options={"chunk_size": 32, "max_centroids": 16}, max_token_cells=500, term_width=70,
+                    term_height=20, color=True)
+    _, layer, temps = method_program(cfg.method, cfg, cfg.options)
+    opts = cfg.render_options(layer, temps)
+    assert (opts.batch, opts.head, opts.queries, opts.chunk, opts.max_token_cells, opts.term_width, opts.term_height,
+            opts.color) == (1, 1, (3, 9), 32, 500, 70, 20, True)
+    assert opts.temperatures is temps and opts.title == "ovq, T=64"
+    assert opts.meta["options"] == {"chunk_size": 32, "max_centroids": 16} and opts.meta["drawn batch, head"] == "1, 1"
+    assert VizConfig(method="ovq", chunk=8).render_options(layer, temps).chunk == 8
+    _, causal, _ = method_program("nope", VizShape(seq_len=32), {"block_size": 32})
+    plain = VizConfig(method="nope").render_options(causal, {})
+    assert plain.chunk is None and plain.meta["options"] == "defaults"
 
 
 @pytest.mark.parametrize("method, options, match", [("kvm2", {}, "method must be one of"),
