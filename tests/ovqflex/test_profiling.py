@@ -190,6 +190,19 @@ def test_stage_labels_do_not_break_fullgraph_compile():
     assert torch.allclose(out, torch.ones(4).mul(2).sin()) and not counters["graph_break"]
 
 
+def test_while_compiling_a_stage_is_no_label_and_no_timer(monkeypatch):
+    """Traced by dynamo (``torch.compiler.is_compiling()``), a stage is a plain ``nullcontext``: no
+    ``record_function``, which dynamo would ignore with a warning, and no timing, even inside a timer."""
+    import contextlib
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with stage_timer() as totals:
+        label = stage("proj")
+        with label:
+            pass
+    assert type(label) is contextlib.nullcontext and totals == {}
+
+
 def test_stage_timer_times_each_stage_of_a_program_build(monkeypatch):
     """Inside a timer each stage adds its wall time (clock mocked: each reading 1 s later), a
     nested timer takes the stages run inside it, and outside a timer nothing is timed."""
@@ -212,6 +225,22 @@ def test_stage_timer_times_each_stage_of_a_program_build(monkeypatch):
     assert next(clock) == 12, "a stage outside a timer read the clock"
 
 
+def test_a_timed_stage_syncs_the_device_around_its_work_and_keeps_its_profiler_label(monkeypatch):
+    """Inside a :func:`stage_timer` a stage synchronizes the device before and after its work (a CUDA stage's
+    time is its kernels'), and the profiler still sees its label."""
+    import ovqflex.profiling as profiling
+
+    events = []
+    monkeypatch.setattr(profiling.devices, "sync", lambda device: events.append(("sync", device.type)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with stage_timer("cpu") as totals:
+            with stage("proj"):
+                events.append("work")
+                torch.ones(8).mul(2)
+    assert events == [("sync", "cpu"), "work", ("sync", "cpu")] and set(totals) == {"proj"}
+    assert "ovqflex.proj" in {e.key for e in prof.key_averages()}
+
+
 def test_unknown_stage_name():
     with pytest.raises(ValueError, match="stage name must be one of"):
         stage("routeing")
@@ -219,11 +248,18 @@ def test_unknown_stage_name():
 
 @pytest.mark.parametrize("argv, match", [(["profile", "kvm2"], "target must be 'model' or one of"),
                                          (["profile", "swa", "--steps", "0"], "steps must be >= 1"),
-                                         (["profile", "swa", "--opt", "windw=3"], "bad option for target 'swa'")],
-                         ids=["target", "steps", "option"])
+                                         (["profile", "swa", "--opt", "windw=3"], "bad option for target 'swa'"),
+                                         (["profile", "swa", "--kernels", "-1"], "kernels must be >= 0, got -1"),
+                                         (["profile", "swa", "--warmup", "-1"], "warmup must be >= 0, got -1")],
+                         ids=["target", "steps", "option", "kernels", "warmup"])
 def test_cli_profile_bad_arguments(tmp_path, capsys, argv, match):
     assert main([*argv, "--trace", str(tmp_path / "t.json")]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_no_modes_are_refused():
+    with pytest.raises(ValueError, match=r"modes must be a non-empty subset of \('fwd', 'fwd\+bwd'\), got \(\)"):
+        ProfileConfig(modes=())
 
 
 def test_cli_profile_prints_the_table_and_writes_the_trace(tmp_path, capsys):
