@@ -317,6 +317,10 @@ class _Config:
     quiet: bool = dataclasses.field(default=False, metadata={"help": "say nothing"})
     exact: bool | None = dataclasses.field(default=None, metadata={"help": "exact (default: decided later)"})
     progress: bool = dataclasses.field(default=True, metadata={"help": "show progress"})
+    count: None | int = dataclasses.field(default=None, metadata={"help": "a count"})  # (None first)
+    ratios: tuple[float, ...] = dataclasses.field(default_factory=lambda: (0.5,), metadata={"help": "ratios"})
+    shapes: tuple[str, ...] = dataclasses.field(default=(), metadata={
+        "flag": "--shape", "repeatable": True, "choices": ("square", "round"), "help": "a shape"})
 
 
 def _parse(cls, argv):
@@ -339,6 +343,10 @@ def test_config_flags_of_every_field_kind():
     assert [_parse(_Config, argv).progress for argv in (["c"], ["c", "--no-progress"])] == [True, False]
     exact = [_parse(_Config, argv).exact for argv in (["c"], ["c", "--exact"], ["c", "--no-exact"])]
     assert exact == [None, True, False]
+    assert helps["label"] == "a label" and helps["count"] == "a count"  # no "(default: None)"
+    assert helps["ratios"] == "ratios (default: 0.5)" and _parse(_Config, ["c"]).ratios == (0.5,)
+    cfg = _parse(_Config, ["c", "--count", "3", "--ratios", "0.25,2", "--shape", "round", "--shape", "square"])
+    assert (cfg.count, cfg.ratios, cfg.shapes) == (3, (0.25, 2.0), ("round", "square"))
 
 
 def test_a_new_config_field_appears_as_a_flag():
@@ -356,8 +364,9 @@ def test_a_new_config_field_appears_as_a_flag():
                                      "'red,purple'"),
     (["c", "--sizes", "4,x"], "argument --sizes: expected comma-separated values of type int, got '4,x'"),
     (["c", "--pick", "x"], "argument --pick: invalid int value: 'x'"),
+    (["c", "--shape", "oval"], "argument --shape: invalid choice: 'oval'"),
     ([], "the following arguments are required: name"),
-], ids=["choice", "int-list", "repeatable-int", "positional"])
+], ids=["choice", "int-list", "repeatable-int", "repeatable-choice", "positional"])
 def test_bad_config_flag_values_are_argparse_errors(capsys, argv, match):
     with pytest.raises(SystemExit) as e:
         _parse(_Config, argv)
@@ -371,6 +380,20 @@ def test_a_field_without_a_flag_type_is_refused_by_name():
 
     with pytest.raises(TypeError, match="Config.sizes: a field of type <class 'list'> has no command-line flag"):
         add_config_flags(argparse.ArgumentParser(), Config)
+
+    @dataclasses.dataclass
+    class Pair:
+        pair: tuple[int, int] = (1, 2)  # a fixed-length tuple: not a comma list
+
+    with pytest.raises(TypeError, match="Pair.pair: a field of type <class 'tuple'> has no command-line flag"):
+        add_config_flags(argparse.ArgumentParser(), Pair)
+
+    @dataclasses.dataclass
+    class Positional:
+        sizes: tuple[int, ...] = dataclasses.field(default=(1,), metadata={"positional": True})
+
+    with pytest.raises(TypeError, match="Positional.sizes: a positional argument must be an int, float or str"):
+        add_config_flags(argparse.ArgumentParser(), Positional)
 
 
 def test_train_flags_reach_the_config():
