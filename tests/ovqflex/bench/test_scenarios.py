@@ -492,3 +492,35 @@ def test_train_reports_what_compiling_did_per_model(monkeypatch, broken, eager_b
         assert r["graph_breaks"] == (1 if broken else 0)
         assert r["x_vs_baseline"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
     assert rows[0]["x_vs_baseline"] == 1.0
+
+
+def test_train_steps_each_on_its_own_batch_with_the_scenarios_model_and_compiles_only_when_asked(monkeypatch):
+    """``compile = false`` trains the model eagerly (no graph compiled); the warm-up and the timed steps each draw
+    their own batch (steps 0, 1, 2, ...), each an optimizer step then a zeroing of the gradients; the row reports
+    the size, in millions of parameters, of the model of the scenario's preset (``small``: 4 layers here)."""
+    import ovqflex.tasks as tasks
+    import ovqflex.training.setup as setup
+
+    batches, calls = [], []
+    make_batch, build_optimizer = tasks.make_batch, setup.build_optimizer
+    monkeypatch.setattr(tasks, "make_batch", lambda task, **kw: batches.append(kw["step"]) or make_batch(task, **kw))
+
+    def recording_optimizer(model, cfg):
+        opt = build_optimizer(model, cfg)
+        step, zero_grad = opt.step, opt.zero_grad
+        opt.step = lambda *a, **kw: calls.append("step") or step(*a, **kw)
+        opt.zero_grad = lambda *a, **kw: calls.append("zero_grad") or zero_grad(*a, **kw)
+        return opt
+
+    monkeypatch.setattr(setup, "build_optimizer", recording_optimizer)
+    table = {"kind": "train", "name": "t", "patterns": ["swa"], "seq_len": 64, "batch_size": 2, "steps": 2,
+             "warmup_steps": 2, "preset": "small", "compile": False,
+             "task_options": {"vocab_size": 64, "key_len": 1, "value_len": 1},
+             "model_options": {"d_model": 32, "n_heads": 2, "window": 16, "chunk_size": 16, "block_size": 16}}
+    (row,) = _run(table)
+    assert batches[:4] == [0, 1, 2, 3] and calls == ["step", "zero_grad"] * len(batches)
+    assert row["graphs_first_step"] == 0 and row["graph_breaks"] == row["recompiles"] == 0
+    cfg = parse_scenario(table, "test").train_config("swa")
+    model = setup.build_model(cfg, setup.build_task(cfg))
+    assert cfg.preset == "small" and len(model.blocks) == 4
+    assert row["params_m"] == model.num_parameters() / 1e6
