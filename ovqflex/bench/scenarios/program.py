@@ -62,7 +62,7 @@ def blockmask(sc: BlockmaskScenario, device: str) -> list[dict]:
 
 @dataclass(kw_only=True)
 class VizScenario(Scenario):
-    method: str                # a key of ovqflex.viz.VIZ_METHODS
+    method: str                # a drawable method (ovqflex.viz.drawable_methods)
     seq_lens: list[int]
     heads: int = 1
     head_dim: int = 16

@@ -524,3 +524,53 @@ def test_train_steps_each_on_its_own_batch_with_the_scenarios_model_and_compiles
     model = setup.build_model(cfg, setup.build_task(cfg))
     assert cfg.preset == "small" and len(model.blocks) == 4
     assert row["params_m"] == model.num_parameters() / 1e6
+
+
+def test_blockmask_reports_the_visible_blocks_of_its_state_bank_program(monkeypatch):
+    """256 tokens, chunks of 32, banks of 20 rows (chunk ``c`` reads ``min(32 c * 20 // (32 c + 20), 20)`` of
+    them), 64-blocks: 8 banks of 20 rows, 160 state rows padded to 192 (whole blocks), 448 kv rows. Its visible
+    blocks are counted here from the regions' cell definitions on a dense grid; ``with_q_side`` builds the
+    backward's lists too."""
+    import ovqflex.bench.scenarios.program as program_kind
+    from masks.regions import Geometry, OwnChunk, StateBank
+
+    asked, build = [], program_kind.build_block_layout
+
+    def recording(*args, **kwargs):
+        layout = build(*args, **kwargs)
+        block_mask = layout.block_mask
+        layout.block_mask = lambda *a, **kw: asked.append(kw.get("with_q_side")) or block_mask(*a, **kw)
+        return layout
+
+    monkeypatch.setattr(program_kind, "build_block_layout", recording)
+    (row,) = _run({"kind": "blockmask", "name": "b", "seq_len": 256, "chunk_size": 32, "state_rows": 20,
+                   "block_size": 64, "with_q_side": True, "repeats": 1})
+    assert asked and all(asked)
+    c = torch.arange(8)
+    live = torch.clamp(c * 32 * 20 // (c * 32 + 20), max=20)
+    geom = Geometry(256, 256, 192, 256, 64, 64)
+    regions = (StateBank(20, 32, live), OwnChunk(32))
+    q, kv = torch.arange(256)[:, None], torch.arange(448)[None, :]
+    seen = torch.zeros(256, 448, dtype=torch.bool)
+    for r in regions:
+        seen |= r.contains(r.params(geom, torch.device("cpu")), q, kv)
+    visible = int(seen.view(4, 64, 7, 64).any(3).any(1).sum())
+    assert (row["T"], row["kv_rows"], row["q_side"], row["visible_blocks"]) == (256, 448, True, visible)
+    assert row["block_sparsity"] == pytest.approx(1 - visible / (4 * 7))
+    assert row["dense_mask_would_be_gb"] == 256 * 448 / 2**30
+
+
+def test_viz_times_the_program_and_the_views_of_the_layer_asked_for(monkeypatch):
+    import ovqflex.viz as viz
+
+    calls, method_program = [], viz.method_program
+    monkeypatch.setattr(viz, "method_program", lambda *a: calls.append(a) or method_program(*a))
+    options = {"chunk_size": 32, "max_centroids": 16, "block_size": 32}
+    rows = _run({"kind": "viz", "name": "v", "method": "ovq", "seq_lens": [64], "heads": 2, "head_dim": 8,
+                 "options": options, "views": ["token", "block"]})
+    assert calls and all(call == ("ovq", viz.VizShape(seq_len=64, heads=2, head_dim=8), options) for call in calls)
+    g = method_program("ovq", viz.VizShape(seq_len=64, heads=2, head_dim=8), options)[0].geom
+    assert [r["case"] for r in rows] == ["program (op, random input)", "token+block view + PNG"]
+    assert all((r["T"], r["kv_rows"], r["blocks"]) == (64, g.kv_len, f"{g.n_q_blocks}x{g.n_kv_blocks}") for r in rows)
+    with pytest.raises(ValueError, match="views must be a non-empty subset"):
+        parse_scenario({"kind": "viz", "method": "ovq", "seq_lens": [64], "views": ["pixels"]}, "test")
