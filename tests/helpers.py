@@ -117,12 +117,18 @@ def assert_trains_compiled_once(layer, loss_of, steps: int = 3, after_step=None)
 
 
 def perturbed(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` with every parameter moved by ``0.1 * N(0, 1)`` (seeded, in place), off its init (unit
-    norms, temperatures 1, tiny weights) so that every parameter matters and outputs depend on the context."""
+    """``module`` with every parameter moved by ``0.1 * N(0, 1)`` and every DiVeQ codebook's codes given 0 to 299
+    idle steps (seeded, in place), off its init (unit norms, temperatures 1, tiny weights, no codes' no-use
+    bonus) so that every parameter and the bonus matter and outputs depend on the context."""
+    from ovqflex.layers.vq import VQCodebook
+
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
+        for m in module.modules():
+            if isinstance(m, VQCodebook) and m.estimator == "diveq":
+                m.idle_steps.copy_(torch.randint(0, 300, m.idle_steps.shape, generator=g))
     return module
 
 

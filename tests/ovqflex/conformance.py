@@ -130,16 +130,21 @@ def check_contract(method: Method) -> None:
     assert torch.equal(y1, y2), f"{method.name}: an empty decode step changed the cache"
 
 
+def drawn_output(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """y ``[B, T, hidden]`` of the program ``layer.program(x)`` draws (``ovqflex viz``, the query inspector):
+    attended on the layer's backend, then through the layer's output hook (compare: ``layer(x)``)."""
+    return layer._output(ovqflex.attend(layer.program(x), layer.backend), layer._project(x, None, False))
+
+
 def check_program(method: Method) -> None:
-    """A drawable method: the program ``layer.program(x)`` draws (``ovqflex viz``, the query inspector) is
-    the one the layer attends with: attended and projected out, it is the layer's forward (eval mode, the
-    layer off its init: a local bias, temperatures and norms that the program must carry)."""
+    """A drawable method: the program ``layer.program(x)`` draws is the one the layer attends with:
+    attended and projected out, it is the layer's forward (eval mode, the layer off its init: a local bias,
+    temperatures and norms that the program must carry)."""
     if not method.drawable:
         return
     layer, x = layer_of(method).eval(), inputs()
     with torch.no_grad():
-        drawn = layer._output(ovqflex.attend(layer.program(x), layer.backend), layer._project(x, None, False))
-        assert_close(drawn, layer(x), TOL, f"{method.name}: the drawn program")
+        assert_close(drawn_output(layer, x), layer(x), TOL, f"{method.name}: the drawn program")
 
 
 def check_finite_input(method: Method) -> None:

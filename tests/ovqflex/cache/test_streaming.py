@@ -67,12 +67,8 @@ LAYERS = {
 
 
 def _perturbed(layer):
-    """Move the layer off its init (unit LayerNorms, temperatures 1) so every parameter matters, a DiVeQ
-    codebook's codes to idle steps of 0 to 299 (their no-use bonus, 0 at init, changes the codes); eval mode."""
-    quantizer = getattr(layer, "quantizer", None)
-    if quantizer is not None and quantizer.estimator == "diveq":
-        g = torch.Generator().manual_seed(4)
-        quantizer.idle_steps.copy_(torch.randint(0, 300, quantizer.idle_steps.shape, generator=g))
+    """Move the layer off its init (unit LayerNorms, temperatures 1, a DiVeQ codebook's codes never idle) so
+    every parameter and the codes' no-use bonus matter; eval mode."""
     return perturbed(layer).eval()
 
 

@@ -113,9 +113,9 @@ def test_vq_layers_under_cpu_autocast_keep_one_dtype_in_their_window_and_decode_
     """Under bf16 autocast the VQ layers' window holds its quantized keys in the values' dtype (bf16, as the
     decode steps append them), and prefill + decode equals the full forward."""
     torch.manual_seed(0)
-    layer = perturbed({"vq": lambda: ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, local_bias=True),
-                       "longvq": lambda: ovqflex.LongVQBlock(32, 2, chunk_size=16, codebook_size=8)}[name]()).eval()
-    layer.backend = "blocked"
+    options = dict(chunk_size=16, codebook_size=8, backend="blocked")
+    layer = perturbed({"vq": lambda: ovqflex.VQAttention(32, 2, local_bias=True, **options),
+                       "longvq": lambda: ovqflex.LongVQBlock(32, 2, **options)}[name]()).eval()
     x = torch.randn(2, 70, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=bf16):
         _, cache = layer(x[:, :37], use_cache=True)

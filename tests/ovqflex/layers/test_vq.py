@@ -12,7 +12,9 @@ import torch
 import ovqflex
 from ovqflex.layers.vq import VQCodebook
 from recurrences.reference import vq_attention_reference
-from tests.helpers import FWD_TOL, assert_close, assert_parameter_gradients_match, assert_trains_compiled_once
+from tests.helpers import (FWD_TOL, assert_close, assert_parameter_gradients_match, assert_trains_compiled_once,
+                           perturbed)
+from tests.ovqflex.conformance import drawn_output
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
@@ -82,11 +84,12 @@ def test_the_drawn_program_carries_the_codes_no_use_bonus():
     projected out, the layer's forward. The conformance check of the same (``tests/ovqflex/conformance.py``) runs
     the method's test layer, an EMA codebook without such a bonus."""
     torch.manual_seed(0)
-    layer = ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq", backend="blocked").eval()
+    layer = perturbed(ovqflex.VQAttention(32, 2, chunk_size=16, codebook_size=8, estimator="diveq",
+                                          backend="blocked")).eval()
+    assert layer.quantizer.idle_steps.max() > 0  # (perturbed: idle codes)
     with torch.no_grad():
-        layer.quantizer.idle_steps.copy_(torch.randint(0, 300, layer.quantizer.idle_steps.shape))
         x = torch.randn(2, 80, 32)
-        drawn = layer._output(ovqflex.attend(layer.program(x), "blocked"), layer._project(x, None))
+        drawn = drawn_output(layer, x)
         assert_close(drawn, layer(x), FWD_TOL[torch.float32], "the drawn program")
         layer.quantizer.idle_steps.zero_()  # (the bonus matters here)
         assert not torch.allclose(layer(x), drawn, atol=1e-3)
