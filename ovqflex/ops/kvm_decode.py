@@ -186,7 +186,8 @@ def kvm_static(cache: KVMCache, opts: KVMOptions, readout: KVMReadout, capacity:
     C, Nb = opts.chunk_size, opts.n_bswa_chunks
     W, n_chunks = Nb * C, -(-capacity // C)
     sizes = opts.schedule.sizes(n_chunks)
-    st = _grow({name: getattr(cache, name).clone() for name in _STATE}, _capacity(opts, max(sizes)) + 1)
+    # new tensors: the spare row makes them a row longer than any functional cache's, so _grow always pads
+    st = _grow({name: getattr(cache, name) for name in _STATE}, _capacity(opts, max(sizes)) + 1)
     w = cache.win_k.shape[2]
     pos = positions(cache.position - w, w, cache.win_k.device)
     ring = {name: slotted(getattr(cache, name), W, pos % W) for name in _WINDOW}

@@ -50,7 +50,8 @@ LAYERS = {
                                                                      max_state_chunks=None, qk_conv=2,
                                                                      backend="dense")),
     "kvm-nb3-cap2-means": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=3,
-                                                       max_state_chunks=2, use_vlens=False, backend="dense"),
+                                                       max_state_chunks=2, use_vlens=False, ln_eps=1e-2,
+                                                       backend="dense"),
     "vq-conv": lambda: _conv(ovqflex.VQAttention(HIDDEN, HEADS, codebook_size=24, chunk_size=16, qk_conv=2,
                                                  backend="dense")),
     "vq-diveq-localbias": lambda: _local_bias(ovqflex.VQAttention(HIDDEN, HEADS, codebook_size=24, chunk_size=16,
@@ -295,8 +296,9 @@ def test_static_step_compiles_once(name):
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_static_cache_leaves_the_functional_cache_and_continues_twice(name):
-    """A static cache is made from a copy of the functional cache's tensors: its in-place steps leave the
-    functional cache as it was, and a second static cache made from it decodes the same outputs."""
+    """A static cache is made from a copy of the functional cache's tensors: its in-place steps and chunk
+    boundaries (an absorb at 32) leave the functional cache as it was, and a second static cache made from it
+    decodes the same outputs."""
     torch.manual_seed(0)
     layer = LAYERS[name]()
     x = torch.randn(2, 40, HIDDEN)
@@ -305,8 +307,11 @@ def test_static_cache_leaves_the_functional_cache_and_continues_twice(name):
         before = [t.clone() for t in cache.tensors()]
         outs = []
         for _ in range(2):
-            static = layer.static_cache(cache, 40)
-            outs.append(torch.cat([layer(x[:, t:t + 1], cache=static)[0] for t in range(20, 30)], 1))
+            static, ys = layer.static_cache(cache, 40), []
+            for t in range(20, 40):
+                ys.append(layer(x[:, t:t + 1], cache=static)[0])
+                layer.static_boundary(static, t + 1)
+            outs.append(torch.cat(ys, 1))
     assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors()))
     assert torch.equal(outs[0], outs[1])
 

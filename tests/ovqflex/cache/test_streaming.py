@@ -43,9 +43,10 @@ LAYERS = {
     "kvm-powerlaw-uncapped-conv": lambda: ovqflex.KVMAttention(
         HIDDEN, HEADS, chunk_size=16, budget="power_law", growth_factor=4.0, max_state_chunks=None, qk_conv=3,
         backend="dense"),
-    "kvm-saturation-nb3": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=3,
-                                                       budget="saturation", saturation_n=40, max_state_chunks=3,
-                                                       backend="dense"),
+    # state values as gated means (s_v / count: each token counted once, whatever its gate), LN_s at eps 1e-2
+    "kvm-saturation-nb3-means": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=3,
+                                                             budget="saturation", saturation_n=40, max_state_chunks=3,
+                                                             use_vlens=False, ln_eps=1e-2, backend="dense"),
     "kvm-ablations": lambda: ovqflex.KVMAttention(HIDDEN, HEADS, chunk_size=16, n_bswa_chunks=1, sink_len=0,
                                                   use_gate=False, use_vlens=False, use_temperatures=False,
                                                   backend="dense"),
@@ -367,7 +368,9 @@ def test_vq_cache_holds_code_statistics_and_at_most_two_chunks():
 
 
 def test_kvm_cache_holds_state_and_at_most_nb_chunks():
-    layer = _perturbed(LAYERS["kvm-saturation-nb3"]())
+    """A capped KVM cache holds at most ``Nb`` window chunks and its cap's state rows, allocated at once when
+    the state is founded (one size from then on, not re-grown as the budget's rows grow)."""
+    layer = _perturbed(LAYERS["kvm-saturation-nb3-means"]())
     x = torch.randn(1, 400, HIDDEN)
     with torch.no_grad():
         _, cache = layer(x[:, :3], use_cache=True)
@@ -375,7 +378,7 @@ def test_kvm_cache_holds_state_and_at_most_nb_chunks():
             _, cache = layer(x[:, i:i + 7], cache=cache)
             assert isinstance(cache, KVMCache)
             assert cache.win_k.shape[2] <= 3 * 16
-            assert cache.state.shape[2] <= 3 * 16 and cache.rows <= 3 * 16
+            assert cache.state.shape[2] == (3 * 16 if cache.position > 3 * 16 else 0) and cache.rows <= 3 * 16
 
 
 def test_recurrent_caches_stay_constant_over_2000_decoded_tokens():
