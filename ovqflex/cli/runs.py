@@ -43,8 +43,9 @@ def _cmd_eval(args) -> int:
     over = ", ".join(f"{k}={v}" for k, v in doc["overrides"].items()) or "none"
     print(f"\n{doc['task']} ({doc['task_description']}), pattern {doc['pattern']}, step {doc['step']}, "
           f"trained at {doc['train_seq_len']} tokens, overrides: {over}")
-    print(tabulate([(r["length"], f"{r['accuracy']:.4f}", f"{r['loss']:.4f}", r["targets"], f"{r['seconds']:.1f}")
-                    for r in doc["rows"]], headers=["length", "accuracy", "loss", "targets", "seconds"]))
+    # numbers, formatted per column (tabulate would parse strings such as "0.7500" and print them as 0.75)
+    print(tabulate([(r["length"], r["accuracy"], r["loss"], r["targets"], r["seconds"]) for r in doc["rows"]],
+                   headers=["length", "accuracy", "loss", "targets", "seconds"], floatfmt=("", ".4f", ".4f", "", ".1f")))
     png = f" and {name}.png" if doc.get("plot") else " (no plot: matplotlib is not installed)"
     print(f"wrote {Path(args.run) / name}.json{png}")
     return 0
@@ -58,10 +59,10 @@ def _cmd_probe(args) -> int:
                     checkpoint=args.checkpoint, device=args.device)
     print(f"{doc['run']} step {doc['step']}, pattern {doc['pattern']}, {doc['length']} tokens: {doc['queries']} "
           f"queries, accuracy {doc['accuracy']:.4f} on their first value token")
-    rows = [(h["layer"], h["mixer"], h["head"], f"{h['pair_weight']:.3f}", f"{h['pair_weight_q10']:.3f}",
+    rows = [(h["layer"], h["mixer"], h["head"], h["pair_weight"], h["pair_weight_q10"],
              "  ".join(f"{o:+d}: {share:.0%}" for o, share in h["offsets"])) for h in doc["heads"]]
     print(tabulate(rows, headers=["layer", "mixer", "head", "weight on pair", "10th pct", "most-weighted token "
-                                  "(offset from the key: share of queries)"]))
+                                  "(offset from the key: share of queries)"], floatfmt=".3f"))
     for layer, mixer in doc["not_probed"]:
         print(f"layer {layer} ({mixer}): not probed")
     return 0

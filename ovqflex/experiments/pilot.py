@@ -98,16 +98,13 @@ def summarize(run: Run, lr: float, rows: list[dict], stop_after: int, diverged_a
 def table(rows: list[dict]) -> str:
     """The pilot's table (GitHub markdown): a row per pilot run."""
     steps = list(rows[0]["accuracy"]) if rows else []
-
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
-    body = [[r["model"], r["seed"], _lr_name(r["lr"]), *(num(r["accuracy"][s], ".3f") for s in steps),
-             num(r["learned_at"], "d"), num(r["loss"], ".3f"), num(r["tokens_per_s"], ",.0f"),
-             num(r["first_row_s"], ".0f"), num(r["seconds"], ".0f"), num(r["diverged_at"], "d")] for r in rows]
+    # numbers, formatted per column (tabulate would parse strings such as "0.500" and print them as 0.5)
+    body = [[r["model"], r["seed"], r["lr"], *(r["accuracy"][s] for s in steps), r["learned_at"], r["loss"],
+             r["tokens_per_s"], r["first_row_s"], r["seconds"], r["diverged_at"]] for r in rows]
     head = ["model", "seed", "lr", *(f"acc @{s}" for s in steps), f"acc >= {LEARNED} at", "loss", "tokens/s",
             "first row s", "s", "diverged at"]
-    return tabulate(body, headers=head, tablefmt="github")
+    floatfmt = ["", "", "g", *[".3f"] * len(steps), "", ".3f", ",.0f", ".0f", ".0f", ""]
+    return tabulate(body, headers=head, tablefmt="github", floatfmt=floatfmt, missingval="-")
 
 
 def lr_pilot(plan: Plan, lrs, stop_after: int, *, out: str | Path, log=print,

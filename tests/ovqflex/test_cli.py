@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import re
+import sys
 import types
 
 import pytest
@@ -450,6 +451,95 @@ def test_train_reports_its_end_on_rank_0_alone_and_says_when_stop_after_cut_it(t
     monkeypatch.setenv("RANK", "1")
     assert main(["train", "--out", out, "--steps", "6"]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_eval_hands_on_its_flags_and_prints_the_report(monkeypatch, capsys):
+    """``ovqflex eval`` (``evaluate`` stubbed: no run on disk) hands on --lengths, --examples, --batch-size,
+    --checkpoint, --device and the parsed --override, with the report named by the overrides (--name wins);
+    it prints each length as it is measured, the header with the overrides, the table, and the files written
+    (no plot when the report has none)."""
+    import ovqflex.training as training
+
+    calls = []
+
+    def evaluate(run, lengths, **kw):
+        calls.append((run, lengths, kw))
+        kw["progress"](types.SimpleNamespace(length=64, accuracy=0.75, seconds=1.25))
+        row = dict(length=64, accuracy=0.75, loss=0.5, targets=12, seconds=1.25)
+        return dict(overrides=kw["overrides"], task="icr", task_description="recall", pattern="swa,ovq", step=9,
+                    train_seq_len=64, rows=[row], plot=False)
+
+    monkeypatch.setattr(training, "evaluate", evaluate)
+    assert main(["eval", "r", "--lengths", "64", "--examples", "3", "--batch-size", "5", "--checkpoint", "step_9",
+                 "--device", "cpu", "--override", "max_centroids=16", "--override", "growth=full"]) == 0
+    out = capsys.readouterr().out
+    assert main(["eval", "r", "--name", "mine"]) == 0
+    plain = capsys.readouterr().out
+    (run, lengths, kw), (_, default_lengths, default_kw) = calls
+    assert (run, lengths, default_lengths) == ("r", [64], None)
+    assert {k: v for k, v in kw.items() if k != "progress"} == dict(
+        n_examples=3, batch_size=5, overrides={"max_centroids": 16, "growth": "full"}, checkpoint="step_9",
+        device="cpu", name="eval-max_centroids-16-growth-full")
+    assert {k: v for k, v in default_kw.items() if k != "progress"} == dict(
+        n_examples=64, batch_size=8, overrides={}, checkpoint=None, device="auto", name="mine")
+    assert "  length      64: accuracy 0.7500  (1.2 s)" in out
+    assert "icr (recall), pattern swa,ovq, step 9, trained at 64 tokens, overrides: max_centroids=16, growth=full" in out
+    assert re.search(r"\n\s*64\s+0\.7500\s+0\.5000\s+12\s+1\.2\n", out), out
+    assert "wrote r/eval-max_centroids-16-growth-full.json (no plot: matplotlib is not installed)" in out
+    assert "overrides: none" in plain and "wrote r/mine.json (no plot" in plain
+
+
+def test_probe_hands_on_its_flags_and_prints_each_head(monkeypatch, capsys):
+    """``ovqflex probe`` (``probe_run`` stubbed) hands on --length, --examples, --batch-size, --checkpoint and
+    --device; it prints the run's line, a row per head and the layers it did not probe."""
+    from ovqflex.training import probe
+
+    calls = []
+
+    def probe_run(run, length, **kw):
+        calls.append((run, length, kw))
+        head = dict(layer=0, mixer="ovq", head=1, pair_weight=0.5, pair_weight_q10=0.25, offsets=[(1, 0.5), (-2, 0.25)])
+        return dict(run=run, step=9, pattern="ovq,linear", length=length or 64, queries=12, accuracy=0.75,
+                    heads=[head], not_probed=[(1, "linear")])
+
+    monkeypatch.setattr(probe, "probe_run", probe_run)
+    assert main(["probe", "r", "--length", "128", "--examples", "3", "--batch-size", "5", "--checkpoint", "step_9",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert main(["probe", "r"]) == 0
+    assert calls == [("r", 128, dict(n_examples=3, batch_size=5, checkpoint="step_9", device="cpu")),
+                     ("r", None, dict(n_examples=64, batch_size=16, checkpoint=None, device="auto"))]
+    assert "r step 9, pattern ovq,linear, 128 tokens: 12 queries, accuracy 0.7500 on their first value token" in out
+    assert re.search(r"\n\s*0\s+ovq\s+1\s+0\.500\s+0\.250\s+\+1: 50%  -2: 25%\n", out), out
+    assert out.endswith("layer 1 (linear): not probed\n")
+
+
+@pytest.mark.parametrize("vocab, decode, text", [(256, "functional", True), (300, "static", False),
+                                                  (256, "compiled", True)], ids=["bytes", "vocab-300", "compiled"])
+def test_generate_loads_its_checkpoint_and_prints_the_text_of_a_byte_model(monkeypatch, capsys, vocab, decode, text):
+    """``ovqflex generate`` (``load_run`` stubbed with a model whose ``generate`` answers "hi") loads --checkpoint on
+    --device, hands --decode on, prints the new tokens, their text for a byte-level (256-token) vocab alone, and
+    says the rate includes the compile for the compiled decodes."""
+    from ovqflex.models import HybridConfig, HybridLM
+
+    evaluate = sys.modules["ovqflex.training.evaluate"]  # (the package's attribute of that name is the function)
+    model = HybridLM(HybridConfig(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, pattern="swa", window=16))
+    calls = []
+
+    def generate(prompt, n, **kw):
+        calls.append(kw["decode"])
+        return torch.cat([prompt, torch.tensor([[104, 105]])], dim=1)
+
+    monkeypatch.setattr(model, "generate", generate)
+    monkeypatch.setattr(evaluate, "load_run", lambda run, checkpoint, device: calls.append((run, checkpoint, device))
+                        or (None, None, model, 9))
+    assert main(["generate", "r", "--tokens", "1,2", "--checkpoint", "step_9", "--device", "cpu",
+                 "--decode", decode]) == 0
+    out = capsys.readouterr().out
+    assert calls == [("r", "step_9", "cpu"), decode]
+    assert f"r step 9, pattern swa, quantize none, decode {decode}" in out and "generated:     104,105" in out
+    assert ("as text: 'hi'" in out) == text
+    assert ("prefill and compile included" in out) == (decode == "compiled")
 
 
 def test_demo_runs_the_layer_its_flags_make(capsys):

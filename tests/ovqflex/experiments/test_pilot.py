@@ -2,6 +2,7 @@
 its table, a second call that reads what is done, and what it refuses."""
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,9 @@ def test_summary_columns_learned_step_and_speed():
     assert (row["first_row_s"], row["seconds"], row["steps"]) == (12.0, 18.0, 8)
     text = table([row])
     assert "acc >= 0.5 at" in text and "| sw-ovq  |      0 | 0.003 |" in text
+    # each column in its format: accuracy and loss to 3 decimals, tokens/s and seconds whole, None as "-"
+    assert re.search(r"\| 0\.003 \| +0\.000 \| +0\.100 \| +0\.600 \| +0\.900 \| +6 \| +3\.000 \| +200 \| +12 \| +18 \| - +\|",
+                     text), text
     never = summarize(run, 1e-4, [{**r, "accuracy": 0.0} for r in rows], 9)
     assert summarize(run, 1e-4, [{**r, "accuracy": 0.5} for r in rows], 9)["learned_at"] == 2  # 0.5 counts
     assert never["learned_at"] is None and "| -  " in table([never])
