@@ -94,7 +94,7 @@ def _cmd_viz(args) -> int:
               f"program built in {t_program:.2f} s, views rendered in {t_render:.2f} s")
     for q, rows in result.inspections:
         print(f"\nquery {q}:")
-        print(tabulate(rows, headers="keys"))
+        print(tabulate(rows, headers="keys", disable_numparse=True))  # as inspect_query formatted them
     for path in result.files:
         print(f"wrote {path}")
     return 0

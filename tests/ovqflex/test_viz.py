@@ -1,4 +1,6 @@
 """The viz method registry: every registered layer yields its program; the CLI draws it."""
+import re
+
 import pytest
 import torch
 
@@ -90,6 +92,7 @@ def test_cli_viz_writes_every_format(tmp_path, capsys):
                        "ovq-T128-token.svg", "ovq-T128.html"]
     assert all(f"wrote {tmp_path / name}\n" in out for name in written)
     tables = out[out.index("query 70:"):out.index("\nwrote ")]
+    assert re.search(r" 0\.000 ", tables), tables  # the token rows' bias, as inspect_query formats it (3 decimals)
     assert main(argv[:argv.index("--head")] + ["--head", "0", "--format", "term", "--view", "token", "--width", "80",
                                                "--out", str(tmp_path / "head0")]) == 0
     head0 = capsys.readouterr().out
