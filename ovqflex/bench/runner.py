@@ -64,7 +64,8 @@ def load_profile(path: str | Path) -> dict:
     """The profile at ``path`` with its ``scenario`` tables parsed into their kinds' schemas."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"profile {str(path)!r} does not exist")
+        what = "is a directory, not a TOML file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"profile {str(path)!r} {what}")
     try:
         prof = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -73,13 +73,16 @@ def test_bench_shows_progress_and_keeps_the_scenarios_before_a_failure(tmp_path,
 
 
 def test_bench_records_whether_its_compile_caches_were_fresh(tmp_path):
-    """``--fresh-compile-cache``: the JSON's ``meta.compile_cache`` says so (else "as found")."""
+    """``--fresh-compile-cache``: the JSON's ``meta.compile_cache`` says so (else "as found"); the meta of a
+    complete run names the profile and the device and is not marked partial."""
     prof = tmp_path / "one.toml"
     prof.write_text('name = "one"\n[[scenario]]\nkind = "blockmask"\nseq_len = 512\nchunk_size = 128\n'
                     'state_rows = 128\n')
     for flags, cache in (([], "as found"), (["--fresh-compile-cache"], "fresh")):
         assert main(["bench", str(prof), "--device", "cpu", "--out", str(tmp_path / "out"), *flags]) == 0
-        assert json.loads((tmp_path / "out" / "one.json").read_text())["meta"]["compile_cache"] == cache
+        meta = json.loads((tmp_path / "out" / "one.json").read_text())["meta"]
+        assert meta["compile_cache"] == cache
+        assert (meta["profile"], meta["device"], "partial" in meta) == ("one", "cpu", False)
 
 
 def test_bench_seq_lens_replace_the_chosen_scenarios_lengths(tmp_path, capsys, monkeypatch):
@@ -147,9 +150,11 @@ def test_bench_bad_profile(tmp_path, capsys, text, match):
     assert re.search(match, capsys.readouterr().err)
 
 
-def test_bench_missing_profile(capsys):
+def test_bench_missing_profile(tmp_path, capsys):
     assert main(["bench", "does/not/exist.toml"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "profile 'does/not/exist.toml' does not exist" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path)]) == 2
+    assert f"profile {str(tmp_path)!r} is a directory, not a TOML file" in capsys.readouterr().err
 
 
 def test_readme_flags_exist():
