@@ -120,6 +120,8 @@ def test_runs_in_bench_scenarios():
     assert [r["T"] for r in rows] == [64, 64, 128, 128] and all(r["time_s"] > 0 for r in rows)
     with pytest.raises(ValueError, match="kind must be one of .*'ovq'"):  # the decode bench wants a cache
         parse_scenario({"kind": "decode", "seq_lens": [64], "cases": [{"name": "t", "kind": "chunkmean"}]}, "toy")
+    with pytest.raises(ValueError, match=r"mixer 'chunkmean' \(ChunkMeanAttention\) has no decode cache"):
+        parse_scenario({"kind": "generate", "pattern": "swa,chunkmean"}, "toy")
 
 
 def test_a_name_is_registered_once():

@@ -450,12 +450,14 @@ def test_generate_times_prefill_and_new_tokens_and_compares_the_tokens(capsys):
 
 def test_generate_reports_different_tokens(monkeypatch):
     """same_tokens compares the tokens, it does not assume them equal: a static path that
-    answers other tokens is reported False (and without the functional run, None)."""
+    answers other tokens is reported False (and without the functional run, None). The model generates in
+    eval mode."""
     from ovqflex.models import HybridLM
 
-    generate = HybridLM.generate
+    generate, training = HybridLM.generate, []
 
     def off_by_one(self, prompt, n, **kw):
+        training.append(self.training)
         out = generate(self, prompt, n, **kw)
         return out if kw.get("decode") == "functional" else (out + 1) % self.config.vocab_size
 
@@ -464,6 +466,60 @@ def test_generate_reports_different_tokens(monkeypatch):
              "new_tokens": 2, "decodes": ["functional", "static"], "repeats": 1, "model_options": {"backend": "dense"}}
     assert [r["same_tokens"] for r in _run(table)] == [True, False]
     assert [r["same_tokens"] for r in _run({**table, "decodes": ["static"]})] == [None]
+    assert training and not any(training)
+
+
+def test_model_scenarios_run_flex_unless_their_options_name_a_backend():
+    table = {"kind": "generate", "name": "g", "preset": "tiny", "vocab_size": 64}
+    assert parse_scenario(table, "test").config().backend == "flex"
+    assert parse_scenario({**table, "model_options": {"backend": "dense"}}, "test").config().backend == "dense"
+
+
+def test_timed_generate_times_each_call_from_the_end_of_its_prefill_to_its_return(monkeypatch):
+    """On a clock the test moves (each forward 1 s; after the prefill, call ``i`` takes ``10 i`` s more):
+    the median over the timed calls of the seconds from the end of the call's first forward (its prefill) to
+    its return, the warm-up call untimed; the hook that reads the clock is removed after."""
+    import time
+
+    from ovqflex.bench.scenarios.generate import _timed_generate
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    class Fake(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            clock[0] += 1.0
+            return x
+
+        def generate(self, prompt, n, *, temperature, decode):
+            assert (temperature, decode) == (0, "static")
+            self.calls += 1
+            self(prompt)  # the prefill
+            clock[0] += 10.0 * self.calls
+            for _ in range(n - 1):
+                self(prompt)
+            return prompt + self.calls
+
+    model = Fake()
+    out, seconds = _timed_generate(model, torch.zeros(1, 3), 3, "static", torch.device("cpu"), 3)
+    monkeypatch.undo()
+    # calls 2, 3, 4 (call 1 warms up): 10 i s and two decode forwards after the prefill -> 22, 32, 42 s
+    assert seconds == 32.0 and torch.equal(out, torch.full((1, 3), 4.0)) and not model._forward_hooks
+
+
+def test_quantized_compares_int8_with_fp32_on_the_same_prompt():
+    """Rows fp32 then int8: the int8 model's prompt logits against the fp32 model's (within the stated 2e-2,
+    not equal), tokens/s of ``decode_tokens`` new tokens and the ratio to fp32's."""
+    rows = _run({"kind": "quantized", "name": "q", "preset": "tiny", "vocab_size": 64, "prompt_len": 32,
+                 "decode_tokens": 3, "repeats": 1, "model_options": {"backend": "dense"}})
+    assert [(r["case"], r["pattern"], r["prompt"]) for r in rows] == [("fp32", "swa,ovq", 32), ("int8", "swa,ovq", 32)]
+    fp32, int8 = rows
+    assert fp32["rel_err_logits"] == 0 and 0 < int8["rel_err_logits"] < 2e-2
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(3 / r["generate_s"])
+        assert r["x_vs_fp32"] == pytest.approx(r["tokens_per_s"] / fp32["tokens_per_s"])
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["whole", "graph-break"])
