@@ -226,6 +226,48 @@ def test_op_scenario_hands_its_checkpoint_spacing_to_the_op_not_the_reference(mo
                        "test")
 
 
+def test_op_inputs_are_seeded_draws_in_the_scenarios_dtype():
+    """q, k, v and a method's own inputs drawn from seed 0 on the CPU, every one in the scenario's dtype (bf16:
+    the fp32 draw rounded); OVQ's and VQ's ``beta`` at ``sqrt(head_dim)``."""
+    from ovqflex.bench.scenarios.op import kvm_extra, op_inputs, ovq_extra, vq_extra
+
+    cpu = torch.device("cpu")
+    for extra in (ovq_extra, kvm_extra, vq_extra(8)):
+        fp32, bf16 = (op_inputs(48, 2, 16, extra, cpu, dtype) for dtype in (torch.float32, torch.bfloat16))
+        assert list(fp32) == list(bf16) and {"q", "k", "v"} < set(fp32)
+        for name, x in bf16.items():
+            assert x.dtype == torch.bfloat16 and torch.equal(x, fp32[name].to(torch.bfloat16)), name
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(op_inputs(48, 2, 16, ovq_extra, cpu, torch.float32)["q"], torch.randn(1, 2, 48, 16, generator=g))
+    assert torch.equal(op_inputs(48, 2, 16, ovq_extra, cpu, torch.float32)["beta"], torch.full((2,), 4.0))
+    assert torch.equal(op_inputs(48, 2, 16, vq_extra(8), cpu, torch.float32)["beta"], torch.full((2,), 4.0))
+
+
+def test_kvm_keys_are_the_ops_options_and_its_rows_name_the_last_chunks_state(monkeypatch):
+    """Every KVM key reaches :class:`~ovqflex.ops.kvm.KVMOptions` (0 for ``state_min_len`` and
+    ``max_state_chunks``: their defaults, None); a KVM op row's ``state_rows_last_chunk`` is what the last
+    query chunk at its length reads (power law 4 sqrt(ctx), chunks of 16: 0, 0, 16, 27 at T = 64); a row of
+    the default-spaced op says ``checkpoint_every`` None."""
+    import ovqflex.bench.scenarios.op as op_scenarios
+    from ovqflex.bench.scenarios.op import KVMStateKeys
+
+    keys = KVMStateKeys(n_bswa_chunks=3, sink_len=2, budget="saturation", state_min_len=32, growth_factor=2.0,
+                        growth_exponent=0.25, round_down=4, saturation_n=100, max_state_chunks=5)
+    assert keys.kvm_options(32) == dict(chunk_size=32, n_bswa_chunks=3, sink_len=2, budget="saturation",
+                                        state_min_len=32, growth_factor=2.0, growth_exponent=0.25, round_down=4,
+                                        saturation_n=100, max_state_chunks=5)
+    defaults = KVMStateKeys(state_min_len=0, max_state_chunks=0).kvm_options(16)
+    assert (defaults["state_min_len"], defaults["max_state_chunks"]) == (None, None)
+    monkeypatch.setattr(op_scenarios, "_op_scenario", lambda sc, device, method, **kw: [{"T": T} for T in sc.seq_lens])
+    rows = _run({"kind": "kvm", "name": "k", "seq_lens": [16, 64], "chunk_size": 16, "budget": "power_law",
+                 "growth_factor": 4.0, "max_state_chunks": 0})
+    assert [r["state_rows_last_chunk"] for r in rows] == [0, 27]
+    monkeypatch.undo()
+    rows = _run({"kind": "ovq", "name": "o", "seq_lens": [32], "heads": 2, "head_dim": 16, "chunk_size": 16,
+                 "max_centroids": 8, "repeats": 1, "max_backward_len": 16, "max_reference_len": 16})
+    assert rows and all(r["checkpoint_every"] is None for r in rows)
+
+
 @pytest.mark.slow
 def test_a_dynamic_op_scenario_compiles_nothing_after_its_second_length():
     """``compile_shapes = "dynamic"``: the compiled cases compile at the first length (static) and the second
