@@ -45,7 +45,8 @@ def _cmd_eval(args) -> int:
           f"trained at {doc['train_seq_len']} tokens, overrides: {over}")
     # numbers, formatted per column (tabulate would parse strings such as "0.7500" and print them as 0.75)
     print(tabulate([(r["length"], r["accuracy"], r["loss"], r["targets"], r["seconds"]) for r in doc["rows"]],
-                   headers=["length", "accuracy", "loss", "targets", "seconds"], floatfmt=("", ".4f", ".4f", "", ".1f")))
+                   headers=["length", "accuracy", "loss", "targets", "seconds"],
+                   floatfmt=("", ".4f", ".4f", "", ".1f")))
     png = f" and {name}.png" if doc.get("plot") else " (no plot: matplotlib is not installed)"
     print(f"wrote {Path(args.run) / name}.json{png}")
     return 0

@@ -488,7 +488,8 @@ def test_eval_hands_on_its_flags_and_prints_the_report(monkeypatch, capsys):
     assert {k: v for k, v in default_kw.items() if k != "progress"} == dict(
         n_examples=64, batch_size=8, overrides={}, checkpoint=None, device="auto", name="mine")
     assert "  length      64: accuracy 0.7500  (1.2 s)" in out
-    assert "icr (recall), pattern swa,ovq, step 9, trained at 64 tokens, overrides: max_centroids=16, growth=full" in out
+    assert ("icr (recall), pattern swa,ovq, step 9, trained at 64 tokens, overrides: max_centroids=16, "
+            "growth=full") in out
     assert re.search(r"\n\s*64\s+0\.7500\s+0\.5000\s+12\s+1\.2\n", out), out
     assert "wrote r/eval-max_centroids-16-growth-full.json (no plot: matplotlib is not installed)" in out
     assert "overrides: none" in plain and "wrote r/mine.json (no plot" in plain
