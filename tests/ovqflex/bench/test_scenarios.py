@@ -231,16 +231,16 @@ def test_op_inputs_are_seeded_draws_in_the_scenarios_dtype():
     the fp32 draw rounded); OVQ's and VQ's ``beta`` at ``sqrt(head_dim)``."""
     from ovqflex.bench.scenarios.op import kvm_extra, op_inputs, ovq_extra, vq_extra
 
-    cpu = torch.device("cpu")
-    for extra in (ovq_extra, kvm_extra, vq_extra(8)):
+    cpu, drawn = torch.device("cpu"), {}
+    for name, extra in (("ovq", ovq_extra), ("kvm", kvm_extra), ("vq", vq_extra(8))):
         fp32, bf16 = (op_inputs(48, 2, 16, extra, cpu, dtype) for dtype in (torch.float32, torch.bfloat16))
         assert list(fp32) == list(bf16) and {"q", "k", "v"} < set(fp32)
-        for name, x in bf16.items():
-            assert x.dtype == torch.bfloat16 and torch.equal(x, fp32[name].to(torch.bfloat16)), name
+        for key, x in bf16.items():
+            assert x.dtype == torch.bfloat16 and torch.equal(x, fp32[key].to(torch.bfloat16)), (name, key)
+        drawn[name] = fp32
     g = torch.Generator().manual_seed(0)
-    assert torch.equal(op_inputs(48, 2, 16, ovq_extra, cpu, torch.float32)["q"], torch.randn(1, 2, 48, 16, generator=g))
-    assert torch.equal(op_inputs(48, 2, 16, ovq_extra, cpu, torch.float32)["beta"], torch.full((2,), 4.0))
-    assert torch.equal(op_inputs(48, 2, 16, vq_extra(8), cpu, torch.float32)["beta"], torch.full((2,), 4.0))
+    assert torch.equal(drawn["ovq"]["q"], torch.randn(1, 2, 48, 16, generator=g))
+    assert all(torch.equal(drawn[name]["beta"], torch.full((2,), 4.0)) for name in ("ovq", "vq"))
 
 
 def test_kvm_keys_are_the_ops_options_and_its_rows_name_the_last_chunks_state(monkeypatch):
