@@ -7,6 +7,7 @@ import torch
 
 from recurrences.checks import ConfigError, check_choice, check_keys
 
+from ...compile_watch import compile_counts
 from ...devices import sync
 from ...methods import METHODS, Method, method_names
 from ...models.hybrid import DECODES, static_step
@@ -67,12 +68,16 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     replayed from one CUDA graph (compiled and captured in the warm-up run, not timed; each timed run
     continues the same cache; ``"graph"`` needs CUDA and is left out elsewhere). Every case runs at
     every ``batch`` of ``batch_sizes`` (that many sequences decoded together, one token each per
-    call) and every ``T``. Rows: ``batch``, decode tokens/s (``tokens_per_s``: the tokens of all ``batch`` rows,
-    ``batch * decode_tokens / seconds``), seconds per decode step (``time_s``: per token at batch
+    call) and every ``T``, on the same tokens (drawn from seed 0 per ``batch`` and ``T``; each layer is
+    initialised from seed 0). Rows: ``batch``, decode tokens/s (``tokens_per_s``: the tokens of all ``batch``
+    rows, ``batch * decode_tokens / seconds``), seconds per decode step (``time_s``: per token at batch
     1, per ``batch`` tokens otherwise; its slope vs T is ~0 for a bounded cache and ~1 for a
     growing KV cache), the cache's own bytes (``cache_mb``, all rows of the batch) and the RSS
-    growth while decoding (``peak_mb``). The last case is the baseline of ``x_vs_<name>``, at the
-    same ``batch`` and ``T``.
+    growth while decoding (``peak_mb``), the graphs dynamo compiled for the decode (``compiled_graphs``:
+    its untimed warm-up included; 0 for an eager decode) and ``rel_err_vs_forward``: the last run's
+    decoded outputs against the layer's full forward of the tokens its cache took in (untimed), relative
+    (norm of the difference over the forward's norm). The last case is the baseline of ``x_vs_<name>``,
+    at the same ``batch`` and ``T``.
     """
     import time
 
@@ -80,38 +85,38 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     hidden, heads, n_dec = sc.hidden, sc.heads, sc.decode_tokens
     rows = []
     for i, case in enumerate(sc.cases):
-        torch.manual_seed(0)
         method, options, mode = _decode_method(case, f"scenario {sc.name!r}, case {i}")
         if not runs_on(mode, dev, f"scenario {sc.name!r}, case {case['name']!r}"):
             continue
+        torch.manual_seed(0)
         layer = method.build(hidden, heads, **options).to(dev).eval()
         for batch in sc.batch_sizes:
             for T in sc.seq_lens:
-                x = torch.randn(batch, T + n_dec, hidden, device=dev)
+                g = torch.Generator().manual_seed(0)
+                x = torch.randn(batch, T + n_dec, hidden, generator=g).to(dev)
                 with torch.no_grad():
                     t0 = time.perf_counter()
                     _, cache = layer(x[:, :T], use_cache=True)
                     sync(dev)
                     prefill = time.perf_counter() - t0
 
+                    graphs = compile_counts().graphs
                     if mode == "functional":
-                        def run():
-                            c = cache
-                            for i in range(n_dec):
-                                _, c = layer(x[:, T + i:T + i + 1], cache=c)
-                            return c
+                        run = _functional_run(layer, cache, x, T, n_dec)
                     else:
                         run = _static_run(layer, cache, x, T, n_dec, sc.repeats, mode)
-
                     m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
-                    end = run()
+                    graphs = compile_counts().graphs - graphs
+                    end, taken, ys = run(keep=True)
+                    err = _rel_err_vs_forward(layer, x, T, taken, torch.cat(ys, dim=1))
                 rows.append({"case": case["name"], "decode": mode, "batch": batch, "T": T, "prefill_s": prefill,
                              "tokens_per_s": batch * n_dec / m.seconds,
                              "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
-                             "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb})
+                             "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb,
+                             "compiled_graphs": graphs, "rel_err_vs_forward": err})
                 progress(f"decode {case['name']} batch {batch} T={T} ({rows[-1]['tokens_per_s']:,.0f} tokens/s)",
                          m.seconds / n_dec)
-                del x, cache, run, end  # the next prefill's memory: a static run holds its cache and graph
+                del x, cache, run, end, ys  # the next prefill's memory: a static run holds its cache and graph
     by_t = {}
     for r in rows:
         by_t.setdefault((r["batch"], r["T"]), []).append(r)
@@ -124,26 +129,58 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
     return rows
 
 
+def _rel_err_vs_forward(layer, x, T: int, taken: list[int], out) -> float:
+    """How far the decoded outputs ``out [B, n, hidden]`` (the last ``n`` tokens a cache took in) are from
+    the layer's full forward of what that cache took in: ``x[:, :T]`` (the prefill), then the tokens
+    ``x[:, taken]``; ``|out - forward| / |forward|`` over those last ``n`` positions."""
+    if taken == list(range(T, T + len(taken))):
+        seq = x[:, :T + len(taken)]
+    else:  # a static run that re-took tokens
+        seq = torch.cat([x[:, :T], x[:, taken]], dim=1)
+    ref = layer(seq)[:, -out.shape[1]:]
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _functional_run(layer, cache, x, T: int, n_dec: int):
+    """A run of ``n_dec`` functional decode steps, each run from the prefill's ``cache`` (never mutated):
+    ``run(keep=False)`` -> (the cache after them, the positions of ``x`` they took in, and with ``keep``
+    their outputs)."""
+    def run(keep: bool = False):
+        c, ys = cache, []
+        for i in range(n_dec):
+            y, c = layer(x[:, T + i:T + i + 1], cache=c)
+            if keep:
+                ys.append(y)
+        return c, list(range(T, T + n_dec)), ys
+
+    return run
+
+
 def _static_run(layer, cache, x, T: int, n_dec: int, repeats: int, mode: str):
     """A run of ``n_dec`` static decode steps continuing one static cache made from ``cache``
     (room for ``measure``'s warm-up, ``repeats`` and memory runs and the final one): eager
     (``mode="static"``), compiled, or the compiled step replayed from one CUDA graph (``"graph"``);
-    returns the static cache. Before it returns, ``chunk_size`` steps (the layer's, if it has one) run
-    untimed: they cross one chunk boundary, so the compile of the boundary's routing step (once per
-    cache bound) is not timed either when ``n_dec`` is shorter than a chunk."""
+    ``run(keep=False)`` -> (the static cache, the positions of ``x`` it took in since the prefill, and with
+    ``keep`` the run's outputs, copied: a graph's output is one buffer). Before the first run,
+    ``chunk_size`` steps (the layer's, if it has one) run untimed: they cross one chunk boundary, so the
+    compile of the boundary's routing step (once per cache bound) is not timed either when ``n_dec`` is
+    shorter than a chunk. The steps reuse the decode tokens ``x[:, T:T + n_dec]`` in turn."""
     warm = getattr(layer, "chunk_size", 0)
     static = layer.static_cache(cache, T + warm + n_dec * (repeats + 3))
     compiled = mode != "static"
     step = static_step(lambda xt, c: layer(xt, cache=c)[0], mode, x.device)
-    position = [T]
+    taken: list[int] = []
 
-    def steps(n: int):
+    def steps(n: int, keep: bool = False):
+        ys = []
         for i in range(n):
-            t = T + i % n_dec  # the warm-up's steps reuse the decode tokens
-            step(x[:, t:t + 1], static)
-            position[0] += 1
-            layer.static_boundary(static, position[0], compile=compiled)
-        return static
+            t = T + i % n_dec
+            y = step(x[:, t:t + 1], static)
+            if keep:
+                ys.append(y.clone())
+            taken.append(t)
+            layer.static_boundary(static, T + len(taken), compile=compiled)
+        return static, taken, ys
 
     steps(warm)
-    return lambda: steps(n_dec)
+    return lambda keep=False: steps(n_dec, keep)

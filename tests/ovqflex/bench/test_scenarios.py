@@ -395,20 +395,59 @@ def test_decode_runs_every_case_at_every_batch(capsys):
     for r in rows:  # the cache after the decode: a state as large as after the prefill; a KV cache 4 tokens larger
         grown = 4 * (2 * r["batch"] * 32 * 4 + 8) if r["case"] == "full" else 0  # k, v fp32 rows; an int64 position
         assert (r["cache_mb"] - r["cache_mb_prefill"]) * 2**20 == grown, r
+        assert r["rel_err_vs_forward"] < 1e-5 and r["compiled_graphs"] == 0, r  # eager, as the full forward
 
 
-def test_decode_times_the_static_cache_eager_and_compiled():
+def test_decode_times_the_static_cache_eager_and_compiled(monkeypatch):
+    """Every case decodes the same tokens (seed 0) through its layer in eval mode, initialised from seed 0;
+    a static run takes the decode tokens in turn (16 untimed steps cross OVQ's first chunk boundary), its
+    boundaries compiled where its step is; each run's outputs equal the full forward of what its cache took in."""
+    from ovqflex.bench.scenarios import decode
+    from ovqflex.layers import OVQAttention
+    from ovqflex.methods import get_method
+
+    seen, boundaries = [], []
+    real_err, real_boundary = decode._rel_err_vs_forward, OVQAttention.static_boundary
+
+    def recording_err(layer, x, T, taken, out):
+        seen.append((layer, x, list(taken)))
+        return real_err(layer, x, T, taken, out)
+
+    def recording_boundary(self, cache, position, *, compile=False):
+        boundaries.append((self, compile))
+        return real_boundary(self, cache, position, compile=compile)
+
+    monkeypatch.setattr(decode, "_rel_err_vs_forward", recording_err)
+    monkeypatch.setattr(OVQAttention, "static_boundary", recording_boundary)
     ovq = {"kind": "ovq", "chunk_size": 16, "max_centroids": 32}
     rows = _run({"kind": "decode", "name": "d", "seq_lens": [48], "batch_sizes": [1], "hidden": 32, "heads": 2,
                  "decode_tokens": 4, "repeats": 1,
                  "cases": [{"name": "ovq-static", **ovq, "decode": "static"},
                            {"name": "ovq-compiled", **ovq, "decode": "compiled"},
                            {"name": "full-static", "kind": "full", "decode": "static"},
+                           {"name": "full-compiled", "kind": "full", "decode": "compiled"},
                            {"name": "full", "kind": "full"}]})
     assert [(r["case"], r["decode"]) for r in rows] == [("ovq-static", "static"), ("ovq-compiled", "compiled"),
-                                                        ("full-static", "static"), ("full", "functional")]
-    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+                                                        ("full-static", "static"), ("full-compiled", "compiled"),
+                                                        ("full", "functional")]
+    assert all("error" not in r and r["tokens_per_s"] > 0 and r["rel_err_vs_forward"] < 1e-5 for r in rows), rows
     assert rows[0]["cache_mb"] == rows[1]["cache_mb"]
+    assert [r["compiled_graphs"] > 0 for r in rows] == [False, True, False, True, False]  # full: the step alone
+
+    x = torch.randn(1, 52, 32, generator=torch.Generator().manual_seed(0))
+    for (layer, seen_x, taken), case in zip(seen, ["ovq", "ovq", "full", "full", "full"]):
+        assert torch.equal(seen_x, x) and not layer.training
+        torch.manual_seed(0)
+        options = {"backend": "flex", **{k: v for k, v in ovq.items() if k != "kind"}} if case == "ovq" else {}
+        fresh = get_method(case).build(32, 2, **options)
+        assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), fresh.state_dict().values()))
+    static_taken, functional_taken = seen[0][2], seen[4][2]
+    assert len(static_taken) > 16 and static_taken == [48 + i % 4 for i in range(len(static_taken))]
+    assert functional_taken == [48, 49, 50, 51]
+    compiled_of = {}
+    for layer, compile in boundaries:
+        compiled_of.setdefault(id(layer), set()).add(compile)
+    assert [compiled_of[id(seen[i][0])] for i in (0, 1)] == [{False}, {True}]
 
 
 def test_static_decode_compiles_its_chunk_boundary_before_the_timed_runs(monkeypatch):
