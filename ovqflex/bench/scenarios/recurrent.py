@@ -23,7 +23,7 @@ class RecurrentScenario(Scenario):
     head_dim: int = 64
     batch: int = 1
     chunk_size: int = 64          # linear, DeltaNet
-    vla_chunk: int = 20           # the refresh period
+    vla_chunk: int = 20           # VLA's chunk: divides its refresh period (20 tokens)
     max_centroids: int = 2048     # OVQ
     ovq_chunk: int = 128
     ovq_backend: str = "blocked"
@@ -49,7 +49,9 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
     ``seq_lens``. ``other_chunk_form``: also DeltaNet and VLA with their chunks run the way the device's
     default does not (``recurrences.delta.delta_chunks``: the blocked scan on a CPU, the loop on a GPU),
     named ``deltanet blocked ...`` or ``deltanet loop ...``, whose ``x_vs_reference`` is their speed-up
-    over the default form. The runner fits the log-log slope of time and memory vs T of each case.
+    over the default form. Where the reference loop ran, each chunked forward row (either form) also has
+    ``rel_err_vs_reference``: its last output against the loop's, ``|out - ref| / |ref|``. The runner fits
+    the log-log slope of time and memory vs T of each case.
     """
     from recurrences.delta import delta_rule_chunked
     from recurrences.reference import delta_rule_reference, linear_attention_reference, vla_reference
@@ -82,11 +84,11 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
                                        (q, kn, v, beta), None)
             ops[f"vla {form}"] = (lambda *a: vla_chunked(*a, VLAOptions(chunk_size=Cv), blocked=blocked),
                                   (q, k, v, u), None)
-        cases = []
+        cases, outputs = [], {}  # the last output of each forward case (kept while it runs again)
         for name, (op, args, ref) in ops.items():
-            def fwd(op=op, args=args):
+            def fwd(op=op, args=args, name=f"{name} chunked fwd"):
                 with torch.no_grad():
-                    return op(*args)
+                    outputs[name] = op(*args)
 
             grad_args = tuple(a.clone().requires_grad_() for a in args)
 
@@ -95,9 +97,9 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
 
             cases += [(f"{name} chunked fwd", fwd), (f"{name} chunked fwd+bwd", fwd_bwd)]
             if ref is not None and T <= max_ref:
-                def reference(ref=ref):
+                def reference(ref=ref, name=f"{name} reference loop fwd"):
                     with torch.no_grad():
-                        return ref()
+                        outputs[name] = ref().out
                 cases.append((f"{name} reference loop fwd", reference))
         beta_ovq = torch.full((H,), D**0.5, device=dev)
 
@@ -110,8 +112,21 @@ def recurrent(sc: RecurrentScenario, device: str) -> list[dict]:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         cases += ([(f"ovq {ovq_backend} fwd", ovq)] if sc.ovq else []) + [("sdpa causal fwd", sdpa)]
-        rows += compare_cases(T, cases, dev, repeats, reference_of=_reference_case)
+        rows += [_with_error(row, outputs) for row in compare_cases(T, cases, dev, repeats,
+                                                                     reference_of=_reference_case)]
     return rows
+
+
+def _with_error(row: dict, outputs: dict) -> dict:
+    """``row`` of a chunked forward case with ``rel_err_vs_reference``: its last output (``outputs`` by case
+    name) against its op's reference loop's, where both ran."""
+    name = row["case"]
+    if name.endswith(" chunked fwd"):
+        loop = name.split(" ", 1)[0] + " reference loop fwd"
+        if name in outputs and loop in outputs:
+            out, ref = outputs[name].double(), outputs[loop].double()
+            row["rel_err_vs_reference"] = ((out - ref).norm() / ref.norm()).item()
+    return row
 
 
 def _reference_case(name: str) -> str | None:

@@ -513,6 +513,66 @@ def test_recurrent_times_the_other_chunk_form_against_the_default():
             assert other["x_vs_reference"] == pytest.approx(default["time_s"] / other["time_s"])
 
 
+def test_recurrent_checks_each_chunked_forward_against_its_reference_loop(monkeypatch):
+    """Up to ``max_reference_len`` the loops run: each chunked forward (either form) is timed against its
+    default form's, and its last output compared with its loop's (``rel_err_vs_reference``); the OVQ
+    baseline runs on ``ovq_backend`` (beta sqrt(head_dim)) next to causal SDPA. The ops see the seeded
+    draws; a forward runs without gradients, a forward+backward with every input a leaf that wants one."""
+    import recurrences.delta
+    import recurrences.vla
+    from ovqflex.ops import linear, ovq
+
+    calls = []
+
+    def spying(module, fn_name):
+        real = getattr(module, fn_name)
+
+        def spy(*args, **kwargs):
+            wants = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
+            calls.append((fn_name, torch.is_grad_enabled(), wants, args, kwargs))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, fn_name, spy)
+
+    for module, fn_name in [(linear, "linear_attention"), (linear, "delta_rule"), (linear, "vla_attention"),
+                            (recurrences.delta, "delta_rule_chunked"), (recurrences.vla, "vla_chunked"),
+                            (ovq, "ovq_attention"), (torch.nn.functional, "scaled_dot_product_attention")]:
+        spying(module, fn_name)
+    rows = _run({"kind": "recurrent", "name": "r", "seq_lens": [40], "heads": 2, "head_dim": 8, "chunk_size": 4,
+                 "vla_chunk": 4, "max_centroids": 8, "ovq_chunk": 16, "max_reference_len": 40,
+                 "other_chunk_form": True, "repeats": 1})
+    by_case = {r["case"]: r for r in rows}
+    assert "error" not in str(rows)
+    ops = ("linear", "deltanet", "vla")
+    assert set(by_case) == {f"{name} chunked {what}" for name in ops + ("deltanet blocked", "vla blocked")
+                            for what in ("fwd", "fwd+bwd")} | {f"{name} reference loop fwd" for name in ops} | {
+        "ovq blocked fwd", "sdpa causal fwd"}
+    for name in ops:
+        fwd, loop = by_case[f"{name} chunked fwd"], by_case[f"{name} reference loop fwd"]
+        assert fwd["x_vs_reference"] == pytest.approx(loop["time_s"] / fwd["time_s"])
+    for form in ops + ("deltanet blocked", "vla blocked"):
+        assert by_case[f"{form} chunked fwd"]["rel_err_vs_reference"] < 1e-5, form
+        assert "rel_err_vs_reference" not in by_case[f"{form} chunked fwd+bwd"]
+    assert all("rel_err_vs_reference" not in by_case[c] for c in ("ovq blocked fwd", "sdpa causal fwd"))
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 40, 8, generator=g)
+    by_fn = {}
+    for fn_name, grad, wants, args, kwargs in calls:
+        by_fn.setdefault(fn_name, []).append((grad, wants, kwargs))
+        assert wants == ((True,) * len(wants) if grad else (False,) * len(wants)), (fn_name, grad, wants)
+        if fn_name != "vla_chunked":  # (VLA's chunks see k and u unit-normalised)
+            assert torch.equal(args[0].detach(), q), fn_name
+    assert {fn_name: {grad for grad, _, _ in seen} for fn_name, seen in by_fn.items()} == {
+        "linear_attention": {False, True}, "delta_rule": {False, True}, "vla_attention": {False, True},
+        "delta_rule_chunked": {False, True}, "vla_chunked": {False, True}, "ovq_attention": {False},
+        "scaled_dot_product_attention": {False}}
+    assert {kw["blocked"] for _, _, kw in by_fn["delta_rule_chunked"] + by_fn["vla_chunked"]} == {True}  # CPU: loop
+    assert all(kw["backend"] == "blocked" for _, _, kw in by_fn["ovq_attention"])
+    assert all(kw["is_causal"] for _, _, kw in by_fn["scaled_dot_product_attention"])
+    assert all(torch.equal(args[3], torch.full((2,), 8**0.5)) for fn_name, *_, args, _ in calls
+               if fn_name == "ovq_attention")
+
+
 def test_generate_times_prefill_and_new_tokens_and_compares_the_tokens(capsys):
     """... and leaves the CUDA-graph decode out on the CPU, saying so."""
     rows = _run({"kind": "generate", "name": "g", "preset": "tiny", "vocab_size": 64, "prompt_lens": [40],
