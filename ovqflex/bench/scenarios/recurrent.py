@@ -175,7 +175,8 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
     forward+backward what autograd keeps for the backward (``saved_mb``:
     :func:`~ovqflex.bench.measure.saved_for_backward_mb`, what each such layer adds to a model's training
     peak); the runner fits the log-log slope of each case. ``x_time_vs_snapshot`` and ``x_saved_vs_snapshot``
-    are ratios to the snapshot layout's same case (> 1: slower, more kept).
+    are ratios to the snapshot layout's same case (> 1: slower, more kept), in whichever order ``layouts``
+    lists the layouts (None without the snapshot layout).
     """
     program_of, op, extra, _ = sc.method_parts()
     options = sc.op_options()
@@ -184,7 +185,7 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
     for T in sc.seq_lens:
         t = op_inputs(T, sc.heads, sc.head_dim, extra, dev, torch.float32)
         leaves = {n: x.clone().requires_grad_(x.is_floating_point()) for n, x in t.items()}
-        base: dict[str, dict] = {}
+        by_layout: dict[tuple[str, str], dict] = {}
         for layout in sc.layouts:
             with torch.no_grad():
                 program = program_of(**t, state_layout=layout, **options)[0]
@@ -210,11 +211,13 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
                     row["saved_mb"] = saved_for_backward_mb(
                         lambda layout=layout: op(**leaves, backend=backend, state_layout=layout, **options),
                         leaves.values())
-                ref = base.setdefault(what, row) if layout == "snapshot" else base.get(what)
-                row["x_time_vs_snapshot"] = m.seconds / ref["time_s"] if ref else None
-                if "saved_mb" in row:
-                    row["x_saved_vs_snapshot"] = row["saved_mb"] / ref["saved_mb"] if ref else None
-                rows.append(row)
+                by_layout[layout, what] = row
+        for (layout, what), row in by_layout.items():
+            ref = by_layout.get(("snapshot", what))
+            row["x_time_vs_snapshot"] = row["time_s"] / ref["time_s"] if ref else None
+            if "saved_mb" in row:
+                row["x_saved_vs_snapshot"] = row["saved_mb"] / ref["saved_mb"] if ref else None
+        rows += by_layout.values()
     return rows
 
 

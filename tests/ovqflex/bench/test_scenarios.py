@@ -328,6 +328,68 @@ def test_stages_time_each_stage_per_layout_next_to_the_kernel_and_sdpa():
     assert op["x_vs_sdpa"] == pytest.approx(by["sdpa causal fwd"]["time_s"] / op["time_s"])
 
 
+def test_stages_take_the_median_stage_time_and_time_the_unrefined_versioned_layout(monkeypatch):
+    """Each stage's time is the median over ``repeats`` timed builds (a stand-in timer: 1, 2 and 6 s); the
+    versioned program's kernel runs through flex on its own block layout and on the unrefined one
+    (``build_block_layout(refine=False)``); causal SDPA runs on the scenario's bf16 inputs; every row
+    names the dtype."""
+    import contextlib
+
+    from ovqflex.bench.scenarios import stages
+
+    timed, layouts, attended, sdpa = [], [], [], []
+    real_layout, real_attend, real_sdpa = (stages.build_block_layout, stages.attend,
+                                           torch.nn.functional.scaled_dot_product_attention)
+
+    @contextlib.contextmanager
+    def stand_in_timer(device):
+        times = {}
+        yield times
+        timed.append(device)
+        times["routing"] = [1.0, 2.0, 6.0][len(timed) - 1]
+
+    def recording_layout(*args, **kwargs):
+        layouts.append((kwargs, real_layout(*args, **kwargs)))
+        return layouts[-1][1]
+
+    def recording_attend(program, backend):
+        attended.append((program.layout, backend))
+        return real_attend(program, backend)
+
+    def recording_sdpa(q, k, v, **kwargs):
+        sdpa.append((q.dtype, kwargs))
+        return real_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(stages, "stage_timer", stand_in_timer)
+    monkeypatch.setattr(stages, "build_block_layout", recording_layout)
+    monkeypatch.setattr(stages, "attend", recording_attend)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    rows = _run({"kind": "stages", "name": "st", "seq_lens": [64], "heads": 2, "head_dim": 16, "chunk_size": 16,
+                 "max_centroids": 8, "layouts": ["versioned"], "dtype": "bf16", "repeats": 3})
+    (row,) = [r for r in rows if r["case"] == "versioned program + flex kernel"]
+    assert row["routing_s"] == 2.0 and len(timed) == 3
+    ((kwargs, unrefined),) = layouts
+    assert kwargs == {"refine": False}
+    assert {id(layout) for layout, _ in attended} == {id(unrefined), id(attended[0][0])} and len(attended) > 2
+    assert {backend for _, backend in attended} == {"flex"} and attended[0][0] is not unrefined
+    assert sdpa and all(dtype == torch.bfloat16 and kw == {"is_causal": True} for dtype, kw in sdpa)
+    assert [r["dtype"] for r in rows] == ["bf16"] * 3
+
+
+def test_layout_of_names_a_programs_state_layout():
+    from types import SimpleNamespace
+
+    from ovqflex.bench.scenarios.stages import layout_of
+    from ovqflex.ops import ovq_program
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    for layout in ("snapshot", "versioned"):
+        program = ovq_program(q, k, v, torch.full((2,), 4.0), chunk_size=16, max_centroids=8, state_layout=layout)[0]
+        assert layout_of(program) == layout
+    assert layout_of(SimpleNamespace(regions=())) == "none"
+
+
 #: a small state of each method: the keys only it reads (a scenario refuses another method's)
 STATE_KEYS = {"ovq": dict(max_centroids=8), "kvm": dict(budget="power_law", growth_factor=4.0, max_state_chunks=0),
               "vq": dict(codebook_size=8)}
@@ -342,25 +404,37 @@ def test_stages_of_kvm_and_vq(method):
 
 
 @pytest.mark.parametrize("method", ["ovq", "kvm", "vq"])
-def test_state_layout_reports_each_layouts_rows_width_and_what_its_backward_keeps(method):
+def test_state_layout_reports_each_layouts_rows_width_and_what_its_backward_keeps(monkeypatch, method):
     """Per layout, a forward and a forward+backward row with the state rows and list width of the program that
-    layout builds (built here anew), what autograd keeps for the backward (the forward+backward rows only)
-    and the ratios to the snapshot layout's row of the same case."""
+    layout builds (built here anew, with the scenario's options: OVQ's growth and checkpoint spacing too),
+    what autograd keeps for the backward (the forward+backward rows only) and the ratios to the snapshot
+    layout's row of the same case, whichever layout runs first. Every call runs on the scenario's backend;
+    the inputs' gradients are cleared after each backward."""
+    from ovqflex import attention
+    from ovqflex.bench.scenarios import recurrent
     from ovqflex.bench.scenarios.op import kvm_extra, op_inputs, ovq_extra, vq_extra
     from ovqflex.ops import kvm_program, ovq_program, vq_program
 
+    backends, leaves = [], []
+    real_resolve, real_saved = attention.resolve_backend, recurrent.saved_for_backward_mb
+    monkeypatch.setattr(attention, "resolve_backend",
+                        lambda backend, program: backends.append(backend) or real_resolve(backend, program))
+    monkeypatch.setattr(recurrent, "saved_for_backward_mb",
+                        lambda fn, inputs: leaves.extend(inputs) or real_saved(fn, inputs))
+    layouts = ["versioned", "snapshot"] if method == "ovq" else ["snapshot", "versioned"]
+    # (OVQ's full growth: 192 snapshot rows, its plateau 160)
+    ovq_keys = dict(growth="full", checkpoint_every=32, max_centroids=32) if method == "ovq" else {}
     table = {"kind": "state_layout", "name": "sl", "method": method, "seq_lens": [96], "heads": 2, "head_dim": 16,
-             "chunk_size": 16, "block_size": 32, "repeats": 1, **STATE_KEYS[method]}
+             "chunk_size": 16, "block_size": 32, "repeats": 1, "layouts": layouts, **STATE_KEYS[method], **ovq_keys}
     rows = _run(table)
-    assert [r["case"] for r in rows] == [f"{lay} blocked {what}" for lay in ("snapshot", "versioned")
-                                         for what in ("fwd", "fwd+bwd")]
+    assert [r["case"] for r in rows] == [f"{lay} blocked {what}" for lay in layouts for what in ("fwd", "fwd+bwd")]
     program_of, extra, options = {
-        "ovq": (ovq_program, ovq_extra, dict(max_centroids=8)),
+        "ovq": (ovq_program, ovq_extra, ovq_keys),
         "kvm": (kvm_program, kvm_extra, dict(budget="power_law", growth_factor=4.0, max_state_chunks=None)),
         "vq": (vq_program, vq_extra(8), {})}[method]
     t = op_inputs(96, 2, 16, extra, torch.device("cpu"), torch.float32)
     by = {r["case"]: r for r in rows}
-    for layout in ("snapshot", "versioned"):
+    for layout in layouts:
         p = program_of(**t, chunk_size=16, block_size=32, state_layout=layout, **options)[0]
         fwd, fwd_bwd = by[f"{layout} blocked fwd"], by[f"{layout} blocked fwd+bwd"]
         for r in (fwd, fwd_bwd):
@@ -370,6 +444,8 @@ def test_state_layout_reports_each_layouts_rows_width_and_what_its_backward_keep
         assert "saved_mb" not in fwd and fwd_bwd["saved_mb"] > 0
         assert fwd_bwd["x_saved_vs_snapshot"] == pytest.approx(
             fwd_bwd["saved_mb"] / by["snapshot blocked fwd+bwd"]["saved_mb"])
+    assert backends and set(backends) == {"blocked"}
+    assert leaves and all(x.grad is None for x in leaves)
 
 
 def test_decode_runs_every_case_at_every_batch(capsys):
@@ -470,11 +546,37 @@ def test_static_decode_compiles_its_chunk_boundary_before_the_timed_runs(monkeyp
     assert [m.timed_graphs for m in seen] == [0, 0]
 
 
-def test_routing_times_the_kvm_loop_and_static_router_and_compares_the_routes():
-    rows = _run({"kind": "routing", "name": "r", "method": "kvm", "seq_lens": [160], "heads": 2, "head_dim": 8,
-                 "chunk_size": 16, "budget": "power_law", "growth_factor": 4.0, "max_state_chunks": 0, "repeats": 1})
+@pytest.mark.parametrize("method", ["ovq", "kvm"])
+def test_routing_times_the_loop_and_static_router_and_compares_the_routes(monkeypatch, method):
+    """The loop and the compiled static router route the same keys (a last chunk of 8 tokens: the router's
+    sizes cover it); KVM's are ``LN(x)`` with gates ``1 + elu(x)``, drawn from seed 0."""
+    import recurrences.kvm
+
+    routed, real_route = [], recurrences.kvm.route_kvm
+    monkeypatch.setattr(recurrences.kvm, "route_kvm", lambda *a, **kw: routed.append(a) or real_route(*a, **kw))
+    keys = dict(max_centroids=8) if method == "ovq" else dict(budget="power_law", growth_factor=4.0,
+                                                                max_state_chunks=0)
+    rows = _run({"kind": "routing", "name": "r", "method": method, "seq_lens": [168], "heads": 2, "head_dim": 8,
+                 "chunk_size": 16, "repeats": 1, **keys})
     assert [r["case"] for r in rows] == ["loop", "static compiled"]
     assert all(r["time_s"] > 0 and r["same_routes"] is True for r in rows)
+    if method == "kvm":
+        g = torch.Generator().manual_seed(0)
+        kbar = torch.nn.functional.layer_norm(torch.randn(1, 2, 168, 8, generator=g), (8,))
+        gate = 1 + torch.nn.functional.elu(torch.randn(1, 2, 168, generator=g))
+        assert routed and all(torch.equal(a[0], kbar) and torch.equal(a[1], gate) for a in routed)
+
+
+def test_routing_reports_a_router_whose_routes_differ_from_the_loops(monkeypatch):
+    from ovqflex.bench.scenarios import recurrent
+
+    def wrong(kbar, gate, weight, bias):
+        return torch.zeros(kbar.shape[:-1], dtype=torch.long), torch.zeros(kbar.shape[:-1], dtype=torch.long)
+
+    monkeypatch.setattr(recurrent, "_static_routers", lambda make, dev, module: {"static compiled": wrong})
+    rows = _run({"kind": "routing", "name": "r", "method": "kvm", "seq_lens": [64], "heads": 2, "head_dim": 8,
+                 "chunk_size": 16, "repeats": 1})
+    assert [(r["case"], r["same_routes"]) for r in rows] == [("loop", True), ("static compiled", False)]
 
 
 @pytest.mark.parametrize("method", ["ovq", "kvm"])
