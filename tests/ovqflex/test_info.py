@@ -56,3 +56,22 @@ def test_a_forward_only_backend_is_yes_forward_and_not_implemented_backward(monk
 def test_info_names_the_cpu_and_its_threads(monkeypatch):
     monkeypatch.setattr(info, "_probe", lambda backend, device, backward: "yes")
     assert dict(info.collect("cpu"))["device"] == f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def test_each_backend_is_probed_forward_and_backward_and_auto_names_the_devices_training_backend(monkeypatch):
+    monkeypatch.setattr(info, "_probe", lambda backend, device, backward: f"{backend} {device} {backward}")
+    monkeypatch.setattr(info, "training_backend", lambda device: f"trains on {device}")
+    rows = dict(info.collect("cpu"))
+    for backend in ("flex", "blocked", "dense"):
+        assert (rows[f"{backend} forward"], rows[f"{backend} backward"]) == (f"{backend} cpu False",
+                                                                             f"{backend} cpu True")
+    assert rows["auto (training)"] == "trains on cpu"
+
+
+def test_the_info_command_reports_on_its_device(monkeypatch, capsys):
+    from ovqflex.cli import main
+
+    asked = []
+    monkeypatch.setattr(info, "collect", lambda device: asked.append(device) or [("device", f"{device} here")])
+    assert main(["info", "--device", "cpu"]) == 0
+    assert asked == ["cpu"] and "cpu here" in capsys.readouterr().out

@@ -269,9 +269,35 @@ def test_cli_profile_prints_the_table_and_writes_the_trace(tmp_path, capsys):
             "--steps", "1", "--warmup", "0", "--seed", "1", "--device", "cpu", "--trace", str(trace)]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    assert out.startswith("layer swa, x [1, 64, ...], 1 profiled steps per mode, device cpu\n")
     assert "block_mask" in out and "attention" in out and "peak MB" in out and f"wrote {trace}" in out
     assert "top 5 operators by self time, per stage:" in out and "% of stage" in out
     assert "ovqflex.attention" in {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+
+
+def test_cli_profile_names_a_models_preset_and_pattern_and_a_cuda_traces_kernels(tmp_path, capsys, monkeypatch):
+    """The header names the model (preset, pattern) a ``model`` target profiles; the second table is the
+    kernels by device time where the rows are kernels (a CUDA trace), the operators by self time otherwise.
+    ``profile_target`` is stood in for (no GPU here)."""
+    from ovqflex import devices
+    from ovqflex.bench import profiler
+    from ovqflex.bench.profiler import ProfileTables
+
+    seen = []
+    kernel_rows = [{"stage": "attention", "kernel": "flex_fwd", "ms/step": 0.5}]
+    monkeypatch.setattr(profiler, "profile_target",
+                        lambda cfg, trace: seen.append((cfg.target, cfg.preset, trace)) or ProfileTables(
+                            [{"mode": "fwd", "stage": "attention", "ms/step": 1.0}], kernel_rows))
+    monkeypatch.setattr(devices, "resolve_device", lambda device: torch.device("cuda", 0))  # the header's device
+    trace = str(tmp_path / "t.json")
+    assert main(["profile", "model", "--preset", "tiny", "--pattern", "swa,ovq", "--kernels", "3", "--device", "cpu",
+                 "--trace", trace]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model tiny swa,ovq, x [") and ", device cuda:0\n" in out and seen == [("model", "tiny", trace)]
+    assert "top 3 kernels by device time, per stage:" in out and "flex_fwd" in out
+    kernel_rows[:] = [{"stage": "attention", "op": "aten::mm", "ms/step": 0.5}]
+    assert main(["profile", "swa", "--device", "cpu", "--trace", trace]) == 0
+    assert "top 5 operators by self time, per stage:" in capsys.readouterr().out
 
 
 def test_each_mode_counts_its_own_steps_and_a_stage_peaks_at_its_largest_call():

@@ -87,6 +87,8 @@ def test_cli_viz_writes_every_format(tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "query 70:" in out and "query 100:" in out and "visible keys per query" in out and "#=state" in out
+    assert re.search(r"\nblock view: \(4, 7\) blocks; program built in \d+\.\d\d s, views rendered in \d+\.\d\d s\n",
+                     out)  # 4 query blocks of 32; 7 kv blocks: 128 tokens and 96 state rows
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["ovq-T128-block.png", "ovq-T128-block.svg", "ovq-T128-stats.json", "ovq-T128-token.png",
                        "ovq-T128-token.svg", "ovq-T128.html"]
