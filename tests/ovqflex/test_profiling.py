@@ -293,7 +293,8 @@ def test_cli_profile_names_a_models_preset_and_pattern_and_a_cuda_traces_kernels
     assert main(["profile", "model", "--preset", "tiny", "--pattern", "swa,ovq", "--kernels", "3", "--device", "cpu",
                  "--trace", trace]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("model tiny swa,ovq, x [") and ", device cuda:0\n" in out and seen == [("model", "tiny", trace)]
+    assert out.startswith("model tiny swa,ovq, x [") and ", device cuda:0\n" in out
+    assert seen == [("model", "tiny", trace)]
     assert "top 3 kernels by device time, per stage:" in out and "flex_fwd" in out
     kernel_rows[:] = [{"stage": "attention", "op": "aten::mm", "ms/step": 0.5}]
     assert main(["profile", "swa", "--device", "cpu", "--trace", trace]) == 0
