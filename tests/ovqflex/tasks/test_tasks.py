@@ -87,7 +87,11 @@ def test_registry_names_and_defaults():
     ("icr", dict(vocab_size=4), ValueError, "vocab_size must be >= 5, got 4"),
     ("icr", dict(vocab_size=6, key_len=1, n_queries=3), ValueError,
      "vocab_size=6 (2 content tokens) cannot make 3 distinct keys of key_len=1 and 3 distinct values of value_len=8"),
+    ("icr", dict(vocab_size=6, key_len=2, value_len=1, n_queries=3), ValueError,  # enough keys, too few values
+     "vocab_size=6 (2 content tokens) cannot make 3 distinct keys of key_len=2 and 3 distinct values of value_len=1"),
     ("picr", dict(copies=0), ValueError, "copies must be >= 1, got 0"),
+    ("picr", dict(vocab_size=8, key_len=1, value_len=1, copies=5), ValueError,  # a value per copy of the queried key
+     "vocab_size=8 (4 content tokens) cannot make 1 distinct keys of key_len=1 and 5 distinct values of value_len=1"),
     ("icl", dict(n_functions=9, n_function_tokens=8), ValueError, "n_functions=9 must be <= n_function_tokens=8"),
     ("icl", dict(vocab_size=300, n_functions=3, n_function_tokens=8, x_max=100), ValueError,
      "x_max=100 makes outputs up to b_max + a_max * x_max = 505, which needs vocab_size >= 516 (got 300)"),
