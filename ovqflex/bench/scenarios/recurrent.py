@@ -212,7 +212,7 @@ def state_layout(sc: StateLayoutScenario, device: str) -> list[dict]:
                         lambda layout=layout: op(**leaves, backend=backend, state_layout=layout, **options),
                         leaves.values())
                 by_layout[layout, what] = row
-        for (layout, what), row in by_layout.items():
+        for (_, what), row in by_layout.items():
             ref = by_layout.get(("snapshot", what))
             row["x_time_vs_snapshot"] = row["time_s"] / ref["time_s"] if ref else None
             if "saved_mb" in row:
