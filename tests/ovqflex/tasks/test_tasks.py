@@ -99,6 +99,7 @@ def test_registry_names_and_defaults():
                                               "b_max=5 not even x=1 has its output in the vocab"),
     ("mqar", dict(vocab_size=10, n_pairs=9), ValueError, "n_pairs=9 distinct keys need vocab_size >= 11 (got 10)"),
     ("mqar", dict(gap="zeros"), ValueError, "gap must be 'pad' or 'noise', got 'zeros'"),
+    ("mqar", dict(answers_in_input=1), TypeError, "answers_in_input must be a bool, got 1"),
     ("copy", dict(n_tokens=0), ValueError, "n_tokens must be >= 1, got 0"),
     ("niah", dict(n_queries=2, n_needles=1), ValueError, "n_queries=2 must be <= n_needles=1"),
     ("niah", dict(depth=1.5), ValueError, "depth must be in [0, 1] or None, got 1.5"),
@@ -556,6 +557,16 @@ def test_mqar_fixed_pairs(extra, seed, answers, gap):
         qk = q
         assert y[2 * n + extra + 1:] == [table[a] for a in qk]
     assert sorted(qk) == sorted(keys)
+
+
+def test_mqar_queries_every_key_in_a_random_order():
+    t = make_task("mqar", vocab_size=64, n_pairs=6)
+    orders = set()
+    for i in range(10):
+        x, _ = one(t, t.min_len(), index=i)
+        keys, queries = x[0:12:2], x[13:]
+        orders.add(tuple(keys.index(k) for k in queries))
+    assert all(sorted(o) == list(range(6)) for o in orders) and len(orders) > 5
 
 
 def test_mqar_capacity_curve_layout():
