@@ -108,15 +108,17 @@ def decode(sc: DecodeScenario, device: str) -> list[dict]:
                     m = measure(run, device=dev, repeats=sc.repeats, warmup=1)
                     graphs = compile_counts().graphs - graphs
                     end, taken, ys = run(keep=True)
+                    cache_mb, prefill_mb = end.nbytes() / 2**20, cache.nbytes() / 2**20
+                    del run, end, cache  # the check's memory: a static run holds its cache and graph
                     err = _rel_err_vs_forward(layer, x, T, taken, torch.cat(ys, dim=1))
                 rows.append({"case": case["name"], "decode": mode, "batch": batch, "T": T, "prefill_s": prefill,
                              "tokens_per_s": batch * n_dec / m.seconds,
-                             "time_s": m.seconds / n_dec, "cache_mb": end.nbytes() / 2**20,
-                             "cache_mb_prefill": cache.nbytes() / 2**20, "peak_mb": m.peak_mb,
+                             "time_s": m.seconds / n_dec, "cache_mb": cache_mb,
+                             "cache_mb_prefill": prefill_mb, "peak_mb": m.peak_mb,
                              "compiled_graphs": graphs, "rel_err_vs_forward": err})
                 progress(f"decode {case['name']} batch {batch} T={T} ({rows[-1]['tokens_per_s']:,.0f} tokens/s)",
                          m.seconds / n_dec)
-                del x, cache, run, end, ys  # the next prefill's memory: a static run holds its cache and graph
+                del x, ys  # the next prefill's memory
     by_t = {}
     for r in rows:
         by_t.setdefault((r["batch"], r["T"]), []).append(r)
