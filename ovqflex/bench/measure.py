@@ -161,6 +161,13 @@ def _compiled_graphs() -> int:
     return compile_counts().graphs
 
 
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|out - ref| / |ref|`` (Frobenius norms, computed in float64): how far a scenario's output is from its
+    reference (a loop, a full forward, an fp32 model)."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
 def saved_for_backward_mb(fn, inputs=()) -> float:
     """MB that autograd keeps for the backward of what ``fn()`` builds (run once, grad enabled): the
     distinct storages of the tensors its graph saves, less those of ``inputs`` (alive anyway). What each

@@ -11,7 +11,7 @@ from ...compile_watch import compile_counts
 from ...devices import sync
 from ...methods import METHODS, Method, method_names
 from ...models.hybrid import DECODES, static_step
-from ..measure import measure, progress
+from ..measure import measure, progress, relative_error
 from .base import Scenario, register, runs_on
 
 
@@ -139,8 +139,7 @@ def _rel_err_vs_forward(layer, x, T: int, taken: list[int], out) -> float:
         seq = x[:, :T + len(taken)]
     else:  # a static run that re-took tokens
         seq = torch.cat([x[:, :T], x[:, taken]], dim=1)
-    ref = layer(seq)[:, -out.shape[1]:]
-    return ((out - ref).norm() / ref.norm()).item()
+    return relative_error(out, layer(seq)[:, -out.shape[1]:])
 
 
 def _functional_run(layer, cache, x, T: int, n_dec: int):

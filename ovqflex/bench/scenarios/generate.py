@@ -11,7 +11,7 @@ from recurrences.checks import check_choice, check_int
 from ...devices import sync
 from ...methods import METHODS
 from ...models.hybrid import DECODES
-from ..measure import measure, progress
+from ..measure import measure, progress, relative_error
 from .base import Scenario, register, runs_on
 
 
@@ -176,7 +176,7 @@ def quantized(sc: QuantizedScenario, device: str) -> list[dict]:
             m = measure(lambda: model.generate(prompt, n_dec, temperature=0), device=dev,
                         repeats=sc.repeats, warmup=1)
         ref_logits = logits if ref_logits is None else ref_logits
-        err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+        err = relative_error(logits, ref_logits)
         rows.append({"case": "fp32" if mode == "none" else mode, "pattern": cfg.pattern,
                      "prompt": prompt.shape[1], "generate_s": m.seconds, "tokens_per_s": n_dec / m.seconds,
                      "rel_err_logits": err})

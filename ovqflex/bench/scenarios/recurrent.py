@@ -11,7 +11,7 @@ from masks.program import DEFAULT_BLOCK
 from recurrences.checks import check_choice
 
 from ...attention import BACKENDS
-from ..measure import compare_cases, measure, saved_for_backward_mb
+from ..measure import compare_cases, measure, relative_error, saved_for_backward_mb
 from .base import ZERO_MEANS_DEFAULT, Scenario, register
 from .op import KVMStateKeys, StateMethodKeys, check_method_options, method_options, op_inputs
 
@@ -124,8 +124,7 @@ def _with_error(row: dict, outputs: dict) -> dict:
     if name.endswith(" chunked fwd"):
         loop = name.split(" ", 1)[0] + " reference loop fwd"
         if name in outputs and loop in outputs:
-            out, ref = outputs[name].double(), outputs[loop].double()
-            row["rel_err_vs_reference"] = ((out - ref).norm() / ref.norm()).item()
+            row["rel_err_vs_reference"] = relative_error(outputs[name], outputs[loop])
     return row
 
 

@@ -206,3 +206,11 @@ def test_the_matmul_rate_is_measured_once_per_device_and_size(monkeypatch):
     assert measure_mod.matmul_gflops(torch.device("cpu"), n=64) == rate and len(calls) == 1
     measure_mod.matmul_gflops("cpu", n=32)
     assert len(calls) == 2
+
+
+def test_relative_error_is_the_norm_of_the_difference_over_the_references():
+    from ovqflex.bench.measure import relative_error
+
+    ref = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
+    assert relative_error(ref * 1.5, ref) == 0.5 and relative_error(ref, ref) == 0.0
+    assert relative_error(ref + torch.tensor([[0.0, 1.0], [0.0, 0.0]]), ref.to(torch.bfloat16)) == 0.2  # mixed dtypes
