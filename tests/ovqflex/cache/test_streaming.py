@@ -92,11 +92,31 @@ def test_prefill_then_decode_equals_full_forward(name, t1, t2, steps):
     torch.manual_seed(t1 * 1000 + t2)
     layer = _perturbed(LAYERS[name]())
     x = torch.randn(2, t1 + t2, HIDDEN)
+    norm = getattr(layer, "out_norm", None)
+    seen = []  # what the output norm is handed, call by call: [B, H, T, d]
+    hook = norm.register_forward_pre_hook(lambda m, args: seen.append(args[0])) if norm is not None else None
     with torch.no_grad():
         full = layer(x)
         streamed, cache = _stream(layer, x, t1, steps)
     assert cache.position == t1 + t2
-    assert_close(streamed, full, FWD_TOL[torch.float32], f"{name} t1={t1} t2={t2} steps={steps}")
+    what, tol = f"{name} t1={t1} t2={t2} steps={steps}", FWD_TOL[torch.float32]
+    if hook is not None:
+        hook.remove()
+        assert_close(torch.cat(seen[1:], dim=2), seen[0], tol, f"{what}, before the output norm")
+        tol *= _norm_amplification(seen[0], norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps)
+    assert_close(streamed, full, tol, what)
+
+
+def _norm_amplification(o, eps):
+    """How much an RMS norm of each head's output ``o [B, H, T, d]`` can raise a relative error of ``o``: the
+    tensor's rms over the smallest divisor ``sqrt(mean(o^2) + eps)`` of a head and token, at least 1. A head
+    whose output cancels to about 0 (its query nearly orthogonal to the keys so far) has its rounding, at the
+    scale of the terms that cancelled, divided by that small rms (seen with DeltaNet at the first token: rms
+    8.7e-6 where the tensor's is 0.13, so 375 here; 1.0e-5 after the norm, 2.4e-7 elsewhere). Over 100 random
+    draws of this test's lengths: median 3.2 (linear), 34 (DeltaNet), 8.6 (VLA), at most 1,031 (DeltaNet);
+    what the norm is handed is compared at the plain tolerance first."""
+    divisor = (o.pow(2).mean(-1) + eps).sqrt().min()
+    return max(1.0, (o.pow(2).mean().sqrt() / divisor).item())
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
