@@ -13,7 +13,7 @@ import ovqflex
 from recurrences.reference import (delta_rule_reference, kvm_attention_reference, linear_attention_reference,
                                    ovq_attention_reference, vla_reference, vq_attention_reference)
 from tests.cuda.cuda_cases import CUDA_TIER, DEVICE, FWD_TOL_CUDA, GRAD_TOL_CUDA, TRAIN_BACKEND, seeded
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, reference_on_routes
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, grad_floor, reference_on_routes
 from tests.ovqflex.ops.test_dtypes import busy_rows
 from tests.recurrences.test_kvm_routing_static import row_kernels_on_stacks
 from tests.recurrences.test_precision import ln_s_params, routing_copies
@@ -52,7 +52,7 @@ def compare(fused, reference, t: dict, names, grad, seed):
     ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
     assert_close(out.cpu(), ref.cpu(), FWD_TOL_CUDA, "forward")
     for n, a, b in zip(grad, grads, ref_grads):
-        assert_close(a.cpu(), b.cpu(), GRAD_TOL_CUDA, f"d{n}", floor=0.1)
+        assert_close(a.cpu(), b.cpu(), GRAD_TOL_CUDA, f"d{n}", floor=grad_floor(ref_grads))
 
 
 LAYOUTS = ["snapshot", "versioned"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, grad_floor
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def assert_fast_matches_reference(fast, reference, inputs, what: str) -> None:
     cot = torch.randn(out_r.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     g_f = torch.autograd.grad(out_f, inputs, cot.to(dtype))
     g_r = torch.autograd.grad(out_r, exact, cot)
-    floor = max(1e-2, 1e-2 * max(g.norm().item() for g in g_r))
+    floor = grad_floor(g_r, least=1e-2)
     for i, (a, b) in enumerate(zip(g_f, g_r)):
         assert_close(a, b, GRAD_TOL[dtype], f"{what} grad of input {i}", floor=floor)
 

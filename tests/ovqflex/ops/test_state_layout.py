@@ -11,7 +11,7 @@ import recurrences.versioned
 from masks.blocks import build_block_layout
 from ovqflex.ops.ovq import ovq_program
 from recurrences.versioned import plan_versioned
-from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, float64_leaves
+from tests.helpers import FWD_TOL, GRAD_TOL, assert_close, float64_leaves, grad_floor
 from tests.masks.test_blocks import listed
 from tests.ovqflex.ops.test_kvm import BUDGETS, params_of
 from tests.ovqflex.ops.test_kvm import inputs as kvm_inputs
@@ -27,11 +27,7 @@ def compare_layouts(run, leaves, seed, backends=("blocked",)):
     """``run(state_layout, backend, *leaves)`` -> output: versioned == snapshot in the forward and every leaf's
     gradient. The snapshot layout's result in float64 (on ``blocked``) is the reference: the versioned layout
     equals it in float64 on each of ``backends`` to float64 precision, and in fp32 (on ``blocked``) to fp32's
-    tolerances (both layouts and dtypes route alike: ``float64_leaves``). A gradient's error is relative to its
-    norm or, below it, to 1% of the largest gradient's (at least 0.1), the rule of
-    ``tests/recurrences/recurrent_cases.py::assert_fast_matches_reference``: a per-head scalar such as KVM's
-    ``tau_state`` sums terms from every state read that can cancel (-0.0122 over 435 tokens, where v's gradient
-    has norm 22), and the fp32 snapshot layout itself is 1.1e-4 off the float64 one there at floor 0.1."""
+    tolerances (both layouts and dtypes route alike: ``float64_leaves``), each gradient at ``grad_floor``."""
     wide = float64_leaves(leaves)
     ref = run("snapshot", "blocked", *wide)
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1))
@@ -40,7 +36,7 @@ def compare_layouts(run, leaves, seed, backends=("blocked",)):
         return torch.autograd.grad((out * w.to(out.dtype)).sum(), xs, allow_unused=True, materialize_grads=True)
 
     ref_grads = grads_of(ref, wide)
-    floor = max(0.1, 1e-2 * max(g.norm().item() for g in ref_grads))
+    floor = grad_floor(ref_grads)
     for xs, dtype, on in ((wide, torch.float64, backends), (leaves, torch.float32, ("blocked",))):
         for backend in on:
             out = run("versioned", backend, *xs)
